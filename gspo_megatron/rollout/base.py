@@ -1,0 +1,89 @@
+"""The rollout-engine interface shared by the CPU (transformers) engine and the SGLang engine.
+
+Called by the trainer on global rank 0 only (engines are driven from one place; other ranks take
+part in the weight export collectives but never call the engine).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings, applied identically by every engine.
+
+    temperature scales logits before softmax; the engine's returned log-probs are those of the
+    temperature-scaled, *unfiltered* distribution (top-p / top-k change which token is drawn, not the
+    reported log-prob), which is also what the trainer recomputes.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class RolloutSample:
+    """One generated response.
+
+    prompt_ids: the prompt's token ids; response_ids: generated ids (stop token included when one
+    ended it); response_logprobs: the engine's log p(response_ids[t] | ...), len == len(response_ids);
+    finish_reason: "stop" (a stop token) or "length" (max_new_tokens).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str
+
+
+class RolloutEngine(abc.ABC):
+    """A generator of G samples per prompt that receives new weights after every optimizer step."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[RolloutSample]]:
+        """Return, for each prompt (token ids), a list of n samples."""
+
+    @abc.abstractmethod
+    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of full (unsharded) tensors named in the Hugging Face checkpoint layout
+        (e.g. ``model.layers.0.mlp.experts.3.gate_proj.weight``). Called repeatedly per sync, between
+        ``begin_weight_update`` and ``end_weight_update``."""
+
+    def begin_weight_update(self) -> None:
+        """Pause generation / flush caches before a sync (no-op by default)."""
+
+    def end_weight_update(self) -> None:
+        """Resume generation after a sync (no-op by default)."""
+
+    def release_memory(self) -> None:
+        """Colocated mode: free GPU memory while the trainer runs (no-op by default)."""
+
+    def resume_memory(self) -> None:
+        """Colocated mode: take GPU memory back before generation (no-op by default)."""
+
+    def health_check(self) -> bool:
+        """True when the engine can serve requests."""
+        return True
+
+    def restart(self) -> None:
+        """Bring a dead engine back (weights must be re-synced after). Default: unsupported."""
+        raise RuntimeError(f"{type(self).__name__} cannot be restarted")
+
+    def shutdown(self) -> None:
+        """Release the engine's resources."""
+
+    def weight_checksums(self, names: Iterable[str]) -> dict[str, float]:
+        """Per-tensor checksums (float64 sum of the tensor) of the engine's loaded weights, in HF
+        names, for sync verification. Default: unsupported."""
+        raise NotImplementedError
