@@ -1,0 +1,101 @@
+"""Built-in tasks with verifiable rewards, generated from a seed (no files needed).
+
+Each task yields rows ``{"prompt": str, "label": str}`` and scores a decoded response with
+``reward(prompt, response, label) -> float`` in [0, 1] (shaped, see :func:`shaped_integer_reward`).
+
+- ``last_digit`` (the CPU demo): "last digit of 4821?" -> "1". A copy from a fixed offset of the
+  prompt, learnable by GSPO from a randomly initialized tiny model with the byte tokenizer.
+- ``add_digits`` (harder): "3+5=" -> "8" (single-digit operands, answers 0..18).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+# Reward scale of the shaped integer reward (sums to 1.0 for a clean, correct answer).
+FORMAT_CREDIT = 0.1  # the response starts with a digit
+CLEAN_CREDIT = 0.1  # the response is only digits (the model stopped right after the number)
+CORRECT_CREDIT = 0.8  # the leading number equals the label
+
+_LEADING_INT = re.compile(r"\d+")
+
+
+def shaped_integer_reward(response: str, label: str) -> float:
+    """Partial-credit reward for an integer answer (surrounding whitespace ignored)::
+
+        0.2 * [starts with a digit] + 0.3 * [only digits] + 0.5 * [leading number == label]
+
+    "1" for label "1" -> 1.0; "1x" -> 0.7; "7" -> 0.5; "x" -> 0.0.
+    The response must be decoded *without* dropping special tokens other than the final stop token
+    (see :func:`gspo_megatron.data.dataset.decode_response`), so stray specials cost the clean credit.
+    """
+    text = response.strip()
+    match = _LEADING_INT.match(text)
+    if match is None:
+        return 0.0
+    reward = FORMAT_CREDIT
+    if match.end() == len(text):
+        reward += CLEAN_CREDIT
+    if match.group(0) == str(label).strip():
+        reward += CORRECT_CREDIT
+    return reward
+
+
+@dataclass(frozen=True)
+class Task:
+    """A generated task. ``make_row(rng)`` draws one row; ``reward`` scores a response."""
+
+    name: str
+    description: str
+    make_row: Callable[[random.Random], dict]
+    reward: Callable[[str, str, object], float]
+    max_new_tokens: int  # enough for the answer and the end-of-sequence token
+
+    def rows(self, num_rows: int, seed: int) -> list[dict]:
+        """``num_rows`` rows, a deterministic function of ``seed``."""
+        if num_rows < 0:
+            raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+        rng = random.Random(f"{self.name}:{seed}")
+        return [self.make_row(rng) for _ in range(num_rows)]
+
+
+def _last_digit_row(rng: random.Random) -> dict:
+    number = rng.randint(10, 99999)
+    return {"prompt": f"last digit of {number}?", "label": str(number % 10)}
+
+
+def _add_digits_row(rng: random.Random) -> dict:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return {"prompt": f"{a}+{b}=", "label": str(a + b)}
+
+
+def _task_reward(prompt: str, response: str, label: object) -> float:
+    return shaped_integer_reward(response, str(label))
+
+
+TASKS: dict[str, Task] = {
+    "last_digit": Task(
+        name="last_digit",
+        description="copy the last digit of a 2-5 digit number; shaped reward in [0, 1]",
+        make_row=_last_digit_row,
+        reward=_task_reward,
+        max_new_tokens=4,
+    ),
+    "add_digits": Task(
+        name="add_digits",
+        description="add two single digits (answer 0..18); shaped reward in [0, 1]",
+        make_row=_add_digits_row,
+        reward=_task_reward,
+        max_new_tokens=6,
+    ),
+}
+
+
+def get_task(name: str) -> Task:
+    """Look up a built-in task by name."""
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; built-in tasks: {sorted(TASKS)}")
+    return TASKS[name]

@@ -1,0 +1,168 @@
+"""The loss function Megatron-Core's forward-backward schedule calls on the last pipeline stage.
+
+The trainer's ``forward_step_func(data_iterator, model)`` runs the model on one micro-batch and
+returns ``(logits, make_megatron_loss_func(batch, cfg, ...))``. ``logits`` is GPTModel's output with
+``labels=None``: [b, s, V/tp] (vocab-parallel, already transposed from [s, b, V/tp]).
+
+Micro-batch dict (tensors on the model's device; for context parallel, the [b, s] tensors are this
+CP rank's slice of the tokens, cut exactly like the model's input):
+
+    labels          [b, s] long   target id of each position (the next token); anything where loss_mask is 0
+    loss_mask       [b, s]        1 on response tokens, 0 on prompt / padding
+    old_logprobs    [b, s] float  the trainer's log-probs before the update (same temperature)
+    seq_index       [b, s] long   micro-batch sequence of each token: the row for padded batches,
+                                  the segment of ``cu_seqlens`` for packed THD rows
+                                  (:func:`~gspo_megatron.losses.seq_index_from_cu_seqlens`)
+    advantages      [S] float (per sequence) or [b, s] float (per token: gspo_token / grpo)
+    normalizer      float / 0-d tensor: the number of sequences with >= 1 response token in the
+                    whole global batch (all micro-batches, all DP ranks) -- or, for
+                    aggregation="token-mean", the number of response tokens there
+    num_seqs        int, S; needed only with per-token advantages (else advantages.numel())
+    ref_logprobs    [b, s] float, optional (KL to the reference policy)
+    engine_logprobs [b, s] float, optional (engine/trainer gap metric; TIS when cfg.tis_cap is set)
+
+Scaling convention (megatron-core 0.16.1, read from pipeline_parallel/schedules.py and
+distributed/distributed_data_parallel.py). The trainer must leave ``calculate_per_token_loss=False``
+(the default; :func:`check_megatron_config` enforces it) and may use either value of DDP's
+``average_in_collective``. Then:
+
+- the loss function returns a 2-tuple ``(loss, metrics)``; the schedule multiplies ``loss`` by
+  ``cp_size / num_microbatches`` before backward;
+- DDP scales gradients by ``1 / (dp * cp)`` around the sum over the data-parallel-with-CP group
+  (pre-scaling, or an AVG collective);
+
+so the net factor on each returned loss is ``1 / (num_microbatches * dp)``. We return
+``policy_loss * num_microbatches * dp`` where ``policy_loss`` is this rank's share of the
+global-batch loss (it is divided by the global ``normalizer``; CP ranks hold shares that add up).
+Hence the accumulated, reduced gradient is exactly the gradient of the global-batch loss, for any
+number of micro-batches, DP and CP sizes. ``metrics["loss"]`` is the unscaled share; summing it over
+micro-batches and DP (and CP) ranks gives the global-batch loss.
+MoE auxiliary losses keep Megatron's default scaling for this mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gspo_megatron.losses.policy_loss import PolicyLossConfig, policy_loss_flat
+from gspo_megatron.losses.vocab_parallel import vocab_parallel_logprobs
+
+REQUIRED_KEYS = ("labels", "loss_mask", "old_logprobs", "seq_index", "advantages", "normalizer")
+TOKEN_KEYS = ("labels", "loss_mask", "old_logprobs", "seq_index", "ref_logprobs", "engine_logprobs")
+
+
+def check_megatron_config(config: Any) -> None:
+    """Raise unless the Megatron model config matches the scaling convention of this module."""
+    if getattr(config, "calculate_per_token_loss", False):
+        raise ValueError(
+            "calculate_per_token_loss must be False: the GSPO loss function divides by the global-batch "
+            "normalizer itself and returns a 2-tuple (see gspo_megatron.losses.megatron_loss)"
+        )
+
+
+def _check_batch(batch: dict[str, Any], logits: Tensor) -> tuple[int, int]:
+    missing = [k for k in REQUIRED_KEYS if k not in batch]
+    if missing:
+        raise KeyError(f"micro-batch is missing {missing} (needed by the GSPO loss function)")
+    if logits.dim() != 3:
+        raise ValueError(f"output_tensor must be logits [b, s, V/tp], got shape {tuple(logits.shape)}")
+    b, s = logits.shape[:2]
+    for k in TOKEN_KEYS:
+        if batch.get(k) is not None and tuple(batch[k].shape) != (b, s):
+            raise ValueError(f"batch[{k!r}] must be [b, s] = [{b}, {s}] like the logits, got {tuple(batch[k].shape)}")
+    return b, s
+
+
+def make_megatron_loss_func(
+    batch: dict[str, Any],
+    cfg: PolicyLossConfig,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | None,
+    num_microbatches: int,
+    data_parallel_size: int,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    compute_entropy: bool = True,
+) -> Callable[[Tensor], tuple[Tensor, dict[str, float]]]:
+    """The ``loss_func`` for one micro-batch (see the module docstring for keys and scaling).
+
+    Args:
+        tp_group / cp_group: Megatron's tensor / context-parallel groups (None: size 1).
+        num_microbatches: micro-batches per optimizer step on this DP rank (what the schedule gets).
+        data_parallel_size: DP size *without* CP (Megatron's ``get_data_parallel_world_size()``).
+        temperature: the rollout sampling temperature (logits are divided by it).
+        compute_entropy: compute the per-token entropy (metric "entropy"); forced on when
+            ``cfg.entropy_coef != 0``.
+    The returned function maps logits [b, s, V/tp] to ``(scaled loss, metrics)``; it runs TP and CP
+    collectives, so every rank of those groups calls it.
+    """
+    if num_microbatches < 1 or data_parallel_size < 1:
+        raise ValueError(
+            f"num_microbatches and data_parallel_size must be >= 1, got {num_microbatches}, {data_parallel_size}"
+        )
+    with_entropy = compute_entropy or cfg.entropy_coef != 0
+    scale = float(num_microbatches * data_parallel_size)
+
+    def loss_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, float]]:
+        b, s = _check_batch(batch, output_tensor)
+        logprobs, entropy = vocab_parallel_logprobs(
+            output_tensor, batch["labels"], tp_group=tp_group, temperature=temperature,
+            chunk_size=chunk_size, with_entropy=with_entropy,
+        )
+        adv = batch["advantages"]
+        token_adv = adv.dim() == 2
+        if token_adv and tuple(adv.shape) != (b, s):
+            raise ValueError(f"batch['advantages'] per token must be [b, s] = [{b}, {s}], got {tuple(adv.shape)}")
+        if token_adv and "num_seqs" not in batch:
+            raise KeyError("micro-batch needs 'num_seqs' when 'advantages' is per token [b, s]")
+        num_seqs = int(batch["num_seqs"]) if "num_seqs" in batch else adv.numel()
+
+        def flat(key: str) -> Tensor | None:
+            x = batch.get(key)
+            return None if x is None else x.reshape(-1)
+
+        loss, metrics = policy_loss_flat(
+            logprobs.reshape(-1), flat("old_logprobs"), adv.reshape(-1), flat("loss_mask"), flat("seq_index"),
+            num_seqs, cfg, ref_logprobs=flat("ref_logprobs"), entropy=None if entropy is None else entropy.reshape(-1),
+            engine_logprobs=flat("engine_logprobs"), normalizer=batch["normalizer"], cp_group=cp_group,
+            token_advantages=token_adv,
+        )
+        return loss * scale, metrics
+
+    return loss_func
+
+
+def make_megatron_logprob_func(
+    batch: dict[str, Any],
+    *,
+    tp_group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
+    """A forward-only ``loss_func`` that collects per-token log-probs (old / reference policy).
+
+    Run the schedule with ``forward_only=True``; each micro-batch appends
+    ``{"logprobs": [b, s], "entropy": [b, s] (if asked)}`` (detached fp32) to the returned list.
+    Uses only ``batch["labels"]`` [b, s]. Every TP rank calls it.
+    """
+
+    def logprob_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        if "labels" not in batch:
+            raise KeyError("micro-batch is missing 'labels' (needed to compute log-probs)")
+        with torch.no_grad():
+            logprobs, entropy = vocab_parallel_logprobs(
+                output_tensor, batch["labels"], tp_group=tp_group, temperature=temperature,
+                chunk_size=chunk_size, with_entropy=with_entropy,
+            )
+        out = {"logprobs": logprobs}
+        if entropy is not None:
+            out["entropy"] = entropy
+        return output_tensor.new_zeros((), dtype=torch.float32), out
+
+    return logprob_func

@@ -1,0 +1,409 @@
+"""The policy-gradient losses: GSPO (sequence ratio), GSPO-token, and the GRPO baseline.
+
+Core representation (covers padded, packed/THD and context-parallel batches alike): flat per-token
+tensors [N] with ``seq_index`` [N] (the micro-batch sequence each token belongs to; masked tokens may
+carry any value) and advantages per sequence [S] (or per token [N]). :func:`policy_loss` is the
+[B, T] wrapper (one sequence per row).
+
+Loss = -J + kl_coef * KL_ref - entropy_coef * H, each term aggregated the same way:
+
+- "seq-mean-token-mean" (default): sum over sequences with >= 1 response token of that sequence's
+  token mean, divided by ``normalizer`` (default: the number of such sequences in the micro-batch).
+- "token-mean": sum over all response tokens divided by ``normalizer`` (default: the token count).
+  Only for the token-ratio modes; with mode="gspo" it is refused (a sequence ratio has no tokens to sum).
+
+With ``normalizer`` = the count over the whole global batch (sequences, or tokens for "token-mean"),
+the sum of the losses of all micro-batches and DP ranks is exactly the global-batch loss.
+
+Modes (s = sequence ratio, r = token ratio, A = advantage, clip to [1 - clip_low, 1 + clip_high]):
+
+- "gspo":       log s_i = (1/|y_i|) sum_t (logp - old);  J_i = min(s_i A_i, clip(s_i) A_i)
+- "gspo_token": log s_it = sg[log s_i] + logp_t - sg[logp_t];  J_i = mean_t min(s_it A_it, clip(s_it) A_it)
+- "grpo":       r_t = exp(logp_t - old_t);  J_i = mean_t min(r_t A_it, clip(r_t) A_it)
+
+Truncated importance sampling (engine vs trainer), cap C, detached weights multiplying J:
+token modes use w_t = min(exp(old_t - engine_t), C) for "grpo"; "gspo" and "gspo_token" use the
+sequence weight w_i = min(exp(mean_t(old_t - engine_t)), C) (the seq-mean log-ratio, matching the
+length-normalized sequence ratio; this keeps gspo_token == gspo for uniform token advantages).
+
+KL to the reference policy, per token with d = logp - ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d.
+
+Context parallel (``cp_group``): every CP rank passes its own tokens with the same sequence numbering,
+advantages and normalizer. Per sequence, (sum of log-ratios, token count) and a few detached metric
+sums are all-reduced over the CP group in one collective ([K, S] numbers; the log-ratio sum is
+differentiable). Each rank's loss is its share: sequence terms are weighted by the rank's fraction
+of the sequence's tokens, token terms cover the rank's tokens. Shares add up to the CP1 loss, and
+because the all-reduce's backward sums the upstream gradients over the group, the gradients (each
+rank into its own tokens only) add up to the CP1 gradient.
+
+Metrics (Python floats, one device sync): sequence-level ones (ratio mean/min/max, gspo clip fraction,
+approx KL to old, entropy, KL to ref, engine gap, TIS) are exact over the micro-batch across CP ranks;
+token clip fraction ("gspo_token", "grpo") is CP-rank-local. All are micro-batch-local (not reduced
+over micro-batches or DP ranks; the trainer averages them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gspo_megatron.losses.reductions import all_reduce_sum, all_reduce_sum_, segment_sum
+
+MODES = ("gspo", "gspo_token", "grpo")
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+_DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.2)}
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Hyper-parameters of the loss. ``clip_low``/``clip_high`` None -> the mode's default
+    (gspo / gspo_token: 3e-4 / 4e-4 as in the paper; grpo: 0.2 / 0.2). ``tis_cap`` None: no TIS."""
+
+    mode: str = "gspo"
+    clip_low: float | None = None
+    clip_high: float | None = None
+    aggregation: str = "seq-mean-token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        low, high = _DEFAULT_CLIP[self.mode]
+        object.__setattr__(self, "clip_low", low if self.clip_low is None else float(self.clip_low))
+        object.__setattr__(self, "clip_high", high if self.clip_high is None else float(self.clip_high))
+        for name in ("clip_low", "clip_high"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite epsilon > 0 (clip range [1 - clip_low, 1 + clip_high]), got {v}")
+        if self.clip_low >= 1:
+            raise ValueError(f"clip_low must be < 1 (lower clip bound 1 - clip_low > 0), got {self.clip_low}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.mode == "gspo" and self.aggregation != "seq-mean-token-mean":
+            raise ValueError(
+                f"aggregation={self.aggregation!r} sums token terms across sequences, which is incompatible "
+                "with mode='gspo' (one length-normalized ratio per sequence); use 'seq-mean-token-mean'"
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        for name in ("kl_coef", "entropy_coef"):
+            v = getattr(self, name)
+            if not math.isfinite(v):
+                raise ValueError(f"{name} must be finite, got {v}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.tis_cap is not None and not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
+            raise ValueError(f"tis_cap must be a finite value > 0 (or None), got {self.tis_cap}")
+
+
+class PolicyLossOutput(NamedTuple):
+    """``loss, metrics = policy_loss(...)``."""
+
+    loss: Tensor  # scalar, differentiable: this rank's share of the global-batch loss
+    metrics: dict[str, float]
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token estimator of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's k1/k2/k3)."""
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def _clipped_objective(ratio: Tensor, adv: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """(min(ratio * A, clip(ratio) * A), whether the clip cuts the gradient off)."""
+    obj = torch.minimum(ratio * adv, ratio.clamp(1.0 - low, 1.0 + high) * adv)
+    cut = ((adv > 0) & (ratio > 1.0 + high)) | ((adv < 0) & (ratio < 1.0 - low))
+    return obj, cut
+
+
+def _check_shapes(n: int, named: dict[str, Tensor | None]) -> None:
+    for name, t in named.items():
+        if t is not None and t.shape != (n,):
+            raise ValueError(f"{name} must have shape [{n}] (one value per token), got {tuple(t.shape)}")
+
+
+def policy_loss_flat(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    seq_index: Tensor,
+    num_seqs: int,
+    config: PolicyLossConfig,
+    *,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    engine_logprobs: Tensor | None = None,
+    normalizer: float | Tensor | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    check_finite: bool = True,
+    token_advantages: bool | None = None,
+) -> PolicyLossOutput:
+    """The loss on flat tokens.
+
+    Args:
+        logprobs: [N] current policy log-probs (differentiable).
+        old_logprobs, ref_logprobs, engine_logprobs: [N] (detached inside).
+        advantages: [S] per sequence, or [N] per token (not for mode="gspo").
+        response_mask: [N] nonzero on response tokens.
+        seq_index: [N] int, in [0, num_seqs) on response tokens.
+        num_seqs: S, sequences in the micro-batch (the same on every CP rank).
+        entropy: [N] per-token entropy (differentiable), required when entropy_coef != 0.
+        normalizer: global count (see module doc); None -> this micro-batch's count.
+        cp_group: context-parallel group (None: all tokens of each sequence are here).
+        check_finite: raise if any input is non-finite on a response token (no extra sync: it
+            rides on the metrics' sync).
+        token_advantages: whether ``advantages`` is per token; None infers it from the shape
+            (per sequence when N == S).
+    Returns (loss, metrics): see the module docstring.
+    """
+    cfg = config
+    n = logprobs.shape[0] if logprobs.dim() == 1 else -1
+    if logprobs.dim() != 1:
+        raise ValueError(f"logprobs must be 1-D [N], got {tuple(logprobs.shape)}")
+    _check_shapes(n, {"old_logprobs": old_logprobs, "response_mask": response_mask, "seq_index": seq_index,
+                      "ref_logprobs": ref_logprobs, "entropy": entropy, "engine_logprobs": engine_logprobs})
+    if not isinstance(num_seqs, int) or num_seqs < 1:
+        raise ValueError(f"num_seqs must be a positive int, got {num_seqs!r}")
+    if token_advantages is None:  # infer; when N == S the per-sequence reading wins
+        token_advantages = advantages.shape == (n,) and n != num_seqs
+    want = (n,) if token_advantages else (num_seqs,)
+    if advantages.shape != want:
+        raise ValueError(
+            f"advantages must have shape [{num_seqs}] (per sequence) or [{n}] (per token), got {tuple(advantages.shape)}"
+        )
+    if token_advantages and cfg.mode == "gspo":
+        raise ValueError("advantages must be per sequence [S] for mode='gspo'; use mode='gspo_token' for token advantages")
+    if cfg.kl_coef != 0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs entropy")
+    if cfg.tis_cap is not None and engine_logprobs is None:
+        raise ValueError("tis_cap is set but engine_logprobs is None")
+    if seq_index.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"seq_index must be an integer tensor, got {seq_index.dtype}")
+
+    f32 = torch.promote_types(logprobs.dtype, torch.float32)  # fp32 math; fp64 inputs stay fp64
+    mask = response_mask != 0
+    maskf = mask.to(f32)
+    seq = torch.where(mask, seq_index.long(), torch.zeros_like(seq_index, dtype=torch.long))
+    zero = torch.zeros((), dtype=f32, device=logprobs.device)
+
+    def masked(t: Tensor) -> Tensor:  # fp32, exactly 0 off the response (NaN padding cannot leak)
+        return torch.where(mask, t.to(f32), zero)
+
+    lp = masked(logprobs)
+    old = masked(old_logprobs.detach())
+    ref = masked(ref_logprobs.detach()) if ref_logprobs is not None else None
+    delta = lp - old
+
+    # One CP all-reduce of per-sequence sums [K, S]; row 0 is differentiable for "gspo".
+    rows: dict[str, Tensor] = {"logratio": delta if cfg.mode == "gspo" else delta.detach(), "count": maskf}
+    with torch.no_grad():
+        rows["k3_old"] = masked(kl_estimate(old, lp, "k3"))  # KL(old || new) from old's samples
+        if engine_logprobs is not None:
+            rows["engine_gap"] = masked(old_logprobs.detach() - engine_logprobs.detach())
+            rows["engine_absgap"] = rows["engine_gap"].abs()
+        if entropy is not None:
+            rows["entropy"] = masked(entropy.detach())
+        if ref is not None:
+            rows["kl_ref"] = masked(kl_estimate(lp, ref, cfg.kl_estimator))
+    names = list(rows)
+    local = segment_sum(torch.stack([rows[k] for k in names]), seq, num_seqs)
+    if cfg.mode == "gspo":
+        seq_sums = all_reduce_sum(local, cp_group)
+    else:
+        seq_sums = all_reduce_sum_(local.detach().clone(), cp_group)
+    sums = dict(zip(names, seq_sums.unbind(0)))
+    count = sums["count"].detach()
+    valid = count > 0
+    count_safe = count.clamp(min=1.0)
+    num_valid = valid.sum().to(f32)
+
+    checks: dict[str, Tensor] = {}
+    if normalizer is None:
+        default = num_valid if cfg.aggregation == "seq-mean-token-mean" else count.sum()
+        denom = default.clamp(min=1.0)
+    elif isinstance(normalizer, Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+        denom = normalizer.detach().to(device=logprobs.device, dtype=f32).reshape(())
+        checks["normalizer"] = ~(denom > 0) | ~torch.isfinite(denom)  # checked at the metrics' sync
+    else:
+        if not (math.isfinite(normalizer) and normalizer > 0):
+            raise ValueError(f"normalizer must be > 0 (global sequence or token count), got {normalizer}")
+        denom = torch.tensor(float(normalizer), dtype=f32, device=logprobs.device)
+
+    if token_advantages:
+        adv_tok = masked(advantages.detach())
+    else:
+        adv_seq = torch.where(valid, advantages.detach().to(f32), zero)  # [S]; empty sequences' A unused
+        adv_tok = adv_seq[seq]
+    log_seq_ratio = sums["logratio"] / count_safe  # [S]; differentiable for "gspo"
+    seq_ratio = torch.exp(log_seq_ratio)
+    tis_seq = tis_tok = None
+    if cfg.tis_cap is not None:
+        tis_seq = torch.exp(sums["engine_gap"] / count_safe).clamp(max=cfg.tis_cap)
+        tis_tok = torch.exp(rows["engine_gap"]).clamp(max=cfg.tis_cap)
+
+    # Per-token aggregation weight: 1/|y_i| (seq-mean-token-mean) or 1 (token-mean), 0 off the response.
+    tok_w = maskf / count_safe[seq] if cfg.aggregation == "seq-mean-token-mean" else maskf
+    if cfg.mode == "gspo":
+        obj_seq, cut_seq = _clipped_objective(seq_ratio, adv_seq, cfg.clip_low, cfg.clip_high)
+        if tis_seq is not None:
+            obj_seq = obj_seq * tis_seq
+        share = local[1].detach() / count_safe  # this CP rank's fraction of each sequence's tokens
+        objective = (share * obj_seq).sum()
+        cut_tok = None
+    else:
+        if cfg.mode == "gspo_token":
+            ratio_tok = torch.exp(log_seq_ratio.detach()[seq] + lp - lp.detach())
+        else:
+            ratio_tok = torch.exp(delta)
+        obj_tok, cut_tok = _clipped_objective(ratio_tok, adv_tok, cfg.clip_low, cfg.clip_high)
+        if tis_seq is not None:
+            obj_tok = obj_tok * (tis_tok if cfg.mode == "grpo" else tis_seq[seq])
+        objective = (tok_w * obj_tok).sum()
+        cut_seq = None
+    loss = -objective
+    if cfg.kl_coef != 0:
+        loss = loss + cfg.kl_coef * (tok_w * kl_estimate(lp, ref, cfg.kl_estimator)).sum()
+    if cfg.entropy_coef != 0:
+        loss = loss - cfg.entropy_coef * (tok_w * masked(entropy)).sum()
+    loss = loss / denom
+
+    if check_finite:
+        for name, t in {"logprobs": logprobs, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs,
+                        "entropy": entropy, "engine_logprobs": engine_logprobs}.items():
+            if t is not None:
+                checks[name] = (~torch.isfinite(t.detach()) & mask).any()
+        adv_ok = torch.isfinite(advantages.detach())
+        checks["advantages"] = (~adv_ok & mask).any() if token_advantages else (~adv_ok & valid).any()
+    metrics = _metrics(cfg, loss, objective / denom, sums, valid, num_valid, seq_ratio, cut_seq, cut_tok, mask,
+                       tis_seq, tis_tok, checks)
+    return PolicyLossOutput(loss=loss, metrics=metrics)
+
+
+def _metrics(cfg: PolicyLossConfig, loss: Tensor, objective: Tensor, sums: dict[str, Tensor], valid: Tensor,
+             num_valid: Tensor, seq_ratio: Tensor, cut_seq: Tensor | None, cut_tok: Tensor | None, mask: Tensor,
+             tis_seq: Tensor | None, tis_tok: Tensor | None, checks: dict[str, Tensor]) -> dict[str, float]:
+    """All metrics in one tensor and one device sync; raises for failed ``checks`` (naming the argument)."""
+    with torch.no_grad():
+        f32 = torch.float32
+        nv = num_valid.clamp(min=1.0)
+        count_safe = sums["count"].clamp(min=1.0)
+        vf = valid.to(f32)
+        ntok = mask.sum().clamp(min=1).to(f32)
+
+        def seq_mean(per_seq: Tensor) -> Tensor:
+            return (per_seq.to(f32) * vf).sum() / nv
+
+        sr = seq_ratio.detach()
+        any_valid = num_valid > 0
+        one = sr.new_ones(())
+        vals: dict[str, Tensor] = {
+            "loss": loss.detach(),
+            "pg_loss": -objective.detach(),
+            "num_seqs": num_valid,
+            "num_tokens": sums["count"].sum(),
+            "empty_mask": (~any_valid).to(f32),
+            "ratio_mean": torch.where(any_valid, seq_mean(sr), one),
+            "ratio_min": torch.where(any_valid, torch.where(valid, sr, sr.new_full((), math.inf)).min(), one),
+            "ratio_max": torch.where(any_valid, torch.where(valid, sr, sr.new_full((), -math.inf)).max(), one),
+            "approx_kl_old": seq_mean(sums["k3_old"] / count_safe),
+            "clip_fraction": seq_mean(cut_seq) if cut_seq is not None else (cut_tok & mask).sum() / ntok,
+        }
+        for key, name in (("entropy", "entropy"), ("kl_ref", "kl_ref"), ("engine_absgap", "engine_logprob_absdiff")):
+            if key in sums:
+                vals[name] = seq_mean(sums[key] / count_safe)
+        if tis_seq is not None:
+            if cfg.mode == "grpo":
+                vals["tis_weight_mean"] = (tis_tok * mask).sum() / ntok
+                vals["tis_capped_fraction"] = ((tis_tok >= cfg.tis_cap) & mask).sum() / ntok
+            else:
+                vals["tis_weight_mean"] = seq_mean(tis_seq)
+                vals["tis_capped_fraction"] = seq_mean(tis_seq >= cfg.tis_cap)
+        for name, flag in checks.items():
+            vals["_bad_" + name] = flag
+        floats = torch.stack([v.to(f32).reshape(()) for v in vals.values()]).tolist()
+    out = dict(zip(vals, floats))
+    bad = [name for name in checks if out.pop("_bad_" + name) != 0.0]
+    if "normalizer" in bad:
+        raise ValueError("normalizer must be a finite value > 0 (global sequence or token count)")
+    if bad:
+        raise ValueError(f"non-finite values on response tokens in: {', '.join(bad)}")
+    return out
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    mode: str = "gspo",
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    aggregation: str = "seq-mean-token-mean",
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    engine_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
+    normalizer: float | Tensor | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    check_finite: bool = True,
+) -> PolicyLossOutput:
+    """Policy loss on a padded batch: one sequence per row.
+
+    Args:
+        logprobs, old_logprobs, response_mask: [B, T]; ref_logprobs, entropy, engine_logprobs: [B, T].
+        advantages: [B] (per sequence) or [B, T] (per token; "gspo_token", "grpo").
+        Other options: see :class:`PolicyLossConfig` and :func:`policy_loss_flat`.
+    Returns ``(loss, metrics)``: loss = -J (scalar tensor), metrics: dict of floats.
+    """
+    cfg = PolicyLossConfig(mode=mode, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
+                           kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, tis_cap=tis_cap)
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    b, t = logprobs.shape
+    for name, x in {"old_logprobs": old_logprobs, "response_mask": response_mask, "ref_logprobs": ref_logprobs,
+                    "entropy": entropy, "engine_logprobs": engine_logprobs}.items():
+        if x is not None and x.shape != (b, t):
+            raise ValueError(f"{name} must have the shape of logprobs [B, T] = [{b}, {t}], got {tuple(x.shape)}")
+    if advantages.shape == (b, t):
+        if mode == "gspo":
+            raise ValueError("advantages must be [B] for mode='gspo'; token advantages [B, T] need mode='gspo_token'")
+        adv = advantages.reshape(-1)
+    elif advantages.shape == (b,):
+        adv = advantages
+    else:
+        raise ValueError(f"advantages must be [B] = [{b}] or [B, T] = [{b}, {t}], got {tuple(advantages.shape)}")
+    seq_index = torch.arange(b, device=logprobs.device).repeat_interleave(t)
+
+    def flat(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x.reshape(-1)
+
+    return policy_loss_flat(
+        flat(logprobs), flat(old_logprobs), adv, flat(response_mask), seq_index, b, cfg,
+        ref_logprobs=flat(ref_logprobs), entropy=flat(entropy), engine_logprobs=flat(engine_logprobs),
+        normalizer=normalizer, cp_group=cp_group, check_finite=check_finite,
+        token_advantages=advantages.dim() == 2,
+    )

@@ -1,0 +1,168 @@
+"""Log-probs and entropy of target tokens from vocab-parallel logits, chunked over tokens.
+
+Every tensor-parallel rank calls :func:`vocab_parallel_logprobs` with its vocab shard of the logits
+[N, V/tp] (rank r holds ids [r * V/tp, (r + 1) * V/tp), Megatron's layout) and the same targets [N].
+Forward, over chunks of tokens (at most ``chunk_size`` x V/tp fp32 values alive at once):
+
+    z = logits.float() / temperature                        (exactly as the rollout engine scales)
+    m = allreduce_max(max_v z)                              (one collective for all chunks)
+    S = allreduce_sum(sum_v exp(z - m)),  z_y = allreduce_sum(z[target] - m if the target is local)
+    logp = z_y - log S,   entropy = log S - allreduce_sum(sum_v exp(z - m) * (z - m)) / S
+
+(the three sums travel in one collective). Backward recomputes the softmax per chunk from the saved
+logits and the [N] statistics, needs no collective, and writes each rank's gradient for its own shard:
+
+    dlogp/dz_v = 1[v = y] - p_v,      dH/dz_v = -p_v * (log p_v + H),      dz/dlogits = 1 / temperature
+
+Written here rather than reusing Megatron's vocab_parallel_cross_entropy because that one keeps the
+full [N, V/tp] fp32 softmax alive for backward and has no entropy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gspo_megatron.losses.reductions import group_rank, group_size
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 budget of one [chunk, V/tp] temporary
+
+
+def _chunk_tokens(chunk_size: int | None, vocab_local: int) -> int:
+    if chunk_size is None:
+        return max(1, DEFAULT_CHUNK_BYTES // (4 * max(vocab_local, 1)))
+    return chunk_size
+
+
+def _local_targets(targets: Tensor, vocab_start: int, vocab_local: int) -> tuple[Tensor, Tensor]:
+    """(column of the target in this shard, clamped to a valid column; whether it is in this shard)."""
+    local = targets - vocab_start
+    in_shard = (local >= 0) & (local < vocab_local)
+    return torch.where(in_shard, local, torch.zeros_like(local)), in_shard
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, tp_group, temperature: float, chunk: int,
+                with_entropy: bool):
+        n, vocab_local = logits.shape
+        vocab_start = group_rank(tp_group) * vocab_local
+        multi = group_size(tp_group) > 1
+        cdt = torch.promote_types(logits.dtype, torch.float32)  # fp32 math (fp64 stays fp64 for checks)
+
+        # Pass 1: row max of the raw logits (T > 0, so max(z) = max(logits) / T, the same rounding).
+        shift = torch.empty(n, dtype=cdt, device=logits.device)
+        for lo in range(0, n, chunk):
+            shift[lo:lo + chunk] = logits[lo:lo + chunk].max(dim=-1).values.to(cdt) / temperature
+        if multi:
+            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
+
+        # Pass 2: sum exp, target logit, sum exp * z (all shifted by the global max).
+        stats = torch.zeros(3 if with_entropy else 2, n, dtype=cdt, device=logits.device)
+        col, in_shard = _local_targets(targets, vocab_start, vocab_local)
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            z = logits[lo:hi].to(cdt, copy=True).div_(temperature).sub_(shift[lo:hi, None])  # [c, V/tp]
+            zy = z.gather(1, col[lo:hi, None]).squeeze(1)
+            stats[1, lo:hi] = torch.where(in_shard[lo:hi], zy, torch.zeros_like(zy))
+            if with_entropy:
+                e = torch.exp(z)
+                stats[0, lo:hi] = e.sum(dim=-1)
+                stats[2, lo:hi] = (e.mul_(z)).sum(dim=-1)
+                del e
+            else:
+                stats[0, lo:hi] = z.exp_().sum(dim=-1)
+            del z
+        if multi:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
+
+        log_sum = stats[0].log()
+        valid = (targets >= 0) & (targets < vocab_local * group_size(tp_group))
+        logprobs = torch.where(valid, stats[1] - log_sum, torch.zeros_like(log_sum))
+        entropy = log_sum - stats[2] / stats[0] if with_entropy else logprobs.new_zeros(0)
+
+        ctx.save_for_backward(logits, col, in_shard, valid, shift, log_sum, entropy)
+        ctx.temperature = temperature
+        ctx.chunk = chunk
+        ctx.with_entropy = with_entropy
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+        logits, col, in_shard, valid, shift, log_sum, entropy = ctx.saved_tensors
+        if grad_logprobs is None and (grad_entropy is None or not ctx.with_entropy):
+            return None, None, None, None, None, None
+        if grad_logprobs is not None:  # ignored targets have a constant log-prob 0
+            grad_logprobs = torch.where(valid, grad_logprobs, torch.zeros_like(grad_logprobs))
+        n = logits.shape[0]
+        temperature, chunk = ctx.temperature, ctx.chunk
+        grad_logits = torch.empty_like(logits)
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            # log p_v = z_v - m - log S, recomputed for this chunk only.
+            logp = logits[lo:hi].to(shift.dtype, copy=True).div_(temperature).sub_(shift[lo:hi, None] + log_sum[lo:hi, None])
+            p = torch.exp(logp)
+            if use_entropy:
+                # dH/dz = -p * (log p + H)
+                g = logp.add_(entropy[lo:hi, None]).mul_(p).mul_(-grad_entropy[lo:hi, None])
+                if grad_logprobs is not None:
+                    g.sub_(p.mul_(grad_logprobs[lo:hi, None]))
+            else:
+                g = p.mul_(-grad_logprobs[lo:hi, None])
+            del p
+            if grad_logprobs is not None:
+                g_y = torch.where(in_shard[lo:hi], grad_logprobs[lo:hi], torch.zeros_like(grad_logprobs[lo:hi]))
+                g.scatter_add_(1, col[lo:hi, None], g_y[:, None])
+            grad_logits[lo:hi] = g.div_(temperature)
+            del g
+        return grad_logits, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of each target token and (optionally) the entropy of each token's distribution.
+
+    Args:
+        logits: [..., V/tp] this rank's vocab shard (any float dtype; math in fp32).
+        targets: [...] global token ids (long). Ids outside [0, V) (e.g. -100 padding) give log-prob 0
+            with no gradient (their entropy is still computed).
+        tp_group: tensor-parallel group (``None``: the full vocab is local).
+        temperature: the rollout engine's sampling temperature (logits are divided by it).
+        chunk_size: tokens per chunk; default keeps one [chunk, V/tp] fp32 temporary near 256 MiB.
+        with_entropy: also return the entropy [...] (else ``None``).
+    Returns:
+        (logprobs [...], entropy [...] or None), fp32 (fp64 for fp64 logits), identical on every TP rank; differentiable
+        with respect to ``logits``.
+    Called by every rank of ``tp_group`` with the same targets (it runs collectives).
+    """
+    if logits.dim() < 1 or logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits [..., V/tp] and targets [...] disagree: logits {tuple(logits.shape)}, "
+            f"targets {tuple(targets.shape)}"
+        )
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must hold integer token ids, got {targets.dtype}")
+    if not (temperature > 0):
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    lead = targets.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1).long()
+    chunk = _chunk_tokens(chunk_size, flat_logits.shape[1])
+    logprobs, entropy = _VocabParallelLogprobs.apply(
+        flat_logits, flat_targets, tp_group, float(temperature), chunk, with_entropy
+    )
+    return logprobs.view(lead), (entropy.view(lead) if with_entropy else None)

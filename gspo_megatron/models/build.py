@@ -1,0 +1,163 @@
+"""Build this rank's Megatron-Core GPT model (its pipeline stage, its experts) from an HF config.
+
+Every rank calls ``build_model`` after ``runtime.init_distributed``. Transformer Engine's layer spec is
+used on GPU when TE imports (FP8 options come from ``fp8_fields``); Megatron's local spec otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from gspo_megatron.models.family import ModelFamily, get_family, rope_theta
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelOptions:
+    """Training-side knobs that are not in the HF config."""
+
+    dtype: str = "float32"
+    transformer_impl: str = "auto"  # auto | local | transformer_engine
+    moe_token_dispatcher: str = "alltoall"  # alltoall | allgather
+    moe_aux_loss_coeff: float = 0.0
+    recompute: bool = False
+    sequence_parallel: bool | None = None  # None: on when MoE and tp > 1
+    fp8_fields: dict | None = None  # TransformerConfig fp8 kwargs (runtime/fp8.py)
+    perform_initialization: bool = True  # False when weights are loaded right after building
+
+
+def load_hf_config(path: str) -> dict:
+    """config.json of an HF directory (or the file itself) as a dict; clear errors on bad input."""
+    cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"no config.json at {cfg_path}")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+
+
+def use_transformer_engine(impl: str) -> bool:
+    if impl == "local":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+
+        have_te = torch.cuda.is_available()
+    except Exception:  # TE does not import without CUDA
+        have_te = False
+    if impl == "transformer_engine" and not have_te:
+        raise RuntimeError("model.transformer_impl=transformer_engine but Transformer Engine "
+                           "is not usable here (needs CUDA and the transformer-engine package)")
+    return have_te
+
+
+def check_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None = None) -> None:
+    """Raise ValueError naming the dimension a layout does not divide (before building anything)."""
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
+    checks = [
+        ("num_attention_heads", heads, tp, "parallel.tp"),
+        ("num_key_value_heads", groups, tp, "parallel.tp"),
+        ("vocab_size", hf["vocab_size"], tp, "parallel.tp"),
+        ("num_hidden_layers", hf["num_hidden_layers"], pp, "parallel.pp"),
+    ]
+    if hf.get("intermediate_size"):
+        checks.append(("intermediate_size", hf["intermediate_size"], tp, "parallel.tp"))
+    family = get_family(hf)
+    if family.is_moe(hf):
+        n_exp = hf.get("num_experts") or hf.get("num_local_experts")
+        checks.append(("number of experts", n_exp, ep, "parallel.ep"))
+        ffn = hf.get("moe_intermediate_size") or hf["intermediate_size"]
+        checks.append(("expert intermediate size", ffn, etp or tp, "parallel.etp"))
+    elif ep > 1:
+        raise ValueError(f"parallel.ep={ep} but {family.name} is a dense model (no experts)")
+    for what, value, size, field in checks:
+        if value % size:
+            raise ValueError(f"{field}={size} does not divide the model's {what} ({value})")
+
+
+def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int,
+                       opts: ModelOptions):
+    """The Megatron TransformerConfig for an HF config and a parallel layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    family = get_family(hf)
+    fields = family.config_fields(hf)
+    dtype = _DTYPES[opts.dtype]
+    is_moe = "num_moe_experts" in fields
+    te = use_transformer_engine(opts.transformer_impl)
+    sp = opts.sequence_parallel
+    if sp is None:
+        # MoE with TP requires it; for QK-norm models it also makes Megatron all-reduce the q/k norm
+        # gradients over TP (each rank's heads contribute a partial sum).
+        sp = tp > 1
+    fields.update(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp if etp is not None else tp,
+        sequence_parallel=sp,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=opts.perform_initialization,
+        init_method_std=hf.get("initializer_range", 0.02),
+        # PP micro-batches of different lengths; Megatron allows it with the alltoall dispatcher only
+        variable_seq_lengths=opts.moe_token_dispatcher == "alltoall",
+        moe_token_dispatcher_type=opts.moe_token_dispatcher,
+        attention_softmax_in_fp32=True,
+    )
+    if is_moe:
+        fields.update(
+            moe_grouped_gemm=te,
+            moe_router_load_balancing_type="aux_loss" if opts.moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
+            moe_router_dtype="fp32",
+        )
+    if opts.recompute:
+        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if opts.fp8_fields:
+        fields.update(opts.fp8_fields)
+    return TransformerConfig(**fields)
+
+
+def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                cp: int = 1, opts: ModelOptions | None = None):
+    """This rank's GPTModel (its pipeline stage; its experts). Call after init_distributed."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    opts = opts or ModelOptions()
+    check_layout(hf, tp, pp, ep, etp)
+    config = transformer_config(hf, tp, pp, ep, etp, cp, opts)
+    te = use_transformer_engine(opts.transformer_impl)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf),
+    )
+    model.hf_config = hf  # the mapping and export read it back
+    return model
+
+
+def family_of(model) -> ModelFamily:
+    return get_family(model.hf_config)

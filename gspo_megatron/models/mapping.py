@@ -1,0 +1,159 @@
+"""Declarative Megatron <-> Hugging Face weight mappings (in the style of Megatron-Bridge).
+
+A family lists rules; each rule pairs a Megatron parameter pattern with one or more HF checkpoint
+patterns. ``*`` matches an index: the first ``*`` is the (global) layer, the second the (global)
+expert. A rule knows how the parameter is sharded over tensor parallel ranks, so it can
+
+- ``to_local``: build one rank's shard from the full HF tensors (checkpoint load, HF -> Megatron);
+- ``from_shards``: rebuild the full HF tensors from all ranks' shards (export, weight sync).
+
+Names handled here are *global* Megatron names (layer and expert indices over the whole model);
+``weights.py`` translates the local names a pipeline stage / expert-parallel rank sees.
+The same rules serve checkpoint conversion, HF export and weight sync.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
+
+
+def _fill(pattern: str, indices: Sequence[str]) -> str:
+    out = pattern
+    for idx in indices:
+        out = out.replace("*", idx, 1)
+    return out
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """Head geometry needed to (de)interleave the fused QKV projection."""
+
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+
+
+class Rule:
+    """Base rule. ``parallel`` is "tp" (dense tensor parallel group), "etp" (expert tensor parallel
+    group) or None (replicated)."""
+
+    split_dim: int | None = None
+
+    def __init__(self, megatron: str, hf: str | Sequence[str], parallel: str | None = None,
+                 export: bool = True):
+        self.megatron = megatron
+        self.hf = (hf,) if isinstance(hf, str) else tuple(hf)
+        self.parallel = parallel
+        self.export = export  # False: loaded from HF but not exported (e.g. tied lm_head copy)
+        self._regex = _pattern_regex(megatron)
+
+    def match(self, megatron_name: str) -> tuple[str, ...] | None:
+        m = self._regex.match(megatron_name)
+        return None if m is None else m.groups()
+
+    def hf_names(self, indices: Sequence[str]) -> tuple[str, ...]:
+        return tuple(_fill(p, indices) for p in self.hf)
+
+    # -- overridden per sharding kind ------------------------------------------------------------
+    def to_local(self, hf: Sequence[torch.Tensor], rank: int, size: int) -> torch.Tensor:
+        (t,) = hf
+        if self.split_dim is None or size == 1:
+            return t
+        return _chunk(t, self.split_dim, rank, size)
+
+    def from_shards(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.split_dim is None or len(shards) == 1:
+            return [shards[0]]
+        return [torch.cat(list(shards), dim=self.split_dim)]
+
+
+def _chunk(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    if t.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of size {t.shape[dim]} does not split over {size} ranks")
+    return t.chunk(size, dim=dim)[rank].contiguous()
+
+
+class Replicated(Rule):
+    """The same tensor on every rank (norms, router)."""
+
+
+class ColumnParallel(Rule):
+    """Output dimension (dim 0) split over ranks: column-parallel linears, vocab-parallel embedding."""
+
+    split_dim = 0
+
+
+class RowParallel(Rule):
+    """Input dimension (dim 1) split over ranks: row-parallel linears (attention out, fc2)."""
+
+    split_dim = 1
+
+
+class GatedFC1(Rule):
+    """Megatron's fused [gate; up] fc1. Each rank holds [gate_r; up_r] (its slice of each half)."""
+
+    split_dim = 0
+
+    def to_local(self, hf, rank, size):
+        gate, up = hf
+        return torch.cat([_chunk(gate, 0, rank, size), _chunk(up, 0, rank, size)], dim=0)
+
+    def from_shards(self, shards):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)]
+
+
+class FusedQKV(Rule):
+    """Megatron's fused QKV (weight or bias): rows grouped per query group as
+    [q heads of the group, k, v]; tensor parallel splits whole groups over ranks."""
+
+    split_dim = 0
+
+    def __init__(self, megatron, hf, dims: AttentionDims, parallel="tp"):
+        super().__init__(megatron, hf, parallel)
+        self.dims = dims
+
+    def _full(self, q, k, v):
+        d = self.dims
+        g, per = d.num_query_groups, d.num_heads // d.num_query_groups
+        rest = q.shape[1:]
+        q = q.reshape(g, per * d.head_dim, *rest)
+        k = k.reshape(g, d.head_dim, *rest)
+        v = v.reshape(g, d.head_dim, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+    def to_local(self, hf, rank, size):
+        full = self._full(*hf)
+        return _chunk(full, 0, rank, size) if size > 1 else full
+
+    def from_shards(self, shards):
+        d = self.dims
+        full = torch.cat(list(shards), 0) if len(shards) > 1 else shards[0]
+        per = d.num_heads // d.num_query_groups
+        rest = full.shape[1:]
+        grouped = full.reshape(d.num_query_groups, (per + 2) * d.head_dim, *rest)
+        q, k, v = torch.split(grouped, [per * d.head_dim, d.head_dim, d.head_dim], dim=1)
+        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+
+class MappingRegistry:
+    """An ordered list of rules for one model family; first match wins."""
+
+    def __init__(self, rules: Sequence[Rule]):
+        self.rules = list(rules)
+
+    def resolve(self, megatron_name: str) -> tuple[Rule, tuple[str, ...]]:
+        """Return the rule for a global Megatron parameter name and the HF names it maps to."""
+        for rule in self.rules:
+            idx = rule.match(megatron_name)
+            if idx is not None:
+                return rule, rule.hf_names(idx)
+        raise KeyError(f"no weight mapping for Megatron parameter {megatron_name!r}")

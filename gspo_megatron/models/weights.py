@@ -1,0 +1,260 @@
+"""Moving weights between this rank's Megatron model and the Hugging Face layout.
+
+- ``global_names(model)``: local parameter name -> global name (layer and expert indices over the
+  whole model, independent of the pipeline stage and expert-parallel rank).
+- ``load_hf_weights(model, hf_dir)``: every rank fills its own shards from HF safetensors, reading
+  one tensor at a time (bounded memory).
+- ``export_hf_weights(model, bucket_bytes)``: a collective generator, called on every rank: gathers
+  tensor-parallel (and expert-tensor-parallel) shards, renames to HF, collects the full tensors on
+  global rank 0 and yields them there in buckets of at most ``bucket_bytes`` (a single larger tensor
+  gets a bucket of its own); other ranks yield ``None`` once per bucket. The same stream feeds HF
+  export (tools/megatron_to_hf.py) and weight sync to the rollout engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.models.family import get_family
+from gspo_megatron.models.mapping import Rule
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
+
+
+def global_names(model) -> dict[str, str]:
+    """Map each local parameter name of ``model`` (one GPTModel chunk) to its global name."""
+    out = {}
+    layers = model.decoder.layers if hasattr(model, "decoder") else []
+    for name, _ in model.named_parameters():
+        g = name
+        m = _LAYER.match(name)
+        if m:
+            layer = layers[int(m.group(1))]
+            g = f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
+            experts = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
+            if experts is not None:
+                g = _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.local_experts.{experts[int(e.group(1))]}.", g)
+                g = _GROUPED_EXPERT.sub(lambda e: f"{e.group(1)}{experts[int(e.group(2))]}", g)
+        out[name] = g
+    return out
+
+
+def _group(parallel: str | None):
+    from megatron.core import parallel_state as ps
+
+    if parallel == "tp":
+        return ps.get_tensor_model_parallel_group()
+    if parallel == "etp":
+        return ps.get_expert_tensor_parallel_group()
+    return None
+
+
+def _rank_size(parallel: str | None) -> tuple[int, int]:
+    group = _group(parallel)
+    if group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class SafetensorsReader:
+    """Reads named tensors from an HF directory (single file or sharded with an index)."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
+        self.hf_dir = hf_dir
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        single = os.path.join(hf_dir, "model.safetensors")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.where = json.load(f)["weight_map"]
+        elif os.path.exists(single):
+            with safe_open(single, "pt") as f:
+                self.where = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {hf_dir}")
+        self._open = {}
+        self._safe_open = safe_open
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.hf_dir}")
+        fname = self.where[name]
+        if fname not in self._open:
+            path = os.path.join(self.hf_dir, fname)
+            try:
+                self._open[fname] = self._safe_open(path, "pt")
+            except Exception as e:
+                raise ValueError(f"cannot read {path}: {e}") from None
+        return self._open[fname].get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(model, hf_dir: str) -> int:
+    """Fill this rank's parameters from the HF checkpoint in ``hf_dir``. Every rank calls it (no
+    communication). Returns the number of parameters set; raises KeyError naming a missing tensor."""
+    mapping = get_family(model.hf_config).mapping(model.hf_config)
+    reader = SafetensorsReader(hf_dir)
+    names = global_names(model)
+    n = 0
+    for local, param in model.named_parameters():
+        rule, hf_names = mapping.resolve(names[local])
+        rank, size = _rank_size(rule.parallel)
+        shard = rule.to_local([reader.get(h) for h in hf_names], rank, size)
+        if shard.shape != param.shape:
+            raise ValueError(f"{hf_names} give a shard of shape {tuple(shard.shape)} for Megatron "
+                             f"parameter {names[local]} of shape {tuple(param.shape)}")
+        param.copy_(shard)
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def load_hf_state_dict(model, state: dict[str, torch.Tensor]) -> None:
+    """Like ``load_hf_weights`` from an in-memory HF-named state dict (tests, random init)."""
+    mapping = get_family(model.hf_config).mapping(model.hf_config)
+    names = global_names(model)
+    for local, param in model.named_parameters():
+        rule, hf_names = mapping.resolve(names[local])
+        rank, size = _rank_size(rule.parallel)
+        param.copy_(rule.to_local([state[h] for h in hf_names], rank, size))
+
+
+@dataclass
+class _Item:
+    """One Megatron parameter in the export plan (known identically on every rank)."""
+
+    key: tuple
+    global_name: str
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    owner: int  # global rank that assembles the HF tensors
+
+    @property
+    def nbytes(self) -> int:
+        n = 0
+        for s in self.hf_shapes:
+            k = 1
+            for d in s:
+                k *= d
+            n += k
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _sort_key(global_name: str, hf_names) -> tuple:
+    m = _LAYER.match(global_name)
+    if global_name.startswith("embedding."):
+        return (-1, hf_names[0])
+    if m:
+        return (int(m.group(1)), _natural(hf_names[0]))
+    return (1 << 30, hf_names[0])
+
+
+def _natural(s: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s))
+
+
+def _is_dp_first(parallel: str | None) -> bool:
+    from megatron.core import parallel_state as ps
+
+    if parallel == "etp":
+        return ps.get_expert_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.nn.Parameter]]]:
+    """The global, ordered export plan (collective: one all_gather_object) and this rank's part."""
+    mapping = get_family(model.hf_config).mapping(model.hf_config)
+    names = global_names(model)
+    mine: dict[str, tuple[Rule, torch.nn.Parameter]] = {}
+    declared = []
+    me = dist.get_rank() if dist.is_initialized() else 0
+    for local, param in model.named_parameters():
+        g = names[local]
+        rule, hf_names = mapping.resolve(g)
+        if not rule.export or not _is_dp_first(rule.parallel):
+            continue
+        mine[g] = (rule, param)
+        rank, size = _rank_size(rule.parallel)
+        if rank == 0:
+            meta = [torch.empty(param.shape, dtype=param.dtype, device="meta")] * size
+            shapes = tuple(tuple(t.shape) for t in rule.from_shards(meta))
+            declared.append((g, hf_names, shapes, str(param.dtype).replace("torch.", ""), me))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, declared)
+    else:
+        everyone = [declared]
+    items: dict[str, _Item] = {}
+    for decl in everyone:
+        for g, hf_names, shapes, dtype, owner in decl:
+            if g not in items or owner < items[g].owner:
+                items[g] = _Item(_sort_key(g, hf_names), g, tuple(hf_names), shapes,
+                                 getattr(torch, dtype), owner)
+    return sorted(items.values(), key=lambda it: it.key), mine
+
+
+def _buckets(items: list[_Item], bucket_bytes: int) -> Iterator[list[_Item]]:
+    bucket, size = [], 0
+    for it in items:
+        if bucket and size + it.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(it)
+        size += it.nbytes
+    if bucket:
+        yield bucket
+
+
+@torch.no_grad()
+def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
+                      dst: int = 0) -> Iterator[list[tuple[str, torch.Tensor]] | None]:
+    """Collective generator over buckets of full HF tensors (see module docstring). Every rank must
+    iterate it to the end. ``plan`` may be a cached ``build_export_plan(model)``."""
+    items, mine = plan if plan is not None else build_export_plan(model)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    for bucket in _buckets(items, bucket_bytes):
+        out: list[tuple[str, torch.Tensor]] = []
+        for it in bucket:
+            tensors = None
+            if it.global_name in mine:  # this rank holds a shard: join the (E)TP gather
+                rule, param = mine[it.global_name]
+                group = _group(rule.parallel)
+                size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+                if size > 1:
+                    shards = [torch.empty_like(param.data) for _ in range(size)]
+                    dist.all_gather(shards, param.data.contiguous(), group=group)
+                else:
+                    shards = [param.data]
+                if me == it.owner:
+                    tensors = rule.from_shards(shards)
+            if me == it.owner and me != dst:
+                for t in tensors:
+                    dist.send(t.contiguous(), dst=dst)
+            elif me == dst:
+                if tensors is None:
+                    tensors = [torch.empty(s, dtype=it.dtype) for s in it.hf_shapes]
+                    for t in tensors:
+                        dist.recv(t, src=it.owner)
+                out.extend((n, t.clone() if t.data_ptr() == _ptr(mine, it) else t)
+                           for n, t in zip(it.hf_names, tensors))
+        yield out if me == dst else None
+
+
+def _ptr(mine, it) -> int:
+    """data_ptr of our own parameter for an item (to copy, never alias, a live parameter)."""
+    entry = mine.get(it.global_name)
+    return entry[1].data_ptr() if entry is not None else -1

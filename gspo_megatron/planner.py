@@ -1,0 +1,550 @@
+"""Cluster planner: check a config against a cluster shape and estimate memory per GPU.
+
+``python tools/plan.py --config X --nodes N --gpus-per-node G --gpu-memory-gb M [overrides]`` (or
+``gspo-train --dry-run ...``) calls :func:`plan_main`. Runs on one process, no GPU, no files needed:
+model dims come from ``model.hf_path``/config.json when it exists, else from the built-in table
+:data:`KNOWN_ARCHS` (``model.arch``, or detected from ``model.hf_path``'s directory name).
+
+The memory model (per GPU, GiB = 2**30 bytes; an estimate, see docs/planner.md):
+- weights: params on this GPU * dtype bytes; non-expert params / tp (norms and router replicated),
+  expert params / (ep * etp); each pipeline stage holds its layers (+ embedding on the first, output
+  layer on the last). A frozen reference copy is added when gspo.kl_coef > 0.
+- gradients: Megatron's main-grad buffer, fp32 (parallel.grad_reduce_in_fp32) or dtype.
+- optimizer: Adam fp32 master (not with float32 params) + 2 fp32 moments = 12 (or 8) bytes/param,
+  divided over DP (expert params over expert-DP = world / (ep * etp * pp)) with the distributed
+  optimizer; the optimizer.cpu_offload_fraction part lives in host memory.
+- activations: per micro-batch of micro_batch_size * max_seq_len / cp tokens, stored tensors of each
+  layer (sequence-parallel, flash attention; full recompute keeps only layer inputs plus one layer),
+  times the micro-batches in flight on the stage (1F1B: min(pp - stage, micro-batches)), plus the
+  vocab-parallel logits and their gradient on the last stage.
+- runtime overhead: a fixed RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers, fragmentation.
+- engines (SGLang semantics): an engine fills engine_mem_fraction of the GPU with its weights
+  (bf16, fp8 with sync_fp8, / engine_tp) and the KV cache. Colocated engines release their memory
+  during training; while they generate, the training states stay resident unless offload_train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+from gspo_megatron.config import (Config, ConfigError, data_parallel_size, engine_count, load_config,
+                                  micro_batches_per_rank, validate, validate_model_layout)
+
+GIB = 1 << 30
+RUNTIME_OVERHEAD_GIB = 4.0
+
+
+class PlanError(ValueError):
+    """The model or cluster cannot be planned (unknown architecture, not enough GPUs)."""
+
+
+def _qwen3_moe(hidden: int, ffn: int, moe_ffn: int, heads: int, layers: int) -> dict:
+    # Published config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B (they differ only in these).
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": ffn,
+        "max_position_embeddings": 40960, "max_window_layers": layers, "mlp_only_layers": [],
+        "model_type": "qwen3_moe", "moe_intermediate_size": moe_ffn, "norm_topk_prob": True,
+        "num_attention_heads": heads, "num_experts": 128, "num_experts_per_tok": 8,
+        "num_hidden_layers": layers, "num_key_value_heads": 4, "output_router_logits": False,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936,
+    }
+
+
+KNOWN_ARCHS: dict[str, dict] = {
+    "qwen3-30b-a3b": _qwen3_moe(hidden=2048, ffn=6144, moe_ffn=768, heads=32, layers=48),
+    "qwen3-235b-a22b": _qwen3_moe(hidden=4096, ffn=12288, moe_ffn=1536, heads=64, layers=94),
+    "mixtral-8x7b": {  # mistralai/Mixtral-8x7B-v0.1
+        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+        "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_cache": True, "vocab_size": 32000,
+    },
+    "tiny-qwen3-moe": {  # the CPU demo: byte tokenizer (259 ids) padded to 320
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1,
+        "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+        "intermediate_size": 128, "max_position_embeddings": 512, "mlp_only_layers": [],
+        "model_type": "qwen3_moe", "moe_intermediate_size": 64, "norm_topk_prob": True,
+        "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+        "router_aux_loss_coef": 0.0, "tie_word_embeddings": False, "vocab_size": 320,
+        "pad_token_id": 256, "eos_token_id": 258,
+    },
+}
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3", "llama", "mistral", "qwen2")
+
+
+def _norm_name(s: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", s.lower())
+
+
+def detect_arch(path: str) -> str | None:
+    """The built-in architecture whose name appears in ``path``'s last component (case, '-', '_'
+    and '.' ignored), e.g. ``/models/Qwen3-30B-A3B-Instruct-2507`` -> ``qwen3-30b-a3b``."""
+    base = _norm_name(os.path.basename(os.path.normpath(path)))
+    for name in sorted(KNOWN_ARCHS, key=len, reverse=True):
+        if _norm_name(name) in base:
+            return name
+    return None
+
+
+def model_hf_config(cfg: Config) -> tuple[dict, str]:
+    """The model's HF config.json as a dict, and where it came from. Order: model.hf_path/config.json
+    if it exists; else model.arch; else the architecture detected from model.hf_path's name."""
+    m = cfg.model
+    if m.hf_path and os.path.isfile(os.path.join(m.hf_path, "config.json")):
+        path = os.path.join(m.hf_path, "config.json")
+        with open(path) as fh:
+            return json.load(fh), path
+    if m.arch:
+        if m.arch not in KNOWN_ARCHS:
+            raise ConfigError(f"model.arch {m.arch!r} is not built in; known: {', '.join(KNOWN_ARCHS)}")
+        return dict(KNOWN_ARCHS[m.arch]), f"built-in table ({m.arch})"
+    if m.hf_path and (name := detect_arch(m.hf_path)):
+        return dict(KNOWN_ARCHS[name]), f"built-in table ({name}, detected from model.hf_path's name)"
+    raise ConfigError(f"model.hf_path {m.hf_path!r} has no config.json and its name matches no built-in "
+                      f"architecture; set model.arch to one of {', '.join(KNOWN_ARCHS)}")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The dims of a decoder-only (MoE) transformer, normalized across HF families."""
+
+    model_type: str
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden: int  # dense MLP intermediate size (layers without experts)
+    moe_ffn_hidden: int  # one expert's intermediate size (0 without experts)
+    num_experts: int
+    topk: int
+    moe_layers: tuple[int, ...]
+    qk_norm: bool
+    qkv_bias: bool
+    o_bias: bool
+    tie_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - len(self.moe_layers)
+
+    @classmethod
+    def from_hf_config(cls, c: dict) -> "ModelDims":
+        mt = c.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise PlanError(f"config.json model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+        def req(key: str) -> int:
+            if key not in c:
+                raise PlanError(f"config.json of model_type {mt} lacks {key!r}")
+            return int(c[key])
+
+        hidden, layers, heads = req("hidden_size"), req("num_hidden_layers"), req("num_attention_heads")
+        experts, moe_ffn, ffn, moe_layers = 0, 0, req("intermediate_size"), ()
+        if mt == "qwen3_moe":
+            experts, moe_ffn = req("num_experts"), req("moe_intermediate_size")
+            step, dense = int(c.get("decoder_sparse_step", 1)), set(c.get("mlp_only_layers") or [])
+            moe_layers = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        elif mt == "mixtral":
+            experts, moe_ffn = req("num_local_experts"), ffn
+            moe_layers = tuple(range(layers))
+        bias = bool(c.get("attention_bias", False))
+        return cls(
+            model_type=mt, vocab_size=req("vocab_size"), hidden=hidden, num_layers=layers, num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or hidden // heads), ffn_hidden=ffn, moe_ffn_hidden=moe_ffn,
+            num_experts=experts, topk=req("num_experts_per_tok") if experts else 0, moe_layers=moe_layers,
+            qk_norm=mt in ("qwen3", "qwen3_moe"), qkv_bias=bias or mt == "qwen2", o_bias=bias and mt != "qwen2",
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(c.get("max_position_embeddings", 1 << 30)),
+        )
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one layer by how they shard: /tp, replicated over tp, /(ep*etp)."""
+
+    tp_sharded: int
+    replicated: int
+    expert: int
+    active_expert: int  # the topk experts a token uses
+
+
+def layer_params(d: ModelDims, layer: int) -> LayerParams:
+    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    attn = d.hidden * q + 2 * d.hidden * kv + q * d.hidden
+    attn += (q + 2 * kv) * d.qkv_bias + d.hidden * d.o_bias
+    norms = 2 * d.hidden + 2 * d.head_dim * d.qk_norm
+    if layer in d.moe_layers:
+        one_expert = 3 * d.hidden * d.moe_ffn_hidden
+        return LayerParams(attn, norms + d.hidden * d.num_experts, d.num_experts * one_expert, d.topk * one_expert)
+    return LayerParams(attn + 3 * d.hidden * d.ffn_hidden, norms, 0, 0)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active: int  # per token: non-expert params + topk experts per MoE layer
+    embedding: int  # input embedding + output layer (once if tied)
+    expert: int
+
+
+def param_counts(d: ModelDims) -> ParamCounts:
+    """Parameter counts computed from the dims (same tensors as the HF checkpoint holds)."""
+    layers = [layer_params(d, i) for i in range(d.num_layers)]
+    emb = d.vocab_size * d.hidden * (1 if d.tie_embeddings else 2)
+    dense = sum(lp.tp_sharded + lp.replicated for lp in layers) + emb + d.hidden  # + final norm
+    expert = sum(lp.expert for lp in layers)
+    return ParamCounts(dense + expert, dense + sum(lp.active_expert for lp in layers), emb, expert)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class StageMemory:
+    """Per-GPU memory of one pipeline stage, in bytes; ``items`` are (label, bytes) rows."""
+
+    stage: int
+    layers: tuple[int, int]  # [first, last) global layer ids
+    params: int
+    train_items: list[tuple[str, float]] = field(default_factory=list)
+    rollout_items: list[tuple[str, float]] = field(default_factory=list)
+    kv_cache: float = 0.0
+    host_optimizer: float = 0.0  # optimizer bytes offloaded to host memory
+    in_flight: int = 0  # micro-batches whose activations are held at once (1F1B)
+
+    @property
+    def train_peak(self) -> float:
+        return sum(b for _, b in self.train_items)
+
+    @property
+    def rollout_peak(self) -> float:
+        return sum(b for _, b in self.rollout_items)
+
+    @property
+    def peak(self) -> float:
+        return max(self.train_peak, self.rollout_peak)
+
+
+@dataclass
+class Plan:
+    """Everything the planner derived; :func:`format_plan` prints it."""
+
+    cfg: Config
+    dims: ModelDims
+    counts: ParamCounts
+    source: str
+    nodes: int
+    gpus_per_node: int
+    gpu_bytes: float
+    train_world: int
+    engine_gpus: int  # separate GPUs for engines (disaggregated)
+    num_engines: int
+    dp: int
+    edp: int
+    micro_batches: int
+    stages: list[StageMemory]
+    engine_gpu: StageMemory | None  # the memory of one engine GPU (disaggregated)
+    kv_per_token: float
+    notes: list[str]
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages + ([self.engine_gpu] if self.engine_gpu else []), key=lambda s: s.peak)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.peak <= self.gpu_bytes and all(
+            s.kv_cache > 0 for s in self.stages + [self.engine_gpu] if s is not None and s.rollout_items)
+
+
+def _activation_bytes_per_layer(d: ModelDims, cfg: Config, layer: int, tokens: float) -> float:
+    """Stored activations of one layer for one micro-batch on one GPU (tokens = full micro-batch / cp)."""
+    p, act = cfg.parallel, DTYPE_BYTES[cfg.model.dtype]
+    sp = p.tp if p.sequence_parallel else 1  # sequence-parallel regions split tokens over tp
+    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    per_token = 2 * d.hidden / sp  # attention: norm input + output
+    per_token += (q + 2 * kv + q + (q + kv) * d.qk_norm) / p.tp  # q, k, v, core-attention out, q/k norms
+    per_token += 2 * d.hidden / sp  # MLP: norm input + output
+    if layer in d.moe_layers:
+        per_token += 2 * d.num_experts / sp  # fp32 router probabilities
+        # dispatched tokens, fc1 out (gate+up), activation out, fc2 out; expert-TP gathers the tokens
+        per_token += d.topk * (2 * d.hidden * p.etp + 3 * d.moe_ffn_hidden) / sp
+    else:
+        per_token += 3 * d.ffn_hidden / p.tp
+    return per_token * tokens * act
+
+
+def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
+    cfg: Config = plan_args["cfg"]
+    d: ModelDims = plan_args["dims"]
+    p, m, r, o = cfg.parallel, cfg.model, cfg.rollout, cfg.optimizer
+    per_stage = d.num_layers // p.pp
+    first, last = stage * per_stage, (stage + 1) * per_stage
+    layers = [layer_params(d, i) for i in range(first, last)]
+    dense = sum(lp.tp_sharded for lp in layers) / p.tp + sum(lp.replicated for lp in layers)
+    if stage == 0:
+        dense += d.vocab_size * d.hidden / p.tp
+    if stage == p.pp - 1:
+        dense += d.hidden + (0 if d.tie_embeddings and p.pp == 1 else d.vocab_size * d.hidden / p.tp)
+    expert = sum(lp.expert for lp in layers) / (p.ep * p.etp)
+    params = dense + expert
+    wb = DTYPE_BYTES[m.dtype]
+    grad_b = 4 if (p.grad_reduce_in_fp32 or m.dtype == "float32") else wb
+    opt_b = 8 + (4 if m.dtype != "float32" else 0)
+    dp, edp = plan_args["dp"], plan_args["edp"]
+    opt = opt_b * (dense / dp + expert / edp) if p.use_distributed_optimizer else opt_b * params
+    opt_gpu = opt * (1 - o.cpu_offload_fraction)
+    s = StageMemory(stage, (first, last), int(params), host_optimizer=opt - opt_gpu)
+    precision = "fp32 master+m+v" if m.dtype != "float32" else "fp32 m+v"
+    shard = f"/DP {dp}, experts /EDP {edp}" if p.use_distributed_optimizer else "not sharded"
+    offl = f", {o.cpu_offload_fraction:.0%} on host" if o.cpu_offload_fraction else ""
+    static = [(f"weights ({m.dtype})", params * wb),
+              (f"gradients ({'fp32' if grad_b == 4 else m.dtype} main_grad)", params * grad_b),
+              (f"optimizer ({precision}, {shard}{offl})", opt_gpu)]
+    if cfg.gspo.kl_coef > 0:
+        static.append(("reference model (frozen copy)", params * wb))
+    tokens = p.micro_batch_size * m.max_seq_len / p.cp
+    in_flight = min(p.pp - stage, plan_args["micro_batches"])
+    if m.recompute:
+        sp = p.tp if p.sequence_parallel else 1
+        inputs = len(layers) * tokens * d.hidden / sp * wb
+        one = max(_activation_bytes_per_layer(d, cfg, i, tokens) for i in range(first, last))
+        acts, how = in_flight * inputs + one, "recompute"
+    else:
+        acts = in_flight * sum(_activation_bytes_per_layer(d, cfg, i, tokens) for i in range(first, last))
+        how = "no recompute"
+    s.in_flight = in_flight
+    s.train_items = static + [(f"activations ({how}; pp - stage micro-batches in flight)", acts)]
+    if stage == p.pp - 1:
+        s.train_items.append(("logits + grad (vocab-parallel)", tokens * d.vocab_size / p.tp * 2 * wb))
+    s.train_items.append(("runtime overhead (CUDA context, NCCL, allocator)", RUNTIME_OVERHEAD_GIB * GIB))
+    if r.sync_mode == "colocated":
+        resident = 0.0 if r.offload_train else sum(b for _, b in static)
+        _engine_rows(plan_args, s, resident, "training states" + (" (offloaded)" if r.offload_train else ""))
+    return s
+
+
+def _engine_rows(plan_args: dict, s: StageMemory, resident: float, resident_label: str) -> None:
+    """Rollout-phase rows: SGLang fills engine_mem_fraction of the GPU; the KV cache gets the rest."""
+    cfg, counts, gpu = plan_args["cfg"], plan_args["counts"], plan_args["gpu_bytes"]
+    r = cfg.rollout
+    budget = r.engine_mem_fraction * gpu
+    weights = counts.total * (1 if r.sync_fp8 else 2) / r.engine_tp
+    overhead = RUNTIME_OVERHEAD_GIB * GIB
+    s.kv_cache = budget - overhead - resident - weights
+    s.rollout_items = [(resident_label, resident),
+                       (f"engine weights ({'fp8' if r.sync_fp8 else 'bf16'}, / engine_tp {r.engine_tp})", weights),
+                       ("runtime overhead (CUDA context, NCCL, allocator)", overhead),
+                       (f"KV cache (fills to engine_mem_fraction {r.engine_mem_fraction})", max(s.kv_cache, 0.0))]
+
+
+def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> Plan:
+    """Check ``cfg`` on ``nodes`` x ``gpus_per_node`` GPUs of ``gpu_memory_gib`` GiB and estimate memory.
+    Raises ConfigError (the config cannot run on that cluster, naming the field) or PlanError."""
+    for name, v in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node), ("--gpu-memory-gb", gpu_memory_gib)):
+        if v <= 0:
+            raise PlanError(f"{name} must be > 0, got {v}")
+    r, p = cfg.rollout, cfg.parallel
+    total = nodes * gpus_per_node
+    engine_gpus = 0
+    if r.sync_mode == "disaggregated" and not r.engine_urls:
+        engine_gpus = r.num_engines * r.engine_tp
+        if engine_gpus >= total:
+            raise ConfigError(f"rollout.num_engines * rollout.engine_tp = {r.num_engines} * {r.engine_tp} = "
+                              f"{engine_gpus} engine GPUs leave no training GPU out of {total}")
+    train_world = total - engine_gpus
+    hf, source = model_hf_config(cfg)
+    dims = ModelDims.from_hf_config(hf)
+    validate(cfg, train_world)
+    validate_model_layout(cfg, hf)
+    counts = param_counts(dims)
+    dp = data_parallel_size(cfg, train_world)
+    args = dict(cfg=cfg, dims=dims, counts=counts, gpu_bytes=gpu_memory_gib * GIB, dp=dp,
+                edp=train_world // (p.ep * p.etp * p.pp), micro_batches=micro_batches_per_rank(cfg, train_world))
+    stages = [_stage_memory(args, 0)] + ([_stage_memory(args, p.pp - 1)] if p.pp > 1 else [])
+    engine_gpu = None
+    if r.sync_mode == "disaggregated" and not r.engine_urls:
+        engine_gpu = StageMemory(-1, (0, 0), 0)
+        _engine_rows(args, engine_gpu, 0.0, "training states (none on engine GPUs)")
+    kv_heads = max(1, dims.num_kv_heads // r.engine_tp)  # SGLang replicates KV heads when tp > kv heads
+    kv_per_token = 2 * dims.num_layers * kv_heads * dims.head_dim * 2  # K and V, bf16
+    notes = _notes(cfg, dims, args, train_world)
+    kv_min = min((s.kv_cache for s in stages + [engine_gpu] if s is not None and s.rollout_items), default=None)
+    if kv_min is not None and 0 < kv_min < r.group_size * cfg.model.max_seq_len * kv_per_token:
+        notes.append(f"the KV cache holds fewer than group_size={r.group_size} sequences of model.max_seq_len per "
+                     "engine: generation will be slow (raise rollout.engine_mem_fraction, or offload_train)")
+    return Plan(cfg, dims, counts, source, nodes, gpus_per_node, gpu_memory_gib * GIB, train_world, engine_gpus,
+                engine_count(cfg, train_world) if r.engine == "sglang" else 1, dp, args["edp"],
+                args["micro_batches"], stages, engine_gpu, kv_per_token, notes)
+
+
+def _notes(cfg: Config, d: ModelDims, args: dict, train_world: int) -> list[str]:
+    p, r = cfg.parallel, cfg.rollout
+    notes = []
+    if p.pp > 1 and args["micro_batches"] < p.pp:
+        notes.append(f"only {args['micro_batches']} micro-batch(es) per optimizer step with pp={p.pp}: "
+                     "large pipeline bubble (raise rollout.prompts_per_step or lower parallel.micro_batch_size)")
+    if cfg.model.fp8:
+        notes.append("fp8: Transformer Engine's FP8 weight copies and scaling state are not included")
+    if r.sync_mode == "inprocess":
+        notes.append(f"in-process HF engine: a full model copy ({param_counts(d).total * DTYPE_BYTES[cfg.model.dtype] / GIB:.1f} "
+                     "GiB) on global rank 0, not included above")
+    if r.engine_urls:
+        notes.append(f"engines at rollout.engine_urls ({len(r.engine_urls)}) run outside this cluster")
+    return notes
+
+
+def _count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:8.2f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable plan (what tools/plan.py prints)."""
+    cfg, d, c = plan.cfg, plan.dims, plan.counts
+    p, r = cfg.parallel, cfg.rollout
+    out = []
+    moe = f", {d.num_experts} experts top-{d.topk} ({len(d.moe_layers)} MoE layers)" if d.num_experts else ""
+    out.append(f"model    {d.model_type} from {plan.source}")
+    out.append(f"         {_count(c.total)} params total, {_count(c.active)} active; {d.num_layers} layers, "
+               f"hidden {d.hidden}, {d.num_heads} heads / {d.num_kv_heads} kv heads{moe}")
+    total = plan.nodes * plan.gpus_per_node
+    engines = {"inprocess": "in-process HF engine on rank 0",
+               "colocated": f"{plan.num_engines} engine(s) x engine_tp {r.engine_tp} on the same GPUs",
+               "disaggregated": (f"{plan.num_engines} engine(s) x engine_tp {r.engine_tp} on {plan.engine_gpus} separate GPUs"
+                                 if plan.engine_gpus else f"{plan.num_engines} external engine(s)")}[r.sync_mode]
+    out.append(f"cluster  {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {total}, {plan.gpu_bytes / GIB:g} GiB each; "
+               f"{plan.train_world} training ranks; rollout: {engines} ({r.sync_mode})")
+    out.append(f"layout   TP {p.tp}  PP {p.pp}  CP {p.cp}  EP {p.ep}  ETP {p.etp}  DP {plan.dp}  expert-DP {plan.edp}  "
+               f"SP {'on' if p.sequence_parallel else 'off'}")
+    per_stage = d.num_layers // p.pp
+    experts = f"; experts per rank {d.num_experts // p.ep} (of {d.num_experts})" if d.num_experts else ""
+    out.append(f"         layers per stage {per_stage}{experts}; params per GPU "
+               + ", ".join(f"stage {s.stage} {_count(s.params)}" for s in plan.stages))
+    g = cfg.gspo
+    mini = cfg.step_batch_size // g.mini_batches
+    out.append(f"batch    {r.prompts_per_step} prompts x G {r.group_size} = {cfg.step_batch_size} sequences/step = "
+               f"{g.mini_batches} mini-batch(es) of {mini}; per DP rank {mini // plan.dp} sequences = "
+               f"{plan.micro_batches} micro-batch(es) of {p.micro_batch_size} x {cfg.model.max_seq_len} tokens")
+    out.append("")
+    cols = [s for s in plan.stages] + ([plan.engine_gpu] if plan.engine_gpu else [])
+    names = [f"stage {s.stage}" if s.stage >= 0 else "engine GPU" for s in cols]
+    out.append(f"{'memory per GPU (GiB)':<69}" + "".join(f"{n:>12}" for n in names))
+
+    def rows(title: str, attr: str, peak: str) -> None:
+        labels: list[str] = []
+        for s in sorted(cols, key=lambda s: -len(getattr(s, attr))):  # the last stage has every row
+            for lbl, _ in getattr(s, attr):
+                if lbl not in labels:
+                    labels.append(lbl)
+        if not labels:
+            return
+        out.append(f" {title}")
+        for lbl in labels:
+            vals = [dict(getattr(s, attr)).get(lbl) for s in cols]
+            out.append(f"   {lbl[:66]:<66}" + "".join(f"{'-':>12}" if v is None else f"{_gib(v):>12}" for v in vals))
+        out.append(f"   {'= peak':<66}" + "".join(f"{_gib(getattr(s, peak)):>12}" if getattr(s, attr) else f"{'-':>12}" for s in cols))
+
+    rows("training phase" + (" (engines released)" if r.sync_mode == "colocated" else ""), "train_items", "train_peak")
+    rows("rollout phase (engines generating)", "rollout_items", "rollout_peak")
+    if p.pp > 1:
+        out.append("   micro-batches in flight: " + ", ".join(f"stage {s.stage}: {s.in_flight}" for s in plan.stages))
+    host = max(s.host_optimizer for s in cols)
+    if host:
+        out.append(f"   host memory per GPU for offloaded optimizer states: {host / GIB:.2f} GiB")
+    if r.sync_mode in ("colocated", "disaggregated") and plan.kv_per_token:
+        kv = min(s.kv_cache for s in cols if s.rollout_items) if any(s.rollout_items for s in cols) else 0.0
+        if kv > 0:
+            tokens = kv / plan.kv_per_token
+            out.append(f"   KV cache per engine: {tokens / 1e3:,.0f}k tokens = {tokens / cfg.model.max_seq_len:,.0f} "
+                       f"sequences of {cfg.model.max_seq_len} tokens ({plan.kv_per_token / 1024:.0f} KiB/token per GPU)")
+    out.append("")
+    w = plan.worst
+    name = f"stage {w.stage}" if w.stage >= 0 else "engine GPU"
+    head = plan.gpu_bytes - w.peak
+    out.append(f"peak {w.peak / GIB:.2f} GiB ({name}) of {plan.gpu_bytes / GIB:g} GiB: headroom {head / GIB:.2f} GiB "
+               f"({head / plan.gpu_bytes:.0%})" + ("" if plan.fits else "  -> DOES NOT FIT"))
+    for n in plan.notes:
+        out.append(f"note: {n}")
+    if not plan.fits:
+        out.append("does not fit: " + _advice(plan))
+    return "\n".join(out)
+
+
+def _advice(plan: Plan) -> str:
+    cfg = plan.cfg
+    tips = []
+    if any(s.rollout_items and s.kv_cache <= 0 for s in plan.stages + [plan.engine_gpu] if s):
+        tips.append("no room for the KV cache: raise rollout.engine_mem_fraction or rollout.engine_tp"
+                    + (", or set rollout.offload_train=true" if cfg.rollout.sync_mode == "colocated" and not cfg.rollout.offload_train else ""))
+    if plan.worst.peak > plan.gpu_bytes:
+        if not cfg.model.recompute:
+            tips.append("model.recompute=true")
+        tips.append("raise parallel.ep / parallel.pp / parallel.tp")
+        if cfg.optimizer.cpu_offload_fraction < 1:
+            tips.append("optimizer.cpu_offload_fraction")
+        tips.append("lower parallel.micro_batch_size or model.max_seq_len")
+    return "; ".join(tips)
+
+
+def build_arg_parser(prog: str = "plan.py") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description="Check a gspo-megatron config against a cluster shape "
+                                 "and estimate per-GPU memory. Exit 0: fits; 1: does not fit in memory; "
+                                 "2: invalid config or layout.")
+    ap.add_argument("--config", help="YAML config (default: built-in defaults)")
+    add_cluster_args(ap)
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return ap
+
+
+def add_cluster_args(ap: argparse.ArgumentParser) -> None:
+    """--nodes / --gpus-per-node / --gpu-memory-gb (shared with gspo-train --dry-run)."""
+    ap.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
+
+
+def run_plan(config: str | None, overrides: list[str], nodes: int, gpus_per_node: int,
+             gpu_memory_gb: float, out=None) -> int:
+    """Load (without checking that files exist), plan, print; return the exit code (0/1/2)."""
+    out = out or sys.stdout
+    try:
+        cfg = load_config(config, overrides, check_files=False)
+        plan = make_plan(cfg, nodes, gpus_per_node, gpu_memory_gb)
+    except (ConfigError, PlanError) as e:
+        print(f"error: {e}", file=out)
+        return 2
+    print(format_plan(plan), file=out)
+    return 0 if plan.fits else 1
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """Entry point of tools/plan.py; returns the exit code."""
+    a = build_arg_parser().parse_args(argv)
+    return run_plan(a.config, a.overrides, a.nodes, a.gpus_per_node, a.gpu_memory_gb)

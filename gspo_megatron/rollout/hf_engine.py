@@ -1,0 +1,330 @@
+"""The CPU rollout engine on Hugging Face transformers (used where SGLang cannot run).
+
+Called on global rank 0 only (directly, or inside a child process via ``subprocess_engine``).
+Weights arrive in the *on-disk HF checkpoint layout* (one tensor per expert); transformers 5.x keeps
+MoE experts fused in memory (``experts.gate_up_proj`` [E, 2I, H] = cat(gate, up) per expert along
+dim 1, ``experts.down_proj`` [E, H, I]), so :class:`HFCheckpointLayout` maps each checkpoint name to
+a view of the in-memory parameter. transformers' own converters (conversion_mapping.py) need the
+whole expert set at once (MergeModulelist), which a partial weight-sync bucket does not provide,
+hence this small explicit adapter; tests check it against ``revert_weight_conversion``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+
+from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+
+
+@dataclass(frozen=True)
+class ExpertNaming:
+    """How one family names per-expert weights on disk: ``{prefix}.{block}.experts.{e}.{gate|up|down}.weight``."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+
+# Families whose in-memory experts are fused (gate_up_proj / down_proj); checkpoints keep one tensor
+# per expert. Mixtral's checkpoint block is "block_sparse_moe", renamed to "mlp" in memory.
+FUSED_EXPERT_NAMING: dict[str, ExpertNaming] = {
+    "qwen3_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ExpertNaming("block_sparse_moe", "w1", "w3", "w2"),
+}
+_FUSED_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+class HFCheckpointLayout:
+    """Maps HF checkpoint-layout names to (views of) a transformers model's in-memory parameters."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model_type: str = model.config.model_type
+        self.params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        has_fused = any(n.endswith(_FUSED_SUFFIXES) for n in self.params)
+        self.naming = FUSED_EXPERT_NAMING.get(self.model_type)
+        if has_fused and self.naming is None:
+            raise NotImplementedError(
+                f"model_type {self.model_type!r} keeps fused experts in memory but has no checkpoint "
+                f"naming rule; known: {sorted(FUSED_EXPERT_NAMING)}"
+            )
+        self._expert_re = None
+        if self.naming is not None:
+            n = self.naming
+            self._expert_re = re.compile(
+                rf"^(?P<prefix>.+)\.{re.escape(n.block)}\.experts\.(?P<expert>\d+)\."
+                rf"(?P<proj>{re.escape(n.gate)}|{re.escape(n.up)}|{re.escape(n.down)})\.weight$"
+            )
+
+    def target(self, name: str) -> torch.Tensor:
+        """The in-memory view that checkpoint tensor ``name`` occupies (same shape as on disk)."""
+        if self._expert_re is not None:
+            m = self._expert_re.match(name)
+            if m is not None:
+                return self._expert_view(name, m)
+            if self.naming.block != "mlp":
+                name_in_memory = name.replace(f".{self.naming.block}.", ".mlp.")
+                if name_in_memory in self.params:
+                    return self.params[name_in_memory]
+        if name in self.params:
+            return self.params[name]
+        raise KeyError(f"unknown weight name {name!r} for model_type {self.model_type!r}")
+
+    def _expert_view(self, name: str, m: re.Match) -> torch.Tensor:
+        prefix, expert, proj = m.group("prefix"), int(m.group("expert")), m.group("proj")
+        fused = "down_proj" if proj == self.naming.down else "gate_up_proj"
+        param_name = f"{prefix}.mlp.experts.{fused}"
+        if param_name not in self.params:
+            raise KeyError(f"unknown weight name {name!r}: no parameter {param_name!r} in memory")
+        param = self.params[param_name]
+        if expert >= param.shape[0]:
+            raise KeyError(f"weight {name!r}: expert {expert} out of range (num_experts={param.shape[0]})")
+        if proj == self.naming.down:
+            return param[expert]
+        inter = param.shape[1] // 2
+        return param[expert, :inter] if proj == self.naming.gate else param[expert, inter:]
+
+    def checkpoint_names(self) -> list[str]:
+        """Every name this model has in the checkpoint layout (tied weights listed once)."""
+        names: list[str] = []
+        for pname, param in dict(self.model_params_dedup()).items():
+            if self.naming is not None and pname.endswith(_FUSED_SUFFIXES):
+                prefix = pname[: -len(".mlp.experts.gate_up_proj")] if pname.endswith("gate_up_proj") else (
+                    pname[: -len(".mlp.experts.down_proj")]
+                )
+                projs = (self.naming.gate, self.naming.up) if pname.endswith("gate_up_proj") else (self.naming.down,)
+                for e in range(param.shape[0]):
+                    names += [f"{prefix}.{self.naming.block}.experts.{e}.{p}.weight" for p in projs]
+            elif self.naming is not None and self.naming.block != "mlp" and ".mlp." in pname:
+                names.append(pname.replace(".mlp.", f".{self.naming.block}.", 1))
+            else:
+                names.append(pname)
+        return names
+
+    def model_params_dedup(self) -> Iterable[tuple[str, torch.Tensor]]:
+        seen: set[int] = set()
+        for name, p in self.params.items():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint-layout tensor into the model; the shape must match exactly."""
+        dst = self.target(name)
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise ValueError(
+                f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(dst.shape)}"
+            )
+        dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+
+
+def _top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits [B, V] outside the top-k / nucleus (top-p) set with -inf (at least one token kept)."""
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        remove_sorted = mass_before >= top_p  # the first token always has mass_before == 0
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Batched sampling with a KV cache on a transformers causal LM (fp32 on CPU by default).
+
+    config: a ``PretrainedConfig``, its ``to_dict()`` (must hold ``model_type``), or a directory.
+    weights: a checkpoint-layout state dict, a directory of ``*.safetensors``, or None (random init;
+    weights then come through ``update_weights``). max_batch_size bounds sequences per forward.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig | Mapping | str | os.PathLike,
+        weights: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        attn_implementation: str = "sdpa",
+        max_batch_size: int = 256,
+        seed: int = 0,
+        device: str = "cpu",
+    ):
+        self.config = _as_config(config)
+        with torch.random.fork_rng(devices=[]):  # random init must not move the caller's RNG
+            torch.manual_seed(seed)
+            self.model = AutoModelForCausalLM.from_config(
+                self.config, attn_implementation=attn_implementation, dtype=dtype
+            )
+        self.model.to(device).eval()
+        self.device = torch.device(device)
+        self.layout = HFCheckpointLayout(self.model)
+        self.max_batch_size = max_batch_size
+        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.weight_version = 0
+        if weights is not None:
+            self.load_weights(weights)
+
+    # ----------------------------------------------------------------------------------- weights
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike) -> None:
+        """Load a full checkpoint-layout state dict or a directory of safetensors files."""
+        if isinstance(weights, (str, os.PathLike)):
+            files = sorted(glob.glob(os.path.join(str(weights), "*.safetensors")))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in weights directory {weights}")
+            for f in files:
+                self.update_weights(list(load_file(f).items()))
+        else:
+            self.update_weights(list(weights.items()))
+
+    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in bucket:
+            self.layout.load(name, tensor)
+
+    def end_weight_update(self) -> None:
+        self.weight_version += 1
+
+    def weight_checksums(self, names: Iterable[str]) -> dict[str, float]:
+        return {n: float(self.layout.target(n).detach().to(torch.float64).sum()) for n in names}
+
+    def checkpoint_names(self) -> list[str]:
+        """All weight names of the model in the HF checkpoint layout."""
+        return self.layout.checkpoint_names()
+
+    # -------------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[RolloutSample]]:
+        _check_params(params, n)
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        flat = [list(map(int, p)) for p in prompts for _ in range(n)]
+        for i, p in enumerate(flat):
+            if not p:
+                raise ValueError(f"prompt {i // n} is empty")
+        samples: list[RolloutSample] = []
+        for start in range(0, len(flat), self.max_batch_size):
+            samples += self._generate_batch(flat[start : start + self.max_batch_size], params, generator)
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> list[RolloutSample]:
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.zeros(batch, width, dtype=torch.long)
+        mask = torch.zeros(batch, width, dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
+        cache = DynamicCache(config=self.model.config)
+        tokens_out, logprobs_out = [], []
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        step_ids, step_pos = input_ids, positions
+        for _ in range(params.max_new_tokens):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = out.past_key_values
+            token, logprob = self._sample(out.logits[:, -1, :].float(), params, generator)
+            tokens_out.append(torch.where(finished, -1, token))
+            logprobs_out.append(logprob)
+            if stop_ids.numel():
+                hit = torch.isin(token, stop_ids) & ~finished
+                stopped |= hit
+                finished |= hit
+            if bool(finished.all()):
+                break
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=self.device)], dim=1)
+            step_pos = step_pos[:, -1:] + 1
+            step_ids = token[:, None]
+        tokens = torch.stack(tokens_out, dim=1).cpu()
+        logprobs = torch.stack(logprobs_out, dim=1).cpu()
+        result = []
+        for i in range(batch):
+            keep = tokens[i] >= 0
+            result.append(
+                RolloutSample(
+                    prompt_ids=prompts[i],
+                    response_ids=tokens[i][keep].tolist(),
+                    response_logprobs=logprobs[i][keep].tolist(),
+                    finish_reason="stop" if bool(stopped[i]) else "length",
+                )
+            )
+        return result
+
+    @staticmethod
+    def _sample(
+        logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw one token per row of ``logits`` [B, V]; return (token [B], log-prob [B]).
+
+        The log-prob is log_softmax(logits / T)[token] of the unfiltered distribution; T == 0 means
+        greedy, with the log-prob of the T == 1 distribution."""
+        if params.temperature == 0:
+            token = logits.argmax(dim=-1)
+            return token, torch.log_softmax(logits, dim=-1).gather(-1, token[:, None])[:, 0]
+        scaled = logits / params.temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        filtered = _top_k_top_p_filter(scaled, params.top_k, params.top_p)
+        probs = torch.softmax(filtered, dim=-1)
+        token = torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(logits.device)
+        return token, logp.gather(-1, token[:, None])[:, 0]
+
+    @torch.no_grad()
+    def teacher_forced_logprobs(
+        self, prompt_ids: Sequence[int], response_ids: Sequence[int], temperature: float = 1.0
+    ) -> list[float]:
+        """log_softmax(logits / T)[y_t] of each response token under one unpadded forward."""
+        ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
+        logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        return logp.gather(-1, ids[0, len(prompt_ids) :, None])[:, 0].tolist()
+
+
+def _check_params(params: SamplingParams, n: int) -> None:
+    if n < 1:
+        raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+    if params.temperature < 0:
+        raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k == 0 or params.top_k < -1:
+        raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {params.top_k}")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+
+
+def _as_config(config: PretrainedConfig | Mapping | str | os.PathLike) -> PretrainedConfig:
+    if isinstance(config, PretrainedConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return AutoConfig.from_pretrained(str(config))
+    if isinstance(config, Mapping):
+        if "model_type" not in config:
+            raise ValueError("config dict has no 'model_type' field")
+        cfg = dict(config)
+        return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    raise TypeError(f"config must be a PretrainedConfig, a dict or a directory, got {type(config).__name__}")

@@ -1,0 +1,302 @@
+"""Thin clients for one SGLang engine: its HTTP server, or ``sglang.Engine`` in this process.
+
+Both expose the same methods (the ones the rollout engine and the weight transports call), written
+against SGLang's HTTP routes / ``Engine`` methods (read from sglang 0.5.x:
+``srt/entrypoints/http_server.py`` and ``srt/entrypoints/engine.py``). Weight-update calls
+return SGLang's ``(success, message)``; a failure raises :class:`SGLangError` naming the call.
+Called only on the trainer rank(s) that own an engine connection. No sglang import at module load.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+
+import torch
+
+
+class SGLangError(RuntimeError):
+    """An SGLang call failed; the message names the engine and the call."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the form SGLang's update_weights_from_distributed takes)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _check(result: Any, where: str) -> Any:
+    """SGLang weight calls return (success, message) or an object/dict with .success."""
+    if isinstance(result, tuple) and len(result) >= 2 and isinstance(result[0], bool):
+        ok, msg = result[0], result[1]
+    elif isinstance(result, dict) and "success" in result:
+        ok, msg = result["success"], result.get("message", "")
+    elif hasattr(result, "success"):
+        ok, msg = result.success, getattr(result, "message", "")
+    else:
+        return result
+    if not ok:
+        raise SGLangError(f"{where} failed: {msg}")
+    return result
+
+
+class SGLangHttpClient:
+    """One SGLang HTTP server (``python -m sglang.launch_server``) at ``base_url``."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 3600.0):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._has_sessions: bool | None = None  # begin/end_weight_update routes (newer SGLang)
+        self._tp_size: int | None = None
+
+    def __repr__(self) -> str:
+        return f"SGLangHttpClient({self.base_url!r})"
+
+    # -- transport -------------------------------------------------------------------------------
+    def request(self, method: str, route: str, payload: Any = None, timeout_s: float | None = None):
+        """One HTTP call; returns the decoded JSON (or text); raises SGLangError on HTTP errors."""
+        url = f"{self.base_url}/{route.lstrip('/')}"
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(url, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            raise SGLangError(f"{method} {url} -> HTTP {e.code}: {detail}") from e
+        except (urllib.error.URLError, OSError) as e:
+            raise SGLangError(f"{method} {url} unreachable: {e}") from e
+        if not body:
+            return None
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:
+            return body.decode(errors="replace")
+
+    def post(self, route: str, payload: Any = None, **kw):
+        return self.request("POST", route, {} if payload is None else payload, **kw)
+
+    # -- serving ---------------------------------------------------------------------------------
+    def health(self, timeout_s: float = 10.0) -> bool:
+        """True when ``/health_generate`` answers 200 (runs a one-token generation)."""
+        try:
+            self.request("GET", "health_generate", timeout_s=timeout_s)
+            return True
+        except SGLangError:
+            return False
+
+    def server_info(self) -> dict:
+        return self.request("GET", "get_server_info")
+
+    @property
+    def tp_size(self) -> int:
+        """The engine's tensor-parallel size: CUDA IPC sends one payload per TP rank."""
+        if self._tp_size is None:
+            self._tp_size = int(self.server_info().get("tp_size", 1))
+        return self._tp_size
+
+    def generate(
+        self, input_ids: Sequence[Sequence[int]], sampling_params: Sequence[dict], return_logprob: bool = True
+    ) -> list[dict]:
+        """Batched ``/generate`` from token ids; one output dict per input, in order."""
+        out = self.post(
+            "generate",
+            {
+                "input_ids": [list(map(int, ids)) for ids in input_ids],
+                "sampling_params": list(sampling_params),
+                "return_logprob": return_logprob,
+            },
+        )
+        return out if isinstance(out, list) else [out]
+
+    def pause_generation(self) -> None:
+        self.post("pause_generation")
+
+    def continue_generation(self) -> None:
+        self.post("continue_generation")
+
+    def flush_cache(self) -> None:
+        self.post("flush_cache")
+
+    # -- weight sync -----------------------------------------------------------------------------
+    def begin_weight_update(self) -> bool:
+        """Open SGLang's weight-update session (required by newer versions before any
+        update_weights_from_*); False when this server predates sessions (route missing)."""
+        if self._has_sessions is False:
+            return False
+        try:
+            _check(self.post("begin_weight_update", {}), f"{self}.begin_weight_update")
+        except SGLangError as e:
+            if "HTTP 404" in str(e) or "HTTP 405" in str(e):
+                self._has_sessions = False
+                return False
+            raise
+        self._has_sessions = True
+        return True
+
+    def end_weight_update(self) -> None:
+        if self._has_sessions:
+            _check(self.post("end_weight_update", {}), f"{self}.end_weight_update")
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        load_format: str | None = None,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> None:
+        """``serialized_named_tensors``: one base64 payload per engine TP rank (rank i reads item i)."""
+        payload = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        _check(self.post("update_weights_from_tensor", payload), f"{self}.update_weights_from_tensor")
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str = "nccl",
+    ) -> None:
+        payload = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                       world_size=world_size, group_name=group_name, backend=backend)
+        _check(self.post("init_weights_update_group", payload), f"{self}.init_weights_update_group")
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        _check(self.post("destroy_weights_update_group", {"group_name": group_name}),
+               f"{self}.destroy_weights_update_group")
+
+    def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group_name: str,
+        flush_cache: bool = False, weight_version: str | None = None, load_format: str | None = None,
+    ) -> None:
+        payload: dict[str, Any] = dict(names=list(names), dtypes=list(dtypes),
+                                       shapes=[list(s) for s in shapes], group_name=group_name,
+                                       flush_cache=flush_cache)
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        if load_format is not None:
+            payload["load_format"] = load_format
+        _check(self.post("update_weights_from_distributed", payload), f"{self}.update_weights_from_distributed")
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang returns the leading ``truncate_size`` rows of TP rank 0's shard (as nested lists)."""
+        out = self.post("get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        if out is None or (isinstance(out, dict) and "error" in out):
+            raise SGLangError(f"{self}.get_weights_by_name({name!r}) failed: {out}")
+        return out
+
+    # -- colocation ------------------------------------------------------------------------------
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        self.post("release_memory_occupation", {"tags": None if tags is None else list(tags)})
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        self.post("resume_memory_occupation", {"tags": None if tags is None else list(tags)})
+
+    def shutdown(self) -> None:
+        """Nothing to close for HTTP (the launcher owns the server process)."""
+
+
+class SGLangInProcessClient:
+    """``sglang.Engine`` living in this process (single node; the engine spawns its TP workers).
+
+    ``server_args`` are ``sglang.srt.server_args.ServerArgs`` fields (``model_path``, ``tp_size``,
+    ``mem_fraction_static``, ``enable_memory_saver``...). Generation is synchronous here, so no
+    request is in flight during a sync and pause/continue are no-ops.
+    """
+
+    def __init__(self, engine: Any = None, **server_args: Any):
+        if engine is None:
+            import sglang  # lazy: GPU-only dependency
+
+            engine = sglang.Engine(**server_args)
+        self.engine = engine
+        self._server_args = server_args
+        self._has_sessions = hasattr(engine, "begin_weight_update")
+
+    def __repr__(self) -> str:
+        return f"SGLangInProcessClient({self._server_args.get('model_path', '?')!r})"
+
+    @property
+    def tp_size(self) -> int:
+        sa = getattr(self.engine, "server_args", None)
+        return int(getattr(sa, "tp_size", self._server_args.get("tp_size", 1)))
+
+    def health(self, timeout_s: float = 10.0) -> bool:
+        try:
+            out = self.engine.generate(input_ids=[0], sampling_params={"max_new_tokens": 1})
+            return isinstance(out, dict)
+        except Exception:
+            return False
+
+    def generate(self, input_ids, sampling_params, return_logprob: bool = True) -> list[dict]:
+        out = self.engine.generate(input_ids=[list(map(int, x)) for x in input_ids],
+                                   sampling_params=list(sampling_params), return_logprob=return_logprob)
+        return out if isinstance(out, list) else [out]
+
+    def pause_generation(self) -> None:
+        """No request can be in flight: generate() blocks this process."""
+
+    def continue_generation(self) -> None:
+        """See pause_generation."""
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    def begin_weight_update(self) -> bool:
+        if not self._has_sessions:
+            return False
+        _check(self.engine.begin_weight_update(), f"{self}.begin_weight_update")
+        return True
+
+    def end_weight_update(self) -> None:
+        if self._has_sessions:
+            _check(self.engine.end_weight_update(), f"{self}.end_weight_update")
+
+    def update_weights_from_tensor(self, serialized_named_tensors, load_format=None, flush_cache=False,
+                                   weight_version=None) -> None:
+        # Engine.update_weights_from_tensor takes the per-rank payloads as `named_tensors` when
+        # load_format == "flattened_bucket"; the version string is HTTP-only.
+        _check(self.engine.update_weights_from_tensor(named_tensors=list(serialized_named_tensors),
+                                                      load_format=load_format, flush_cache=flush_cache),
+               f"{self}.update_weights_from_tensor")
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                  backend="nccl") -> None:
+        _check(self.engine.init_weights_update_group(master_address=master_address, master_port=master_port,
+                                                     rank_offset=rank_offset, world_size=world_size,
+                                                     group_name=group_name, backend=backend),
+               f"{self}.init_weights_update_group")
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        _check(self.engine.destroy_weights_update_group(group_name=group_name),
+               f"{self}.destroy_weights_update_group")
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, flush_cache=False,
+                                        weight_version=None, load_format=None) -> None:
+        _check(self.engine.update_weights_from_distributed(names=list(names), dtypes=list(dtypes),
+                                                           shapes=[list(s) for s in shapes],
+                                                           group_name=group_name, flush_cache=flush_cache,
+                                                           load_format=load_format),
+               f"{self}.update_weights_from_distributed")
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        out = self.engine.get_weights_by_name(name, truncate_size)
+        if out is None:
+            raise SGLangError(f"{self}.get_weights_by_name({name!r}) failed (model does not support it?)")
+        return out
+
+    def release_memory_occupation(self, tags=None) -> None:
+        self.engine.release_memory_occupation(tags=None if tags is None else list(tags))
+
+    def resume_memory_occupation(self, tags=None) -> None:
+        self.engine.resume_memory_occupation(tags=None if tags is None else list(tags))
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,305 @@
+"""The CPU compatibility layer: lets Megatron-Core's MoE GPT model, schedules, DDP, optimizer and
+dist_checkpointing run without CUDA (gloo instead of NCCL). Active only when no GPU is present.
+
+Megatron-Core hard-codes CUDA in a handful of places (``torch.cuda.current_device()`` as a device,
+``torch.cuda.Stream``/``Event`` in the MoE dispatcher, ``device="cuda"`` masks, CUDA RNG state in the
+model-parallel RNG tracker, tensor type strings). Instead of patching torch globally, each listed
+Megatron module gets its own ``torch`` name rebound to a proxy that differs from torch in two ways
+only:
+
+- ``proxy.cuda`` is a CPU shim (streams and events are no-ops, ``current_device()`` is ``"cpu"``,
+  the "CUDA" RNG is the CPU generator);
+- tensor factories (``torch.empty/zeros/ones/arange/...``) map ``device="cuda"`` to the CPU.
+
+Everything else is the real torch. A few functions are replaced where a proxy cannot reach (noted
+at each patch). ``activate()`` is idempotent and a no-op when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import types
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Megatron modules whose `torch` global is rebound (each has CUDA-only call sites on our code path).
+_PROXIED_MODULES = (
+    "megatron.core.parallel_state",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.language_model_embedding",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer_param_scheduler",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.utils",
+    "megatron.core.rerun_state_machine",
+)
+
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn", "randint", "randperm",
+    "empty_like", "zeros_like", "ones_like", "full_like", "as_tensor", "linspace", "eye", "tril_indices",
+    "triu_indices",
+)
+
+
+def _cpu_device(device):
+    """Map any CUDA device spec to the CPU; leave others alone."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _wrap_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _NoopStream:
+    """Stands for torch.cuda.Stream / Event: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoopStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+    def __eq__(self, other):
+        return isinstance(other, _NoopStream)
+
+    def __hash__(self):
+        return 0
+
+
+_SINGLETON_STREAM = _NoopStream()
+
+
+def _make_cuda_shim() -> types.SimpleNamespace:
+    """The `torch.cuda` seen by proxied Megatron modules on a CPU-only machine."""
+    real = torch.cuda
+    shim = types.SimpleNamespace()
+    for name in dir(real):  # default: the real attribute (is_available() stays False, etc.)
+        if not name.startswith("__"):
+            setattr(shim, name, getattr(real, name))
+    shim.Stream = _NoopStream
+    shim.Event = _NoopStream
+    shim.current_stream = lambda *a, **k: _SINGLETON_STREAM
+    shim.default_stream = lambda *a, **k: _SINGLETON_STREAM
+    shim.stream = lambda *a, **k: contextlib.nullcontext()
+    shim.synchronize = lambda *a, **k: None
+    shim.current_device = lambda: "cpu"
+    shim.device_count = lambda: 0
+    shim.set_device = lambda *a, **k: None
+    shim.empty_cache = lambda: None
+    shim.memory_allocated = lambda *a, **k: 0
+    shim.max_memory_allocated = lambda *a, **k: 0
+    shim.memory_reserved = lambda *a, **k: 0
+    shim.reset_peak_memory_stats = lambda *a, **k: None
+    shim.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
+                                      range=lambda *a, **k: contextlib.nullcontext())
+    # The "CUDA" RNG of the model-parallel tracker is the CPU generator.
+    shim.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    shim.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    shim.manual_seed = lambda seed: torch.manual_seed(seed)
+    shim.manual_seed_all = lambda seed: torch.manual_seed(seed)
+    # DDP / clip_grads check tensor type strings against these names.
+    shim.FloatTensor = torch.FloatTensor
+    shim.HalfTensor = torch.HalfTensor
+    shim.BFloat16Tensor = torch.BFloat16Tensor
+    shim.IntTensor = torch.IntTensor
+    shim.LongTensor = torch.LongTensor
+    return shim
+
+
+class _TorchProxy(types.ModuleType):
+    """`torch` as seen by one proxied Megatron module. Lookups are cached on first use."""
+
+    def __init__(self, cuda_shim):
+        super().__init__("torch")
+        self.__dict__["cuda"] = cuda_shim
+        for name in _FACTORIES:
+            self.__dict__[name] = _wrap_factory(getattr(torch, name))
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        self.__dict__[name] = value
+        return value
+
+
+_ACTIVE = False
+
+
+def is_active() -> bool:
+    return _ACTIVE
+
+
+def activate(force: bool = False) -> bool:
+    """Install the CPU redirections when CUDA is unavailable (or ``force``). Returns whether active."""
+    global _ACTIVE
+    if _ACTIVE:
+        return True
+    if torch.cuda.is_available() and not force:
+        return False
+    proxy = _TorchProxy(_make_cuda_shim())
+    for name in _PROXIED_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:  # module absent in this megatron-core version
+            continue
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = proxy
+    _patch_rng_tracker()
+    _patch_moe_split_sizes()
+    _patch_tied_embedding_setup()
+    _ACTIVE = True
+    log.info("CPU compatibility layer for Megatron-Core active")
+    return True
+
+
+def _patch_rng_tracker() -> None:
+    # random.py reads CUDA generator state through torch._C, out of a proxy's reach.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def _patch_moe_split_sizes() -> None:
+    """The alltoall dispatcher turns its split sizes into NumPy arrays only when they live on the
+    GPU; on CPU they stay tensors, which ProcessGroup.all_to_all_single rejects."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    """Within the block, ``Tensor.cuda()`` returns the tensor itself (a CPU no-op)."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _patch_tied_embedding_setup() -> None:
+    """LanguageModule.setup_embeddings_and_output_layer moves the tied embedding copy with
+    ``weight.data.cuda()`` (a Tensor method, out of a module proxy's reach) before all-reducing it
+    between the first and last pipeline stages."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(original, "_gspo_patched", False):
+        return
+
+    @functools.wraps(original)
+    def setup(self, *args, **kwargs):
+        with _tensor_cuda_is_identity():
+            return original(self, *args, **kwargs)
+
+    setup._gspo_patched = True
+    LanguageModule.setup_embeddings_and_output_layer = setup
+
+
+def patch_missing_te() -> None:
+    """Megatron-Core 0.16 references ``te_general_gemm`` in the MoE router even when Transformer
+    Engine failed to import (NameError). Define it as None so the torch fallback runs. Needed on any
+    machine without TE, GPU or not; called by ``init_distributed``."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    _patch_torch_norm()
+
+
+def _patch_torch_norm() -> None:
+    """Without TE or apex, Megatron's local spec uses WrappedTorchNorm, which refuses sequence
+    parallelism (required for MoE with TP). A norm is elementwise over the hidden dim, so it is
+    correct on sequence shards; what SP needs is the `sequence_parallel` mark on the weight so that
+    finalize_model_grads all-reduces its gradient over the TP group (as TE's and apex's norms do)."""
+    from megatron.core.transformer import torch_norm
+
+    if getattr(torch_norm.WrappedTorchNorm, "_gspo_patched", False):
+        return
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                zero_centered_gamma=False, normalization="LayerNorm"):
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
+        if norm_cls is None or config.layernorm_zero_centered_gamma:
+            raise ValueError(f"normalization {config.normalization!r} (zero-centered gamma="
+                             f"{config.layernorm_zero_centered_gamma}) needs Transformer Engine or apex")
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+    torch_norm.WrappedTorchNorm._gspo_patched = True

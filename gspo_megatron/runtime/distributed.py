@@ -1,0 +1,132 @@
+"""torch.distributed + Megatron parallel state, from the parallel section of the config.
+
+Every rank calls ``init_distributed`` once at start-up (under torchrun the rank/world come from the
+environment; a single process without torchrun becomes a world of one). NCCL with GPUs, gloo without
+(then the CPU compatibility layer is activated before any Megatron module is used).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.runtime import cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Model-parallel sizes; data parallel is derived from the world size."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None: same as tp
+    cp: int = 1
+    sequence_parallel: bool = False
+
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size()
+
+    def check(self, world_size: int) -> None:
+        """Raise ValueError naming the field when the layout cannot be built on ``world_size`` ranks."""
+        for name in ("tp", "pp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        mp = self.model_parallel_size()
+        if world_size % mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.tp*pp*cp = "
+                f"{self.tp}*{self.pp}*{self.cp} = {mp}")
+        etp = self.etp or self.tp
+        expert_mp = etp * self.ep * self.pp
+        if world_size % expert_mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.etp*ep*pp = "
+                f"{etp}*{self.ep}*{self.pp} = {expert_mp}")
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 30) -> None:
+    """Initialize torch.distributed (idempotent), Megatron's parallel state, and all RNGs.
+
+    Called by every rank. Raises ValueError before any group is created if the layout does not fit.
+    """
+    cpu_compat.activate()
+    cpu_compat.patch_missing_te()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python`: a world of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    world = dist.get_world_size()
+    layout.check(world)
+
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy, torch, and Megatron's model-parallel RNG tracker (same seed on every rank;
+    Megatron offsets the tensor-parallel and expert-parallel streams per rank)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    mrandom.initialize_rng_tracker(force_reset=True)
+    mrandom.model_parallel_cuda_manual_seed(seed, force_reset_rng=True) if _accepts_force_reset(
+        mrandom.model_parallel_cuda_manual_seed) else mrandom.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)  # the tracker's `add` reseeds the default generator on CPU
+
+
+def _accepts_force_reset(fn) -> bool:
+    import inspect
+
+    return "force_reset_rng" in inspect.signature(fn).parameters
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the default process group (tests call this between runs)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

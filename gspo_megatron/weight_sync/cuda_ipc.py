@@ -1,0 +1,182 @@
+"""CUDA IPC transport (colocated: training ranks and SGLang engines share GPUs).
+
+Layout (as slime does it): an engine with TP size k runs on the GPUs of k consecutive training
+ranks ``[src, src + k)``. Every one of those ranks holds the same full bucket on its own GPU; each
+flattens it (sglang's ``FlattenedTensorBucket``: all tensors viewed as uint8 and concatenated, plus
+name/shape/dtype/offset metadata) and serializes the CUDA IPC handle with sglang's
+``MultiprocessingSerializer`` (base64 string). A gloo ``gather_object`` brings the k payloads to
+``src``, which calls ``update_weights_from_tensor(serialized_named_tensors=[payload of rank 0..k-1],
+load_format="flattened_bucket")``; engine TP rank i opens payload i, i.e. memory on its own GPU.
+A barrier after the call keeps every producer's buffer alive until the engine has read it.
+
+Ranks: every training rank colocated with an engine calls begin / send_bucket / end (they are
+collective over ``gather_group``); only ``src`` talks to the engine, and it also pauses the engine,
+flushes its cache and opens/closes SGLang's weight-update session in begin / end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
+from gspo_megatron.weight_sync.sync_stats import SyncStats, bucket_nbytes
+from gspo_megatron.weight_sync.transport import WeightTransport
+
+
+def flattened_bucket_class() -> Any | None:
+    """sglang's FlattenedTensorBucket (its location moved between versions), or None."""
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    except ImportError:
+        try:
+            from sglang.srt.model_executor.model_runner import FlattenedTensorBucket
+        except ImportError:
+            return None
+    return FlattenedTensorBucket
+
+
+def multiprocessing_serializer() -> Any:
+    """sglang's MultiprocessingSerializer (ForkingPickler + base64); ImportError names the fix."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as e:
+        raise ImportError("CUDA IPC weight sync needs sglang (pip install sglang) for "
+                          "MultiprocessingSerializer") from e
+    return MultiprocessingSerializer
+
+
+def _patch_reductions_for_cuda(bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """sglang's patch makes CUDA IPC handles carry the device UUID (processes see different
+    CUDA_VISIBLE_DEVICES). Applied only for CUDA tensors: the patched reducer breaks CPU tensors."""
+    if any(t.is_cuda for _, t in bucket):
+        try:
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        except ImportError:
+            from sglang.srt.patch_torch import monkey_patch_torch_reductions
+        monkey_patch_torch_reductions()
+
+
+def group_for_flattening(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """One group when FlattenedTensorBucket mixes dtypes (``supports_multi_dtypes``), else one group
+    per dtype in first-seen order (older sglang flattened a single dtype)."""
+    if not bucket:
+        return []
+    cls = flattened_bucket_class()
+    if cls is not None and getattr(cls, "supports_multi_dtypes", False):
+        # FlattenedTensorBucket packs byte ranges back to back and its receiver views each range as
+        # the tensor's dtype, which needs offset % element_size == 0: widest elements first
+        # guarantees that (e.g. a bf16 tensor of odd numel before an fp32 one would not).
+        return [sorted(bucket, key=lambda nt: -nt[1].element_size())]
+    groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in bucket:
+        groups.setdefault(t.dtype, []).append((name, t))
+    return list(groups.values())
+
+
+def serialize_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """bucket -> payload strings for ``update_weights_from_tensor`` (one per flatten group).
+
+    With FlattenedTensorBucket: ``{"flattened_tensor": uint8 [bytes], "metadata": [...]}`` per
+    group (load_format "flattened_bucket"); without: the plain ``[(name, tensor), ...]`` list
+    (load_format None). Tensors are made contiguous; the returned strings reference their memory,
+    so the caller keeps the bucket alive until the engine has loaded it.
+    """
+    ser = multiprocessing_serializer()
+    _patch_reductions_for_cuda(bucket)
+    cls = flattened_bucket_class()
+    bucket = [(n, t.detach().contiguous()) for n, t in bucket]
+    if cls is None:
+        return [ser.serialize(list(bucket), output_str=True)] if bucket else []
+    payloads = []
+    for group in group_for_flattening(bucket):
+        flat = cls(named_tensors=group)
+        payloads.append(ser.serialize({"flattened_tensor": flat.get_flattened_tensor(),
+                                       "metadata": flat.get_metadata()}, output_str=True))
+    return payloads
+
+
+def deserialize_payload(payload: str) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of one :func:`serialize_bucket` payload (what an engine TP rank does on receipt)."""
+    obj = multiprocessing_serializer().deserialize(payload)
+    if isinstance(obj, dict):
+        cls = flattened_bucket_class()
+        return cls(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]).reconstruct_tensors()
+    return list(obj)
+
+
+class CudaIpcTransport(WeightTransport):
+    """Colocated CUDA-IPC transport; see the module docstring for the rank layout.
+
+    client: the engine client (``rollout.sglang_client``); required on ``gather_src`` only.
+    gather_group: gloo group of the k training ranks on this engine's GPUs (None when k == 1).
+    gather_src: global rank of the group member that owns ``client`` (the group's first rank).
+    fp8: quantize the big projections blockwise (``fp8_quant``) before sending.
+    manage_session: on ``gather_src``, pause + flush + begin session in ``begin`` and the reverse
+    in ``end`` (turn off when the trainer brackets the sync itself).
+    """
+
+    def __init__(self, client: Any = None, *, gather_group: Any = None, gather_src: int | None = None,
+                 fp8: bool = False, manage_session: bool = True):
+        self.group = gather_group
+        self.src = gather_src if gather_src is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.is_src = self.rank == self.src
+        if self.is_src and client is None:
+            raise ValueError(f"CudaIpcTransport: rank {self.rank} is gather_src but client is None")
+        self.client = client
+        self.group_size = dist.get_world_size(gather_group) if gather_group is not None else 1
+        if self.is_src and hasattr(client, "tp_size") and int(client.tp_size) != self.group_size:
+            raise ValueError(f"CudaIpcTransport: engine {client} has tp_size {client.tp_size} but "
+                             f"gather_group has {self.group_size} ranks (one producer per engine TP rank)")
+        self.fp8 = fp8
+        self.manage_session = manage_session
+        self.load_format = "flattened_bucket" if flattened_bucket_class() is not None else None
+        self.stats = SyncStats()
+        self.weight_version = 0
+
+    def begin(self) -> None:
+        self.weight_version += 1
+        self.stats.start()
+        if self.is_src and self.manage_session:
+            self.client.pause_generation()
+            self.client.flush_cache()
+            self.client.begin_weight_update()
+
+    def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self.fp8:
+            bucket = quantize_bucket_fp8(bucket)
+        with self.stats.bucket(bucket_nbytes(bucket)):
+            payloads = serialize_bucket(bucket)
+            if self.group is not None:
+                gathered = [None] * self.group_size if self.is_src else None
+                dist.gather_object(payloads, gathered, dst=self.src, group=self.group)
+            else:
+                gathered = [payloads]
+            if self.is_src:
+                counts = {len(p) for p in gathered}
+                if len(counts) != 1:
+                    raise RuntimeError(f"CudaIpcTransport: ranks produced different payload counts {counts}: "
+                                       "every colocated rank must send the same bucket")
+                for i in range(len(payloads)):
+                    self.client.update_weights_from_tensor([p[i] for p in gathered], load_format=self.load_format,
+                                                           flush_cache=False,
+                                                           weight_version=str(self.weight_version))
+            if self.group is not None:
+                dist.barrier(group=self.group)  # producers keep their buffers until the engine loaded
+        del payloads, bucket
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+
+    def end(self) -> None:
+        if self.is_src and self.manage_session:
+            self.client.end_weight_update()
+            self.client.flush_cache()
+            self.client.continue_generation()
+        self.stats.stop()
+
+    def metrics(self) -> dict[str, float]:
+        """``sync/bucket_s_mean``, ``sync/bucket_s_max``, ``sync/total_s``, ``sync/bytes`` of the last sync."""
+        return self.stats.metrics()

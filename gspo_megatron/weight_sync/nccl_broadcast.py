@@ -1,0 +1,213 @@
+"""NCCL broadcast transport (disaggregated: SGLang engines on their own GPUs / nodes).
+
+One process group per pipeline stage: its rank 0 is that stage's source rank (DP = TP = 0 of the
+stage, which holds the stage's full HF-named buckets after the export gather), ranks 1.. are every
+GPU of every engine (engine i's TP ranks start at ``1 + sum(engine_world_sizes[:i])``). SGLang's
+``init_weights_update_group`` makes the engines join; the trainer joins with
+:func:`init_external_process_group`. Per bucket: each engine is told the metadata
+(``update_weights_from_distributed(names, dtypes, shapes, group_name)``), which blocks while the
+source broadcasts each tensor from group rank 0 (engines allocate and receive in the same order).
+
+Ranks: only source ranks construct and call this transport. With several stages sending to the
+same engines, pass a ``lock`` (:class:`StoreLock`) so that stages take turns per bucket: engines
+serve requests one at a time, and two stages interleaving across engines would deadlock.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.rollout.sglang_client import dtype_name
+from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
+from gspo_megatron.weight_sync.sync_stats import SyncStats, bucket_nbytes
+from gspo_megatron.weight_sync.transport import WeightTransport
+
+
+def pp_group_name(pp_rank: int, prefix: str = "gspo_weights") -> str:
+    """Name of the weight-update group of pipeline stage ``pp_rank``."""
+    return f"{prefix}_pp{pp_rank}"
+
+
+def engine_rank_offsets(engine_world_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """([first group rank of each engine], group world size) with the trainer source at rank 0."""
+    if not engine_world_sizes or any(int(s) < 1 for s in engine_world_sizes):
+        raise ValueError(f"engine_world_sizes must be positive GPU counts, got {list(engine_world_sizes)}")
+    offsets, nxt = [], 1
+    for s in engine_world_sizes:
+        offsets.append(nxt)
+        nxt += int(s)
+    return offsets, nxt
+
+
+def bucket_metadata(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[str], list[str], list[list[int]]]:
+    """(names, dtype strings like "bfloat16", shapes as int lists) in bucket order: what SGLang's
+    ``update_weights_from_distributed`` needs to allocate the receive buffers."""
+    names, dtypes, shapes = [], [], []
+    for name, t in bucket:
+        names.append(name)
+        dtypes.append(dtype_name(t.dtype))
+        shapes.append([int(d) for d in t.shape])
+    return names, dtypes, shapes
+
+
+def init_external_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                                timeout: timedelta | None = None, prefer_sglang: bool = True) -> Any:
+    """A process group with peers outside this job's default world (the SGLang engines).
+
+    Uses sglang's ``init_custom_process_group`` (the same helper the engines use) when sglang is
+    installed; otherwise the equivalent torch calls (torch has no public API for a second, disjoint
+    world group, hence the private helpers).
+    """
+    if prefer_sglang:
+        try:
+            from sglang.srt.utils.common import init_custom_process_group
+        except ImportError:
+            init_custom_process_group = None
+        if init_custom_process_group is not None:
+            return init_custom_process_group(backend=backend, init_method=init_method, world_size=world_size,
+                                             rank=rank, group_name=group_name, timeout=timeout)
+    from torch.distributed.distributed_c10d import (PrefixStore, _new_process_group_helper, _world,
+                                                    default_pg_timeout, rendezvous)
+
+    timeout = timeout or default_pg_timeout
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
+                                      group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+class StoreLock:
+    """A mutex over a torch.distributed Store (e.g. the default TCPStore) shared by all source
+    ranks; ``compare_set`` makes acquire atomic."""
+
+    def __init__(self, store: Any, key: str = "gspo_weight_sync_lock", poll_s: float = 0.05):
+        self.store, self.key, self.poll_s = store, key, poll_s
+        self.token = f"held-by-{dist.get_rank() if dist.is_initialized() else 0}-{id(self)}"
+
+    def __enter__(self) -> "StoreLock":
+        while True:
+            got = self.store.compare_set(self.key, "", self.token)
+            if (got.decode() if isinstance(got, bytes) else got) == self.token:
+                return self
+            time.sleep(self.poll_s)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.store.set(self.key, "")
+
+
+class NcclBroadcastTransport(WeightTransport):
+    """Disaggregated transport for one pipeline stage's source rank (see module docstring).
+
+    clients: one client per engine (``rollout.sglang_client``). engine_world_sizes: GPUs per engine
+    (tp * pp * ... of that engine). master_address/master_port: where the group rendezvous listens
+    (this host; a free port per stage). device: where tensors are broadcast from (cuda for nccl).
+    manage_session: pause/flush/open the engines' update session in begin (set on one stage only;
+    ``barrier`` then lets the other stages wait for it, and is called again before closing).
+    prefer_sglang_group_helper: join with sglang's own group helper when importable (else torch's).
+    """
+
+    def __init__(self, clients: Sequence[Any], *, engine_world_sizes: Sequence[int], master_address: str,
+                 master_port: int, group_name: str = pp_group_name(0), backend: str = "nccl",
+                 device: torch.device | str | None = None, fp8: bool = False, lock: Any = None,
+                 manage_session: bool = True, barrier: Callable[[], None] | None = None,
+                 timeout_s: float = 1800.0, prefer_sglang_group_helper: bool = True):
+        if len(clients) != len(engine_world_sizes):
+            raise ValueError(f"NcclBroadcastTransport: {len(clients)} clients but "
+                             f"{len(engine_world_sizes)} engine_world_sizes")
+        self.clients = list(clients)
+        self.rank_offsets, self.world_size = engine_rank_offsets(engine_world_sizes)
+        self.master_address, self.master_port = master_address, int(master_port)
+        self.group_name, self.backend = group_name, backend
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = torch.device(device)
+        self.fp8, self.lock, self.manage_session, self.barrier = fp8, lock, manage_session, barrier
+        self.timeout = timedelta(seconds=timeout_s)
+        self.prefer_sglang = prefer_sglang_group_helper
+        self.group: Any = None
+        self.stats = SyncStats()
+        self.weight_version = 0
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
+
+    # -- group lifecycle -------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Create the group: engines join (blocking calls, run in threads) while this rank joins."""
+        if self.group is not None:
+            return
+        futures = [self._pool.submit(c.init_weights_update_group, self.master_address, self.master_port,
+                                     off, self.world_size, self.group_name, self.backend)
+                   for c, off in zip(self.clients, self.rank_offsets)]
+        self.group = init_external_process_group(self.backend, f"tcp://{self.master_address}:{self.master_port}",
+                                                 self.world_size, 0, self.group_name, self.timeout,
+                                                 prefer_sglang=self.prefer_sglang)
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        """Destroy the group on the engines and here (e.g. before restarting an engine)."""
+        if self.group is None:
+            return
+        futures = [self._pool.submit(c.destroy_weights_update_group, self.group_name) for c in self.clients]
+        dist.destroy_process_group(self.group)
+        self.group = None
+        for f in futures:
+            f.result()
+
+    # -- one sync --------------------------------------------------------------------------------
+    def begin(self) -> None:
+        self.connect()
+        self.weight_version += 1
+        self.stats.start()
+        if self.manage_session:
+            for c in self.clients:
+                c.pause_generation()
+                c.flush_cache()
+                c.begin_weight_update()
+        if self.barrier is not None:
+            self.barrier()
+
+    def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self.fp8:
+            bucket = quantize_bucket_fp8(bucket)
+        if not bucket:
+            return
+        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+        names, dtypes, shapes = bucket_metadata(bucket)
+        with self.stats.bucket(bucket_nbytes(bucket)):
+            if self.lock is not None:
+                with self.lock:
+                    self._broadcast(names, dtypes, shapes, tensors)
+            else:
+                self._broadcast(names, dtypes, shapes, tensors)
+
+    def _broadcast(self, names, dtypes, shapes, tensors) -> None:
+        futures = [self._pool.submit(c.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
+                                     False, str(self.weight_version)) for c in self.clients]
+        handles = [dist.broadcast(t, 0, group=self.group, async_op=True) for t in tensors]
+        for h in handles:
+            h.wait()
+        for f in futures:
+            f.result()  # raises SGLangError naming the engine if it failed to load
+
+    def end(self) -> None:
+        if self.barrier is not None:
+            self.barrier()
+        if self.manage_session:
+            for c in self.clients:
+                c.end_weight_update()
+                c.flush_cache()
+                c.continue_generation()
+        self.stats.stop()
+
+    def metrics(self) -> dict[str, float]:
+        """``sync/bucket_s_mean``, ``sync/bucket_s_max``, ``sync/total_s``, ``sync/bytes`` of the last sync."""
+        return self.stats.metrics()

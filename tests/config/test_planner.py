@@ -1,0 +1,198 @@
+"""Planner: parameter counts (against transformers' own models and the published totals), per-GPU
+sharding, the memory rows (closed forms), fits / does-not-fit, and engine GPU accounting."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from gspo_megatron.config import ConfigError, load_config
+from gspo_megatron.planner import (GIB, KNOWN_ARCHS, ModelDims, PlanError, detect_arch, make_plan,
+                                   model_hf_config, param_counts)
+
+TINY = KNOWN_ARCHS["tiny-qwen3-moe"]
+HF_CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=48, max_position_embeddings=64)
+
+
+def hf_model(cfg: dict):
+    conf_cls, model_cls = HF_CLASSES[cfg["model_type"]]
+    kw = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(getattr(transformers, conf_cls)(**kw))
+
+
+VARIANTS = {
+    "tiny-qwen3-moe": TINY,
+    "qwen3_moe with dense layers": {**SMALL, "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 16, "decoder_sparse_step": 2, "mlp_only_layers": [3], "head_dim": 8},
+    "mixtral": {**SMALL, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3 dense, tied": {**SMALL, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},
+    "llama with attention bias": {**SMALL, "model_type": "llama", "attention_bias": True},
+    "qwen2 (qkv bias)": {**SMALL, "model_type": "qwen2"},
+    "mistral": {**SMALL, "model_type": "mistral"},
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_param_counts_match_transformers_models(name):
+    cfg = VARIANTS[name]
+    model = hf_model(cfg)
+    named = dict(model.named_parameters())
+    counts = param_counts(ModelDims.from_hf_config(cfg))
+    assert counts.total == sum(p.numel() for p in named.values())
+    assert counts.expert == sum(p.numel() for n, p in named.items() if ".experts." in n)
+    d = ModelDims.from_hf_config(cfg)
+    per_expert = counts.expert // (d.num_experts * len(d.moe_layers)) if d.num_experts else 0
+    assert counts.active == counts.total - counts.expert + len(d.moe_layers) * d.topk * per_expert
+
+
+def test_qwen3_moe_dense_layer_placement_matches_transformers():
+    d = ModelDims.from_hf_config(VARIANTS["qwen3_moe with dense layers"])
+    model = hf_model(VARIANTS["qwen3_moe with dense layers"])
+    hf_moe = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+    assert d.moe_layers == hf_moe == (1,)
+
+
+@pytest.mark.parametrize("arch, total, active", [
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9), ("mixtral-8x7b", 46.7e9, 12.9e9)])
+def test_published_totals(arch, total, active):
+    c = param_counts(ModelDims.from_hf_config(KNOWN_ARCHS[arch]))
+    assert abs(c.total - total) / total < 0.01
+    assert abs(c.active - active) / active < 0.025
+
+
+def test_dims_errors_name_the_key():
+    with pytest.raises(PlanError, match="model_type 'gpt2' is not supported"):
+        ModelDims.from_hf_config({"model_type": "gpt2"})
+    with pytest.raises(PlanError, match="lacks 'num_experts'"):
+        ModelDims.from_hf_config({k: v for k, v in TINY.items() if k != "num_experts"})
+
+
+def test_detect_arch_and_config_source_order(tmp_path):
+    assert detect_arch("/models/Qwen3-30B-A3B-Instruct-2507") == "qwen3-30b-a3b"
+    assert detect_arch("/m/qwen3_235b_a22b/") == "qwen3-235b-a22b"
+    assert detect_arch("/m/Mixtral-8x7B-v0.1") == "mixtral-8x7b"
+    assert detect_arch("/m/llama-7b") is None
+    cfg = load_config(None, ["model.arch=null", "model.hf_path=/m/Qwen3-235B-A22B"], check_files=False)
+    hf, src = model_hf_config(cfg)
+    assert hf["num_hidden_layers"] == 94 and "detected from model.hf_path" in src
+    cfg = load_config(None, ["model.arch=null", "model.hf_path=/m/unknown"], check_files=False)
+    with pytest.raises(ConfigError, match="set model.arch"):
+        model_hf_config(cfg)
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 4}))
+    cfg = load_config(None, [f"model.hf_path={tmp_path}", "model.arch=qwen3-30b-a3b"])
+    hf, src = model_hf_config(cfg)  # a real config.json wins over model.arch
+    assert hf["num_hidden_layers"] == 4 and src.endswith("config.json")
+
+
+def tiny_plan(*overrides, nodes=1, gpus=8, mem=80.0):
+    base = ["rollout.prompts_per_step=16", "rollout.group_size=4", "gspo.mini_batches=2", "parallel.micro_batch_size=1",
+            "model.dtype=bfloat16"]
+    return make_plan(load_config(None, base + list(overrides)), nodes, gpus, mem)
+
+
+def rows(stage, phase="train_items"):
+    return {label.split(" (")[0]: b for label, b in getattr(stage, phase)}
+
+
+def split_params(cfg_dict):
+    """(tp-sharded, replicated-over-tp, expert) parameter totals, from transformers' parameter names."""
+    named = dict(hf_model(cfg_dict).named_parameters())
+    expert = sum(p.numel() for n, p in named.items() if ".experts." in n)
+    replicated = sum(p.numel() for n, p in named.items() if "norm" in n or n.endswith("mlp.gate.weight"))
+    return sum(p.numel() for p in named.values()) - expert - replicated, replicated, expert
+
+
+def test_per_gpu_params_and_static_memory_closed_forms():
+    sharded, replicated, expert = split_params(TINY)
+    for tp, ep, etp in [(1, 1, 1), (2, 1, 2), (2, 4, 1), (1, 2, 1)]:
+        plan = tiny_plan(f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.etp={etp}")
+        s = plan.stages[0]
+        assert s.params == int(sharded / tp + replicated + expert / (ep * etp))
+        r = rows(s)
+        dense = sharded / tp + replicated
+        assert r["weights"] == pytest.approx(s.params * 2, rel=1e-6)
+        assert r["gradients"] == pytest.approx(s.params * 4, rel=1e-6)
+        edp = 8 // (ep * etp)
+        assert plan.dp == 8 // tp and plan.edp == edp
+        assert r["optimizer"] == pytest.approx(12 * (dense / plan.dp + expert / (ep * etp) / edp), rel=1e-6)
+
+
+def test_pipeline_stages_split_the_model():
+    plan = tiny_plan("parallel.pp=2")
+    first, last = plan.stages
+    assert first.layers == (0, 1) and last.layers == (1, 2)
+    assert first.params + last.params == param_counts(ModelDims.from_hf_config(TINY)).total
+    assert "logits + grad" in rows(last) and "logits + grad" not in rows(first)
+    # 1F1B: the first stage holds pp micro-batches, the last one
+    assert (first.in_flight, last.in_flight) == (2, 1)
+    assert tiny_plan("parallel.pp=2", "rollout.prompts_per_step=4", "parallel.micro_batch_size=2").stages[0].in_flight == 1
+
+
+def test_activation_estimate_scales():
+    act = lambda *o: rows(tiny_plan(*o).stages[0])["activations"]
+    base = act()
+    assert act("parallel.micro_batch_size=2") == pytest.approx(2 * base)
+    assert act("model.max_seq_len=128") == pytest.approx(2 * base)
+    assert act("model.recompute=true") < base
+
+
+def test_optimizer_variants():
+    full = rows(tiny_plan().stages[0])["optimizer"]
+    assert rows(tiny_plan("optimizer.cpu_offload_fraction=0.25").stages[0])["optimizer"] == pytest.approx(0.75 * full)
+    assert tiny_plan("optimizer.cpu_offload_fraction=0.25").stages[0].host_optimizer == pytest.approx(0.25 * full)
+    s = tiny_plan("parallel.use_distributed_optimizer=false").stages[0]
+    assert rows(s)["optimizer"] == pytest.approx(12 * s.params)
+    s = tiny_plan("model.dtype=float32").stages[0]  # fp32 params: no master copy, fp32 grads
+    assert rows(s)["optimizer"] == pytest.approx(full * 8 / 12) and rows(s)["weights"] == s.params * 4
+    s = tiny_plan("gspo.kl_coef=0.1").stages[0]
+    assert rows(s)["reference model"] == rows(s)["weights"]
+
+
+SGL = ["rollout.engine=sglang", "model.max_seq_len=64"]
+
+
+def test_colocated_engine_memory_and_kv_cache():
+    plan = tiny_plan(*SGL, "rollout.sync_mode=colocated", "rollout.engine_tp=2", "rollout.engine_mem_fraction=0.5")
+    s = plan.stages[0]
+    total = param_counts(plan.dims).total
+    r = rows(s, "rollout_items")
+    assert r["engine weights"] == total * 2 / 2
+    resident = sum(rows(s)[k] for k in ("weights", "gradients", "optimizer"))
+    assert r["training states"] == pytest.approx(resident)
+    assert s.kv_cache == pytest.approx(0.5 * 80 * GIB - 4 * GIB - resident - total)
+    assert s.rollout_peak == pytest.approx(0.5 * 80 * GIB)
+    assert plan.kv_per_token == 2 * 2 * 1 * 16 * 2  # K+V, 2 layers, 2 kv heads / engine_tp 2, head_dim 16, bf16
+    assert plan.num_engines == 4 and plan.train_world == 8
+    off = tiny_plan(*SGL, "rollout.sync_mode=colocated", "rollout.engine_tp=2", "rollout.offload_train=true")
+    assert rows(off.stages[0], "rollout_items")["training states"] == 0
+
+
+def test_disaggregated_engines_take_their_own_gpus():
+    plan = tiny_plan(*SGL, "rollout.sync_mode=disaggregated", "rollout.num_engines=2", "rollout.engine_tp=2",
+                     nodes=2, gpus=4)
+    assert plan.engine_gpus == 4 and plan.train_world == 4 and plan.dp == 4
+    assert plan.stages[0].rollout_items == [] and plan.engine_gpu is not None
+    assert plan.engine_gpu.kv_cache > 0
+    with pytest.raises(ConfigError, match="leave no training GPU out of 8"):
+        tiny_plan(*SGL, "rollout.sync_mode=disaggregated", "rollout.num_engines=4", "rollout.engine_tp=2")
+    ext = tiny_plan(*SGL, "rollout.sync_mode=disaggregated", "rollout.engine_urls=[http://h:1]")
+    assert ext.train_world == 8 and ext.engine_gpu is None
+
+
+def test_fits_and_does_not_fit():
+    cfg = load_config("configs/qwen3_235b_a22b_gspo.yaml", [], check_files=False)
+    assert make_plan(cfg, 8, 8, 80).fits
+    assert not make_plan(cfg, 8, 8, 40).fits  # training needs ~53 GiB
+    assert make_plan(load_config("configs/qwen3_235b_a22b_gspo.yaml", ["rollout.offload_train=false"],
+                                 check_files=False), 8, 8, 80).stages[0].kv_cache < 0
+    cfg = load_config("configs/qwen3_235b_a22b_gspo.yaml", ["optimizer.cpu_offload_fraction=0"], check_files=False)
+    plan = make_plan(cfg, 8, 8, 60)
+    assert plan.worst.train_peak > 60 * GIB and not plan.fits
+    with pytest.raises(PlanError, match="--nodes must be > 0"):
+        make_plan(cfg, 0, 8, 80)

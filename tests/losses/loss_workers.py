@@ -1,0 +1,61 @@
+"""Rank functions for the multi-rank loss tests (run by distributed_harness.run_ranks on gloo)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.losses import PolicyLossConfig, policy_loss_flat, vocab_parallel_logprobs
+
+# (mode, options) exercised by the TP and CP invariance tests.
+CASES = [
+    ("gspo", dict(kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)),
+    ("gspo", dict(tis_cap=1.01)),
+    ("gspo_token", dict(kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01, tis_cap=1.01)),
+    ("grpo", dict(kl_coef=0.05, kl_estimator="k1", entropy_coef=0.01, tis_cap=1.1)),
+    ("grpo", dict(aggregation="token-mean", entropy_coef=0.02)),
+]
+
+
+def loss_from_logits(logits, data, mode, options, *, tp_group=None, cp_group=None, normalizer=None):
+    """Vocab-parallel log-probs -> policy_loss_flat; ``data`` holds flat per-token tensors of this rank."""
+    lp, ent = vocab_parallel_logprobs(logits, data["targets"], tp_group=tp_group, temperature=0.8, chunk_size=5)
+    cfg = PolicyLossConfig(mode=mode, clip_low=8e-3 if mode == "grpo" else 3e-3, clip_high=1e-2 if mode == "grpo" else 4e-3,
+                           **options)
+    return policy_loss_flat(
+        lp, data["old"], data["adv"], data["mask"], data["seq"], data["num_seqs"], cfg,
+        ref_logprobs=data["ref"], entropy=ent, engine_logprobs=data["engine"], cp_group=cp_group,
+        normalizer=normalizer,
+    )
+
+
+def _init(rank: int, world: int) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def tp_worker(rank: int, world: int, logits: torch.Tensor, data: dict) -> list:
+    """Each rank holds a vocab shard of the logits; returns (loss, metrics, logits grad shard) per case."""
+    _init(rank, world)
+    v_local = logits.shape[-1] // world
+    out = []
+    for mode, options in CASES:
+        shard = logits[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+        loss, metrics = loss_from_logits(shard, data, mode, options, tp_group=dist.group.WORLD)
+        loss.backward()
+        out.append((loss.detach(), metrics, shard.grad))
+    return out
+
+
+def cp_worker(rank: int, world: int, logits: torch.Tensor, data: dict, owner: torch.Tensor) -> list:
+    """Each rank holds the tokens ``owner == rank`` (per-token values split across CP ranks)."""
+    _init(rank, world)
+    idx = (owner == rank).nonzero().squeeze(1)
+    local = {k: (v[idx] if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == owner.numel() else v)
+             for k, v in data.items()}
+    out = []
+    for mode, options in CASES:
+        x = logits[idx].clone().requires_grad_(True)
+        loss, metrics = loss_from_logits(x, local, mode, options, cp_group=dist.group.WORLD)
+        loss.backward()
+        out.append((loss.detach(), metrics, x.grad, idx))
+    return out
