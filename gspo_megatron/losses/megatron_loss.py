@@ -88,6 +88,7 @@ def make_megatron_loss_func(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     compute_entropy: bool = True,
+    vocab_size: int | None = None,
 ) -> Callable[[Tensor], tuple[Tensor, dict[str, float]]]:
     """The ``loss_func`` for one micro-batch (see the module docstring for keys and scaling).
 
@@ -98,6 +99,8 @@ def make_megatron_loss_func(
         temperature: the rollout sampling temperature (logits are divided by it).
         compute_entropy: compute the per-token entropy (metric "entropy"); forced on when
             ``cfg.entropy_coef != 0``.
+        vocab_size: the tokenizer/HF vocab size when Megatron padded the output layer (padded
+            columns are left out of the softmax, as in the rollout engine).
     The returned function maps logits [b, s, V/tp] to ``(scaled loss, metrics)``; it runs TP and CP
     collectives, so every rank of those groups calls it.
     """
@@ -112,7 +115,7 @@ def make_megatron_loss_func(
         b, s = _check_batch(batch, output_tensor)
         logprobs, entropy = vocab_parallel_logprobs(
             output_tensor, batch["labels"], tp_group=tp_group, temperature=temperature,
-            chunk_size=chunk_size, with_entropy=with_entropy,
+            chunk_size=chunk_size, with_entropy=with_entropy, vocab_size=vocab_size,
         )
         adv = batch["advantages"]
         token_adv = adv.dim() == 2
@@ -144,6 +147,7 @@ def make_megatron_logprob_func(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    vocab_size: int | None = None,
 ) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
     """A forward-only ``loss_func`` that collects per-token log-probs (old / reference policy).
 
@@ -158,7 +162,7 @@ def make_megatron_logprob_func(
         with torch.no_grad():
             logprobs, entropy = vocab_parallel_logprobs(
                 output_tensor, batch["labels"], tp_group=tp_group, temperature=temperature,
-                chunk_size=chunk_size, with_entropy=with_entropy,
+                chunk_size=chunk_size, with_entropy=with_entropy, vocab_size=vocab_size,
             )
         out = {"logprobs": logprobs}
         if entropy is not None:

@@ -9,7 +9,8 @@ Forward, over chunks of tokens (at most ``chunk_size`` x V/tp fp32 values alive 
     S = allreduce_sum(sum_v exp(z - m)),  z_y = allreduce_sum(z[target] - m if the target is local)
     logp = z_y - log S,   entropy = log S - allreduce_sum(sum_v exp(z - m) * (z - m)) / S
 
-(the three sums travel in one collective). Backward recomputes the softmax per chunk from the saved
+(the three sums travel in one collective). With ``vocab_size`` set, the columns of Megatron's vocab
+padding are left out of the softmax. Backward recomputes the softmax per chunk from the saved
 logits and the [N] statistics, needs no collective, and writes each rank's gradient for its own shard:
 
     dlogp/dz_v = 1[v = y] - p_v,      dH/dz_v = -p_v * (log p_v + H),      dz/dlogits = 1 / temperature
@@ -44,24 +45,29 @@ def _local_targets(targets: Tensor, vocab_start: int, vocab_local: int) -> tuple
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, tp_group, temperature: float, chunk: int,
-                with_entropy: bool):
-        n, vocab_local = logits.shape
+    def forward(ctx, logits_all: Tensor, targets: Tensor, tp_group, temperature: float, chunk: int,
+                with_entropy: bool, vocab_size: int | None):
+        n, vocab_local = logits_all.shape
         vocab_start = group_rank(tp_group) * vocab_local
         multi = group_size(tp_group) > 1
-        cdt = torch.promote_types(logits.dtype, torch.float32)  # fp32 math (fp64 stays fp64 for checks)
+        cdt = torch.promote_types(logits_all.dtype, torch.float32)  # fp32 math (fp64 stays fp64 for checks)
+        if vocab_size is None:
+            vocab_size = vocab_local * group_size(tp_group)
+        # Columns past the real vocab (Megatron's vocab padding) are left out of the softmax.
+        valid_cols = max(0, min(vocab_local, vocab_size - vocab_start))
+        logits = logits_all[:, :valid_cols]
 
         # Pass 1: row max of the raw logits (T > 0, so max(z) = max(logits) / T, the same rounding).
-        shift = torch.empty(n, dtype=cdt, device=logits.device)
-        for lo in range(0, n, chunk):
+        shift = torch.full((n,), -torch.inf, dtype=cdt, device=logits.device)
+        for lo in range(0, n if valid_cols else 0, chunk):
             shift[lo:lo + chunk] = logits[lo:lo + chunk].max(dim=-1).values.to(cdt) / temperature
         if multi:
             dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
 
         # Pass 2: sum exp, target logit, sum exp * z (all shifted by the global max).
         stats = torch.zeros(3 if with_entropy else 2, n, dtype=cdt, device=logits.device)
-        col, in_shard = _local_targets(targets, vocab_start, vocab_local)
-        for lo in range(0, n, chunk):
+        col, in_shard = _local_targets(targets, vocab_start, valid_cols)
+        for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
             z = logits[lo:hi].to(cdt, copy=True).div_(temperature).sub_(shift[lo:hi, None])  # [c, V/tp]
             zy = z.gather(1, col[lo:hi, None]).squeeze(1)
@@ -78,32 +84,37 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
 
         log_sum = stats[0].log()
-        valid = (targets >= 0) & (targets < vocab_local * group_size(tp_group))
+        valid = (targets >= 0) & (targets < vocab_size)
         logprobs = torch.where(valid, stats[1] - log_sum, torch.zeros_like(log_sum))
         entropy = log_sum - stats[2] / stats[0] if with_entropy else logprobs.new_zeros(0)
 
-        ctx.save_for_backward(logits, col, in_shard, valid, shift, log_sum, entropy)
+        ctx.save_for_backward(logits_all, col, in_shard, valid, shift, log_sum, entropy)
         ctx.temperature = temperature
         ctx.chunk = chunk
         ctx.with_entropy = with_entropy
+        ctx.valid_cols = valid_cols
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
-        logits, col, in_shard, valid, shift, log_sum, entropy = ctx.saved_tensors
+        logits_all, col, in_shard, valid, shift, log_sum, entropy = ctx.saved_tensors
         if grad_logprobs is None and (grad_entropy is None or not ctx.with_entropy):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         if grad_logprobs is not None:  # ignored targets have a constant log-prob 0
             grad_logprobs = torch.where(valid, grad_logprobs, torch.zeros_like(grad_logprobs))
-        n = logits.shape[0]
-        temperature, chunk = ctx.temperature, ctx.chunk
-        grad_logits = torch.empty_like(logits)
+        n, vocab_local = logits_all.shape
+        temperature, chunk, valid_cols = ctx.temperature, ctx.chunk, ctx.valid_cols
+        logits = logits_all[:, :valid_cols]
+        pad = valid_cols < vocab_local
+        grad_logits_all = torch.zeros_like(logits_all) if pad else torch.empty_like(logits_all)
+        grad_logits = grad_logits_all[:, :valid_cols]
         use_entropy = ctx.with_entropy and grad_entropy is not None
-        for lo in range(0, n, chunk):
+        for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
             # log p_v = z_v - m - log S, recomputed for this chunk only.
-            logp = logits[lo:hi].to(shift.dtype, copy=True).div_(temperature).sub_(shift[lo:hi, None] + log_sum[lo:hi, None])
+            logp = logits[lo:hi].to(shift.dtype, copy=True).div_(temperature)
+            logp.sub_(shift[lo:hi, None] + log_sum[lo:hi, None])
             p = torch.exp(logp)
             if use_entropy:
                 # dH/dz = -p * (log p + H)
@@ -118,7 +129,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 g.scatter_add_(1, col[lo:hi, None], g_y[:, None])
             grad_logits[lo:hi] = g.div_(temperature)
             del g
-        return grad_logits, None, None, None, None, None
+        return grad_logits_all, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -129,6 +140,7 @@ def vocab_parallel_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = True,
+    vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of each target token and (optionally) the entropy of each token's distribution.
 
@@ -140,6 +152,9 @@ def vocab_parallel_logprobs(
         temperature: the rollout engine's sampling temperature (logits are divided by it).
         chunk_size: tokens per chunk; default keeps one [chunk, V/tp] fp32 temporary near 256 MiB.
         with_entropy: also return the entropy [...] (else ``None``).
+        vocab_size: the real vocabulary size when Megatron padded the output layer
+            (V/tp * tp > vocab_size): padded columns are left out of the softmax, as in the rollout
+            engine, and get zero gradient. None: every column is a real token.
     Returns:
         (logprobs [...], entropy [...] or None), fp32 (fp64 for fp64 logits), identical on every TP rank; differentiable
         with respect to ``logits``.
@@ -158,11 +173,15 @@ def vocab_parallel_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if vocab_size is not None and not (1 <= vocab_size <= logits.shape[-1] * group_size(tp_group)):
+        raise ValueError(
+            f"vocab_size must be in [1, V/tp * tp = {logits.shape[-1] * group_size(tp_group)}], got {vocab_size}"
+        )
     lead = targets.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_targets = targets.reshape(-1).long()
     chunk = _chunk_tokens(chunk_size, flat_logits.shape[1])
     logprobs, entropy = _VocabParallelLogprobs.apply(
-        flat_logits, flat_targets, tp_group, float(temperature), chunk, with_entropy
+        flat_logits, flat_targets, tp_group, float(temperature), chunk, with_entropy, vocab_size
     )
     return logprobs.view(lead), (entropy.view(lead) if with_entropy else None)

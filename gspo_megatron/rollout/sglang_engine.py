@@ -162,10 +162,14 @@ class SGLangRolloutEngine(RolloutEngine):
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def attach(cls, urls: Sequence[str], *, router_url: str | None = None, api_key: str | None = None,
-               **kw) -> "SGLangRolloutEngine":
-        """Use servers someone else started (e.g. the Slurm script's SGLang nodes)."""
+               wait_timeout_s: float = 0.0, **kw) -> "SGLangRolloutEngine":
+        """Use servers someone else started (e.g. the Slurm script's SGLang nodes); with
+        ``wait_timeout_s`` > 0, wait until every server (and the router) is healthy."""
         clients = [SGLangHttpClient(u, api_key=api_key) for u in urls]
         router = SGLangHttpClient(router_url, api_key=api_key) if router_url else None
+        if wait_timeout_s > 0:
+            for c in clients + ([router] if router else []):
+                wait_until_healthy(c, None, wait_timeout_s)
         return cls(clients, router=router, **kw)
 
     @classmethod
@@ -194,7 +198,7 @@ class SGLangRolloutEngine(RolloutEngine):
             relaunch.append(start)
             procs.append(None)
             clients.append(None)
-        for i, start in enumerate(relaunch):  # start all, then wait for each (loads overlap)
+        for i, start in enumerate(relaunch):
             clients[i], procs[i] = start()
         router = None
         if use_router if use_router is not None else num_engines > 1:

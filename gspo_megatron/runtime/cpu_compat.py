@@ -213,6 +213,7 @@ def activate(force: bool = False) -> bool:
     _patch_rng_tracker()
     _patch_moe_split_sizes()
     _patch_tied_embedding_setup()
+    _patch_type_string_checks()
     _ACTIVE = True
     log.info("CPU compatibility layer for Megatron-Core active")
     return True
@@ -267,6 +268,57 @@ def _patch_tied_embedding_setup() -> None:
 
     setup._gspo_patched = True
     LanguageModule.setup_embeddings_and_output_layer = setup
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+@contextlib.contextmanager
+def _cuda_type_strings():
+    """Within the block, ``tensor.type()`` (no argument) of a CPU float tensor answers with the CUDA
+    type name Megatron's optimizer code compares against."""
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _wrap_in(owner, attr: str, ctx_factory) -> None:
+    """Replace ``owner.attr`` (a function) by one that runs inside ``ctx_factory()``."""
+    fn = getattr(owner, attr)
+    if getattr(fn, "_gspo_patched", False):
+        return
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with ctx_factory():
+            return fn(*args, **kwargs)
+
+    wrapped._gspo_patched = True
+    setattr(owner, attr, wrapped)
+
+
+def _patch_type_string_checks() -> None:
+    """The optimizers sort parameters by ``param.type() == 'torch.cuda.FloatTensor'`` and
+    clip_grads asserts it (Tensor methods: out of a module proxy's reach)."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    _wrap_in(distrib_optimizer.DistributedOptimizer, "__init__", _cuda_type_strings)
+    _wrap_in(optimizer.Float16OptimizerWithFloat16Params, "__init__", _cuda_type_strings)
+    _wrap_in(clip_grads, "clip_grad_by_total_norm_fp32", _cuda_type_strings)
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
 
 
 def patch_missing_te() -> None:

@@ -39,6 +39,19 @@ def test_finite_difference_gradients_float64(chunk_size):
     assert torch.autograd.gradcheck(lambda x: fn(x)[0], (logits,))
     assert torch.autograd.gradcheck(lambda x: fn(x)[1], (logits,))
     assert torch.autograd.gradcheck(fn, (logits,))  # both outputs with independent upstream grads
+    assert fn(logits)[0][3].item() == 0.0  # an ignored target has log-prob 0
+
+
+def test_padded_vocab_finite_differences_and_values():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 12, generator=g, dtype=torch.float64).requires_grad_(True)
+    targets = torch.randint(0, 9, (5,), generator=g)
+    fn = lambda x: vocab_parallel_logprobs(x, targets, vocab_size=9, chunk_size=2)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (logits,))
+    lp, ent = fn(logits)
+    ref_lp, ref_ent = reference(logits.detach()[:, :9], targets, 1.0)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-12, atol=1e-12)
 
 
 def test_gradient_matches_autograd_of_log_softmax():

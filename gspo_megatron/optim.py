@@ -1,0 +1,100 @@
+"""Megatron DDP wrapping, the (distributed) optimizer, the LR schedule, and one optimizer step.
+
+Every rank calls ``setup_training`` once after building its model and ``optimizer_step`` after each
+mini-batch's forward-backward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class OptimOptions:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    total_steps: int = 1
+    use_distributed_optimizer: bool = True
+    grad_reduce_in_fp32: bool = True
+    cpu_offload_fraction: float = 0.0
+
+
+def setup_training(model, opts: OptimOptions):
+    """Wrap ``model`` in Megatron's DDP and build its optimizer and LR scheduler.
+
+    Returns (ddp_model, optimizer, scheduler). Gradient reduction over DP (and CP) happens in
+    ``finalize_model_grads`` at the end of the forward-backward schedule (no overlap: simple and
+    exact; overlap is a GPU-only speed option)."""
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = model.config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=opts.grad_reduce_in_fp32,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=opts.use_distributed_optimizer,
+        check_for_nan_in_grad=False,  # non-finite steps are detected and skipped by the trainer
+    )
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    config.grad_sync_func = None
+    config.param_sync_func = None
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=opts.lr,
+        min_lr=opts.min_lr,
+        weight_decay=opts.weight_decay,
+        adam_beta1=opts.adam_beta1,
+        adam_beta2=opts.adam_beta2,
+        adam_eps=opts.adam_eps,
+        clip_grad=opts.clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=opts.use_distributed_optimizer,
+        optimizer_cpu_offload=opts.cpu_offload_fraction > 0,
+        optimizer_offload_fraction=opts.cpu_offload_fraction,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    steps = max(1, opts.total_steps)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=opts.lr if opts.lr_warmup_steps == 0 else 0.0,
+        max_lr=opts.lr,
+        min_lr=opts.min_lr,
+        lr_warmup_steps=opts.lr_warmup_steps,
+        lr_decay_steps=max(steps, opts.lr_warmup_steps + 1),
+        lr_decay_style=opts.lr_decay_style,
+        start_wd=opts.weight_decay,
+        end_wd=opts.weight_decay,
+        wd_incr_steps=steps,
+        wd_incr_style="constant",
+    )
+    return ddp, optimizer, scheduler
+
+
+def zero_grads(ddp, optimizer) -> None:
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def optimizer_step(optimizer, scheduler, increment: int = 1) -> tuple[bool, float | None]:
+    """Clip and apply the update unless the gradients are non-finite (Megatron's optimizer checks
+    across all ranks and skips the update then). Returns (applied, grad_norm)."""
+    applied, grad_norm, _ = optimizer.step()
+    if applied:
+        scheduler.step(increment=increment)
+    return bool(applied), (None if grad_norm is None else float(grad_norm))

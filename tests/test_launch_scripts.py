@@ -1,0 +1,115 @@
+"""Launch scripts: syntax (bash -n), shellcheck when installed, and their behaviour with fake
+torchrun / srun / scontrol executables (argument passing, node placement, signal forwarding)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = [ROOT / "launch/torchrun.sh", ROOT / "launch/sglang_node.sh", ROOT / "launch/slurm/train.sbatch"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bash_syntax(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck(script):
+    res = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _exe(path: Path, body: str) -> Path:
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def test_torchrun_passes_rendezvous_and_args(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}\n")
+    fake = _exe(tmp_path / "torchrun", 'printf "%s\\n" "$@" > "$OUT"\n')
+    env = {**os.environ, "TORCHRUN": str(fake), "OUT": str(tmp_path / "args"), "NNODES": "4", "NODE_RANK": "2",
+           "MASTER_ADDR": "node7", "NPROC_PER_NODE": "8"}
+    env.pop("MASTER_PORT", None)
+    subprocess.run([str(SCRIPTS[0]), str(cfg), "rollout.n=8", "x=1 2"], env=env, check=True, capture_output=True)
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args == ["--nnodes", "4", "--node-rank", "2", "--nproc-per-node", "8", "--master-addr", "node7",
+                    "--master-port", "29500", "-m", "gspo_megatron.train", "--config", str(cfg), "rollout.n=8", "x=1 2"]
+
+
+def test_torchrun_rejects_missing_config(tmp_path):
+    res = subprocess.run([str(SCRIPTS[0]), str(tmp_path / "nope.yaml")], capture_output=True, text=True,
+                         env={**os.environ, "TORCHRUN": "/bin/true"})
+    assert res.returncode == 2 and "config file not found" in res.stderr
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="pgrep (procps) not installed")
+def test_torchrun_forwards_usr1_to_training_processes(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("{}\n")
+    marker = tmp_path / "checkpointed"
+    # fake torchrun: one "training process" that checkpoints (writes a marker) on USR1 and exits
+    fake = _exe(tmp_path / "torchrun",
+                'bash -c \'trap "echo ckpt > $MARK; exit 0" USR1; touch $MARK.ready; '
+                'while true; do sleep 0.05; done\' &\nwait $!\n')
+    env = {**os.environ, "TORCHRUN": str(fake), "MARK": str(marker), "NPROC_PER_NODE": "1"}
+    proc = subprocess.Popen([str(SCRIPTS[0]), str(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while not Path(str(marker) + ".ready").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=20) == 0
+    assert marker.read_text().strip() == "ckpt"
+
+
+def _fake_slurm(tmp_path: Path, nodes: list[str]) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _exe(bin_dir / "scontrol", 'if [[ "$1 $2" == "show hostnames" ]]; then printf "%s\\n" ' + " ".join(nodes)
+         + '; else echo "scontrol $*" >> "$SRUN_LOG"; fi\n')
+    # ignores TERM: the script stops the background SGLang step once training ends, possibly before
+    # this fake has logged its call
+    _exe(bin_dir / "srun", 'trap "" TERM\necho "srun $* NNODES=${NNODES:-} MASTER_ADDR=${MASTER_ADDR:-} '
+         'URLS=${GSPO_SGLANG_URLS:-}" >> "$SRUN_LOG"\n')
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[1-3]",
+            "SLURM_JOB_ID": "42", "SLURM_GPUS_PER_NODE": "h100:4", "SRUN_LOG": str(tmp_path / "srun.log"),
+            "GSPO_ROOT": str(ROOT), "LOG_DIR": str(tmp_path / "logs")}
+
+
+def test_sbatch_disaggregated_places_engines_on_last_nodes(tmp_path):
+    env = _fake_slurm(tmp_path, ["n1", "n2", "n3"])
+    env.update(ROLLOUT_MODE="disaggregated", SGLANG_NODES="1", SGLANG_TP="2", MODEL_PATH="/m")
+    subprocess.run(["bash", str(SCRIPTS[2]), "cfg.yaml", "a=1"], env=env, check=True, capture_output=True)
+    lines = (tmp_path / "srun.log").read_text().splitlines()
+    sgl = next(line for line in lines if "sglang_node.sh" in line)
+    train = next(line for line in lines if "torchrun.sh" in line)
+    assert "--nodelist=n3" in sgl and "--nodes=1" in sgl
+    assert "--nodelist=n1,n2" in train and "NNODES=2" in train and "MASTER_ADDR=n1" in train
+    urls = "http://n3:30000,http://n3:30010"  # 4 GPUs / TP 2 = 2 engines
+    assert f"rollout.sglang.urls=[{urls}]" in train and "rollout.sglang.router_url=http://n3:30100" in train
+    assert f"URLS={urls}" in train and "cfg.yaml a=1" in train
+
+
+def test_sbatch_colocated_trains_everywhere_and_checks_mode(tmp_path):
+    env = _fake_slurm(tmp_path, ["n1", "n2", "n3"])
+    subprocess.run(["bash", str(SCRIPTS[2]), "cfg.yaml"], env=env, check=True, capture_output=True)
+    lines = (tmp_path / "srun.log").read_text().splitlines()
+    assert len(lines) == 1 and "--nodelist=n1,n2,n3" in lines[0] and "NNODES=3" in lines[0]
+    env["ROLLOUT_MODE"] = "both"
+    res = subprocess.run(["bash", str(SCRIPTS[2]), "cfg.yaml"], env=env, capture_output=True, text=True)
+    assert res.returncode == 2 and "ROLLOUT_MODE" in res.stderr
+    env.update(ROLLOUT_MODE="disaggregated", SGLANG_NODES="3", MODEL_PATH="/m")
+    res = subprocess.run(["bash", str(SCRIPTS[2]), "cfg.yaml"], env=env, capture_output=True, text=True)
+    assert res.returncode == 2 and "SGLANG_NODES=3" in res.stderr
