@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--untied", action="store_true", help="separate output layer (tied embeddings give a copy bias)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(args.seed)
@@ -41,7 +42,7 @@ def main() -> None:
         vocab_size=padded_vocab_size(len(tok)), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
         moe_intermediate_size=2 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=args.hidden // 4, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256, tie_word_embeddings=False,
+        max_position_embeddings=256, tie_word_embeddings=not args.untied,
     )
     engine = HFRolloutEngine(config, seed=args.seed)
     model = engine.model

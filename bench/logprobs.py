@@ -96,7 +96,8 @@ def main() -> None:
     print(f"{'chunked vocab-parallel':28s}{c_peak / mib:16.0f}{c_time:12.3f}")
     print(f"memory ratio (full / chunked): {f_peak / max(c_peak, 1):.2f}x")
     print(f"time ratio   (full / chunked): {f_time / c_time:.2f}x")
-    print(f"max |diff|: logprobs {(c_lp - f_lp).abs().max().item():.2e}, entropy {(c_ent - f_ent).abs().max().item():.2e}, "
+    print(f"max |diff|: logprobs {(c_lp - f_lp).abs().max().item():.2e}, "
+          f"entropy {(c_ent - f_ent).abs().max().item():.2e}, "
           f"grad {(c_grad.float() - f_grad.float()).abs().max().item():.2e}")
 
 

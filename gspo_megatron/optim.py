@@ -92,8 +92,22 @@ def zero_grads(ddp, optimizer) -> None:
 
 
 def optimizer_step(optimizer, scheduler, increment: int = 1) -> tuple[bool, float | None]:
-    """Clip and apply the update unless the gradients are non-finite (Megatron's optimizer checks
-    across all ranks and skips the update then). Returns (applied, grad_norm)."""
+    """Clip and apply the update unless the global gradient norm is non-finite; then the update is
+    skipped on every rank (the norm is all-reduced, so all ranks agree) and the gradients dropped.
+    Returns (applied, grad_norm). Every rank calls it.
+
+    Megatron's ``step()`` only checks for inf/NaN with an fp16 loss scaler; in fp32/bf16 it would apply
+    a NaN update. So the norm is computed first (``prepare_grads`` is idempotent: it copies the grad
+    buffers into the main grads again inside ``step``)."""
+    import math
+
+    found_inf = optimizer.prepare_grads()
+    if found_inf:
+        return False, None
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad()
+        return False, grad_norm
     applied, grad_norm, _ = optimizer.step()
     if applied:
         scheduler.step(increment=increment)

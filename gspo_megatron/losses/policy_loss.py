@@ -83,7 +83,9 @@ class PolicyLossConfig:
         for name in ("clip_low", "clip_high"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a finite epsilon > 0 (clip range [1 - clip_low, 1 + clip_high]), got {v}")
+                raise ValueError(
+                    f"{name} must be a finite epsilon > 0 (clip range [1 - clip_low, 1 + clip_high]), got {v}"
+                )
         if self.clip_low >= 1:
             raise ValueError(f"clip_low must be < 1 (lower clip bound 1 - clip_low > 0), got {self.clip_low}")
         if self.aggregation not in AGGREGATIONS:
@@ -185,10 +187,13 @@ def policy_loss_flat(
     want = (n,) if token_advantages else (num_seqs,)
     if advantages.shape != want:
         raise ValueError(
-            f"advantages must have shape [{num_seqs}] (per sequence) or [{n}] (per token), got {tuple(advantages.shape)}"
+            f"advantages must have shape [{num_seqs}] (per sequence) or [{n}] (per token), "
+            f"got {tuple(advantages.shape)}"
         )
     if token_advantages and cfg.mode == "gspo":
-        raise ValueError("advantages must be per sequence [S] for mode='gspo'; use mode='gspo_token' for token advantages")
+        raise ValueError(
+            "advantages must be per sequence [S] for mode='gspo'; use mode='gspo_token' for token advantages"
+        )
     if cfg.kl_coef != 0 and ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs ref_logprobs")
     if cfg.entropy_coef != 0 and entropy is None:

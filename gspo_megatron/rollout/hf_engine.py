@@ -96,26 +96,22 @@ class HFCheckpointLayout:
     def checkpoint_names(self) -> list[str]:
         """Every name this model has in the checkpoint layout (tied weights listed once)."""
         names: list[str] = []
-        for pname, param in dict(self.model_params_dedup()).items():
+        seen: set[int] = set()
+        for pname, param in self.params.items():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             if self.naming is not None and pname.endswith(_FUSED_SUFFIXES):
-                prefix = pname[: -len(".mlp.experts.gate_up_proj")] if pname.endswith("gate_up_proj") else (
-                    pname[: -len(".mlp.experts.down_proj")]
-                )
-                projs = (self.naming.gate, self.naming.up) if pname.endswith("gate_up_proj") else (self.naming.down,)
+                prefix, fused = pname.rsplit(".mlp.experts.", 1)
+                n = self.naming
+                projs = (n.gate, n.up) if fused == "gate_up_proj" else (n.down,)
                 for e in range(param.shape[0]):
-                    names += [f"{prefix}.{self.naming.block}.experts.{e}.{p}.weight" for p in projs]
+                    names += [f"{prefix}.{n.block}.experts.{e}.{p}.weight" for p in projs]
             elif self.naming is not None and self.naming.block != "mlp" and ".mlp." in pname:
                 names.append(pname.replace(".mlp.", f".{self.naming.block}.", 1))
             else:
                 names.append(pname)
         return names
-
-    def model_params_dedup(self) -> Iterable[tuple[str, torch.Tensor]]:
-        seen: set[int] = set()
-        for name, p in self.params.items():
-            if id(p) not in seen:
-                seen.add(id(p))
-                yield name, p
 
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor) -> None:

@@ -64,6 +64,8 @@ _PROXIED_MODULES = (
     "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # result all-reduce on "cuda"
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",  # torch.cuda.synchronize()
     "megatron.core.dist_checkpointing.exchange_utils",
     "megatron.core.dist_checkpointing.utils",
     "megatron.core.rerun_state_machine",

@@ -20,7 +20,8 @@ CASES = [
 def loss_from_logits(logits, data, mode, options, *, tp_group=None, cp_group=None, normalizer=None):
     """Vocab-parallel log-probs -> policy_loss_flat; ``data`` holds flat per-token tensors of this rank."""
     lp, ent = vocab_parallel_logprobs(logits, data["targets"], tp_group=tp_group, temperature=0.8, chunk_size=5)
-    cfg = PolicyLossConfig(mode=mode, clip_low=8e-3 if mode == "grpo" else 3e-3, clip_high=1e-2 if mode == "grpo" else 4e-3,
+    clip = (8e-3, 1e-2) if mode == "grpo" else (3e-3, 4e-3)
+    cfg = PolicyLossConfig(mode=mode, clip_low=clip[0], clip_high=clip[1],
                            **options)
     return policy_loss_flat(
         lp, data["old"], data["adv"], data["mask"], data["seq"], data["num_seqs"], cfg,

@@ -12,6 +12,7 @@ import torch
 from gspo_megatron.losses import (
     PolicyLossConfig,
     check_megatron_config,
+    make_megatron_logprob_func,
     make_megatron_loss_func,
     policy_loss_flat,
     seq_index_from_cu_seqlens,
@@ -74,7 +75,8 @@ def old_and_adv(seqs, model, seed: int = 1):
     with torch.no_grad():
         for tokens, prompt in seqs:
             inputs, labels, _ = token_fields(tokens, prompt)
-            lp, _ = vocab_parallel_logprobs(model(inputs[None]), labels[None], temperature=TEMPERATURE, with_entropy=False)
+            lp, _ = vocab_parallel_logprobs(model(inputs[None]), labels[None], temperature=TEMPERATURE,
+                                            with_entropy=False)
             olds.append(lp[0] + torch.randn(tokens.numel(), generator=g) * 1e-2)
     return olds, torch.randn(len(seqs), generator=g)
 
@@ -171,9 +173,14 @@ def schedule_run(rank: int, world: int, cfg: PolicyLossConfig, layout: str, num_
 
     use_ddp = average_in_collective is not None
     if use_ddp:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, average_in_collective=average_in_collective)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   average_in_collective=average_in_collective)
         model = DistributedDataParallel(model.config, ddp_config, model)
         model.config.no_sync_func = model.no_sync
         model.config.finalize_model_grads_func = finalize_model_grads
@@ -198,3 +205,31 @@ def schedule_run(rank: int, world: int, cfg: PolicyLossConfig, layout: str, num_
     else:
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return loss_sum, grads, max(m["clip_fraction"] for m in out)
+
+
+def logprob_worker(rank: int, world: int, num_micro: int, seed: int = 0):
+    """Forward-only schedule collecting per-token log-probs and entropies of packed micro-batches;
+    returns (collected, direct) lists of (logprobs, entropy) per micro-batch."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+
+    init_distributed(ParallelLayout())
+    seqs = make_sequences(seed)
+    model = build_model(seed)
+    olds, adv = old_and_adv(seqs, model)
+    micro = [packed_batch(seqs, olds, adv, list(range(len(seqs)))[i::num_micro], 1.0) for i in range(num_micro)]
+
+    def forward_step(data_iterator, model_):
+        batch = next(data_iterator)
+        return model_(batch["tokens"]), make_megatron_logprob_func(
+            batch, tp_group=ps.get_tensor_model_parallel_group(), temperature=TEMPERATURE, with_entropy=True)
+
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro), model=[model], num_microbatches=num_micro,
+        seq_length=0, micro_batch_size=0, forward_only=True,
+    )
+    with torch.no_grad():
+        direct = [vocab_parallel_logprobs(model(b["tokens"]), b["labels"], temperature=TEMPERATURE) for b in micro]
+    return [(o["logprobs"], o["entropy"]) for o in out], direct

@@ -60,7 +60,9 @@ def test_empty_mask_gives_zero_loss_and_metric(mode):
     assert loss.item() == 0.0 and metrics["empty_mask"] == 1.0
 
 
-@pytest.mark.parametrize("name", ["logprobs", "old_logprobs", "advantages", "ref_logprobs", "engine_logprobs", "entropy"])
+@pytest.mark.parametrize(
+    "name", ["logprobs", "old_logprobs", "advantages", "ref_logprobs", "engine_logprobs", "entropy"]
+)
 def test_non_finite_input_names_argument(name):
     lp, old, adv, mask = batch()
     inputs = {"logprobs": lp.detach().clone(), "old_logprobs": old.clone(), "advantages": adv.clone(),

@@ -9,7 +9,7 @@ import torch
 
 from distributed_harness import run_ranks
 from gspo_megatron.losses import PolicyLossConfig, check_megatron_config
-from megatron_loss_workers import reference_grads, schedule_worker
+from megatron_loss_workers import logprob_worker, reference_grads, schedule_worker
 
 CFGS = {
     "gspo": PolicyLossConfig(mode="gspo", clip_low=3e-3, clip_high=4e-3, entropy_coef=0.01),
@@ -50,6 +50,15 @@ def test_dp2_with_megatron_ddp():
         for r in range(2):
             _, grads, _ = results[r][k]
             assert_matches((loss_sum, grads, max(results[0][k][2], results[1][k][2])), ref, f"dp2 rank {r} {run[1:]}")
+
+
+def test_forward_only_logprob_collection():
+    collected, direct = run_ranks(logprob_worker, 1, 3)[0]
+    assert len(collected) == 3
+    for (lp, ent), (ref_lp, ref_ent) in zip(collected, direct):
+        assert not lp.requires_grad
+        torch.testing.assert_close(lp, ref_lp, rtol=0, atol=0)
+        torch.testing.assert_close(ent, ref_ent, rtol=0, atol=0)
 
 
 def test_per_token_loss_config_refused():

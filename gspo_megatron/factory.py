@@ -1,0 +1,186 @@
+"""Build a run's components from the config: the HF starting point, tokenizer, dataset, rewards,
+rollout engine and the Megatron model. Called by ``train.py``; which ranks call what is noted on
+each function.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.config import Config
+
+
+def hf_init_dir(cfg: Config) -> str:
+    """The HF directory the run starts from (config.json + weights + tokenizer).
+
+    model.init=pretrained: model.hf_path itself. model.init=random: rank 0 writes
+    ``output_dir/hf_init`` once (random weights from transformers' own init under ``seed``, the demo
+    tokenizer when model.hf_path has none) and every rank then reads it, so trainer and engine start
+    from identical weights. All ranks call this (it has a barrier)."""
+    if cfg.model.init == "pretrained":
+        if not cfg.model.hf_path:
+            raise ValueError("model.init=pretrained needs model.hf_path (an HF directory)")
+        return cfg.model.hf_path
+    out = os.path.join(cfg.output_dir, "hf_init")
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.exists(
+            os.path.join(out, "model.safetensors")):
+        _write_random_hf_model(cfg, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def _write_random_hf_model(cfg: Config, out: str) -> None:
+    from gspo_megatron.data.tokenizer import build_demo_tokenizer
+    from gspo_megatron.models.tiny import hf_model_from_config
+    from gspo_megatron.planner import model_hf_config
+
+    hf, _ = model_hf_config(cfg)
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = hf_model_from_config(hf, _dtype(cfg.model.dtype))
+    model.save_pretrained(tmp)
+    tok_src = cfg.model.hf_path
+    if tok_src and os.path.exists(os.path.join(tok_src, "tokenizer_config.json")):
+        for name in os.listdir(tok_src):
+            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+                shutil.copy(os.path.join(tok_src, name), tmp)
+    else:
+        build_demo_tokenizer(tmp)
+    with open(os.path.join(tmp, "config.json")) as f:
+        saved = json.load(f)
+    for key in ("num_experts",):  # keep the names real Qwen3-MoE checkpoints use
+        if key in hf:
+            saved[key] = hf[key]
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_tokenizer(hf_dir: str):
+    """Every rank: the tokenizer saved with the starting model (AutoTokenizer)."""
+    from gspo_megatron.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(hf_dir)
+
+
+def build_dataset(cfg: Config, tokenizer):
+    """Rank 0: the prompt dataset (a file, or rows of a built-in task)."""
+    from gspo_megatron.data.dataset import PromptDataset
+    from gspo_megatron.data.tasks import get_task
+
+    common = dict(prompt_key=cfg.data.prompt_key, label_key=cfg.data.label_key,
+                  max_prompt_tokens=cfg.data.max_prompt_len,
+                  use_chat_template=cfg.data.apply_chat_template, skip_bad_rows=cfg.data.skip_bad_rows)
+    if cfg.data.path:
+        return PromptDataset.from_file(cfg.data.path, tokenizer, **common)
+    task = get_task(cfg.data.task)
+    return PromptDataset.from_records(task.rows(4096, cfg.seed), tokenizer, source=f"task {task.name}",
+                                      **common)
+
+
+class InlineRewards:
+    """reward.num_workers=0: score in the calling process (no isolation; for fast, trusted rewards).
+    Same interface and failure accounting as RewardRunner, without the timeout."""
+
+    def __init__(self, spec: str):
+        from gspo_megatron.rewards.registry import get_reward_fn
+
+        self.fn = get_reward_fn(spec)
+
+    def score(self, prompts, responses, labels):
+        import math
+
+        rewards, errors, nonfinite = [], 0, 0
+        for p, r, lab in zip(prompts, responses, labels):
+            try:
+                v = float(self.fn(p, r, lab))
+            except Exception:
+                errors += 1
+                v = 0.0
+            if not math.isfinite(v):
+                nonfinite += 1
+                v = 0.0
+            rewards.append(v)
+        return rewards, {"reward/errors": float(errors), "reward/timeouts": 0.0,
+                         "reward/nonfinite": float(nonfinite)}
+
+    def close(self):
+        pass
+
+
+def build_rewards(cfg: Config):
+    """Rank 0: the reward scorer (a process pool with timeouts when reward.num_workers > 0)."""
+    if cfg.reward.num_workers > 0:
+        from gspo_megatron.rewards.runner import RewardRunner
+
+        return RewardRunner(cfg.reward.function, num_workers=cfg.reward.num_workers,
+                            timeout_s=cfg.reward.timeout_s)
+    return InlineRewards(cfg.reward.function)
+
+
+def build_engine(cfg: Config, hf_dir: str):
+    """Rank 0: the rollout engine. Weights arrive through the first weight sync, not from files."""
+    if cfg.rollout.engine == "hf":
+        from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+
+        return HFRolloutEngine(hf_dir, None, dtype=_dtype(cfg.model.dtype), seed=cfg.seed)
+    from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
+
+    if cfg.rollout.engine_urls:
+        return SGLangRolloutEngine.attach(cfg.rollout.engine_urls, wait_timeout_s=cfg.rollout.engine_timeout_s)
+    return SGLangRolloutEngine.launch(
+        hf_dir, num_engines=max(1, cfg.rollout.num_engines), tp_size=cfg.rollout.engine_tp,
+        colocated=cfg.rollout.sync_mode == "colocated", mem_fraction_static=cfg.rollout.engine_mem_fraction,
+        log_dir=os.path.join(cfg.output_dir, "engine_logs"))
+
+
+def build_transport(cfg: Config, engine):
+    """Rank 0: how weight buckets reach the engine (one class per sync mode)."""
+    if cfg.rollout.sync_mode == "inprocess":
+        from gspo_megatron.weight_sync.transport import InProcessTransport
+
+        return InProcessTransport(engine)
+    if cfg.rollout.sync_mode == "colocated":
+        from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport(engine.clients[0], fp8=cfg.rollout.sync_fp8)
+    from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport
+
+    raise NotImplementedError(
+        f"rollout.sync_mode=disaggregated is driven by launch/slurm/train.sbatch; see docs/gpu.md "
+        f"({NcclBroadcastTransport.__name__})")
+
+
+def build_model(cfg: Config, hf: dict):
+    """Every rank: this rank's Megatron model chunk for the configured layout."""
+    from gspo_megatron.models.build import ModelOptions
+    from gspo_megatron.models.build import build_model as _build
+
+    p = cfg.parallel
+    fp8_fields = None
+    if cfg.model.fp8:
+        from gspo_megatron.runtime.fp8 import FP8Options, check_fp8_runtime
+
+        fp8 = FP8Options.from_mapping({"fp8": cfg.model.fp8, "recipe": cfg.model.fp8_recipe}, prefix="model")
+        check_fp8_runtime(fp8)
+        fp8_fields = fp8.transformer_config_kwargs(is_moe=True, token_dispatcher=cfg.model.moe_token_dispatcher)
+    opts = ModelOptions(
+        dtype=cfg.model.dtype, transformer_impl=cfg.model.transformer_impl,
+        moe_token_dispatcher=cfg.model.moe_token_dispatcher, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+        recompute=cfg.model.recompute, sequence_parallel=p.sequence_parallel, fp8_fields=fp8_fields,
+        perform_initialization=False)
+    return _build(hf, p.tp, p.pp, p.ep, p.etp, p.cp, opts)

@@ -1,0 +1,232 @@
+"""gspo-train: GSPO on Megatron-Core, one command.
+
+    gspo-train --config configs/demo_cpu.yaml [dotted.key=value ...]
+    torchrun --nproc-per-node 8 -m gspo_megatron.train --config configs/qwen3_30b_a3b_gspo.yaml
+    gspo-train --config X --check                      # validate and exit
+    gspo-train --config X --dry-run --nodes 2 --gpus-per-node 8 --gpu-memory-gb 80   # plan only
+
+The loop, per step: rollout (rank 0: prompts -> G responses -> rewards -> advantages) -> every rank
+gets the batch -> old log-probs recomputed by the trainer -> one optimizer step per mini-batch ->
+new weights pushed to the engine -> metrics -> checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.config import Config, config_help, load_config, save_config, validate
+
+
+class _Stop:
+    """Set by SIGTERM / SIGUSR1 (Slurm preemption): checkpoint at the end of the step, then exit."""
+
+    signum: int | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, cls._handle)
+
+    @classmethod
+    def _handle(cls, signum, frame) -> None:
+        cls.signum = signum
+
+
+def _broadcast(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _any_rank(flag: bool) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def train(cfg: Config) -> dict:
+    """Run (or resume) a training job. Every rank calls it. Returns the last step's metrics."""
+    from gspo_megatron import factory
+    from gspo_megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from gspo_megatron.config import validate_model_layout
+    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.weights import load_hf_weights
+    from gspo_megatron.optim import OptimOptions, setup_training
+    from gspo_megatron.planner import model_hf_config
+    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+    from gspo_megatron.train_step import train_on_batch
+    from gspo_megatron.weight_sync.sync import WeightSyncer
+
+    # -- checks that need no model: fail in seconds, naming the field ----------------------------
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world_size=world)
+    validate_model_layout(cfg, model_hf_config(cfg)[0])
+    p = cfg.parallel
+    init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
+    rank = dist.get_rank()
+    _Stop.install()
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    if rank == 0:
+        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
+
+    # -- model, optimizer, starting weights --------------------------------------------------------
+    hf_dir = factory.hf_init_dir(cfg)
+    hf = load_hf_config(hf_dir)
+    model = factory.build_model(cfg, hf)
+    steps_total = cfg.train.steps * cfg.gspo.mini_batches
+    o = cfg.optimizer
+    ddp, optimizer, scheduler = setup_training(model, OptimOptions(
+        lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+        lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_decay_style, total_steps=steps_total,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+        grad_reduce_in_fp32=getattr(p, "grad_reduce_in_fp32", True),
+        cpu_offload_fraction=o.cpu_offload_fraction))
+    ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
+    resume_from = cfg.checkpoint.load or latest_checkpoint(ckpt_root)
+    start_step, extra = 0, {}
+    if resume_from:
+        start_step, extra = load_checkpoint(resume_from, model, optimizer, scheduler)
+    elif cfg.model.checkpoint:
+        load_checkpoint(cfg.model.checkpoint, model)
+    else:
+        load_hf_weights(model, hf_dir)
+    ref_model = None
+    if cfg.gspo.kl_coef > 0:  # a frozen copy of the starting policy
+        ref_model = factory.build_model(cfg, hf)
+        load_hf_weights(ref_model, hf_dir) if not cfg.model.checkpoint else load_checkpoint(
+            cfg.model.checkpoint, ref_model)
+        ref_model.requires_grad_(False)
+
+    # -- rank 0: tokenizer, data, rewards, engine, metrics ----------------------------------------
+    tokenizer = factory.build_tokenizer(hf_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    engine = transport = dataset = sampler = rewards = logger = None
+    if rank == 0:
+        from gspo_megatron.data.dataset import PromptSampler
+        from gspo_megatron.metrics import MetricsLogger
+
+        dataset = factory.build_dataset(cfg, tokenizer)
+        sampler = PromptSampler(len(dataset), seed=cfg.seed, shuffle=cfg.data.shuffle)
+        if "sampler" in extra:
+            sampler.load_state_dict(extra["sampler"])
+        rewards = factory.build_rewards(cfg)
+        engine = factory.build_engine(cfg, hf_dir)
+        transport = factory.build_transport(cfg, engine)
+        logger = MetricsLogger(cfg.output_dir, rank=rank, resume_step=start_step if resume_from else None,
+                               total_steps=cfg.train.steps, tensorboard=cfg.logging.tensorboard,
+                               console="auto" if cfg.logging.progress else "plain",
+                               wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
+    syncer = WeightSyncer(model, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_verify)
+    syncer.sync(transport, engine)  # the engine starts from exactly the trainer's weights
+
+    # -- the loop ------------------------------------------------------------------------------------
+    from gspo_megatron.rollout_step import collect_rollouts
+
+    metrics: dict = {}
+    bad_streak = int(extra.get("bad_streak", 0))
+    step = start_step
+    for step in range(start_step + 1, cfg.train.steps + 1):
+        t0 = time.perf_counter()
+        batch = collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards) if rank == 0 else None
+        records = _broadcast(batch.records if rank == 0 else None)
+        metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id, ref_model=ref_model)
+        sync_metrics = syncer.sync(transport, engine)
+        bad_streak = bad_streak + 1 if metrics.pop("_nonfinite_step") else 0
+        step_time = time.perf_counter() - t0
+        n_tokens = sum(len(r["tokens"]) for r in records)
+        metrics.update(sync_metrics)
+        metrics.update({"step": step, "perf/step_time_s": step_time, "perf/tokens_per_s": n_tokens / step_time,
+                        "train/bad_streak": float(bad_streak)})
+        if rank == 0:
+            metrics.update(batch.metrics)
+            logger.log(step, metrics)
+        stop_signal = _any_rank(_Stop.signum is not None)
+        too_bad = bad_streak >= cfg.optimizer.max_bad_steps > 0
+        interval = cfg.checkpoint.interval
+        if (interval and step % interval == 0) or step == cfg.train.steps or \
+                (stop_signal and cfg.checkpoint.save_on_signal):
+            state = {"sampler": sampler.state_dict() if rank == 0 else None, "bad_streak": bad_streak}
+            save_checkpoint(ckpt_root, step, model, optimizer, scheduler,
+                            extra_state=_broadcast(state), keep_last=cfg.checkpoint.keep_last)
+        if too_bad:
+            raise RuntimeError(f"{bad_streak} consecutive steps had a non-finite loss or gradient norm "
+                               f"(optimizer.max_bad_steps={cfg.optimizer.max_bad_steps}); stopping. "
+                               f"The last good state is in {ckpt_root}")
+        if stop_signal:
+            if rank == 0:
+                print(f"[gspo-train] signal received: checkpointed step {step}; exiting", flush=True)
+            break
+
+    # -- the end: the HF export of the final policy ---------------------------------------------------
+    hf_out = os.path.join(cfg.output_dir, "hf_final")
+    if _Stop.signum is None:
+        from gspo_megatron.convert import export_model_to_hf
+
+        export_model_to_hf(model, hf_out, source_dir=hf_dir)
+    if rank == 0:
+        logger.close()
+        rewards.close()
+        engine.shutdown()
+        print(f"[gspo-train] run dir: {os.path.abspath(cfg.output_dir)}", flush=True)
+        if _Stop.signum is None:
+            print(f"[gspo-train] exported Hugging Face model: {os.path.abspath(hf_out)}", flush=True)
+    return metrics
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gspo-train", add_help=False,
+        description="GSPO training of MoE models on Megatron-Core (CPU demo by default).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (default: built-in CPU demo settings)")
+    parser.add_argument("--check", action="store_true", help="validate the config and exit")
+    parser.add_argument("--dry-run", action="store_true", help="plan the layout and memory for a cluster, and exit")
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and every config field")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.steps=10")
+    from gspo_megatron.planner import add_cluster_args
+
+    add_cluster_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.help:
+        parser.print_help()
+        print("\nConfig fields (set in YAML or as dotted overrides):\n")
+        print(config_help())
+        return 0
+    if args.dry_run:
+        from gspo_megatron.planner import run_plan
+
+        return run_plan(args.config, args.overrides, args.nodes, args.gpus_per_node, args.gpu_memory_gb)
+    from gspo_megatron.config import ConfigError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.check:
+            validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+            print(f"config OK: {args.config or '(defaults)'}")
+            return 0
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"gspo-train: error: {e}", file=sys.stderr)
+        return 2
+    train(cfg)
+    if dist.is_initialized():
+        from gspo_megatron.runtime.distributed import destroy_distributed
+
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

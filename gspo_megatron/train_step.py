@@ -1,0 +1,155 @@
+"""The training half of a step, on every rank: split the rollout batch, recompute old log-probs,
+then one optimizer step per mini-batch through Megatron's forward-backward schedule.
+
+Batch layout: the N sequences are cut into ``gspo.mini_batches`` contiguous mini-batches; in each,
+data-parallel rank r takes sequences r, r+dp, ...; those are cut into micro-batches of
+``parallel.micro_batch_size``. Each mini-batch's loss is normalized by its global sequence count
+(token count for token-mean), so the reduced gradient is exactly that of the mini-batch mean.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.config import Config
+from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
+from gspo_megatron.losses.policy_loss import PolicyLossConfig
+from gspo_megatron.optim import optimizer_step, zero_grads
+from gspo_megatron.pipeline import collate, compute_logprobs, run_schedule
+
+_MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref",
+              "engine_logprob_absdiff", "tis_weight_mean", "tis_capped_fraction")
+
+
+def loss_config(cfg: Config) -> PolicyLossConfig:
+    g = cfg.gspo
+    agg = "token-mean" if g.loss_agg == "token-mean" else "seq-mean-token-mean"
+    return PolicyLossConfig(mode=g.mode, clip_low=g.clip_low, clip_high=g.clip_high, aggregation=agg,
+                            kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, entropy_coef=g.entropy_coef,
+                            tis_cap=g.tis_cap)
+
+
+def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id: int, multiple: int):
+    """Mini-batches (lists of this rank's micro-batch dicts) and each mini-batch's normalizer."""
+    M = cfg.gspo.mini_batches
+    n = len(records)
+    token_mean = cfg.gspo.loss_agg == "token-mean"
+    out = []
+    for m in range(M):
+        mb = records[m * n // M : (m + 1) * n // M]
+        norm = sum((len(r["tokens"]) - r["prompt_len"]) if token_mean else
+                   int(len(r["tokens"]) > r["prompt_len"]) for r in mb)
+        mine = [r for i, r in enumerate(mb) if i % dp == dp_rank]
+        size = cfg.parallel.micro_batch_size
+        micro = [collate(mine[i : i + size], pad_id=pad_id, multiple=multiple)
+                 for i in range(0, len(mine), size)]
+        for b in micro:
+            b["normalizer"] = float(max(norm, 1))
+        out.append(micro)
+    return out
+
+
+def _attach_logprobs(model, batches, key, temperature, ps) -> None:
+    """batch[key] = the model's log-probs of the labels (last stage; zeros elsewhere, unused)."""
+    out = compute_logprobs(model, batches, temperature=temperature)
+    for i, b in enumerate(batches):
+        b[key] = out[i]["logprobs"].float() if out is not None else torch.zeros_like(b["loss_mask"])
+
+
+def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], pad_id: int,
+                   ref_model=None) -> dict:
+    """Every rank: recompute old log-probs, then ``gspo.mini_batches`` optimizer steps. Returns the
+    step's metrics, identical on every rank."""
+    from megatron.core import parallel_state as ps
+
+    t0 = time.perf_counter()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    tp = ps.get_tensor_model_parallel_world_size()
+    minis = split_batch(cfg, records, dp, dp_rank, pad_id, multiple=tp)
+    flat = [b for mb in minis for b in mb]
+    temp = cfg.rollout.temperature
+    _attach_logprobs(ddp, flat, "old_logprobs", temp, ps)
+    if ref_model is not None:
+        _attach_logprobs(ref_model, flat, "ref_logprobs", temp, ps)
+    reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
+        and ps.get_context_parallel_rank() == 0
+    gap = torch.zeros(2, dtype=torch.float64)
+    if reporter:
+        for b in flat:
+            gap[0] += ((b["old_logprobs"] - b["engine_logprobs"]).abs() * b["loss_mask"]).sum().double()
+            gap[1] += b["loss_mask"].sum().double()
+    t_old = time.perf_counter() - t0
+
+    lcfg = loss_config(cfg)
+    tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+    cp_group = cp_group if ps.get_context_parallel_world_size() > 1 else None
+    mb_metrics, applied, grad_norms = [], [], []
+    for micro in minis:
+        zero_grads(ddp, optimizer)
+        out = run_schedule(ddp, micro, lambda b, n=len(micro): make_megatron_loss_func(
+            b, lcfg, tp_group=tp_group, cp_group=cp_group, num_microbatches=n, data_parallel_size=dp,
+            temperature=temp, compute_entropy=True), forward_only=False)
+        ok, gn = optimizer_step(optimizer, scheduler)
+        applied.append(ok)
+        grad_norms.append(gn)
+        mb_metrics.append(out if reporter else [])
+    metrics = _reduce_metrics(mb_metrics, len(minis))
+    torch_gap = gap.clone()
+    dist.all_reduce(torch_gap)
+    metrics.update({
+        "rollout/logprob_abs_diff": float(torch_gap[0] / max(torch_gap[1], 1.0)),
+        "train/skipped_updates": float(sum(not a for a in applied)),
+        "train/grad_norm": _mean_finite(grad_norms),
+        "train/lr": float(optimizer.param_groups[0]["lr"]),
+        "perf/old_logprob_s": t_old,
+        "perf/train_s": time.perf_counter() - t0 - t_old,
+    })
+    metrics["_nonfinite_step"] = float(not all(applied))
+    return metrics
+
+
+def _mean_finite(values) -> float:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return float(sum(vals) / len(vals)) if vals else float("nan")
+
+
+def _reduce_metrics(per_minibatch: list[list[dict]], num_minibatches: int) -> dict:
+    """Global step metrics from the loss functions' micro-batch metrics (reported on the last stage,
+    TP rank 0 only): loss summed per mini-batch then averaged over mini-batches; sequence-weighted
+    means; min / max ratio over everything."""
+    keys = list(_MEAN_KEYS)
+    sums = torch.zeros(len(keys) + 3, dtype=torch.float64)
+    seen = torch.zeros(len(keys), dtype=torch.float64)  # which metrics the loss reported at all
+    lo, hi = torch.tensor([math.inf], dtype=torch.float64), torch.tensor([-math.inf], dtype=torch.float64)
+    for micro in per_minibatch:
+        for m in micro:
+            w = m.get("num_seqs", 0.0)
+            for i, k in enumerate(keys):
+                if k in m:
+                    sums[i] += w * m[k]
+                    seen[i] = 1.0
+            sums[len(keys)] += w
+            sums[len(keys) + 1] += m["loss"]
+            sums[len(keys) + 2] += m.get("pg_loss", 0.0)
+            if w > 0:
+                lo[0] = min(lo[0].item(), m["ratio_min"])
+                hi[0] = max(hi[0].item(), m["ratio_max"])
+    dist.all_reduce(sums)
+    dist.all_reduce(seen)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    w = max(sums[len(keys)].item(), 1.0)
+    names = {"ratio_mean": "gspo/ratio_mean", "clip_fraction": "gspo/clip_frac", "approx_kl_old": "gspo/approx_kl",
+             "entropy": "policy/entropy", "kl_ref": "loss/kl_ref", "engine_logprob_absdiff": "rollout/engine_gap_seq",
+             "tis_weight_mean": "tis/weight_mean", "tis_capped_fraction": "tis/capped_frac"}
+    out = {names[k]: sums[i].item() / w for i, k in enumerate(keys) if seen[i] > 0}
+    out["loss/total"] = sums[len(keys) + 1].item() / num_minibatches
+    out["loss/policy"] = sums[len(keys) + 2].item() / num_minibatches
+    out["gspo/ratio_min"] = lo.item() if math.isfinite(lo.item()) else 1.0
+    out["gspo/ratio_max"] = hi.item() if math.isfinite(hi.item()) else 1.0
+    out["train/num_seqs"] = sums[len(keys)].item()
+    return out
