@@ -83,7 +83,9 @@ def main() -> None:
         opt.step()
         step += 1
         if step % 5 == 0 or step == 1:
-            print(f"step {step:4d}  t={time.time() - start:6.1f}s  reward/mean={sum(rewards) / len(rewards):.3f}", flush=True)
+            texts = [decode_response(tok, s) for s in seqs[:: args.group][:4]]
+            print(f"step {step:4d}  t={time.time() - start:6.1f}s  reward/mean={sum(rewards) / len(rewards):.3f}"
+                  f"  samples={texts}  labels={[r['label'] for r in batch[:4]]}", flush=True)
 
 
 if __name__ == "__main__":

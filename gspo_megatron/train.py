@@ -54,7 +54,7 @@ def _any_rank(flag: bool) -> bool:
 def train(cfg: Config) -> dict:
     """Run (or resume) a training job. Every rank calls it. Returns the last step's metrics."""
     from gspo_megatron import factory
-    from gspo_megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from gspo_megatron.checkpoint import load_checkpoint, save_checkpoint
     from gspo_megatron.config import validate_model_layout
     from gspo_megatron.models.build import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
@@ -90,19 +90,23 @@ def train(cfg: Config) -> dict:
         grad_reduce_in_fp32=getattr(p, "grad_reduce_in_fp32", True),
         cpu_offload_fraction=o.cpu_offload_fraction))
     ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
-    resume_from = cfg.checkpoint.load or latest_checkpoint(ckpt_root)
+    # resume: the newest loadable checkpoint (a corrupt newest one falls back to the previous)
+    resume_from = cfg.checkpoint.load or ckpt_root
     start_step, extra = 0, {}
-    if resume_from:
-        start_step, extra = load_checkpoint(resume_from, model, optimizer, scheduler)
+    loaded = load_checkpoint(resume_from, model, optimizer, scheduler) if os.path.isdir(resume_from) else None
+    if loaded is not None:
+        start_step, extra = loaded[0], loaded[1] or {}
     elif cfg.model.checkpoint:
-        load_checkpoint(cfg.model.checkpoint, model)
+        if load_checkpoint(cfg.model.checkpoint, model, restore_rng=False) is None:
+            raise FileNotFoundError(f"model.checkpoint {cfg.model.checkpoint!r} holds no checkpoint")
+        optimizer.reload_model_params()
     else:
         load_hf_weights(model, hf_dir)
     ref_model = None
     if cfg.gspo.kl_coef > 0:  # a frozen copy of the starting policy
         ref_model = factory.build_model(cfg, hf)
         load_hf_weights(ref_model, hf_dir) if not cfg.model.checkpoint else load_checkpoint(
-            cfg.model.checkpoint, ref_model)
+            cfg.model.checkpoint, ref_model, restore_rng=False)
         ref_model.requires_grad_(False)
 
     # -- rank 0: tokenizer, data, rewards, engine, metrics ----------------------------------------
@@ -120,7 +124,7 @@ def train(cfg: Config) -> dict:
         rewards = factory.build_rewards(cfg)
         engine = factory.build_engine(cfg, hf_dir)
         transport = factory.build_transport(cfg, engine)
-        logger = MetricsLogger(cfg.output_dir, rank=rank, resume_step=start_step if resume_from else None,
+        logger = MetricsLogger(cfg.output_dir, rank=rank, resume_step=start_step if loaded is not None else None,
                                total_steps=cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                                console="auto" if cfg.logging.progress else "plain",
                                wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
@@ -151,11 +155,12 @@ def train(cfg: Config) -> dict:
         stop_signal = _any_rank(_Stop.signum is not None)
         too_bad = bad_streak >= cfg.optimizer.max_bad_steps > 0
         interval = cfg.checkpoint.interval
-        if (interval and step % interval == 0) or step == cfg.train.steps or \
+        if (interval and step % interval == 0) or step == cfg.train.steps or too_bad or \
                 (stop_signal and cfg.checkpoint.save_on_signal):
+            # (skipped updates leave the weights untouched: with too_bad this is the last good state)
             state = {"sampler": sampler.state_dict() if rank == 0 else None, "bad_streak": bad_streak}
-            save_checkpoint(ckpt_root, step, model, optimizer, scheduler,
-                            extra_state=_broadcast(state), keep_last=cfg.checkpoint.keep_last)
+            save_checkpoint(ckpt_root, step, model, optimizer, scheduler, extra_state=_broadcast(state),
+                            keep_last=cfg.checkpoint.keep_last, hf_assets_dir=hf_dir)
         if too_bad:
             raise RuntimeError(f"{bad_streak} consecutive steps had a non-finite loss or gradient norm "
                                f"(optimizer.max_bad_steps={cfg.optimizer.max_bad_steps}); stopping. "
@@ -168,9 +173,10 @@ def train(cfg: Config) -> dict:
     # -- the end: the HF export of the final policy ---------------------------------------------------
     hf_out = os.path.join(cfg.output_dir, "hf_final")
     if _Stop.signum is None:
-        from gspo_megatron.convert import export_model_to_hf
+        from gspo_megatron.convert import export_to_hf_dir
 
-        export_model_to_hf(model, hf_out, source_dir=hf_dir)
+        export_to_hf_dir(model, hf, hf_out, max_shard_size=5 * 10**9,
+                         bucket_bytes=int(cfg.rollout.sync_bucket_mb * (1 << 20)), assets_dir=hf_dir)
     if rank == 0:
         logger.close()
         rewards.close()

@@ -17,7 +17,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -102,9 +102,10 @@ class SafetensorsReader:
 
 
 @torch.no_grad()
-def load_hf_weights(model, hf_dir: str) -> int:
+def load_hf_weights(model, hf_dir: str, progress: Callable[[int], object] | None = None) -> int:
     """Fill this rank's parameters from the HF checkpoint in ``hf_dir``. Every rank calls it (no
-    communication). Returns the number of parameters set; raises KeyError naming a missing tensor."""
+    communication). Returns the number of parameters set; raises KeyError naming a missing tensor.
+    ``progress(1)`` is called after each parameter (a progress bar's update)."""
     mapping = get_family(model.hf_config).mapping(model.hf_config)
     reader = SafetensorsReader(hf_dir)
     names = global_names(model)
@@ -118,6 +119,8 @@ def load_hf_weights(model, hf_dir: str) -> int:
                              f"parameter {names[local]} of shape {tuple(param.shape)}")
         param.copy_(shard)
         n += 1
+        if progress is not None:
+            progress(1)
     return n
 
 

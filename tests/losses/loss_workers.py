@@ -47,15 +47,19 @@ def tp_worker(rank: int, world: int, logits: torch.Tensor, data: dict) -> list:
     return out
 
 
-def tp_padded_vocab_worker(rank: int, world: int, logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                           weights: torch.Tensor) -> tuple:
-    """Vocab shards of a padded output layer (only the first ``vocab_size`` columns are real tokens)."""
+def tp_padded_vocab_worker(rank: int, world: int, logits: torch.Tensor, cases: list, weights: torch.Tensor) -> list:
+    """Vocab shards of a padded output layer: for each (vocab_size, targets) in ``cases`` only the first
+    ``vocab_size`` columns are real tokens. Returns (logprobs, entropy, logits grad shard) per case."""
     _init(rank, world)
     v_local = logits.shape[-1] // world
-    shard = logits[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs(shard, targets, tp_group=dist.group.WORLD, vocab_size=vocab_size, chunk_size=3)
-    ((lp * weights).sum() + (ent * weights.flip(0)).sum()).backward()
-    return lp.detach(), ent.detach(), shard.grad
+    out = []
+    for vocab_size, targets in cases:
+        shard = logits[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+        lp, ent = vocab_parallel_logprobs(shard, targets, tp_group=dist.group.WORLD, vocab_size=vocab_size,
+                                          chunk_size=3)
+        ((lp * weights).sum() + (ent * weights.flip(0)).sum()).backward()
+        out.append((lp.detach(), ent.detach(), shard.grad))
+    return out
 
 
 def cp_worker(rank: int, world: int, logits: torch.Tensor, data: dict, owner: torch.Tensor) -> list:

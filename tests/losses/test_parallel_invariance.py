@@ -93,20 +93,22 @@ def test_cp2_matches_cp1(ref_results):
         assert not torch.allclose(ranks[0][c][0], ref_loss)
 
 
-@pytest.mark.parametrize("vocab_size", [20, 10])  # rank 1 holds some padding / only padding
-def test_tp2_padded_vocab(vocab_size):
+def test_tp2_padded_vocab():
+    """Megatron's vocab padding: rank 1 holds some padding (vocab 20 of 24) or only padding (10 of 24)."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(9, 24, generator=g, dtype=torch.float64)
-    targets = torch.randint(0, vocab_size, (9,), generator=g)
     weights = torch.randn(9, generator=g, dtype=torch.float64)
-    ranks = run_ranks(tp_padded_vocab_worker, 2, logits, targets, vocab_size, weights)
-    x = logits.clone().requires_grad_(True)
-    logp = torch.log_softmax(x[:, :vocab_size], -1)
-    ref_lp, ref_ent = logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
-    ((ref_lp * weights).sum() + (ref_ent * weights.flip(0)).sum()).backward()
-    for lp, ent, _ in ranks:
-        torch.testing.assert_close(lp, ref_lp.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(ent, ref_ent.detach(), rtol=1e-12, atol=1e-12)
-    grad = torch.cat([ranks[0][2], ranks[1][2]], dim=1)
-    torch.testing.assert_close(grad, x.grad, rtol=1e-12, atol=1e-12)
-    assert grad[:, vocab_size:].abs().sum() == 0
+    cases = [(v, torch.randint(0, v, (9,), generator=g)) for v in (20, 10)]
+    ranks = run_ranks(tp_padded_vocab_worker, 2, logits, cases, weights)
+    for c, (vocab_size, targets) in enumerate(cases):
+        x = logits.clone().requires_grad_(True)
+        logp = torch.log_softmax(x[:, :vocab_size], -1)
+        ref_lp, ref_ent = logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+        ((ref_lp * weights).sum() + (ref_ent * weights.flip(0)).sum()).backward()
+        for r in range(2):
+            lp, ent, _ = ranks[r][c]
+            torch.testing.assert_close(lp, ref_lp.detach(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(ent, ref_ent.detach(), rtol=1e-12, atol=1e-12)
+        grad = torch.cat([ranks[0][c][2], ranks[1][c][2]], dim=1)
+        torch.testing.assert_close(grad, x.grad, rtol=1e-12, atol=1e-12)
+        assert grad[:, vocab_size:].abs().sum() == 0

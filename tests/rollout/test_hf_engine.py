@@ -186,3 +186,13 @@ def test_small_max_batch_size_gives_the_same_logprobs(moe_engine):
 def test_bad_sampling_params(moe_engine, params, n, match):
     with pytest.raises(ValueError, match=match):
         moe_engine.generate([[1, 2]], n, params)
+
+
+def test_config_forms():
+    config = CONFIGS["qwen3_moe"]()
+    engine = HFRolloutEngine(config.to_dict(), seed=3)
+    assert type(engine.config) is type(config) and engine.config.num_experts == 4
+    with pytest.raises(ValueError, match="model_type"):
+        HFRolloutEngine({"hidden_size": 8})
+    with pytest.raises(TypeError, match="config must be"):
+        HFRolloutEngine(3)

@@ -1,0 +1,347 @@
+"""Library side of the conversion tools (tools/hf_to_megatron.py, tools/megatron_to_hf.py) and of
+the scorer's model loading.
+
+- Validation that runs before any heavy work (no distributed start, no model built):
+  ``check_hf_dir``, ``check_world_layout``, ``prepare_output_dir``.
+- ``hf_to_megatron`` / ``megatron_to_hf``: collective, called by every rank after
+  ``runtime.init_distributed``.
+- ``load_model``: this rank's model from an HF directory or a Megatron checkpoint (any layout).
+
+Memory: each rank holds its own model shard (allocated uninitialized: no random init) plus one HF
+tensor while loading; export holds one bucket of full tensors plus one output shard on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from gspo_megatron.checkpoint import (ASSETS_SUBDIR, HF_ASSET_FILES, CheckpointError, load_checkpoint,
+                                      read_meta, resolve_checkpoint, write_checkpoint_dir)
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class UsageError(ValueError):
+    """Bad command-line input (message names the argument / file)."""
+
+
+# --------------------------------------------------------------------------------------------
+# validation before heavy work (any process, no communication)
+# --------------------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524288000, '1000' -> 1000 (bytes)."""
+    m = _SIZE.match(str(text))
+    unit = (m.group(2).upper() if m else "")
+    if not m or unit not in _UNITS:
+        raise UsageError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 1000000")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise UsageError(f"--max-shard-size must be positive, got {text!r}")
+    return size
+
+
+def hf_dtype(hf: dict) -> str:
+    """The dtype name stored in an HF config ('torch_dtype' or 'dtype'); float32 when absent."""
+    name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    name = str(name).replace("torch.", "")
+    if name not in DTYPE_NAMES:
+        raise UsageError(f"config.json dtype {name!r} is not supported ({', '.join(DTYPE_NAMES)})")
+    return name
+
+
+def check_hf_dir(hf_dir: str) -> dict:
+    """Validate an HF model directory: config.json readable, architecture supported, safetensors
+    headers readable and holding every file the index names. Returns the config dict."""
+    from safetensors import safe_open
+
+    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.family import get_family
+
+    if not os.path.isdir(hf_dir):
+        raise UsageError(f"HF directory {hf_dir} does not exist")
+    hf = load_hf_config(hf_dir)
+    get_family(hf)
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UsageError(f"{index} is corrupt: {e}") from None
+    elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise UsageError(f"no model.safetensors or model.safetensors.index.json in {hf_dir} "
+                         "(only safetensors checkpoints are supported)")
+    for name in files:
+        path = os.path.join(hf_dir, name)
+        if not os.path.exists(path):
+            raise UsageError(f"{path} (named in the index) is missing")
+        try:
+            with safe_open(path, "pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise UsageError(f"corrupt safetensors file {path}: {e}") from None
+    return hf
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_world_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int = 1) -> None:
+    """The layout divides the model's heads / experts / layers and the world size (torchrun's)."""
+    from gspo_megatron.models.build import check_layout
+    from gspo_megatron.runtime.distributed import ParallelLayout
+
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
+        if v < 1:
+            raise UsageError(f"--{name} must be >= 1, got {v}")
+    if etp is not None and etp < 1:
+        raise UsageError(f"--etp must be >= 1, got {etp}")
+    check_layout(hf, tp, pp, ep, etp)
+    ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp).check(world_size_from_env())
+
+
+def prepare_output_dir(path: str, overwrite: bool) -> None:
+    """Refuse a non-empty output directory unless ``overwrite`` (then the writer replaces what it
+    writes: the checkpoint directory as a whole, or the model files of an HF directory)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--output {path} exists and is not a directory")
+    if os.path.isdir(path) and os.listdir(path):
+        if not overwrite:
+            raise UsageError(f"--output {path} is not empty (pass --overwrite to replace it)")
+
+
+def checkpoint_meta(path: str) -> tuple[str, dict]:
+    """(checkpoint directory, metadata) for a converted checkpoint, a training step directory or a
+    training checkpoint root (newest complete step)."""
+    ckpt_dir = resolve_checkpoint(path)[0]
+    return ckpt_dir, read_meta(ckpt_dir)
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+# --------------------------------------------------------------------------------------------
+# collective work
+# --------------------------------------------------------------------------------------------
+def _progress(total: int, desc: str, unit: str = "it", unit_scale: bool = False):
+    """A tqdm bar on global rank 0 (stderr), a silent stand-in elsewhere."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, disable=not rank0,
+                file=sys.stderr, dynamic_ncols=True)
+
+
+def build_empty_model(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int, dtype: str):
+    """This rank's model with uninitialized weights (no random init; filled right after)."""
+    from gspo_megatron.models.build import ModelOptions, build_model
+
+    return build_model(hf, tp, pp, ep, etp, cp, opts=ModelOptions(dtype=dtype, perform_initialization=False))
+
+
+def load_hf_into(model, hf_dir: str) -> None:
+    """Stream the HF safetensors of ``hf_dir`` into this rank's shards, with a progress bar."""
+    from gspo_megatron.models.weights import load_hf_weights
+
+    n_params = sum(1 for _ in model.named_parameters())
+    with _progress(n_params, "load HF weights", "tensor") as bar:
+        load_hf_weights(model, hf_dir, progress=bar.update)
+
+
+def hf_to_megatron(hf_dir: str, output: str, tp: int = 1, pp: int = 1, ep: int = 1,
+                   etp: int | None = None, dtype: str | None = None) -> str:
+    """Convert ``hf_dir`` into a Megatron dist checkpoint at ``output`` (collective; every rank
+    after init_distributed). The checkpoint loads into any layout. Returns ``output``."""
+    from gspo_megatron.models.build import load_hf_config
+
+    hf = load_hf_config(hf_dir)
+    model = build_empty_model(hf, tp, pp, ep, etp, 1, dtype or hf_dtype(hf))
+    load_hf_into(model, hf_dir)
+    return write_checkpoint_dir(output, 0, model, hf_assets_dir=hf_dir, save_rng=False)
+
+
+def load_model(path: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+               cp: int = 1, dtype: str | None = None):
+    """This rank's model, weights from an HF directory or a Megatron checkpoint (resharded to the
+    current layout). Collective. Returns (model, hf_config)."""
+    from gspo_megatron.models.build import load_hf_config
+
+    if is_hf_dir(path):
+        hf = load_hf_config(path)
+        model = build_empty_model(hf, tp, pp, ep, etp, cp, dtype or hf_dtype(hf))
+        load_hf_into(model, path)
+        return model, hf
+    ckpt_dir, meta = checkpoint_meta(path)
+    hf = meta["hf_config"]
+    model = build_empty_model(hf, tp, pp, ep, etp, cp, dtype or meta.get("dtype") or hf_dtype(hf))
+    load_checkpoint(ckpt_dir, model, restore_rng=False)
+    return model, hf
+
+
+class ShardWriter:
+    """Writes (name, tensor) pairs into safetensors shards of at most ``max_shard_size`` bytes (a
+    larger single tensor gets its own shard), then names them like ``save_pretrained`` does. Rank 0
+    only. Holds at most one shard in memory."""
+
+    def __init__(self, out_dir: str, max_shard_size: int):
+        self.out_dir = out_dir
+        self.max = max_shard_size
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.parts: list[tuple[str, list[str]]] = []  # temp file, names
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + nbytes > self.max:
+            self._flush()
+        self.current[name] = tensor.detach().contiguous()
+        self.current_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = os.path.join(self.out_dir, f".part-{len(self.parts):05d}.safetensors.tmp")
+        save_file(self.current, tmp, metadata={"format": "pt"})
+        self.parts.append((tmp, list(self.current)))
+        self.current, self.current_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Rename the parts to their final names and write the index when sharded."""
+        if self.current or not self.parts:
+            self._flush()
+        n = len(self.parts)
+        if n == 1:
+            os.replace(self.parts[0][0], os.path.join(self.out_dir, "model.safetensors"))
+            return ["model.safetensors"]
+        weight_map, names = {}, []
+        for i, (tmp, tensors) in enumerate(self.parts):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp, os.path.join(self.out_dir, final))
+            names.append(final)
+            weight_map.update({t: final for t in tensors})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+        return names
+
+
+def write_hf_dir_files(out_dir: str, hf: dict, dtype: str, assets_dir: str | None) -> None:
+    """config.json (the checkpoint's HF config, dtype set to what was written) and the tokenizer /
+    generation-config files kept with the checkpoint. Rank 0 only."""
+    cfg = dict(hf)
+    for key in ("torch_dtype", "dtype"):
+        if key in cfg or key == "dtype":
+            cfg[key] = dtype
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    if assets_dir and os.path.isdir(assets_dir):
+        for name in HF_ASSET_FILES:
+            src = os.path.join(assets_dir, name)
+            if os.path.isfile(src):
+                shutil.copy2(src, os.path.join(out_dir, name))
+
+
+def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int, bucket_bytes: int,
+                     assets_dir: str | None = None) -> list[str] | None:
+    """Stream ``export_hf_weights`` into an HF directory (collective; rank 0 writes). Returns the
+    safetensors file names on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    from gspo_megatron.models.weights import build_export_plan, export_hf_weights
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    plan = build_export_plan(model)
+    total = sum(it.nbytes for it in plan[0])
+    writer = None
+    if rank0:
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(out_dir):  # a previous export's shards would mix with ours
+            if name.startswith("model") and ".safetensors" in name or name.startswith(".part-"):
+                os.remove(os.path.join(out_dir, name))
+        writer = ShardWriter(out_dir, max_shard_size)
+    dtype = str(model.config.params_dtype).replace("torch.", "")
+    with _progress(total, "export HF weights", "B", unit_scale=True) as bar:
+        for bucket in export_hf_weights(model, bucket_bytes=bucket_bytes, plan=plan):
+            if bucket is None:
+                continue
+            for name, tensor in bucket:
+                writer.add(name, tensor)
+                bar.update(tensor.numel() * tensor.element_size())
+    if not rank0:
+        return None
+    files = writer.finish()
+    write_hf_dir_files(out_dir, hf, dtype, assets_dir)
+    return files
+
+
+def megatron_to_hf(checkpoint: str, output: str, tp: int = 1, pp: int = 1, ep: int = 1,
+                   etp: int | None = None, max_shard_size: int = 5 * 10**9,
+                   bucket_bytes: int = 256 << 20) -> list[str] | None:
+    """Export a Megatron checkpoint (converted or training; root or step directory) to an HF
+    directory, loading it resharded into the current layout (collective)."""
+    ckpt_dir, meta = checkpoint_meta(checkpoint)
+    model, hf = load_model(ckpt_dir, tp, pp, ep, etp, 1)
+    return export_to_hf_dir(model, hf, output, max_shard_size, bucket_bytes,
+                            os.path.join(ckpt_dir, ASSETS_SUBDIR))
+
+
+# --------------------------------------------------------------------------------------------
+# CLI plumbing shared by the tools
+# --------------------------------------------------------------------------------------------
+EXPECTED_ERRORS = (UsageError, ValueError, FileNotFoundError, KeyError, CheckpointError)
+
+
+def one_line(e: BaseException) -> str:
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(str(msg).split()) or type(e).__name__
+
+
+@contextmanager
+def cli_errors(prog: str) -> Iterator[None]:
+    """Turn expected errors into ``prog: error: <one line>`` on stderr and exit status 2."""
+    try:
+        yield
+    except EXPECTED_ERRORS as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def add_layout_args(parser, with_cp: bool = False) -> None:
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    parser.add_argument("--etp", type=int, default=None,
+                        help="expert tensor parallel size (default: --tp; use 1 for TPxEP on gloo)")
+    if with_cp:
+        parser.add_argument("--cp", type=int, default=1, help="context parallel size (GPU only)")
+
+
+def run_distributed(fn: Callable[[], object], tp: int, pp: int, ep: int, etp: int | None,
+                    cp: int = 1, seed: int = 1234):
+    """init_distributed, run ``fn``, tear down (also on errors)."""
+    from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
+
+    init_distributed(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp), seed=seed)
+    try:
+        return fn()
+    finally:
+        destroy_distributed()
+

@@ -1,0 +1,45 @@
+"""Helpers for end-to-end training tests: run gspo-train (plain or under torchrun) in a subprocess
+and read its metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+# A tiny, fast configuration shared by the e2e tests (the demo model, few prompts, few steps).
+FAST = [
+    "train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3",
+    "parallel.micro_batch_size=4", "gspo.mini_batches=2", "logging.progress=false",
+    "logging.tensorboard=false", "checkpoint.interval=0", "optimizer.lr=0.003",
+]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(out_dir: str, overrides: list[str], nproc: int = 1, config: str = "configs/demo_cpu.yaml",
+              timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    args = ["--config", os.path.join(REPO, config), f"output_dir={out_dir}", *FAST, *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "gspo_megatron.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={_port()}", "-m", "gspo_megatron.train", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"gspo-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]

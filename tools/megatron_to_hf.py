@@ -1,0 +1,62 @@
+"""Export a Megatron-Core checkpoint (converted, or a training run's) to a Hugging Face directory.
+
+    python tools/megatron_to_hf.py --checkpoint CKPT --output HF_DIR [--max-shard-size 5GB]
+    torchrun --nproc-per-node 2 tools/megatron_to_hf.py --checkpoint RUN/checkpoints --output HF_DIR --tp 2
+
+CKPT is a converted checkpoint, a training step directory, or a training checkpoint root (its
+newest complete step). The checkpoint is loaded resharded into the layout this runs in; rank 0
+writes safetensors shards (model.safetensors, or model-0000i-of-0000N.safetensors + index),
+config.json, generation_config.json and tokenizer files. The output loads with
+transformers.AutoModelForCausalLM.from_pretrained. Rank 0 holds one bucket plus one shard.
+Exit status: 0 done, 2 bad input (one-line message on stderr).
+"""
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+PROG = "megatron_to_hf"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from gspo_megatron.convert import add_layout_args
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir, step dir or checkpoint root")
+    p.add_argument("--output", required=True, help="HF directory to write")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
+    p.add_argument("--bucket-size", default="256MB", help="bytes gathered to rank 0 at a time")
+    p.add_argument("--overwrite", action="store_true", help="replace the model files in --output")
+    add_layout_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from gspo_megatron import convert
+    from gspo_megatron.models.family import get_family
+
+    args = parse_args(argv)
+    with convert.cli_errors(PROG):
+        max_shard = convert.parse_size(args.max_shard_size)
+        bucket = convert.parse_size(args.bucket_size)
+        ckpt_dir, meta = convert.checkpoint_meta(args.checkpoint)
+        get_family(meta["hf_config"])
+        convert.check_world_layout(meta["hf_config"], args.tp, args.pp, args.ep, args.etp)
+        convert.prepare_output_dir(args.output, args.overwrite)
+        files = convert.run_distributed(
+            lambda: convert.megatron_to_hf(ckpt_dir, args.output, args.tp, args.pp, args.ep,
+                                           args.etp, max_shard, bucket),
+            args.tp, args.pp, args.ep, args.etp)
+        if files is not None:
+            print(f"wrote {args.output} from {ckpt_dir} (step {meta['step']}): {len(files)} "
+                  f"safetensors file(s), {meta.get('dtype')}")
+    return 0
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch\.distributed)\.")
+    sys.exit(main())
