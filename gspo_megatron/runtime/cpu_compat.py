@@ -332,6 +332,17 @@ def patch_missing_te() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _patch_torch_norm()
+    _patch_fp32_optimizer_load()
+
+
+def _patch_fp32_optimizer_load() -> None:
+    """With fp32 parameters the distributed optimizer's main params are views of the model params
+    (leaves that require grad), and loading its state copies into them in place outside no_grad
+    (RuntimeError). Megatron's usual bf16 path has separate fp32 copies; loading under no_grad is
+    right for both."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    _wrap_in(distrib_optimizer.DistributedOptimizer, "load_state_dict", torch.no_grad)
 
 
 def _patch_torch_norm() -> None:
@@ -350,7 +361,9 @@ def _patch_torch_norm() -> None:
         if norm_cls is None or config.layernorm_zero_centered_gamma:
             raise ValueError(f"normalization {config.normalization!r} (zero-centered gamma="
                              f"{config.layernorm_zero_centered_gamma}) needs Transformer Engine or apex")
-        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        # params_dtype as TE's norms (upstream leaves the cast to Float16Module; without it a bf16
+        # model would keep fp32 norm weights, and HF -> Megatron -> HF would change their dtype)
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
         return norm
