@@ -470,8 +470,10 @@ def load_checkpoint(ckpt_root_or_dir: str, model, optimizer=None, scheduler=None
         error = None
         try:
             result = _load_one(path, model, optimizer, scheduler, restore_rng)
-        except Exception as e:  # noqa: BLE001 - any failure of this candidate means: try the next
-            error, result = f"{type(e).__name__}: {e}".splitlines()[0], None
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - torch DCP's CheckpointException is a BaseException
+            error, result = (f"{type(e).__name__}: {e}".strip().splitlines() or ["?"])[0], None
         if _all_ok(error is None):
             if path != candidates[0] and _rank() == 0:
                 log.warning("loaded %s instead of the newer %s", path, candidates[0])

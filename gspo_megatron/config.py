@@ -92,6 +92,7 @@ class RolloutConfig:
     engine_urls: list[str] = _f([], "already running engines to use (disaggregated); empty = launch them")
     engine_timeout_s: float = _f(600.0, "seconds to wait for one engine request")
     max_engine_restarts: int = _f(2, "engine restarts allowed before the run stops")
+    engine_process: bool = _f(False, "hf engine: run it in a child process (a crash is detected, the engine restarted and the step retried)")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and resample to refill the batch")
     max_resample_rounds: int = _f(3, "resampling rounds per step for dynamic_sampling")
 

@@ -137,7 +137,12 @@ def build_engine(cfg: Config, hf_dir: str):
     if cfg.rollout.engine == "hf":
         from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
-        return HFRolloutEngine(hf_dir, None, dtype=_dtype(cfg.model.dtype), seed=cfg.seed)
+        kwargs = dict(config=hf_dir, weights=None, dtype=_dtype(cfg.model.dtype), seed=cfg.seed)
+        if cfg.rollout.engine_process:
+            from gspo_megatron.rollout.subprocess_engine import SubprocessRolloutEngine
+
+            return SubprocessRolloutEngine(HFRolloutEngine, kwargs, call_timeout_s=cfg.rollout.engine_timeout_s)
+        return HFRolloutEngine(**kwargs)
     from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 
     if cfg.rollout.engine_urls:

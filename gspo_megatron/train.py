@@ -129,26 +129,81 @@ def train(cfg: Config) -> dict:
                                console="auto" if cfg.logging.progress else "plain",
                                wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
     syncer = WeightSyncer(model, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_verify)
-    syncer.sync(transport, engine)  # the engine starts from exactly the trainer's weights
 
     # -- the loop ------------------------------------------------------------------------------------
     from gspo_megatron.rollout_step import collect_rollouts
 
     metrics: dict = {}
     bad_streak = int(extra.get("bad_streak", 0))
+    restarts = [0]
+
+    def engine_failed(error: BaseException) -> tuple:
+        """Rank 0: after an engine call failed. ("retry", why) once the engine is restarted, or
+        ("fatal", why) when it is healthy (a real error) or out of restarts."""
+        why = f"{type(error).__name__}: {error}"
+        if engine.health_check():
+            return ("fatal", f"rollout failed with a healthy engine: {why}")
+        restarts[0] += 1
+        if restarts[0] > cfg.rollout.max_engine_restarts:
+            return ("fatal", f"rollout engine failed {restarts[0]} times (rollout.max_engine_restarts="
+                             f"{cfg.rollout.max_engine_restarts}); last error: {why}")
+        try:
+            engine.restart()
+        except Exception as e:  # noqa: BLE001
+            return ("fatal", f"rollout engine died ({why}) and could not be restarted: {e}")
+        print(f"[gspo-train] rollout engine died ({why}); restarted ({restarts[0]}/"
+              f"{cfg.rollout.max_engine_restarts}), re-syncing weights and retrying", flush=True)
+        return ("retry", why)
+
+    def sync_weights() -> dict:
+        """All ranks: push the weights; on a transport failure restart the engine and push again."""
+        while True:
+            m = syncer.sync(transport, engine)
+            status = _broadcast(("ok",) if rank != 0 or syncer.error is None else engine_failed(syncer.error))
+            if status[0] == "ok":
+                return m
+            if status[0] == "fatal":
+                raise RuntimeError(status[1])
+
+    def rollout(step: int) -> list[dict]:
+        """All ranks: the step's sequence records (rank 0 generates; a dead engine is restarted, the
+        weights re-synced and the same prompts retried)."""
+        while True:
+            msg = None
+            if rank == 0:
+                position = sampler.state_dict()
+                try:
+                    nonlocal_batch[0] = collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards)
+                    msg = ("ok", nonlocal_batch[0].records)
+                except Exception as e:  # noqa: BLE001 - decided by engine_failed, never swallowed
+                    sampler.load_state_dict(position)  # retry the same prompts
+                    msg = engine_failed(e)
+                    if msg[0] == "fatal":
+                        import traceback
+
+                        msg = ("fatal", msg[1] + "\n" + traceback.format_exc())
+            msg = _broadcast(msg)
+            if msg[0] == "ok":
+                return msg[1]
+            if msg[0] == "fatal":
+                raise RuntimeError(msg[1])
+            sync_weights()
+
+    nonlocal_batch: list = [None]
+    sync_weights()  # the engine starts from exactly the trainer's weights
     step = start_step
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
-        batch = collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards) if rank == 0 else None
-        records = _broadcast(batch.records if rank == 0 else None)
+        records = rollout(step)
+        batch = nonlocal_batch[0]
         metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id, ref_model=ref_model)
-        sync_metrics = syncer.sync(transport, engine)
+        sync_metrics = sync_weights()
         bad_streak = bad_streak + 1 if metrics.pop("_nonfinite_step") else 0
         step_time = time.perf_counter() - t0
         n_tokens = sum(len(r["tokens"]) for r in records)
         metrics.update(sync_metrics)
         metrics.update({"step": step, "perf/step_time_s": step_time, "perf/tokens_per_s": n_tokens / step_time,
-                        "train/bad_streak": float(bad_streak)})
+                        "train/bad_streak": float(bad_streak), "rollout/engine_restarts": float(restarts[0])})
         if rank == 0:
             metrics.update(batch.metrics)
             logger.log(step, metrics)

@@ -92,7 +92,7 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
         zero_grads(ddp, optimizer)
         out = run_schedule(ddp, micro, lambda b, n=len(micro): make_megatron_loss_func(
             b, lcfg, tp_group=tp_group, cp_group=cp_group, num_microbatches=n, data_parallel_size=dp,
-            temperature=temp, compute_entropy=True), forward_only=False)
+            temperature=temp, compute_entropy=True, check_finite=False), forward_only=False)
         ok, gn = optimizer_step(optimizer, scheduler)
         applied.append(ok)
         grad_norms.append(gn)

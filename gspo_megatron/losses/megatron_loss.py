@@ -89,6 +89,7 @@ def make_megatron_loss_func(
     chunk_size: int | None = None,
     compute_entropy: bool = True,
     vocab_size: int | None = None,
+    check_finite: bool = True,
 ) -> Callable[[Tensor], tuple[Tensor, dict[str, float]]]:
     """The ``loss_func`` for one micro-batch (see the module docstring for keys and scaling).
 
@@ -99,6 +100,8 @@ def make_megatron_loss_func(
         temperature: the rollout sampling temperature (logits are divided by it).
         compute_entropy: compute the per-token entropy (metric "entropy"); forced on when
             ``cfg.entropy_coef != 0``.
+        check_finite: raise on non-finite inputs (naming them). The trainer passes False: a
+            non-finite loss then yields a non-finite gradient norm and the update is skipped.
         vocab_size: the tokenizer/HF vocab size when Megatron padded the output layer (padded
             columns are left out of the softmax, as in the rollout engine).
     The returned function maps logits [b, s, V/tp] to ``(scaled loss, metrics)``; it runs TP and CP
@@ -133,7 +136,7 @@ def make_megatron_loss_func(
             logprobs.reshape(-1), flat("old_logprobs"), adv.reshape(-1), flat("loss_mask"), flat("seq_index"),
             num_seqs, cfg, ref_logprobs=flat("ref_logprobs"), entropy=None if entropy is None else entropy.reshape(-1),
             engine_logprobs=flat("engine_logprobs"), normalizer=batch["normalizer"], cp_group=cp_group,
-            token_advantages=token_adv,
+            token_advantages=token_adv, check_finite=check_finite,
         )
         return loss * scale, metrics
 

@@ -31,24 +31,29 @@ class WeightSyncer:
         rank = dist.get_rank() if dist.is_initialized() else 0
         checksums: dict[str, float] = {}
         nbytes, nbuckets, bucket_times = 0, 0, []
+        # A transport failure (dead engine) must not leave the other ranks stuck in the export
+        # collectives: rank 0 keeps iterating the stream without sending and reports the error.
+        self.error: BaseException | None = None
         if rank == 0 and transport is not None:
-            transport.begin()
+            self._guard(transport.begin)
         for bucket in export_hf_weights(self.model, self.bucket_bytes, plan=self.plan):
-            if bucket is None or rank != 0 or transport is None:
+            if bucket is None or rank != 0 or transport is None or self.error is not None:
                 continue
             tb = time.perf_counter()
-            transport.send_bucket(bucket)
+            self._guard(transport.send_bucket, bucket)
             bucket_times.append(time.perf_counter() - tb)
             nbuckets += 1
             for name, t in bucket:
                 nbytes += t.numel() * t.element_size()
                 if self.verify:
                     checksums[name] = float(t.detach().to(torch.float64).sum())
-        if rank == 0 and transport is not None:
-            transport.end()
+        if rank == 0 and transport is not None and self.error is None:
+            self._guard(transport.end)
         metrics = {"sync/total_s": time.perf_counter() - t0, "sync/bytes": float(nbytes),
                    "sync/buckets": float(nbuckets),
                    "sync/bucket_s_max": max(bucket_times, default=0.0)}
+        if self.error is not None:
+            return metrics
         if rank == 0 and self.verify and engine is not None:
             got = engine.weight_checksums(list(checksums))
             bad = [n for n, v in checksums.items() if got.get(n) != v]
@@ -57,3 +62,9 @@ class WeightSyncer:
                                    f"trainer {checksums[bad[0]]!r} vs engine {got.get(bad[0])!r}")
             metrics["sync/verified_tensors"] = float(len(checksums))
         return metrics
+
+    def _guard(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported to the caller through self.error
+            self.error = e

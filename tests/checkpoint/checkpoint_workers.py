@@ -1,0 +1,127 @@
+"""Rank functions for the checkpoint tests (module level: spawned ranks import them)."""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+
+import numpy as np
+import torch
+
+
+def _setup(hf_dir: str, layout: dict):
+    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.weights import load_hf_weights
+    from gspo_megatron.optim import OptimOptions, setup_training
+    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+
+    init_distributed(ParallelLayout(**layout), seed=5)
+    model = build_model(load_hf_config(hf_dir), opts=ModelOptions(), **layout)
+    load_hf_weights(model, hf_dir)
+    ddp, opt, sched = setup_training(model, OptimOptions(lr=1e-2, lr_warmup_steps=3, total_steps=10,
+                                                         lr_decay_style="cosine"))
+    return model, ddp, opt, sched
+
+
+def _fake_step(ddp, opt, sched, seed: int) -> None:
+    """One optimizer step with deterministic pseudo-gradients (same on every layout rank)."""
+    from gspo_megatron.optim import optimizer_step, zero_grads
+
+    zero_grads(ddp, opt)
+    g = torch.Generator().manual_seed(seed)
+    for p in ddp.parameters():
+        p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=g) * 0.1)
+    applied, _ = optimizer_step(opt, sched)
+    assert applied
+
+
+def _weights(model) -> dict:
+    from gspo_megatron.models.weights import export_hf_weights
+
+    out = {}
+    for bucket in export_hf_weights(model):
+        if bucket is not None:
+            out.update({n: t.clone() for n, t in bucket})
+    return out
+
+
+def _draws() -> dict:
+    """One draw from each RNG a resumed run must continue identically."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    with get_cuda_rng_tracker().fork():
+        tracked = torch.rand(3)
+    return dict(python=random.random(), numpy=float(np.random.rand()), torch=torch.rand(3),
+                tracker=tracked)
+
+
+def resume_job(rank: int, world: int, hf_dir: str, root: str, layout: dict, other_layout: dict) -> dict:
+    """Train, checkpoint, continue; then resume from the checkpoint in a fresh model/optimizer and
+    continue the same way. Also: keep_last pruning, fallback from a corrupt newest checkpoint,
+    model-only load into another layout, and refusal to resume the optimizer in another layout."""
+    from gspo_megatron import checkpoint as ck
+    from gspo_megatron.runtime.distributed import destroy_distributed
+
+    res = {}
+    model, ddp, opt, sched = _setup(hf_dir, layout)
+    _fake_step(ddp, opt, sched, seed=1)
+    ck.save_checkpoint(root, 1, ddp, opt, sched, extra_state={"data_position": 17}, keep_last=2)
+    draws_after_save = _draws()
+    _fake_step(ddp, opt, sched, seed=2)
+    expected = _weights(model)
+    expected_lr = opt.param_groups[0]["lr"]
+
+    # a fresh model (weights from HF again, fresh optimizer) resumes from step 1
+    model2, ddp2, opt2, sched2 = _setup(hf_dir, layout)
+    step, extra = ck.load_checkpoint(root, ddp2, opt2, sched2)
+    res["resumed"] = (step, extra)
+    draws_after_load = _draws()
+    res["rng_equal"] = all(torch.equal(torch.as_tensor(draws_after_save[k]),
+                                       torch.as_tensor(draws_after_load[k])) for k in draws_after_save)
+    _fake_step(ddp2, opt2, sched2, seed=2)
+    got = _weights(model2)
+    res["lr_equal"] = opt2.param_groups[0]["lr"] == expected_lr
+    if rank == 0:
+        res["weights_equal"] = sorted(got) == sorted(expected) and all(
+            torch.equal(got[k], expected[k]) for k in expected)
+
+    # more checkpoints: keep_last=2 keeps steps 2 and 3
+    ck.save_checkpoint(root, 2, ddp2, opt2, sched2, extra_state={"data_position": 18}, keep_last=2)
+    weights_at_2 = _weights(model2)
+    _fake_step(ddp2, opt2, sched2, seed=3)
+    ck.save_checkpoint(root, 3, ddp2, opt2, sched2, extra_state={"data_position": 19}, keep_last=2)
+    res["after_prune"] = [s for s, _ in ck.list_checkpoints(root)]
+    res["latest_pointer"] = open(os.path.join(root, ck.LATEST_FILE)).read().strip()
+
+    # corrupt the newest checkpoint's tensor data: loading falls back to step 2 with a warning
+    torch.distributed.barrier()
+    if rank == 0:
+        dist_dir = os.path.join(root, "step_000003", ck.DIST_SUBDIR)
+        for name in os.listdir(dist_dir):
+            if name.endswith(".distcp"):
+                with open(os.path.join(dist_dir, name), "r+b") as f:
+                    f.truncate(16)
+    torch.distributed.barrier()
+    model3, ddp3, opt3, sched3 = _setup(hf_dir, layout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res["fallback"] = ck.load_checkpoint(root, ddp3, opt3, sched3)
+    res["fallback_warned"] = any("falling back" in str(w.message) for w in caught)
+    w3 = _weights(model3)
+    if rank == 0:
+        res["fallback_weights_equal"] = all(torch.equal(w3[k], weights_at_2[k]) for k in weights_at_2)
+
+    # a different layout: the optimizer cannot resume, the model reshards
+    model4, ddp4, opt4, sched4 = _setup(hf_dir, other_layout)
+    try:
+        ck.load_checkpoint(os.path.join(root, "step_000002"), ddp4, opt4, sched4)
+        res["other_layout_optimizer"] = "loaded"
+    except ck.CheckpointError as e:
+        res["other_layout_optimizer"] = str(e)
+    res["other_layout_model"] = ck.load_checkpoint(os.path.join(root, "step_000002"), model4)
+    w4 = _weights(model4)
+    if rank == 0:
+        res["other_layout_weights_equal"] = all(torch.equal(w4[k], weights_at_2[k]) for k in weights_at_2)
+    destroy_distributed()
+    return res
