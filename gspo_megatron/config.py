@@ -90,6 +90,7 @@ class RolloutConfig:
     num_engines: int = _f(0, "number of engines; 0 = auto (colocated: training GPUs / engine_tp; hf: 1)")
     engine_mem_fraction: float = _f(0.8, "fraction of a GPU's memory an engine fills (weights + KV cache), SGLang's mem_fraction_static")
     engine_urls: list[str] = _f([], "already running engines to use (disaggregated); empty = launch them")
+    router_url: str | None = _f(None, "sglang router in front of engine_urls (launch/slurm/train.sbatch sets it)")
     engine_timeout_s: float = _f(600.0, "seconds to wait for one engine request")
     max_engine_restarts: int = _f(2, "engine restarts allowed before the run stops")
     engine_process: bool = _f(False, "hf engine: run it in a child process (a crash is detected, the engine restarted and the step retried)")

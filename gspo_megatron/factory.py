@@ -146,7 +146,8 @@ def build_engine(cfg: Config, hf_dir: str):
     from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 
     if cfg.rollout.engine_urls:
-        return SGLangRolloutEngine.attach(cfg.rollout.engine_urls, wait_timeout_s=cfg.rollout.engine_timeout_s)
+        return SGLangRolloutEngine.attach(cfg.rollout.engine_urls, router_url=cfg.rollout.router_url,
+                                          wait_timeout_s=cfg.rollout.engine_timeout_s)
     return SGLangRolloutEngine.launch(
         hf_dir, num_engines=max(1, cfg.rollout.num_engines), tp_size=cfg.rollout.engine_tp,
         colocated=cfg.rollout.sync_mode == "colocated", mem_fraction_static=cfg.rollout.engine_mem_fraction,
@@ -154,7 +155,12 @@ def build_engine(cfg: Config, hf_dir: str):
 
 
 def build_transport(cfg: Config, engine):
-    """Rank 0: how weight buckets reach the engine (one class per sync mode)."""
+    """Rank 0: how weight buckets reach the engine (one class per sync mode).
+
+    The trainer's export stream assembles full HF tensors on global rank 0, so the GPU transports
+    send from there: CUDA IPC handles of rank 0's tensors to colocated engines on the same node,
+    or one NCCL broadcast group between rank 0 and every engine GPU (disaggregated). Each engine
+    loads by name, so TP/EP resharding to the engine's layout happens on its side."""
     if cfg.rollout.sync_mode == "inprocess":
         from gspo_megatron.weight_sync.transport import InProcessTransport
 
@@ -163,11 +169,19 @@ def build_transport(cfg: Config, engine):
         from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport
 
         return CudaIpcTransport(engine.clients[0], fp8=cfg.rollout.sync_fp8)
-    from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport
+    import socket
 
-    raise NotImplementedError(
-        f"rollout.sync_mode=disaggregated is driven by launch/slurm/train.sbatch; see docs/gpu.md "
-        f"({NcclBroadcastTransport.__name__})")
+    from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport, pp_group_name
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    transport = NcclBroadcastTransport(
+        engine.clients, engine_world_sizes=[cfg.rollout.engine_tp] * len(engine.clients),
+        master_address=os.environ.get("MASTER_ADDR_SYNC", socket.gethostname()), master_port=port,
+        group_name=pp_group_name(0), fp8=cfg.rollout.sync_fp8)
+    transport.connect()
+    return transport
 
 
 def build_model(cfg: Config, hf: dict):

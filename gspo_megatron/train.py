@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.config import Config, config_help, load_config, save_config, validate
+from gspo_megatron.rollout.session import broadcast
 
 
 class _Stop:
@@ -37,12 +38,6 @@ class _Stop:
     @classmethod
     def _handle(cls, signum, frame) -> None:
         cls.signum = signum
-
-
-def _broadcast(obj, src: int = 0):
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def _any_rank(flag: bool) -> bool:
@@ -131,90 +126,48 @@ def train(cfg: Config) -> dict:
     syncer = WeightSyncer(model, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_verify)
 
     # -- the loop ------------------------------------------------------------------------------------
+    from gspo_megatron.rollout.session import RolloutSession
     from gspo_megatron.rollout_step import collect_rollouts
+    from gspo_megatron.runtime.gpu_monitor import GpuMonitor
 
+    session = RolloutSession(
+        syncer, engine, transport, sampler, max_restarts=cfg.rollout.max_engine_restarts,
+        collect=lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards))
+    session.sync()  # the engine starts from exactly the trainer's weights
+    colocated = cfg.rollout.sync_mode == "colocated"
+    gpu_monitor = GpuMonitor()  # a quiet no-op without a GPU
     metrics: dict = {}
     bad_streak = int(extra.get("bad_streak", 0))
-    restarts = [0]
-
-    def engine_failed(error: BaseException) -> tuple:
-        """Rank 0: after an engine call failed. ("retry", why) once the engine is restarted, or
-        ("fatal", why) when it is healthy (a real error) or out of restarts."""
-        why = f"{type(error).__name__}: {error}"
-        if engine.health_check():
-            return ("fatal", f"rollout failed with a healthy engine: {why}")
-        restarts[0] += 1
-        if restarts[0] > cfg.rollout.max_engine_restarts:
-            return ("fatal", f"rollout engine failed {restarts[0]} times (rollout.max_engine_restarts="
-                             f"{cfg.rollout.max_engine_restarts}); last error: {why}")
-        try:
-            engine.restart()
-        except Exception as e:  # noqa: BLE001
-            return ("fatal", f"rollout engine died ({why}) and could not be restarted: {e}")
-        print(f"[gspo-train] rollout engine died ({why}); restarted ({restarts[0]}/"
-              f"{cfg.rollout.max_engine_restarts}), re-syncing weights and retrying", flush=True)
-        return ("retry", why)
-
-    def sync_weights() -> dict:
-        """All ranks: push the weights; on a transport failure restart the engine and push again."""
-        while True:
-            m = syncer.sync(transport, engine)
-            status = _broadcast(("ok",) if rank != 0 or syncer.error is None else engine_failed(syncer.error))
-            if status[0] == "ok":
-                return m
-            if status[0] == "fatal":
-                raise RuntimeError(status[1])
-
-    def rollout(step: int) -> list[dict]:
-        """All ranks: the step's sequence records (rank 0 generates; a dead engine is restarted, the
-        weights re-synced and the same prompts retried)."""
-        while True:
-            msg = None
-            if rank == 0:
-                position = sampler.state_dict()
-                try:
-                    nonlocal_batch[0] = collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards)
-                    msg = ("ok", nonlocal_batch[0].records)
-                except Exception as e:  # noqa: BLE001 - decided by engine_failed, never swallowed
-                    sampler.load_state_dict(position)  # retry the same prompts
-                    msg = engine_failed(e)
-                    if msg[0] == "fatal":
-                        import traceback
-
-                        msg = ("fatal", msg[1] + "\n" + traceback.format_exc())
-            msg = _broadcast(msg)
-            if msg[0] == "ok":
-                return msg[1]
-            if msg[0] == "fatal":
-                raise RuntimeError(msg[1])
-            sync_weights()
-
-    nonlocal_batch: list = [None]
-    sync_weights()  # the engine starts from exactly the trainer's weights
-    step = start_step
+    step, stopped = start_step, False
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
-        records = rollout(step)
-        batch = nonlocal_batch[0]
+        records, rollout_metrics = session.rollout(step)
+        if colocated and rank == 0:
+            engine.release_memory()  # the engines' weights and KV cache leave the GPUs while we train
         metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id, ref_model=ref_model)
-        sync_metrics = sync_weights()
+        if colocated and rank == 0:
+            engine.resume_memory(["weights"])
+        sync_metrics = session.sync()
+        if colocated and rank == 0:
+            engine.resume_memory(["kv_cache"])
         bad_streak = bad_streak + 1 if metrics.pop("_nonfinite_step") else 0
         step_time = time.perf_counter() - t0
         n_tokens = sum(len(r["tokens"]) for r in records)
         metrics.update(sync_metrics)
+        metrics.update(gpu_monitor.sample())
         metrics.update({"step": step, "perf/step_time_s": step_time, "perf/tokens_per_s": n_tokens / step_time,
-                        "train/bad_streak": float(bad_streak), "rollout/engine_restarts": float(restarts[0])})
+                        "train/bad_streak": float(bad_streak), "rollout/engine_restarts": float(session.restarts)})
         if rank == 0:
-            metrics.update(batch.metrics)
+            metrics.update(rollout_metrics)
             logger.log(step, metrics)
-        stop_signal = _any_rank(_Stop.signum is not None)
+        stop_signal = stopped = _any_rank(_Stop.signum is not None)
         too_bad = bad_streak >= cfg.optimizer.max_bad_steps > 0
         interval = cfg.checkpoint.interval
         if (interval and step % interval == 0) or step == cfg.train.steps or too_bad or \
                 (stop_signal and cfg.checkpoint.save_on_signal):
             # (skipped updates leave the weights untouched: with too_bad this is the last good state)
             state = {"sampler": sampler.state_dict() if rank == 0 else None, "bad_streak": bad_streak}
-            save_checkpoint(ckpt_root, step, model, optimizer, scheduler, extra_state=_broadcast(state),
+            save_checkpoint(ckpt_root, step, model, optimizer, scheduler, extra_state=broadcast(state),
                             keep_last=cfg.checkpoint.keep_last, hf_assets_dir=hf_dir)
         if too_bad:
             raise RuntimeError(f"{bad_streak} consecutive steps had a non-finite loss or gradient norm "
@@ -227,7 +180,7 @@ def train(cfg: Config) -> dict:
 
     # -- the end: the HF export of the final policy ---------------------------------------------------
     hf_out = os.path.join(cfg.output_dir, "hf_final")
-    if _Stop.signum is None:
+    if not stopped:
         from gspo_megatron.convert import export_to_hf_dir
 
         export_to_hf_dir(model, hf, hf_out, max_shard_size=5 * 10**9,
@@ -237,7 +190,7 @@ def train(cfg: Config) -> dict:
         rewards.close()
         engine.shutdown()
         print(f"[gspo-train] run dir: {os.path.abspath(cfg.output_dir)}", flush=True)
-        if _Stop.signum is None:
+        if not stopped:
             print(f"[gspo-train] exported Hugging Face model: {os.path.abspath(hf_out)}", flush=True)
     return metrics
 

@@ -69,8 +69,9 @@ class RolloutEngine(abc.ABC):
     def release_memory(self) -> None:
         """Colocated mode: free GPU memory while the trainer runs (no-op by default)."""
 
-    def resume_memory(self) -> None:
-        """Colocated mode: take GPU memory back before generation (no-op by default)."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Colocated mode: take GPU memory back (``tags``: e.g. ["weights"] before a sync,
+        ["kv_cache"] after it; None: everything). No-op by default."""
 
     def health_check(self) -> bool:
         """True when the engine can serve requests."""

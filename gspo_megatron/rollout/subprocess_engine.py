@@ -178,8 +178,8 @@ class SubprocessRolloutEngine(RolloutEngine):
     def release_memory(self) -> None:
         self._call("release_memory")
 
-    def resume_memory(self) -> None:
-        self._call("resume_memory")
+    def resume_memory(self, tags=None) -> None:
+        self._call("resume_memory", tags)
 
     def weight_checksums(self, names: Iterable[str]) -> dict[str, float]:
         return self._call("weight_checksums", list(names))

@@ -1,0 +1,417 @@
+"""Tokens per second of one GSPO step: gspo-megatron vs. TRL's GRPOTrainer (GSPO mode), same run.
+
+Both train the CPU demo model (configs/demo_cpu.yaml: tiny random-init Qwen3-MoE, byte tokenizer,
+built-in ``last_digit`` task) from the *same* starting weights (``hf_init``, written by our run and
+loaded by TRL), on the *same* prompts in the same order, with the same settings, all taken from one
+resolved Config:
+
+- group size G (TRL ``num_generations``), prompts per step P, max_new_tokens (TRL
+  ``max_completion_length``), sampling temperature / top_p / top_k, fp32, CPU, no vLLM;
+- step batch P * G sequences, cut into ``gspo.mini_batches`` M optimizer steps of P * G / M sequences
+  each (ours: one micro-batch per mini-batch; TRL: ``per_device_train_batch_size`` = P * G / M,
+  ``steps_per_generation`` = M, no gradient accumulation);
+- loss: sequence-level ratio (TRL ``importance_sampling_level="sequence"``), clip eps 3e-4 / 4e-4,
+  mean over tokens then over sequences (TRL ``loss_type="grpo"``), beta = 0 (no reference model),
+  group-std-normalized advantages, entropy computed in both;
+- optimizer: Adam, same lr / betas / eps / weight decay / grad-norm clip, constant schedule;
+- reward: ``TASKS["last_digit"].reward`` on the response decoded as ours does (final EOS dropped,
+  other special tokens kept), adapted to TRL's reward-function signature through ``completion_ids``.
+
+A "step" is one rollout batch: generation + rewards + old log-probs + M optimizer steps (+ our weight
+sync). Tokens per step = prompt + completion tokens of the step's P * G sequences (completion includes
+the EOS token when generation stopped on it), counted the same way for both; tokens/s = measured
+tokens / measured step time over the N steps after ``--warmup`` steps.
+
+What differs (printed with the results):
+- generation: ours samples with the rollout engine (a separate transformers copy of the policy, its
+  own KV-cache sampling loop) that receives the trainer's weights through an in-process sync after
+  every step; TRL samples with the training model itself through ``model.generate`` (no sync);
+- training: ours is Megatron-Core (GPTModel, MoE layers, distributed optimizer with fp32 main grads,
+  forward-backward schedule); TRL is transformers' Qwen3MoeForCausalLM + torch AdamW via Trainer;
+- old log-probs: ours always recomputes them with the trainer model; TRL does only when
+  ``steps_per_generation`` > 1 (with ``--mini-batches 1`` it reuses the detached current ones);
+- ours runs as a ``gspo-train`` subprocess (with its metrics logging and a checkpoint + HF export
+  after the last step, outside the measured steps); TRL runs in this process afterwards;
+- same prompts, but different random streams: responses (and so tokens/step) differ slightly.
+
+Usage: python bench/train_step.py [--steps 5] [--warmup 2] [--prompts 16] [--group-size 8]
+                                  [--mini-batches 2] [--output result.json]
+Defaults run in about 2 minutes on 2 CPU cores. Needs ``trl`` (pip install trl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_CONFIG = os.path.join(REPO, "configs", "demo_cpu.yaml")
+
+DIFFERENCES = [
+    "generation: ours = rollout engine (separate transformers copy, own KV-cache sampling loop) + "
+    "in-process weight sync each step; TRL = model.generate on the training model (no sync)",
+    "training: ours = Megatron-Core GPTModel + distributed optimizer (fp32 main grads); "
+    "TRL = transformers Qwen3MoeForCausalLM + torch AdamW (Trainer)",
+    "old log-probs: ours always recomputes them; TRL only when steps_per_generation > 1",
+    "tokens counted alike: prompt + completion (incl. EOS) tokens of the step's P*G sequences",
+    "same prompts in the same order; different RNG streams, so responses/tokens per step differ slightly",
+    "ours = gspo-train subprocess (run first); TRL = in this process (run second)",
+]
+
+
+@dataclass
+class Side:
+    """Per-measured-step numbers of one implementation (lists are aligned by step)."""
+
+    name: str
+    step_s: list[float] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)
+    rollout_s: list[float] = field(default_factory=list)
+    generate_s: list[float] = field(default_factory=list)
+    old_logprob_s: list[float] = field(default_factory=list)
+    train_s: list[float] = field(default_factory=list)
+    sync_s: list[float] = field(default_factory=list)
+    reward_mean: list[float] = field(default_factory=list)
+    response_len: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict:
+        def mean(xs):
+            return sum(xs) / len(xs) if xs else None
+
+        total_t = sum(self.step_s)
+        return {
+            "tokens_per_s": sum(self.tokens) / total_t if total_t > 0 else None,
+            "step_time_s": mean(self.step_s), "tokens_per_step": mean(self.tokens),
+            "rollout_s": mean(self.rollout_s), "generate_s": mean(self.generate_s),
+            "old_logprob_s": mean(self.old_logprob_s), "train_s": mean(self.train_s),
+            "sync_s": mean(self.sync_s), "reward_mean": mean(self.reward_mean),
+            "response_len_mean": mean(self.response_len), "process_wall_s": self.wall_s,
+        }
+
+
+def overrides_for(args, workdir: str) -> list[str]:
+    """Dotted overrides applied to the demo config, for our run and for deriving TRL's settings."""
+    n = args.prompts * args.group_size
+    if n % args.mini_batches:
+        raise SystemExit(f"--prompts * --group-size = {n} must be divisible by --mini-batches {args.mini_batches}")
+    return [f"output_dir={os.path.join(workdir, 'ours')}", f"train.steps={args.warmup + args.steps}",
+            f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
+            f"gspo.mini_batches={args.mini_batches}", f"parallel.micro_batch_size={n // args.mini_batches}",
+            "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=0"]
+
+
+def check_config(cfg) -> None:
+    """The settings both sides can share; anything else would make the comparison unequal."""
+    bad = []
+    if cfg.model.dtype != "float32":
+        bad.append(f"model.dtype={cfg.model.dtype} (need float32)")
+    if cfg.rollout.engine != "hf":
+        bad.append(f"rollout.engine={cfg.rollout.engine} (need hf: CPU, no SGLang / vLLM)")
+    if cfg.rollout.dynamic_sampling:
+        bad.append("rollout.dynamic_sampling=true (TRL has no resampling; prompts would not match)")
+    if cfg.rollout.stop:
+        bad.append(f"rollout.stop={cfg.rollout.stop} (TRL stops on EOS only)")
+    if cfg.gspo.mode != "gspo" or cfg.gspo.loss_agg != "seq-mean-token-mean":
+        bad.append(f"gspo.mode={cfg.gspo.mode}, gspo.loss_agg={cfg.gspo.loss_agg} (need gspo, seq-mean-token-mean)")
+    if cfg.gspo.kl_coef or cfg.gspo.entropy_coef or cfg.gspo.tis_cap:
+        bad.append("gspo.kl_coef / entropy_coef / tis_cap must be 0 / 0 / null")
+    if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.ep != 1:
+        bad.append("parallel.tp/pp/ep must be 1 (one CPU process)")
+    if bad:
+        raise SystemExit("bench/train_step.py: config not comparable with TRL: " + "; ".join(bad))
+
+
+def step_prompts(cfg, tokenizer, num_steps: int) -> list[list]:
+    """The PromptRows our trainer draws at each step (same dataset and sampler as train.py)."""
+    from gspo_megatron import factory
+    from gspo_megatron.data.dataset import PromptSampler
+
+    dataset = factory.build_dataset(cfg, tokenizer)
+    sampler = PromptSampler(len(dataset), seed=cfg.seed, shuffle=cfg.data.shuffle)
+    return [[dataset[i] for i in sampler.next_indices(cfg.rollout.prompts_per_step)] for _ in range(num_steps)]
+
+
+# ------------------------------------------------------------------------------------------ ours
+def run_ours(args, overrides: list[str], workdir: str) -> Side:
+    """gspo-train in a subprocess; per-step numbers from its metrics.jsonl."""
+    out_dir = os.path.join(workdir, "ours")
+    log_path = os.path.join(workdir, "ours.log")
+    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", args.config, *overrides]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        rc = subprocess.call(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        with open(log_path) as f:
+            tail = f.read()[-4000:]
+        raise SystemExit(f"gspo-train exited with {rc} ({' '.join(cmd)}); log {log_path}:\n{tail}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = sorted(rows, key=lambda r: r["step"])[args.warmup:]
+    side = Side("gspo-megatron", wall_s=wall)
+    for r in rows:
+        side.step_s.append(r["perf/step_time_s"])
+        side.tokens.append(r["perf/tokens_per_s"] * r["perf/step_time_s"])  # = sum(len(tokens)) of the step
+        side.rollout_s.append(r["perf/rollout_s"])
+        side.old_logprob_s.append(r["perf/old_logprob_s"])
+        side.train_s.append(r["perf/train_s"])
+        side.sync_s.append(r["sync/total_s"])
+        side.reward_mean.append(r["reward/mean"])
+        side.response_len.append(r["rollout/response_len_mean"])
+    return side
+
+
+# ------------------------------------------------------------------------------------------- TRL
+def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -> Side:
+    """TRL's GRPOTrainer (GSPO settings) on the same model, prompts and settings, in this process."""
+    try:
+        import datasets
+        import transformers
+        from transformers import AutoModelForCausalLM, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        raise SystemExit(f"bench/train_step.py needs TRL for the baseline ({e}); install it with `pip install trl`")
+    from gspo_megatron.data.tasks import TASKS
+    from gspo_megatron.data.tokenizer import load_tokenizer
+
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    P, G, M = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.gspo.mini_batches
+    tokenizer = load_tokenizer(hf_dir)
+    eos_ids = {tokenizer.eos_token_id}
+    reward_fn = TASKS[cfg.reward.function].reward
+
+    def last_digit_reward(prompts, completions, completion_ids, label, **kwargs) -> list[float]:
+        """TRL signature -> the task reward on the response decoded as ours (decode_response)."""
+        out = []
+        for prompt, ids, lab in zip(prompts, completion_ids, label):
+            ids = ids[:-1] if ids and ids[-1] in eos_ids else ids
+            text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            out.append(float(reward_fn(prompt[-1]["content"], text, lab)))
+        return out
+
+    records = [{"prompt": [{"role": "user", "content": row.prompt}], "label": row.label}
+               for step in prompts_by_step for row in step]
+    train_dataset = datasets.Dataset.from_list(records)
+
+    r, o, g = cfg.rollout, cfg.optimizer, cfg.gspo
+    targs = GRPOConfig(
+        output_dir=os.path.join(workdir, "trl"), use_cpu=True, bf16=False, fp16=False, seed=cfg.seed,
+        gradient_checkpointing=False, per_device_train_batch_size=P * G // M, gradient_accumulation_steps=1,
+        steps_per_generation=M, num_iterations=1, num_generations=G, max_completion_length=r.max_new_tokens,
+        temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0), learning_rate=o.lr,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_epsilon=o.adam_eps, weight_decay=o.weight_decay,
+        max_grad_norm=o.clip_grad, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
+        epsilon=g.clip_low, epsilon_high=g.clip_high, importance_sampling_level="sequence", loss_type="grpo",
+        scale_rewards="group" if g.std_normalize else "none", router_aux_loss_coef=cfg.model.moe_aux_loss_coeff,
+        max_steps=len(prompts_by_step) * M, shuffle_dataset=False, report_to="none", logging_strategy="no",
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, use_vllm=False, log_completions=False)
+
+    phases: list[dict] = []
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Times TRL's own phases; the computation is untouched."""
+
+        _in_scoring = False
+
+        def _generate_and_score_completions(self, inputs):
+            phases.append({"generate_s": 0.0, "old_logprob_s": 0.0, "tokens": 0, "prompt_ids": []})
+            t0 = time.perf_counter()
+            self._in_scoring = True
+            try:
+                out = super()._generate_and_score_completions(inputs)
+            finally:
+                self._in_scoring = False
+            phases[-1]["scoring_s"] = time.perf_counter() - t0
+            return out
+
+        def _generate(self, prompts):
+            out = super()._generate(prompts)
+            prompt_ids, completion_ids = out[0], out[1]
+            phases[-1]["tokens"] += sum(len(p) for p in prompt_ids) + sum(len(c) for c in completion_ids)
+            phases[-1]["prompt_ids"] = [tuple(p) for p in prompt_ids]
+            phases[-1]["response_len"] = sum(len(c) for c in completion_ids) / len(completion_ids)
+            phases[-1]["reward_mean"] = None
+            return out
+
+        def _generate_single_turn(self, *a, **kw):
+            t0 = time.perf_counter()
+            out = super()._generate_single_turn(*a, **kw)
+            phases[-1]["generate_s"] += time.perf_counter() - t0
+            return out
+
+        def _calculate_rewards(self, inputs, *a, **kw):
+            out = super()._calculate_rewards(inputs, *a, **kw)
+            phases[-1]["reward_mean"] = float(out.sum(dim=1).mean())
+            return out
+
+        def _get_per_token_logps_and_entropies(self, *a, **kw):
+            t0 = time.perf_counter()
+            out = super()._get_per_token_logps_and_entropies(*a, **kw)
+            if self._in_scoring:
+                phases[-1]["old_logprob_s"] += time.perf_counter() - t0
+            return out
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.marks: list[float] = []
+
+        def on_train_begin(self, *a, **kw):
+            self.marks = [time.perf_counter()]
+
+        def on_step_end(self, *a, **kw):
+            self.marks.append(time.perf_counter())
+
+    t_start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    clock = StepClock()
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=last_digit_reward, args=targs,
+                               train_dataset=train_dataset, processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    wall = time.perf_counter() - t_start
+
+    steps = len(prompts_by_step)
+    if len(phases) != steps or len(clock.marks) != steps * M + 1:
+        raise RuntimeError(f"TRL ran {len(phases)} generations / {len(clock.marks) - 1} optimizer steps, "
+                           f"expected {steps} / {steps * M}")
+    side = Side("TRL GRPOTrainer (GSPO)", wall_s=wall)
+    for k in range(steps):
+        ph = phases[k]
+        ours_ids = sorted(tuple(row.prompt_ids) for row in prompts_by_step[k] for _ in range(G))
+        if sorted(ph["prompt_ids"]) != ours_ids:  # the fairness premise: identical prompt tokens
+            raise RuntimeError(f"step {k + 1}: TRL's prompt token ids differ from gspo-megatron's")
+        if k < args.warmup:
+            continue
+        step_s = clock.marks[(k + 1) * M] - clock.marks[k * M]
+        side.step_s.append(step_s)
+        side.tokens.append(float(ph["tokens"]))
+        side.generate_s.append(ph["generate_s"])
+        side.rollout_s.append(ph["scoring_s"] - ph["old_logprob_s"])
+        side.old_logprob_s.append(ph["old_logprob_s"])
+        side.train_s.append(step_s - ph["scoring_s"])
+        side.reward_mean.append(ph["reward_mean"])
+        side.response_len.append(ph["response_len"])
+    return side
+
+
+# ----------------------------------------------------------------------------------------- report
+def format_table(ours: Side | None, trl: Side | None) -> str:
+    rows = [("tokens/s", "tokens_per_s", "{:.0f}"), ("step time (s)", "step_time_s", "{:.3f}"),
+            ("tokens/step", "tokens_per_step", "{:.0f}"), ("  rollout (s)", "rollout_s", "{:.3f}"),
+            ("    generate (s)", "generate_s", "{:.3f}"), ("  old log-probs (s)", "old_logprob_s", "{:.3f}"),
+            ("  train (s)", "train_s", "{:.3f}"), ("  weight sync (s)", "sync_s", "{:.4f}"),
+            ("response len", "response_len_mean", "{:.2f}"), ("reward mean", "reward_mean", "{:.3f}"),
+            ("process wall (s)", "process_wall_s", "{:.1f}")]
+    a = ours.summary() if ours else {}
+    b = trl.summary() if trl else {}
+
+    def cell(d, key, fmt):
+        return fmt.format(d[key]) if d.get(key) is not None else "-"
+
+    lines = [f"{'':22s}{'gspo-megatron':>15s}{'TRL (GSPO)':>15s}{'ours/TRL':>10s}"]
+    for label, key, fmt in rows:
+        ratio = "-"
+        if a.get(key) is not None and b.get(key):
+            ratio = f"{a[key] / b[key]:.2f}x"
+        lines.append(f"{label:22s}{cell(a, key, fmt):>15s}{cell(b, key, fmt):>15s}{ratio:>10s}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per implementation")
+    ap.add_argument("--warmup", type=int, default=2, help="steps run first and excluded")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (P)")
+    ap.add_argument("--group-size", type=int, default=8, help="responses per prompt (G)")
+    ap.add_argument("--mini-batches", type=int, default=2, choices=(1, 2), help="optimizer steps per step (M)")
+    ap.add_argument("--config", default=DEMO_CONFIG, help="base config (default: the CPU demo)")
+    ap.add_argument("--only", choices=("ours", "trl"), help="run one side only")
+    ap.add_argument("--workdir", help="where runs are written (default: a temporary directory, removed)")
+    ap.add_argument("--output", help="write the result as JSON here")
+    args = ap.parse_args(argv)
+    for name in ("steps", "prompts"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0 or args.group_size < 2:
+        raise SystemExit("--warmup must be >= 0 and --group-size >= 2")
+
+    from gspo_megatron.config import load_config
+    from gspo_megatron.data.tokenizer import load_tokenizer
+
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="bench_train_step_")
+    workdir = args.workdir or tmp.name
+    os.makedirs(workdir, exist_ok=True)
+    overrides = overrides_for(args, workdir)
+    cfg = load_config(args.config, overrides)
+    check_config(cfg)
+    P, G, M = args.prompts, args.group_size, args.mini_batches
+    print(f"GSPO step throughput, {os.path.relpath(args.config, REPO)}: P={P} prompts x G={G} = {P * G} "
+          f"sequences/step, max_new_tokens={cfg.rollout.max_new_tokens}, {M} optimizer step(s)/step, "
+          f"fp32 CPU, torch threads={torch.get_num_threads()}; {args.warmup} warmup + {args.steps} measured steps",
+          flush=True)
+
+    ours = trl = None
+    hf_dir = os.path.join(cfg.output_dir, "hf_init")
+    if args.only != "trl":
+        print("[1/2] gspo-megatron (gspo-train subprocess) ...", flush=True)
+        ours = run_ours(args, overrides, workdir)
+    if args.only != "ours":
+        if not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+            from gspo_megatron import factory  # --only trl: write the same hf_init our run would
+
+            factory.hf_init_dir(cfg)
+        print("[2/2] TRL GRPOTrainer, importance_sampling_level=sequence (in process) ...", flush=True)
+        prompts = step_prompts(cfg, load_tokenizer(hf_dir), args.warmup + args.steps)
+        trl = run_trl(args, cfg, hf_dir, prompts, workdir)
+
+    table = format_table(ours, trl)
+    print()
+    print(table)
+    print("\ntokens = prompt + completion (incl. EOS) tokens of the step's sequences; tokens/s = "
+          "measured tokens / measured step time. Phases are means per step.")
+    print("What differs:")
+    for d in DIFFERENCES:
+        print(f"  - {d}")
+    if args.output:
+        import importlib.metadata as md
+
+        versions = {}
+        for pkg in ("torch", "transformers", "megatron-core", "trl", "accelerate"):
+            try:
+                versions[pkg] = md.version(pkg)
+            except md.PackageNotFoundError:
+                versions[pkg] = None
+        result = {
+            "settings": {"prompts": P, "group_size": G, "sequences_per_step": P * G, "mini_batches": M,
+                         "max_new_tokens": cfg.rollout.max_new_tokens, "warmup": args.warmup, "steps": args.steps,
+                         "clip": [cfg.gspo.clip_low, cfg.gspo.clip_high], "lr": cfg.optimizer.lr,
+                         "config": os.path.relpath(args.config, REPO), "torch_threads": torch.get_num_threads()},
+            "environment": {"python": platform.python_version(), "cpu_count": os.cpu_count(), **versions},
+            "ours": {**(ours.summary() if ours else {}), "per_step": ours.__dict__ if ours else None},
+            "trl": {**(trl.summary() if trl else {}), "per_step": trl.__dict__ if trl else None},
+            "ratio_tokens_per_s": (ours.summary()["tokens_per_s"] / trl.summary()["tokens_per_s"]
+                                   if ours and trl else None),
+            "differences": DIFFERENCES,
+            "table": table,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.output}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
