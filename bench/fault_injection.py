@@ -14,8 +14,8 @@ checkpoints every 2 steps) and, after a random delay, injects one fault:
   resumes from the newest complete checkpoint.
 
 Reported per trial and in total: faults injected, runs recovered (finished with every step's
-metrics row present exactly once and a loadable final checkpoint), steps lost (steps recomputed
-after a trainer kill = the kill step minus the resumed checkpoint step), data lost (missing or
+metrics row present exactly once and a loadable final checkpoint), steps lost (finished steps
+recomputed after a trainer kill = the last logged step minus the resumed checkpoint's step), data lost (missing or
 duplicated metrics rows, or no loadable checkpoint).
 """
 
@@ -151,7 +151,7 @@ def trial(kind: str, rng: random.Random, nproc: int, log) -> dict:
     if kind == "trainer" and injected:
         time.sleep(1.0)
         resumed_from = latest_step(out_dir)
-        steps_lost = max(0, (killed_at or 0) + 1 - resumed_from)
+        steps_lost = max(0, (killed_at or 0) - resumed_from)  # finished steps redone after resume
         rerun = subprocess.run(command(out_dir, nproc), cwd=REPO, env=env, stdout=log, stderr=log, timeout=900)
         final_rc = rerun.returncode
     else:

@@ -386,15 +386,17 @@ def _prune(ckpt_root: str, keep_last: int, keep: str) -> None:
 # --------------------------------------------------------------------------------------------
 # loading
 # --------------------------------------------------------------------------------------------
-def _prime_optimizer_state(optimizer) -> None:
+def _prime_optimizer_state(optimizer, reset: bool = False) -> None:
     """Give every inner torch Adam an (all-zero) state so Megatron can build the sharded state
     dict it loads into: Megatron's DistributedOptimizer.state_dict asserts one common 'step',
-    which a fresh torch optimizer lacks (Megatron does this with a dummy step on TE/apex only)."""
+    which a fresh torch optimizer lacks (Megatron does this with a dummy step on TE/apex only).
+    ``reset``: replace existing state too (after a failed, partial load)."""
     inner_opts = getattr(optimizer, "chained_optimizers", [optimizer])
     for opt in inner_opts:
         torch_opt = getattr(opt, "optimizer", None)
-        if not isinstance(torch_opt, torch.optim.Optimizer) or len(torch_opt.state) > 0:
+        if not isinstance(torch_opt, torch.optim.Optimizer) or (len(torch_opt.state) > 0 and not reset):
             continue
+        torch_opt.state.clear()
         for group in torch_opt.param_groups:
             for p in group["params"]:
                 torch_opt.state[p] = {"step": torch.tensor(0.0),
@@ -420,7 +422,8 @@ def _check_compatible(ckpt_dir: str, meta: dict, optimizer) -> None:
             f"be resumed in that layout (this run: {here}); load the model only")
 
 
-def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool) -> tuple[int, Any]:
+def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool,
+              retry: bool = False) -> tuple[int, Any]:
     from megatron.core import dist_checkpointing
 
     meta = read_meta(ckpt_dir)
@@ -428,7 +431,7 @@ def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool) -> 
     md = dict(meta.get("sharding_metadata") or _SHARDING_METADATA)
     state = {"model": unwrap(model).sharded_state_dict(metadata=md)}
     if optimizer is not None:
-        _prime_optimizer_state(optimizer)
+        _prime_optimizer_state(optimizer, reset=retry)
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=md)
     loaded = dist_checkpointing.load(state, os.path.join(ckpt_dir, DIST_SUBDIR),
                                      strict="assume_ok_unexpected")
@@ -469,7 +472,8 @@ def load_checkpoint(ckpt_root_or_dir: str, model, optimizer=None, scheduler=None
         _check_compatible(path, read_meta(path), optimizer)  # same answer on every rank
         error = None
         try:
-            result = _load_one(path, model, optimizer, scheduler, restore_rng)
+            result = _load_one(path, model, optimizer, scheduler, restore_rng,
+                               retry=path != candidates[0])
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - torch DCP's CheckpointException is a BaseException
