@@ -45,10 +45,12 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -85,17 +87,22 @@ class Side:
     wall_s: float = 0.0
 
     def summary(self) -> dict:
-        def mean(xs):
-            return sum(xs) / len(xs) if xs else None
+        """tokens_per_s: all measured tokens / all measured step time; tokens_per_s_median: the median
+        step's; phases: medians over the measured steps (robust to a busy shared machine)."""
+
+        def med(xs):
+            return statistics.median(xs) if xs else None
 
         total_t = sum(self.step_s)
         return {
             "tokens_per_s": sum(self.tokens) / total_t if total_t > 0 else None,
-            "step_time_s": mean(self.step_s), "tokens_per_step": mean(self.tokens),
-            "rollout_s": mean(self.rollout_s), "generate_s": mean(self.generate_s),
-            "old_logprob_s": mean(self.old_logprob_s), "train_s": mean(self.train_s),
-            "sync_s": mean(self.sync_s), "reward_mean": mean(self.reward_mean),
-            "response_len_mean": mean(self.response_len), "process_wall_s": self.wall_s,
+            "tokens_per_s_median": med([n / t for n, t in zip(self.tokens, self.step_s)]),
+            "step_time_s": med(self.step_s), "tokens_per_step": med(self.tokens),
+            "rollout_s": med(self.rollout_s), "generate_s": med(self.generate_s),
+            "old_logprob_s": med(self.old_logprob_s), "train_s": med(self.train_s),
+            "sync_s": med(self.sync_s), "reward_mean": statistics.fmean(self.reward_mean) if self.reward_mean else None,
+            "response_len_mean": statistics.fmean(self.response_len) if self.response_len else None,
+            "process_wall_s": self.wall_s,
         }
 
 
@@ -177,7 +184,7 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -
     try:
         import datasets
         import transformers
-        from transformers import AutoModelForCausalLM, TrainerCallback
+        from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
         raise SystemExit(f"bench/train_step.py needs TRL for the baseline ({e}); install it with `pip install trl`")
@@ -185,6 +192,8 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -
     from gspo_megatron.data.tokenizer import load_tokenizer
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
     datasets.disable_progress_bars()
     P, G, M = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.gspo.mini_batches
     tokenizer = load_tokenizer(hf_dir)
@@ -207,7 +216,7 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -
     r, o, g = cfg.rollout, cfg.optimizer, cfg.gspo
     targs = GRPOConfig(
         output_dir=os.path.join(workdir, "trl"), use_cpu=True, bf16=False, fp16=False, seed=cfg.seed,
-        gradient_checkpointing=False, per_device_train_batch_size=P * G // M, gradient_accumulation_steps=1,
+        activation_checkpointing=False, gradient_checkpointing=False, per_device_train_batch_size=P * G // M, gradient_accumulation_steps=1,
         steps_per_generation=M, num_iterations=1, num_generations=G, max_completion_length=r.max_new_tokens,
         temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0), learning_rate=o.lr,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_epsilon=o.adam_eps, weight_decay=o.weight_decay,
@@ -277,6 +286,7 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -
     clock = StepClock()
     trainer = TimedGRPOTrainer(model=model, reward_funcs=last_digit_reward, args=targs,
                                train_dataset=train_dataset, processing_class=tokenizer, callbacks=[clock])
+    trainer.remove_callback(PrinterCallback)  # its end-of-training dict would clutter the table
     trainer.train()
     wall = time.perf_counter() - t_start
 
@@ -306,7 +316,8 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -
 
 # ----------------------------------------------------------------------------------------- report
 def format_table(ours: Side | None, trl: Side | None) -> str:
-    rows = [("tokens/s", "tokens_per_s", "{:.0f}"), ("step time (s)", "step_time_s", "{:.3f}"),
+    rows = [("tokens/s (all steps)", "tokens_per_s", "{:.0f}"), ("tokens/s (median)", "tokens_per_s_median", "{:.0f}"),
+            ("step time (s)", "step_time_s", "{:.3f}"),
             ("tokens/step", "tokens_per_step", "{:.0f}"), ("  rollout (s)", "rollout_s", "{:.3f}"),
             ("    generate (s)", "generate_s", "{:.3f}"), ("  old log-probs (s)", "old_logprob_s", "{:.3f}"),
             ("  train (s)", "train_s", "{:.3f}"), ("  weight sync (s)", "sync_s", "{:.4f}"),
@@ -360,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
           f"fp32 CPU, torch threads={torch.get_num_threads()}; {args.warmup} warmup + {args.steps} measured steps",
           flush=True)
 
+    load0 = os.getloadavg()[0]
     ours = trl = None
     hf_dir = os.path.join(cfg.output_dir, "hf_init")
     if args.only != "trl":
@@ -377,8 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(ours, trl)
     print()
     print(table)
-    print("\ntokens = prompt + completion (incl. EOS) tokens of the step's sequences; tokens/s = "
-          "measured tokens / measured step time. Phases are means per step.")
+    print("\ntokens = prompt + completion (incl. EOS) tokens of the step's sequences. tokens/s (all steps) = "
+          "measured tokens / measured step time; (median) = the median step's. Times: medians per step; "
+          "reward and response length: means.")
+    print(f"load average (1 min) at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if max(load0, os.getloadavg()[0]) > (os.cpu_count() or 1):
+        print("WARNING: the machine was busy with other work during the run; timings are noisy (compare medians, "
+              "or rerun on an idle machine)")
     print("What differs:")
     for d in DIFFERENCES:
         print(f"  - {d}")
@@ -396,11 +413,14 @@ def main(argv: list[str] | None = None) -> int:
                          "max_new_tokens": cfg.rollout.max_new_tokens, "warmup": args.warmup, "steps": args.steps,
                          "clip": [cfg.gspo.clip_low, cfg.gspo.clip_high], "lr": cfg.optimizer.lr,
                          "config": os.path.relpath(args.config, REPO), "torch_threads": torch.get_num_threads()},
-            "environment": {"python": platform.python_version(), "cpu_count": os.cpu_count(), **versions},
+            "environment": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
+                            "load_avg_1min_start_end": [load0, os.getloadavg()[0]], **versions},
             "ours": {**(ours.summary() if ours else {}), "per_step": ours.__dict__ if ours else None},
             "trl": {**(trl.summary() if trl else {}), "per_step": trl.__dict__ if trl else None},
             "ratio_tokens_per_s": (ours.summary()["tokens_per_s"] / trl.summary()["tokens_per_s"]
                                    if ours and trl else None),
+            "ratio_tokens_per_s_median": (ours.summary()["tokens_per_s_median"] /
+                                          trl.summary()["tokens_per_s_median"] if ours and trl else None),
             "differences": DIFFERENCES,
             "table": table,
         }

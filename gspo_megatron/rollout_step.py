@@ -105,6 +105,7 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
         "rollout/response_len_mean": sum(lens) / len(lens),
         "rollout/truncated_frac": sum(r["truncated"] for r in records) / len(records),
         "perf/rollout_s": time.perf_counter() - t0,
+        "data/skipped_rows": float(getattr(dataset, "skipped_rows", 0)),
         **{k if k.startswith("reward/") else f"reward/{k}": v for k, v in stats_sum.items()},
     }
     return RolloutBatch(records=records, metrics=metrics)
