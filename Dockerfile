@@ -1,7 +1,7 @@
 # GPU image for gspo-megatron: NGC PyTorch (CUDA, NCCL, cuDNN, Transformer Engine, apex) + SGLang.
 #   docker build -t gspo-megatron .
 #   docker run --gpus all --ipc=host --shm-size=32g -v $PWD/runs:/workspace/gspo/runs gspo-megatron \
-#       launch/torchrun.sh configs/qwen3_30b_a3b.yaml
+#       launch/torchrun.sh configs/qwen3_30b_a3b_gspo.yaml
 # --ipc=host is required for CUDA IPC weight sync (colocated mode) between trainer and engines.
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.06-py3
 FROM ${BASE_IMAGE}
@@ -21,7 +21,11 @@ RUN python -c "import torch, transformer_engine; print(torch.__version__, transf
 
 WORKDIR /workspace/gspo
 COPY . /workspace/gspo
-RUN pip install -c /tmp/constraints.txt -e ".[gpu]"
+# pyproject pins torch==2.13.0 / transformers for the CPU CI; in this image the NGC torch and the
+# transformers that SGLang pins win, so the package goes in with --no-deps plus its other deps.
+RUN pip install -c /tmp/constraints.txt "megatron-core>=0.16.1,<0.20" pyyaml rich tqdm tensorboard \
+        pyarrow math-verify \
+ && pip install --no-deps -e .
 
 # launch/torchrun.sh uses `torchrun` from PATH when there is no .venv
 CMD ["bash"]

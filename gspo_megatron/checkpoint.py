@@ -391,10 +391,8 @@ def _prime_optimizer_state(optimizer, reset: bool = False) -> None:
     dict it loads into: Megatron's DistributedOptimizer.state_dict asserts one common 'step',
     which a fresh torch optimizer lacks (Megatron does this with a dummy step on TE/apex only).
     ``reset``: replace existing state too (after a failed, partial load)."""
-    inner_opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    for opt in inner_opts:
-        torch_opt = getattr(opt, "optimizer", None)
-        if not isinstance(torch_opt, torch.optim.Optimizer) or (len(torch_opt.state) > 0 and not reset):
+    for torch_opt in _torch_adams(optimizer):
+        if len(torch_opt.state) > 0 and not reset:
             continue
         torch_opt.state.clear()
         for group in torch_opt.param_groups:
@@ -402,6 +400,31 @@ def _prime_optimizer_state(optimizer, reset: bool = False) -> None:
                 torch_opt.state[p] = {"step": torch.tensor(0.0),
                                       "exp_avg": torch.zeros_like(p.data),
                                       "exp_avg_sq": torch.zeros_like(p.data)}
+
+
+def _torch_adams(optimizer) -> list:
+    """The torch.optim Adam/AdamW instances inside a Megatron (chained) optimizer (CPU path; TE's
+    and apex's fused Adam keep their step in the param groups and need none of this)."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            out.append(inner)
+    return out
+
+
+def _fix_adam_steps(optimizer) -> None:
+    """After Megatron's DistributedOptimizer.load_state_dict on the torch-Adam path, the per-param
+    'step' is not the loaded one (and may be one tensor shared by all params, which Adam then
+    increments once per param). Set an independent tensor per param from the loaded group step."""
+    for torch_opt in _torch_adams(optimizer):
+        for group in torch_opt.param_groups:
+            step = group.get("step")
+            if step is None:
+                continue
+            for p in group["params"]:
+                if p in torch_opt.state:
+                    torch_opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
 def _layout_key(layout: dict) -> tuple:
@@ -438,6 +461,7 @@ def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool,
     unwrap(model).load_state_dict(loaded["model"], strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+        _fix_adam_steps(optimizer)
     trainer_path = os.path.join(ckpt_dir, "trainer_state.pt")
     trainer = torch.load(trainer_path, weights_only=False) if os.path.exists(trainer_path) else {}
     if scheduler is not None and trainer.get("scheduler") is not None:
