@@ -66,8 +66,12 @@ DIFFERENCES = [
     "old log-probs: ours always recomputes them; TRL only when steps_per_generation > 1",
     "tokens counted alike: prompt + completion (incl. EOS) tokens of the step's P*G sequences",
     "same prompts in the same order; different RNG streams, so responses/tokens per step differ slightly",
-    "ours = gspo-train subprocess (run first); TRL = in this process (run second)",
 ]
+MODE_NOTE = {
+    "interleaved": "both in this process, steps interleaved (TRL step k, then our step k) so both see the same "
+                   "machine load; ours is set up as gspo-train does, minus metrics logging and checkpoints",
+    "sequential": "ours = gspo-train subprocess (run first, as shipped); TRL = in this process (run second)",
+}
 
 
 @dataclass
@@ -178,9 +182,90 @@ def run_ours(args, overrides: list[str], workdir: str) -> Side:
     return side
 
 
+class OursInProcess:
+    """gspo-megatron's trainer in this process, set up as ``gspo_megatron.train.train`` does (world
+    of one), stepped one rollout batch at a time so it can be interleaved with TRL's steps."""
+
+    def __init__(self, cfg):
+        from gspo_megatron import factory
+        from gspo_megatron.config import validate, validate_model_layout
+        from gspo_megatron.data.dataset import PromptSampler
+        from gspo_megatron.models.build import load_hf_config
+        from gspo_megatron.models.weights import load_hf_weights
+        from gspo_megatron.optim import OptimOptions, setup_training
+        from gspo_megatron.planner import model_hf_config
+        from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+        from gspo_megatron.weight_sync.sync import WeightSyncer
+
+        t0 = time.perf_counter()
+        validate(cfg, world_size=1)
+        validate_model_layout(cfg, model_hf_config(cfg)[0])
+        p, o = cfg.parallel, cfg.optimizer
+        init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
+        hf_dir = factory.hf_init_dir(cfg)
+        model = factory.build_model(cfg, load_hf_config(hf_dir))
+        self.ddp, self.optimizer, self.scheduler = setup_training(model, OptimOptions(
+            lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_decay_style,
+            total_steps=cfg.train.steps * cfg.gspo.mini_batches,
+            use_distributed_optimizer=p.use_distributed_optimizer, grad_reduce_in_fp32=p.grad_reduce_in_fp32,
+            cpu_offload_fraction=o.cpu_offload_fraction))
+        load_hf_weights(model, hf_dir)
+        self.tokenizer = factory.build_tokenizer(hf_dir)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.dataset = factory.build_dataset(cfg, self.tokenizer)
+        self.sampler = PromptSampler(len(self.dataset), seed=cfg.seed, shuffle=cfg.data.shuffle)
+        self.rewards = factory.build_rewards(cfg)
+        self.engine = factory.build_engine(cfg, hf_dir)
+        self.transport = factory.build_transport(cfg, self.engine)
+        self.syncer = WeightSyncer(model, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_verify)
+        self.syncer.sync(self.transport, self.engine)  # the engine starts from the trainer's weights
+        self.cfg, self.side, self.steps_done = cfg, Side("gspo-megatron"), 0
+        self.side.wall_s = time.perf_counter() - t0  # (setup; steps are added as they run)
+
+    def step(self, measured: bool) -> None:
+        """One step of train.py's loop: rollout -> records to every rank -> train -> weight sync."""
+        import torch.distributed as dist
+
+        from gspo_megatron.rollout_step import collect_rollouts
+        from gspo_megatron.train_step import train_on_batch
+
+        self.steps_done += 1
+        t0 = time.perf_counter()
+        batch = collect_rollouts(self.cfg, self.steps_done, self.engine, self.dataset, self.sampler,
+                                 self.tokenizer, self.rewards)
+        box = [("ok", batch.records)]
+        dist.broadcast_object_list(box, src=0)  # as train.py (a world of one here)
+        m = train_on_batch(self.cfg, self.ddp, self.optimizer, self.scheduler, box[0][1], self.pad_id)
+        sync = self.syncer.sync(self.transport, self.engine)
+        step_s = time.perf_counter() - t0
+        self.side.wall_s += step_s
+        if not measured:
+            return
+        s, bm = self.side, batch.metrics
+        s.step_s.append(step_s)
+        s.tokens.append(float(sum(len(r["tokens"]) for r in batch.records)))
+        s.rollout_s.append(bm["perf/rollout_s"])
+        s.old_logprob_s.append(m["perf/old_logprob_s"])
+        s.train_s.append(m["perf/train_s"])
+        s.sync_s.append(sync["sync/total_s"])
+        s.reward_mean.append(bm["reward/mean"])
+        s.response_len.append(bm["rollout/response_len_mean"])
+
+    def close(self) -> None:
+        from gspo_megatron.runtime.distributed import destroy_distributed
+
+        self.rewards.close()
+        self.engine.shutdown()
+        destroy_distributed()
+
+
 # ------------------------------------------------------------------------------------------- TRL
-def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -> Side:
-    """TRL's GRPOTrainer (GSPO settings) on the same model, prompts and settings, in this process."""
+def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str, setup_other=None):
+    """TRL's GRPOTrainer (GSPO settings) on the same model, prompts and settings, in this process.
+    ``setup_other()`` (optional) builds an object with ``step(measured)`` run after each TRL step.
+    Returns (TRL's Side, that object or None)."""
     try:
         import datasets
         import transformers
@@ -272,14 +357,27 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -
             return out
 
     class StepClock(TrainerCallback):
+        """TRL's time per rollout step (M optimizer steps); after each, runs ``other``'s step (if
+        any), whose time is excluded."""
+
         def __init__(self):
-            self.marks: list[float] = []
+            self.step_s: list[float] = []
+            self.acc = self.last = self.excluded = 0.0
 
         def on_train_begin(self, *a, **kw):
-            self.marks = [time.perf_counter()]
+            self.last = time.perf_counter()
 
-        def on_step_end(self, *a, **kw):
-            self.marks.append(time.perf_counter())
+        def on_step_end(self, args_, state, control, **kw):
+            now = time.perf_counter()
+            self.acc += now - self.last
+            self.last = now
+            if state.global_step % M == 0:
+                self.step_s.append(self.acc)
+                self.acc = 0.0
+                if other is not None:
+                    other.step(measured=len(self.step_s) > args.warmup)
+                    self.last = time.perf_counter()
+                    self.excluded += self.last - now
 
     t_start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
@@ -287,13 +385,16 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -
     trainer = TimedGRPOTrainer(model=model, reward_funcs=last_digit_reward, args=targs,
                                train_dataset=train_dataset, processing_class=tokenizer, callbacks=[clock])
     trainer.remove_callback(PrinterCallback)  # its end-of-training dict would clutter the table
+    # built after TRL's trainer: accelerate's process state must not see our world-of-one process group
+    t_other = time.perf_counter()
+    other = setup_other() if setup_other is not None else None
+    clock.excluded += time.perf_counter() - t_other
     trainer.train()
-    wall = time.perf_counter() - t_start
+    wall = time.perf_counter() - t_start - clock.excluded
 
     steps = len(prompts_by_step)
-    if len(phases) != steps or len(clock.marks) != steps * M + 1:
-        raise RuntimeError(f"TRL ran {len(phases)} generations / {len(clock.marks) - 1} optimizer steps, "
-                           f"expected {steps} / {steps * M}")
+    if len(phases) != steps or len(clock.step_s) != steps:
+        raise RuntimeError(f"TRL ran {len(phases)} generations / {len(clock.step_s)} rollout steps, expected {steps}")
     side = Side("TRL GRPOTrainer (GSPO)", wall_s=wall)
     for k in range(steps):
         ph = phases[k]
@@ -302,7 +403,7 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -
             raise RuntimeError(f"step {k + 1}: TRL's prompt token ids differ from gspo-megatron's")
         if k < args.warmup:
             continue
-        step_s = clock.marks[(k + 1) * M] - clock.marks[k * M]
+        step_s = clock.step_s[k]
         side.step_s.append(step_s)
         side.tokens.append(float(ph["tokens"]))
         side.generate_s.append(ph["generate_s"])
@@ -311,7 +412,7 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str) -
         side.train_s.append(step_s - ph["scoring_s"])
         side.reward_mean.append(ph["reward_mean"])
         side.response_len.append(ph["response_len"])
-    return side
+    return side, other
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -322,7 +423,7 @@ def format_table(ours: Side | None, trl: Side | None) -> str:
             ("    generate (s)", "generate_s", "{:.3f}"), ("  old log-probs (s)", "old_logprob_s", "{:.3f}"),
             ("  train (s)", "train_s", "{:.3f}"), ("  weight sync (s)", "sync_s", "{:.4f}"),
             ("response len", "response_len_mean", "{:.2f}"), ("reward mean", "reward_mean", "{:.3f}"),
-            ("process wall (s)", "process_wall_s", "{:.1f}")]
+            ("wall incl. setup (s)", "process_wall_s", "{:.1f}")]
     a = ours.summary() if ours else {}
     b = trl.summary() if trl else {}
 
@@ -346,7 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=8, help="responses per prompt (G)")
     ap.add_argument("--mini-batches", type=int, default=2, choices=(1, 2), help="optimizer steps per step (M)")
     ap.add_argument("--config", default=DEMO_CONFIG, help="base config (default: the CPU demo)")
-    ap.add_argument("--only", choices=("ours", "trl"), help="run one side only")
+    ap.add_argument("--mode", choices=("interleaved", "sequential"), default="interleaved",
+                    help="interleaved: both in process, alternating steps (fair on a busy machine); "
+                         "sequential: gspo-train as a subprocess first, then TRL")
+    ap.add_argument("--only", choices=("ours", "trl"), help="run one side only (ours: as a gspo-train subprocess)")
     ap.add_argument("--workdir", help="where runs are written (default: a temporary directory, removed)")
     ap.add_argument("--output", help="write the result as JSON here")
     args = ap.parse_args(argv)
@@ -374,17 +478,24 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     ours = trl = None
     hf_dir = os.path.join(cfg.output_dir, "hf_init")
-    if args.only != "trl":
-        print("[1/2] gspo-megatron (gspo-train subprocess) ...", flush=True)
+    mode = "sequential" if args.only else args.mode
+    if mode == "sequential" and args.only != "trl":
+        print("gspo-megatron (gspo-train subprocess) ...", flush=True)
         ours = run_ours(args, overrides, workdir)
     if args.only != "ours":
-        if not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
-            from gspo_megatron import factory  # --only trl: write the same hf_init our run would
+        from gspo_megatron import factory
 
-            factory.hf_init_dir(cfg)
-        print("[2/2] TRL GRPOTrainer, importance_sampling_level=sequence (in process) ...", flush=True)
+        factory.hf_init_dir(cfg)  # the starting weights (written once; our run reads the same files)
         prompts = step_prompts(cfg, load_tokenizer(hf_dir), args.warmup + args.steps)
-        trl = run_trl(args, cfg, hf_dir, prompts, workdir)
+        if mode == "interleaved":
+            print("TRL GRPOTrainer (importance_sampling_level=sequence) and gspo-megatron, alternating steps, "
+                  "in process ...", flush=True)
+            trl, stepper = run_trl(args, cfg, hf_dir, prompts, workdir, setup_other=lambda: OursInProcess(cfg))
+            ours = stepper.side
+            stepper.close()
+        else:
+            print("TRL GRPOTrainer, importance_sampling_level=sequence (in process) ...", flush=True)
+            trl, _ = run_trl(args, cfg, hf_dir, prompts, workdir)
 
     table = format_table(ours, trl)
     print()
@@ -396,8 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     if max(load0, os.getloadavg()[0]) > (os.cpu_count() or 1):
         print("WARNING: the machine was busy with other work during the run; timings are noisy (compare medians, "
               "or rerun on an idle machine)")
+    differences = DIFFERENCES + [MODE_NOTE[mode]]
     print("What differs:")
-    for d in DIFFERENCES:
+    for d in differences:
         print(f"  - {d}")
     if args.output:
         import importlib.metadata as md
@@ -421,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
                                    if ours and trl else None),
             "ratio_tokens_per_s_median": (ours.summary()["tokens_per_s_median"] /
                                           trl.summary()["tokens_per_s_median"] if ours and trl else None),
-            "differences": DIFFERENCES,
+            "mode": mode,
+            "differences": differences,
             "table": table,
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

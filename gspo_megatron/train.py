@@ -46,23 +46,28 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def check_before_start(cfg: Config) -> None:
+    """The checks that need no model (world size, layout vs. the model's dims, files): they fail in
+    seconds, naming the field. Raises ConfigError / ValueError."""
+    from gspo_megatron.config import validate_model_layout
+    from gspo_megatron.planner import model_hf_config
+
+    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    validate_model_layout(cfg, model_hf_config(cfg)[0])
+
+
 def train(cfg: Config) -> dict:
     """Run (or resume) a training job. Every rank calls it. Returns the last step's metrics."""
     from gspo_megatron import factory
     from gspo_megatron.checkpoint import load_checkpoint, save_checkpoint
-    from gspo_megatron.config import validate_model_layout
     from gspo_megatron.models.build import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.optim import OptimOptions, setup_training
-    from gspo_megatron.planner import model_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.train_step import train_on_batch
     from gspo_megatron.weight_sync.sync import WeightSyncer
 
-    # -- checks that need no model: fail in seconds, naming the field ----------------------------
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world_size=world)
-    validate_model_layout(cfg, model_hf_config(cfg)[0])
+    check_before_start(cfg)
     p = cfg.parallel
     init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
     rank = dist.get_rank()
@@ -227,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        check_before_start(cfg)
         if args.check:
-            validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
             print(f"config OK: {args.config or '(defaults)'}")
             return 0
     except (ConfigError, FileNotFoundError, ValueError) as e:
