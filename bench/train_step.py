@@ -118,7 +118,10 @@ def overrides_for(args, workdir: str) -> list[str]:
     return [f"output_dir={os.path.join(workdir, 'ours')}", f"train.steps={args.warmup + args.steps}",
             f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
             f"gspo.mini_batches={args.mini_batches}", f"parallel.micro_batch_size={n // args.mini_batches}",
-            "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=0"]
+            "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=0",
+            # TRL has no resampling of zero-variance groups: one generation round per step on both sides
+            "rollout.dynamic_sampling=false",
+            *([f"rollout.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else [])]
 
 
 def check_config(cfg) -> None:
@@ -134,8 +137,8 @@ def check_config(cfg) -> None:
         bad.append(f"rollout.stop={cfg.rollout.stop} (TRL stops on EOS only)")
     if cfg.gspo.mode != "gspo" or cfg.gspo.loss_agg != "seq-mean-token-mean":
         bad.append(f"gspo.mode={cfg.gspo.mode}, gspo.loss_agg={cfg.gspo.loss_agg} (need gspo, seq-mean-token-mean)")
-    if cfg.gspo.kl_coef or cfg.gspo.entropy_coef or cfg.gspo.tis_cap:
-        bad.append("gspo.kl_coef / entropy_coef / tis_cap must be 0 / 0 / null")
+    if cfg.gspo.kl_coef or cfg.gspo.tis_cap:
+        bad.append("gspo.kl_coef / tis_cap must be 0 / null (no reference model, no engine-gap correction)")
     if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.ep != 1:
         bad.append("parallel.tp/pp/ep must be 1 (one CPU process)")
     if bad:
@@ -197,6 +200,7 @@ class OursInProcess:
         from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
         from gspo_megatron.weight_sync.sync import WeightSyncer
 
+        warnings.filterwarnings("ignore", module=r"megatron\.")  # CPU-fallback notices (no apex / TE)
         t0 = time.perf_counter()
         validate(cfg, world_size=1)
         validate_model_layout(cfg, model_hf_config(cfg)[0])
@@ -307,6 +311,7 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str, s
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_epsilon=o.adam_eps, weight_decay=o.weight_decay,
         max_grad_norm=o.clip_grad, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
         epsilon=g.clip_low, epsilon_high=g.clip_high, importance_sampling_level="sequence", loss_type="grpo",
+        entropy_coef=g.entropy_coef,
         scale_rewards="group" if g.std_normalize else "none", router_aux_loss_coef=cfg.model.moe_aux_loss_coeff,
         max_steps=len(prompts_by_step) * M, shuffle_dataset=False, report_to="none", logging_strategy="no",
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, use_vllm=False, log_completions=False)
@@ -446,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (P)")
     ap.add_argument("--group-size", type=int, default=8, help="responses per prompt (G)")
     ap.add_argument("--mini-batches", type=int, default=2, choices=(1, 2), help="optimizer steps per step (M)")
+    ap.add_argument("--max-new-tokens", type=int, help="max response tokens (default: the config's)")
     ap.add_argument("--config", default=DEMO_CONFIG, help="base config (default: the CPU demo)")
     ap.add_argument("--mode", choices=("interleaved", "sequential"), default="interleaved",
                     help="interleaved: both in process, alternating steps (fair on a busy machine); "

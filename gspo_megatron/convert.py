@@ -187,10 +187,10 @@ def load_model(path: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
         model = build_empty_model(hf, tp, pp, ep, etp, cp, dtype or hf_dtype(hf))
         load_hf_into(model, path)
         return model, hf
-    ckpt_dir, meta = checkpoint_meta(path)
+    _, meta = checkpoint_meta(path)
     hf = meta["hf_config"]
     model = build_empty_model(hf, tp, pp, ep, etp, cp, dtype or meta.get("dtype") or hf_dtype(hf))
-    load_checkpoint(ckpt_dir, model, restore_rng=False)
+    load_checkpoint(path, model, restore_rng=False)  # a root falls back past a corrupt newest step
     return model, hf
 
 
@@ -298,7 +298,7 @@ def megatron_to_hf(checkpoint: str, output: str, tp: int = 1, pp: int = 1, ep: i
     """Export a Megatron checkpoint (converted or training; root or step directory) to an HF
     directory, loading it resharded into the current layout (collective)."""
     ckpt_dir, meta = checkpoint_meta(checkpoint)
-    model, hf = load_model(ckpt_dir, tp, pp, ep, etp, 1)
+    model, hf = load_model(checkpoint, tp, pp, ep, etp, 1)
     return export_to_hf_dir(model, hf, output, max_shard_size, bucket_bytes,
                             os.path.join(ckpt_dir, ASSETS_SUBDIR))
 

@@ -123,5 +123,19 @@ def resume_job(rank: int, world: int, hf_dir: str, root: str, layout: dict, othe
     w4 = _weights(model4)
     if rank == 0:
         res["other_layout_weights_equal"] = all(torch.equal(w4[k], weights_at_2[k]) for k in weights_at_2)
+
+    # export a training checkpoint root to HF (newest loadable step: 2), in this other layout
+    from gspo_megatron.convert import megatron_to_hf
+
+    out = os.path.join(os.path.dirname(root), "exported")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        files = megatron_to_hf(root, out, **other_layout)
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        exported = load_file(os.path.join(out, files[0]))
+        res["export_root_equal"] = len(files) == 1 and sorted(exported) == sorted(weights_at_2) and all(
+            torch.equal(exported[k], weights_at_2[k]) for k in weights_at_2)
     destroy_distributed()
     return res

@@ -1,7 +1,7 @@
 """Distributed checkpoints on 2 gloo ranks (one spawned job; see checkpoint_workers.resume_job):
 exact resume (weights after the next step, LR schedule, every RNG stream, extra_state),
 keep_last, the `latest` pointer, fallback from a corrupt newest checkpoint, and loading into a
-different layout (model reshards; optimizer refuses)."""
+different layout (model reshards; optimizer refuses); HF export of a training root."""
 
 from __future__ import annotations
 
@@ -51,3 +51,7 @@ def test_other_layout_model_reshards_optimizer_refuses(job):
         assert "can only be resumed in that layout" in r["other_layout_optimizer"]
         assert r["other_layout_model"][0] == 2
     assert job[0]["other_layout_weights_equal"]
+
+
+def test_megatron_to_hf_accepts_a_training_root(job):
+    assert job[0]["export_root_equal"]
