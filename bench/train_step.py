@@ -466,8 +466,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 0 or args.group_size < 2:
         raise SystemExit("--warmup must be >= 0 and --group-size >= 2")
 
+    import transformers
+
     from gspo_megatron.config import load_config
     from gspo_megatron.data.tokenizer import load_tokenizer
+
+    transformers.utils.logging.disable_progress_bar()
 
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="bench_train_step_")
     workdir = args.workdir or tmp.name

@@ -227,6 +227,10 @@ class ShardWriter:
         """Rename the parts to their final names and write the index when sharded."""
         if self.current or not self.parts:
             self._flush()
+        umask = os.umask(0)
+        os.umask(umask)
+        for tmp, _ in self.parts:  # safetensors writes 0600 files; use the usual mode
+            os.chmod(tmp, 0o666 & ~umask)
         n = len(self.parts)
         if n == 1:
             os.replace(self.parts[0][0], os.path.join(self.out_dir, "model.safetensors"))

@@ -201,5 +201,9 @@ def build_model(cfg: Config, hf: dict):
         dtype=cfg.model.dtype, transformer_impl=cfg.model.transformer_impl,
         moe_token_dispatcher=cfg.model.moe_token_dispatcher, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
         recompute=cfg.model.recompute, sequence_parallel=p.sequence_parallel, fp8_fields=fp8_fields,
-        perform_initialization=False)
+        # True even though the weights are loaded right after: Megatron sets the tensor-parallel
+        # attributes of its parameters (used by the grad norm / clipping to skip TP duplicates)
+        # only inside its init functions; without them a TP>1 grad norm misses every shard but
+        # rank 0's.
+        perform_initialization=True)
     return _build(hf, p.tp, p.pp, p.ep, p.etp, p.cp, opts)

@@ -28,7 +28,9 @@ class ModelOptions:
     recompute: bool = False
     sequence_parallel: bool | None = None  # None: on when MoE and tp > 1
     fp8_fields: dict | None = None  # TransformerConfig fp8 kwargs (runtime/fp8.py)
-    perform_initialization: bool = True  # False when weights are loaded right after building
+    # False skips the random init (conversion tools), but Megatron then also skips setting the
+    # tensor-parallel attributes of the parameters: never train such a model with TP > 1.
+    perform_initialization: bool = True
 
 
 def load_hf_config(path: str) -> dict:
