@@ -14,7 +14,7 @@ position prompt_len - 1 + j.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -61,10 +61,6 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1) -> dict:
     if "advantage" in seqs[0]:
         batch["advantages"] = torch.tensor([float(s["advantage"]) for s in seqs])
     return batch
-
-
-def split_microbatches(seqs: Sequence[dict], micro_batch_size: int) -> list[list[dict]]:
-    return [list(seqs[i : i + micro_batch_size]) for i in range(0, len(seqs), micro_batch_size)]
 
 
 def response_values(batch: dict, values: torch.Tensor) -> list[list[float]]:
@@ -126,7 +122,3 @@ def compute_logprobs(model, batches: list[dict], temperature: float = 1.0,
         model.train(was_training)
     return out if ps.is_pipeline_last_stage() else None
 
-
-def iterate_in_order(rows: Iterable, dp_rank: int, dp_size: int) -> list:
-    """The rows a data-parallel rank handles: rank r takes rows r, r+dp, ... (order kept)."""
-    return [r for i, r in enumerate(rows) if i % dp_size == dp_rank]

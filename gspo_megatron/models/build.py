@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.models.family import ModelFamily, get_family, rope_theta
+from gspo_megatron.models.family import get_family, rope_theta
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -160,6 +160,3 @@ def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
     model.hf_config = hf  # the mapping and export read it back
     return model
 
-
-def family_of(model) -> ModelFamily:
-    return get_family(model.hf_config)
