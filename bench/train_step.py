@@ -1,26 +1,36 @@
 """Tokens per second of one GSPO step: gspo-megatron vs. TRL's GRPOTrainer (GSPO mode), same run.
 
 Both train the CPU demo model (configs/demo_cpu.yaml: tiny random-init Qwen3-MoE, byte tokenizer,
-built-in ``last_digit`` task) from the *same* starting weights (``hf_init``, written by our run and
-loaded by TRL), on the *same* prompts in the same order, with the same settings, all taken from one
-resolved Config:
+built-in ``last_digit`` task) from the *same* starting weights (``hf_init``, the HF export our trainer
+starts from, loaded by TRL), on the *same* prompts in the same order (our dataset and sampler; the
+prompt token ids are checked equal every step), with settings taken from one resolved Config:
 
 - group size G (TRL ``num_generations``), prompts per step P, max_new_tokens (TRL
-  ``max_completion_length``), sampling temperature / top_p / top_k, fp32, CPU, no vLLM;
+  ``max_completion_length``), temperature / top_p / top_k, fp32, CPU, no vLLM;
 - step batch P * G sequences, cut into ``gspo.mini_batches`` M optimizer steps of P * G / M sequences
   each (ours: one micro-batch per mini-batch; TRL: ``per_device_train_batch_size`` = P * G / M,
   ``steps_per_generation`` = M, no gradient accumulation);
-- loss: sequence-level ratio (TRL ``importance_sampling_level="sequence"``), clip eps 3e-4 / 4e-4,
-  mean over tokens then over sequences (TRL ``loss_type="grpo"``), beta = 0 (no reference model),
-  group-std-normalized advantages, entropy computed in both;
+- loss: sequence-level ratio (TRL ``importance_sampling_level="sequence"``), clip eps from the config
+  (3e-4 / 4e-4), mean over tokens then over sequences (TRL ``loss_type="grpo"``), beta = 0 (no
+  reference model), group-std-normalized advantages, the config's entropy bonus (TRL ``entropy_coef``);
 - optimizer: Adam, same lr / betas / eps / weight decay / grad-norm clip, constant schedule;
 - reward: ``TASKS["last_digit"].reward`` on the response decoded as ours does (final EOS dropped,
-  other special tokens kept), adapted to TRL's reward-function signature through ``completion_ids``.
+  other special tokens kept), adapted to TRL's reward-function signature through ``completion_ids``;
+- ``rollout.dynamic_sampling`` is forced off (TRL cannot resample zero-variance groups).
 
 A "step" is one rollout batch: generation + rewards + old log-probs + M optimizer steps (+ our weight
 sync). Tokens per step = prompt + completion tokens of the step's P * G sequences (completion includes
 the EOS token when generation stopped on it), counted the same way for both; tokens/s = measured
-tokens / measured step time over the N steps after ``--warmup`` steps.
+tokens / measured step time over the ``--steps`` steps after ``--warmup`` steps.
+
+Modes: ``interleaved`` (default) runs both in this process and alternates their steps (TRL step k, then
+our step k), so both see the same machine load; ours is then set up exactly as
+``gspo_megatron.train.train`` does and each step runs train.py's loop body (rollout, records broadcast,
+``train_on_batch``, weight sync), minus metrics logging and checkpoints. ``sequential`` runs
+``gspo-train`` as a subprocess (as shipped), then TRL in this process. On a machine busy with other
+work, a lone process suffers far more than its share (OpenMP worker threads spin-wait while the main
+thread is descheduled; measured here: TRL alone 1.4-5 s/step vs 0.3 s/step interleaved at the same
+load), so compare sequential numbers only on an idle machine.
 
 What differs (printed with the results):
 - generation: ours samples with the rollout engine (a separate transformers copy of the policy, its
@@ -30,13 +40,11 @@ What differs (printed with the results):
   forward-backward schedule); TRL is transformers' Qwen3MoeForCausalLM + torch AdamW via Trainer;
 - old log-probs: ours always recomputes them with the trainer model; TRL does only when
   ``steps_per_generation`` > 1 (with ``--mini-batches 1`` it reuses the detached current ones);
-- ours runs as a ``gspo-train`` subprocess (with its metrics logging and a checkpoint + HF export
-  after the last step, outside the measured steps); TRL runs in this process afterwards;
 - same prompts, but different random streams: responses (and so tokens/step) differ slightly.
 
 Usage: python bench/train_step.py [--steps 5] [--warmup 2] [--prompts 16] [--group-size 8]
-                                  [--mini-batches 2] [--output result.json]
-Defaults run in about 2 minutes on 2 CPU cores. Needs ``trl`` (pip install trl).
+         [--mini-batches 2] [--max-new-tokens N] [--mode interleaved|sequential] [--output result.json]
+Defaults run in well under a minute on 2 idle CPU cores (interleaved). Needs ``trl`` (pip install trl).
 """
 
 from __future__ import annotations
@@ -515,8 +523,9 @@ def main(argv: list[str] | None = None) -> int:
           "reward and response length: means.")
     print(f"load average (1 min) at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if max(load0, os.getloadavg()[0]) > (os.cpu_count() or 1):
-        print("WARNING: the machine was busy with other work during the run; timings are noisy (compare medians, "
-              "or rerun on an idle machine)")
+        print("WARNING: the machine was busy with other work during the run; timings are noisy" +
+              (" (both sides alternated steps, so they saw the same load)" if mode == "interleaved" else
+               " and a lone process suffers more than its share: use --mode interleaved or an idle machine"))
     differences = DIFFERENCES + [MODE_NOTE[mode]]
     print("What differs:")
     for d in differences:

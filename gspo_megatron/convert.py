@@ -144,7 +144,8 @@ def _progress(total: int, desc: str, unit: str = "it", unit_scale: bool = False)
     from tqdm import tqdm
 
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, disable=not rank0,
+    quiet = not rank0 or os.environ.get("TQDM_DISABLE", "") not in ("", "0")
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, disable=quiet,
                 file=sys.stderr, dynamic_ncols=True)
 
 

@@ -63,6 +63,41 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1) -> dict:
     return batch
 
 
+TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "old_logprobs",
+              "engine_logprobs", "ref_logprobs")
+
+
+def sequence_multiple(tp: int, cp: int) -> int:
+    """What a padded row length must divide: tp for sequence parallelism; 2*cp chunks per row (each
+    a multiple of tp) for context parallelism's load-balanced split."""
+    return tp * 2 * cp if cp > 1 else tp
+
+
+def split_for_context_parallel(batch: dict, cp_group=None) -> dict:
+    """This context-parallel rank's share of every [b, s] tensor: the row cut into 2*cp chunks, rank
+    r keeping chunks r and 2*cp-1-r (Megatron's get_batch_on_this_cp_rank, the layout its CP
+    attention expects). Other keys (advantages, normalizer) are kept whole."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    local = get_batch_on_this_cp_rank({k: batch[k] for k in TOKEN_KEYS if k in batch}, cp_group)
+    return {**batch, **local}
+
+
+def gather_context_parallel(local: torch.Tensor, cp_group) -> torch.Tensor:
+    """Inverse of ``split_for_context_parallel`` for one [b, s/cp] tensor: all-gather over the CP
+    group and put the chunks back in order. Every CP rank calls it; all get [b, s]."""
+    import torch.distributed as dist
+
+    cp = dist.get_world_size(cp_group)
+    parts = [torch.empty_like(local) for _ in range(cp)]
+    dist.all_gather(parts, local.contiguous(), group=cp_group)
+    chunks = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        first, second = part.chunk(2, dim=1)
+        chunks[r], chunks[2 * cp - 1 - r] = first, second
+    return torch.cat(chunks, dim=1)
+
+
 def response_values(batch: dict, values: torch.Tensor) -> list[list[float]]:
     """Per-sequence lists of ``values`` [b, s] at the response positions (loss_mask == 1)."""
     out = []

@@ -75,7 +75,8 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
     per-row lists (input order) on global rank 0, None elsewhere."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.pipeline import collate, compute_logprobs, response_values
+    from gspo_megatron.pipeline import (collate, compute_logprobs, gather_context_parallel, response_values,
+                                        sequence_multiple, split_for_context_parallel)
 
     if micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
@@ -84,11 +85,16 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
     mine = [i for i in range(len(rows)) if i % dp == dp_rank]
     # pad with a copy of row 0 (result dropped) so that every replica runs the same micro-batches
     slots = mine + [None] * (per_replica - len(mine))
-    multiple = ps.get_tensor_model_parallel_world_size()
+    cp = ps.get_context_parallel_world_size()
+    cp_group = ps.get_context_parallel_group() if cp > 1 else None
+    multiple = sequence_multiple(ps.get_tensor_model_parallel_world_size(), cp)
     chunks = [slots[s:s + micro_batch_size] for s in range(0, len(slots), micro_batch_size)]
     batches = [collate([{"tokens": list(rows[i if i is not None else 0]), "prompt_len": 1}
                         for i in chunk], pad_id=pad_id, multiple=multiple) for chunk in chunks]
-    out = compute_logprobs(model, batches, temperature=temperature)  # one pipelined schedule
+    local = batches if cp_group is None else [split_for_context_parallel(b, cp_group) for b in batches]
+    out = compute_logprobs(model, local, temperature=temperature)  # one pipelined schedule
+    if out is not None and cp_group is not None:  # whole rows again on every CP rank
+        out = [{"logprobs": gather_context_parallel(o["logprobs"], cp_group)} for o in out]
     results: list[tuple[int, list[float]]] = []
     if out is not None and _is_reporter():
         for chunk, batch, res in zip(chunks, batches, out):

@@ -54,6 +54,9 @@ def check_before_start(cfg: Config) -> None:
 
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     validate_model_layout(cfg, model_hf_config(cfg)[0])
+    if cfg.parallel.cp > 1 and not torch.cuda.is_available():
+        raise ValueError("parallel.cp > 1 needs Transformer Engine's context-parallel attention (a CUDA "
+                         "GPU); this machine has none")
 
 
 def train(cfg: Config) -> dict:

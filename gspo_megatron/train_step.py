@@ -19,7 +19,8 @@ from gspo_megatron.config import Config
 from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
 from gspo_megatron.losses.policy_loss import PolicyLossConfig
 from gspo_megatron.optim import optimizer_step, zero_grads
-from gspo_megatron.pipeline import collate, compute_logprobs, run_schedule
+from gspo_megatron.pipeline import (collate, compute_logprobs, run_schedule, sequence_multiple,
+                                    split_for_context_parallel)
 
 _MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref",
               "engine_logprob_absdiff", "tis_weight_mean", "tis_capped_fraction")
@@ -33,8 +34,10 @@ def loss_config(cfg: Config) -> PolicyLossConfig:
                             tis_cap=g.tis_cap)
 
 
-def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id: int, multiple: int):
-    """Mini-batches (lists of this rank's micro-batch dicts) and each mini-batch's normalizer."""
+def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id: int, multiple: int,
+                cp_group=None):
+    """Mini-batches (lists of this rank's micro-batch dicts, each carrying its mini-batch's global
+    normalizer). With context parallelism (``cp_group``) every [b, s] tensor is this CP rank's slice."""
     M = cfg.gspo.mini_batches
     n = len(records)
     token_mean = cfg.gspo.loss_agg == "token-mean"
@@ -49,6 +52,8 @@ def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id:
                  for i in range(0, len(mine), size)]
         for b in micro:
             b["normalizer"] = float(max(norm, 1))
+        if cp_group is not None:
+            micro = [split_for_context_parallel(b, cp_group) for b in micro]
         out.append(micro)
     return out
 
@@ -68,25 +73,27 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
 
     t0 = time.perf_counter()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    tp = ps.get_tensor_model_parallel_world_size()
-    minis = split_batch(cfg, records, dp, dp_rank, pad_id, multiple=tp)
+    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    cp_group = ps.get_context_parallel_group() if cp > 1 else None
+    minis = split_batch(cfg, records, dp, dp_rank, pad_id, multiple=sequence_multiple(tp, cp),
+                        cp_group=cp_group)
     flat = [b for mb in minis for b in mb]
     temp = cfg.rollout.temperature
     _attach_logprobs(ddp, flat, "old_logprobs", temp, ps)
     if ref_model is not None:
         _attach_logprobs(ref_model, flat, "ref_logprobs", temp, ps)
-    reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
-        and ps.get_context_parallel_rank() == 0
+    # the engine gap is summed over every CP rank's tokens; the loss metrics are exact over CP
+    gap_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    reporter = gap_reporter and ps.get_context_parallel_rank() == 0
     gap = torch.zeros(2, dtype=torch.float64)
-    if reporter:
+    if gap_reporter:
         for b in flat:
             gap[0] += ((b["old_logprobs"] - b["engine_logprobs"]).abs() * b["loss_mask"]).sum().double()
             gap[1] += b["loss_mask"].sum().double()
     t_old = time.perf_counter() - t0
 
     lcfg = loss_config(cfg)
-    tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
-    cp_group = cp_group if ps.get_context_parallel_world_size() > 1 else None
+    tp_group = ps.get_tensor_model_parallel_group()
     mb_metrics, applied, grad_norms = [], [], []
     for micro in minis:
         zero_grads(ddp, optimizer)

@@ -51,13 +51,10 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     with convert.cli_errors(PROG):
-        if args.cp > 1:
-            if not torch.cuda.is_available():
-                raise convert.UsageError(
-                    "--cp > 1 needs Transformer Engine's context-parallel attention (a CUDA GPU); "
-                    "it cannot run on this machine")
-            raise convert.UsageError("--cp > 1 is not supported by the scorer yet (sequences are "
-                                     "not split over context-parallel ranks); use --tp/--pp")
+        if args.cp > 1 and not torch.cuda.is_available():
+            raise convert.UsageError(
+                "--cp > 1 needs Transformer Engine's context-parallel attention (a CUDA GPU); "
+                "it cannot run on this machine")
         if args.micro_batch_size < 1:
             raise convert.UsageError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
         if not args.temperature > 0:

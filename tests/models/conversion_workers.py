@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 
 def convert_and_score(rank: int, world: int, jobs: list[dict], rows: list[list[int]]) -> dict:
     """For each job {"kind", "hf_dir", "ckpt", "write": layout, "read": [layouts]}: convert the HF

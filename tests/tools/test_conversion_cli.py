@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 
 from tool_helpers import run_tool, save_tiny_tokenizer
-
-import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models"))
 from hf_reference import hf_logprobs, make_rows, max_abs_diff  # noqa: E402
