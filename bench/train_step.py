@@ -484,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="bench_train_step_")
     workdir = args.workdir or tmp.name
     os.makedirs(workdir, exist_ok=True)
+    if os.path.exists(os.path.join(workdir, "ours", "checkpoints")):  # gspo-train would resume from it
+        raise SystemExit(f"--workdir {workdir} holds an earlier run (ours/checkpoints); use an empty directory")
     overrides = overrides_for(args, workdir)
     cfg = load_config(args.config, overrides)
     check_config(cfg)
