@@ -89,19 +89,20 @@ class RewardRunner:
         """Block until ``w`` reports it loaded the reward fn (raises on a load error / crash)."""
         while not w.ready:
             ready = wait([w.conn, w.proc.sentinel], timeout=max(0.0, deadline - time.monotonic()))
-            if w.conn in ready:
-                self._on_message(w, None)
-            elif w.proc.sentinel in ready or time.monotonic() >= deadline:
+            if w.conn in ready and self._on_message(w, None):
+                continue
+            if w.conn in ready or w.proc.sentinel in ready or time.monotonic() >= deadline:
                 code = w.proc.exitcode
                 w.kill()
                 self.close()
                 raise RuntimeError(f"reward worker for {self.spec!r} failed to start (exit code {code})")
 
-    def _on_message(self, w: _Worker, results) -> None:
+    def _on_message(self, w: _Worker, results) -> bool:
+        """Handle one message from ``w``; False when its pipe is closed (the worker died)."""
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
-            return  # the worker died; its sentinel handles it
+            return False
         if msg[0] == "ready":
             w.ready = True
         elif msg[0] == "load_error":
@@ -113,6 +114,7 @@ class RewardRunner:
             if results is not None and index == w.task:
                 results[index] = (status, value)
                 w.task = None
+        return True
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
@@ -158,18 +160,22 @@ class RewardRunner:
             ready = set(wait(handles, timeout=max(0.0, min(deadlines) - time.monotonic())))
             now = time.monotonic()
             for i, w in enumerate(list(self._workers)):
+                alive = True
                 if w.conn in ready:
-                    self._on_message(w, results)
-                    if w.conn.poll():  # drain a second message that arrived with the first
+                    alive = self._on_message(w, results)
+                    if alive and w.conn.poll():  # drain a second message that arrived with the first
                         continue
-                if w.task is not None and w.proc.sentinel in ready and not w.conn.poll():
+                # A closed pipe also "polls" readable: a dead worker is one whose pipe hit EOF, or
+                # whose process ended with nothing left to read.
+                dead = not alive or (w.proc.sentinel in ready and not w.conn.poll())
+                if w.task is not None and dead:
                     w.proc.join(timeout=1)
                     results[w.task] = ("error", f"reward worker crashed (exit code {w.proc.exitcode})")
                     self._replace(i)
                 elif w.task is not None and now >= w.deadline and not w.conn.poll():
                     results[w.task] = ("timeout", None)
                     self._replace(i)
-                elif not w.ready and (w.proc.sentinel in ready or now >= w.started_at + self.start_timeout_s):
+                elif not w.ready and (dead or now >= w.started_at + self.start_timeout_s):
                     self.close()
                     raise RuntimeError(f"a replacement reward worker for {self.spec!r} failed to start")
         return self._collect(results, n)
