@@ -98,7 +98,7 @@ def test_sbatch_disaggregated_places_engines_on_last_nodes(tmp_path):
     assert "--nodelist=n3" in sgl and "--nodes=1" in sgl
     assert "--nodelist=n1,n2" in train and "NNODES=2" in train and "MASTER_ADDR=n1" in train
     urls = "http://n3:30000,http://n3:30010"  # 4 GPUs / TP 2 = 2 engines
-    assert f"rollout.sglang.urls=[{urls}]" in train and "rollout.sglang.router_url=http://n3:30100" in train
+    assert f"rollout.engine_urls=[{urls}]" in train and "rollout.router_url=http://n3:30100" in train
     assert f"URLS={urls}" in train and "cfg.yaml a=1" in train
 
 

@@ -32,7 +32,8 @@ def test_user_data_and_reward_function(tmp_path, monkeypatch):
     monkeypatch.setenv("GSPO_TEST_REWARD_LOG", str(log))
     out = tmp_path / "run"
     run_train(str(out), [f"data.path={data}", "data.prompt_key=question", "data.label_key=answer",
-                         f"reward.function={reward}:score", "reward.num_workers=1", "train.steps=2"])
+                         f"reward.function={reward}:score", "reward.num_workers=1", "train.steps=2",
+                         "rollout.dynamic_sampling=false"])  # one sampling round: an exact call count
     metrics = read_metrics(str(out))
     assert [m["step"] for m in metrics] == [1, 2]
     calls = log.read_text().splitlines()
