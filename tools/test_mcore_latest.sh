@@ -9,6 +9,6 @@ PYTHON=${PYTHON:-python3}
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.13.0
 "$VENV/bin/pip" install -q -e ".[test]"
-"$VENV/bin/pip" install -q --ignore-requires-python "megatron-core>=0.19,<0.20" triton
+"$VENV/bin/pip" install -q --ignore-requires-python "megatron-core>=0.19,<0.20" triton psutil
 "$VENV/bin/python" -c "import megatron.core as m; print('megatron-core', m.__version__)"
 "$VENV/bin/pytest" -q tests "$@"
