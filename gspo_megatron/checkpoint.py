@@ -76,11 +76,9 @@ def _barrier() -> None:
 
 def _broadcast(obj):
     """Rank 0's ``obj`` on every rank (collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    from gspo_megatron.runtime.distributed import broadcast_object
+
+    return broadcast_object(obj)
 
 
 def _all_ok(ok: bool) -> bool:

@@ -212,7 +212,7 @@ class ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.current and self.current_bytes + nbytes > self.max:
             self._flush()
-        self.current[name] = tensor.detach().contiguous()
+        self.current[name] = tensor.detach().to("cpu").contiguous()  # GPU exports arrive on the GPU
         self.current_bytes += nbytes
         self.total += nbytes
 

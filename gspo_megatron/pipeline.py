@@ -100,14 +100,20 @@ def gather_context_parallel(local: torch.Tensor, cp_group) -> torch.Tensor:
 
 def response_values(batch: dict, values: torch.Tensor) -> list[list[float]]:
     """Per-sequence lists of ``values`` [b, s] at the response positions (loss_mask == 1)."""
-    out = []
-    for row, m in zip(values, batch["loss_mask"]):
-        out.append(row[m.bool()].tolist())
-    return out
+    mask = batch["loss_mask"].to(values.device).bool()
+    return [row[m].tolist() for row, m in zip(values, mask)]
+
+
+def to_device(batch: dict) -> dict:
+    """The batch's tensors on this rank's compute device (a no-op on CPU)."""
+    from gspo_megatron.runtime.distributed import device
+
+    dev = device()
+    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def _forward_step(loss_func_factory: Callable[[dict], Callable], data_iterator, model):
-    batch = next(data_iterator)
+    batch = to_device(next(data_iterator))
     logits = model(batch["tokens"], batch["position_ids"], attention_mask=None)
     return logits, loss_func_factory(batch)
 

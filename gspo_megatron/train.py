@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.config import Config, config_help, load_config, save_config, validate
-from gspo_megatron.rollout.session import broadcast
+from gspo_megatron.runtime.distributed import broadcast_object
 
 
 class _Stop:
@@ -41,7 +41,9 @@ class _Stop:
 
 
 def _any_rank(flag: bool) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0])
+    from gspo_megatron.runtime.distributed import device
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -175,7 +177,7 @@ def train(cfg: Config) -> dict:
                 (stop_signal and cfg.checkpoint.save_on_signal):
             # (skipped updates leave the weights untouched: with too_bad this is the last good state)
             state = {"sampler": sampler.state_dict() if rank == 0 else None, "bad_streak": bad_streak}
-            save_checkpoint(ckpt_root, step, model, optimizer, scheduler, extra_state=broadcast(state),
+            save_checkpoint(ckpt_root, step, model, optimizer, scheduler, extra_state=broadcast_object(state),
                             keep_last=cfg.checkpoint.keep_last, hf_assets_dir=hf_dir)
         if too_bad:
             raise RuntimeError(f"{bad_streak} consecutive steps had a non-finite loss or gradient norm "

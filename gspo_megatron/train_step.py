@@ -20,7 +20,8 @@ from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
 from gspo_megatron.losses.policy_loss import PolicyLossConfig
 from gspo_megatron.optim import optimizer_step, zero_grads
 from gspo_megatron.pipeline import (collate, compute_logprobs, run_schedule, sequence_multiple,
-                                    split_for_context_parallel)
+                                    split_for_context_parallel, to_device)
+from gspo_megatron.runtime.distributed import device
 
 _MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref",
               "engine_logprob_absdiff", "tis_weight_mean", "tis_capped_fraction")
@@ -48,7 +49,7 @@ def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id:
                    int(len(r["tokens"]) > r["prompt_len"]) for r in mb)
         mine = [r for i, r in enumerate(mb) if i % dp == dp_rank]
         size = cfg.parallel.micro_batch_size
-        micro = [collate(mine[i : i + size], pad_id=pad_id, multiple=multiple)
+        micro = [to_device(collate(mine[i : i + size], pad_id=pad_id, multiple=multiple))
                  for i in range(0, len(mine), size)]
         for b in micro:
             b["normalizer"] = float(max(norm, 1))
@@ -85,7 +86,7 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
     # the engine gap is summed over every CP rank's tokens; the loss metrics are exact over CP
     gap_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     reporter = gap_reporter and ps.get_context_parallel_rank() == 0
-    gap = torch.zeros(2, dtype=torch.float64)
+    gap = torch.zeros(2, dtype=torch.float64, device=device())  # collectives need NCCL's device
     if gap_reporter:
         for b in flat:
             gap[0] += ((b["old_logprobs"] - b["engine_logprobs"]).abs() * b["loss_mask"]).sum().double()
@@ -129,9 +130,11 @@ def _reduce_metrics(per_minibatch: list[list[dict]], num_minibatches: int) -> di
     TP rank 0 only): loss summed per mini-batch then averaged over mini-batches; sequence-weighted
     means; min / max ratio over everything."""
     keys = list(_MEAN_KEYS)
-    sums = torch.zeros(len(keys) + 3, dtype=torch.float64)
-    seen = torch.zeros(len(keys), dtype=torch.float64)  # which metrics the loss reported at all
-    lo, hi = torch.tensor([math.inf], dtype=torch.float64), torch.tensor([-math.inf], dtype=torch.float64)
+    dev = device()  # collectives need NCCL's device on GPU
+    sums = torch.zeros(len(keys) + 3, dtype=torch.float64, device=dev)
+    seen = torch.zeros(len(keys), dtype=torch.float64, device=dev)  # which metrics the loss reported at all
+    lo = torch.tensor([math.inf], dtype=torch.float64, device=dev)
+    hi = torch.tensor([-math.inf], dtype=torch.float64, device=dev)
     for micro in per_minibatch:
         for m in micro:
             w = m.get("num_seqs", 0.0)

@@ -249,12 +249,18 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
                     dist.send(t.contiguous(), dst=dst)
             elif me == dst:
                 if tensors is None:
-                    tensors = [torch.empty(s, dtype=it.dtype) for s in it.hf_shapes]
+                    tensors = [torch.empty(s, dtype=it.dtype, device=_device()) for s in it.hf_shapes]
                     for t in tensors:
                         dist.recv(t, src=it.owner)
                 out.extend((n, t.clone() if t.data_ptr() == _ptr(mine, it) else t)
                            for n, t in zip(it.hf_names, tensors))
         yield out if me == dst else None
+
+
+def _device() -> torch.device:
+    from gspo_megatron.runtime.distributed import device
+
+    return device()
 
 
 def _ptr(mine, it) -> int:

@@ -13,11 +13,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-
-def broadcast(obj, src: int = 0):
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+from gspo_megatron.runtime.distributed import broadcast_object as broadcast
 
 
 class RolloutSession:

@@ -122,6 +122,15 @@ def _accepts_force_reset(fn) -> bool:
     return "force_reset_rng" in inspect.signature(fn).parameters
 
 
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s picklable ``obj`` on every rank (collective; returns ``obj`` in a world of one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def destroy_distributed() -> None:
     """Tear down Megatron's groups and the default process group (tests call this between runs)."""
     from megatron.core import parallel_state as ps
