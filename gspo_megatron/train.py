@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.help:
         parser.print_help()
-        print("\nConfig fields (set in YAML or as dotted overrides):\n")
+        print()
         print(config_help())
         return 0
     if args.dry_run:
