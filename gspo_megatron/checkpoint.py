@@ -83,13 +83,9 @@ def _broadcast(obj):
 
 def _all_ok(ok: bool) -> bool:
     """True when ``ok`` holds on every rank (collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ok
-    t = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t)
-    return int(t.item()) == 0
+    from gspo_megatron.runtime.distributed import any_rank
+
+    return not any_rank(not ok)
 
 
 def unwrap(model):

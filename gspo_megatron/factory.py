@@ -92,44 +92,14 @@ def build_dataset(cfg: Config, tokenizer):
                                       **common)
 
 
-class InlineRewards:
-    """reward.num_workers=0: score in the calling process (no isolation; for fast, trusted rewards).
-    Same interface and failure accounting as RewardRunner, without the timeout."""
-
-    def __init__(self, spec: str):
-        from gspo_megatron.rewards.registry import get_reward_fn
-
-        self.fn = get_reward_fn(spec)
-
-    def score(self, prompts, responses, labels):
-        import math
-
-        rewards, errors, nonfinite = [], 0, 0
-        for p, r, lab in zip(prompts, responses, labels):
-            try:
-                v = float(self.fn(p, r, lab))
-            except Exception:
-                errors += 1
-                v = 0.0
-            if not math.isfinite(v):
-                nonfinite += 1
-                v = 0.0
-            rewards.append(v)
-        return rewards, {"reward/errors": float(errors), "reward/timeouts": 0.0,
-                         "reward/nonfinite": float(nonfinite)}
-
-    def close(self):
-        pass
-
-
 def build_rewards(cfg: Config):
     """Rank 0: the reward scorer (a process pool with timeouts when reward.num_workers > 0)."""
-    if cfg.reward.num_workers > 0:
-        from gspo_megatron.rewards.runner import RewardRunner
+    from gspo_megatron.rewards.runner import InlineRewardScorer, RewardRunner
 
+    if cfg.reward.num_workers > 0:
         return RewardRunner(cfg.reward.function, num_workers=cfg.reward.num_workers,
                             timeout_s=cfg.reward.timeout_s)
-    return InlineRewards(cfg.reward.function)
+    return InlineRewardScorer(cfg.reward.function)
 
 
 def build_engine(cfg: Config, hf_dir: str):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.config import Config, config_help, load_config, save_config, validate
-from gspo_megatron.runtime.distributed import broadcast_object
+from gspo_megatron.runtime.distributed import any_rank, broadcast_object
 
 
 class _Stop:
@@ -38,14 +38,6 @@ class _Stop:
     @classmethod
     def _handle(cls, signum, frame) -> None:
         cls.signum = signum
-
-
-def _any_rank(flag: bool) -> bool:
-    from gspo_megatron.runtime.distributed import device
-
-    t = torch.tensor([1.0 if flag else 0.0], device=device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def check_before_start(cfg: Config) -> None:
@@ -170,7 +162,7 @@ def train(cfg: Config) -> dict:
         if rank == 0:
             metrics.update(rollout_metrics)
             logger.log(step, metrics)
-        stop_signal = stopped = _any_rank(_Stop.signum is not None)
+        stop_signal = stopped = any_rank(_Stop.signum is not None)
         too_bad = bad_streak >= cfg.optimizer.max_bad_steps > 0
         interval = cfg.checkpoint.interval
         if (interval and step % interval == 0) or step == cfg.train.steps or too_bad or \

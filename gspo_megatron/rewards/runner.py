@@ -46,6 +46,53 @@ def _worker_main(conn: Connection, spec: str) -> None:
             conn.send((index, "error", f"{type(e).__name__}: {e}"))
 
 
+def tally_results(results: Sequence[tuple[str, Any]], spec: str) -> tuple[list[float], dict[str, float], str | None]:
+    """(status, value) per call, status "ok" / "error" / "timeout" -> (rewards with 0.0 for every
+    failure or non-finite value, counts reward/errors, reward/timeouts, reward/nonfinite, the last
+    failure's text). Logs a warning when calls failed."""
+    rewards: list[float] = []
+    stats = {"reward/errors": 0, "reward/timeouts": 0, "reward/nonfinite": 0}
+    last_error = None
+    for status, value in results:
+        if status == "ok" and math.isfinite(value):
+            rewards.append(value)
+            continue
+        rewards.append(0.0)
+        if status == "ok":
+            stats["reward/nonfinite"] += 1
+        else:
+            stats["reward/timeouts" if status == "timeout" else "reward/errors"] += 1
+            last_error = value
+    if stats["reward/errors"] or stats["reward/timeouts"]:
+        logger.warning("reward %r: %s (last: %s)", spec, stats, last_error)
+    return rewards, {k: float(v) for k, v in stats.items()}, last_error
+
+
+class InlineRewardScorer:
+    """``reward.num_workers=0``: scores in the calling process, for fast trusted rewards. Same
+    interface and failure accounting as RewardRunner, but no isolation and no timeout."""
+
+    def __init__(self, spec: str):
+        from gspo_megatron.rewards.registry import get_reward_fn
+
+        self.spec, self.fn, self.last_error = spec, get_reward_fn(spec), None
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any]
+              ) -> tuple[list[float], dict[str, float]]:
+        results: list[tuple[str, Any]] = []
+        for p, r, lab in zip(prompts, responses, labels):
+            try:
+                results.append(("ok", float(self.fn(p, r, lab))))
+            except Exception as e:  # noqa: BLE001 - a failing reward scores 0 and is counted
+                results.append(("error", f"{type(e).__name__}: {e}"))
+        rewards, stats, last_error = tally_results(results, self.spec)
+        self.last_error = last_error or self.last_error
+        return rewards, stats
+
+    def close(self) -> None:
+        pass
+
+
 class _Worker:
     def __init__(self, ctx, spec: str):
         self.conn, child_conn = ctx.Pipe(duplex=True)
@@ -173,7 +220,7 @@ class RewardRunner:
                     results[w.task] = ("error", f"reward worker crashed (exit code {w.proc.exitcode})")
                     self._replace(i)
                 elif w.task is not None and now >= w.deadline and not w.conn.poll():
-                    results[w.task] = ("timeout", None)
+                    results[w.task] = ("timeout", f"reward call timed out after {self.timeout_s}s")
                     self._replace(i)
                 elif not w.ready and (dead or now >= w.started_at + self.start_timeout_s):
                     self.close()
@@ -181,25 +228,9 @@ class RewardRunner:
         return self._collect(results, n)
 
     def _collect(self, results: dict[int, tuple[str, Any]], n: int) -> tuple[list[float], dict[str, float]]:
-        rewards: list[float] = []
-        stats = {"reward/errors": 0, "reward/timeouts": 0, "reward/nonfinite": 0}
-        for idx in range(n):
-            status, value = results[idx]
-            if status == "ok" and math.isfinite(value):
-                rewards.append(value)
-                continue
-            rewards.append(0.0)
-            if status == "ok":
-                stats["reward/nonfinite"] += 1
-            elif status == "timeout":
-                stats["reward/timeouts"] += 1
-                self.last_error = f"reward call timed out after {self.timeout_s}s"
-            else:
-                stats["reward/errors"] += 1
-                self.last_error = value
-        if stats["reward/errors"] or stats["reward/timeouts"]:
-            logger.warning("reward %r: %s (last: %s)", self.spec, stats, self.last_error)
-        return rewards, {k: float(v) for k, v in stats.items()}
+        rewards, stats, last_error = tally_results([results[i] for i in range(n)], self.spec)
+        self.last_error = last_error or self.last_error
+        return rewards, stats
 
     def close(self) -> None:
         """Stop every worker (politely, then by force)."""

@@ -131,6 +131,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def any_rank(flag: bool) -> bool:
+    """True when ``flag`` is set on any rank (collective; the flag itself in a world of one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device())  # NCCL needs the GPU
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def destroy_distributed() -> None:
     """Tear down Megatron's groups and the default process group (tests call this between runs)."""
     from megatron.core import parallel_state as ps
