@@ -124,17 +124,6 @@ def load_hf_weights(model, hf_dir: str, progress: Callable[[int], object] | None
     return n
 
 
-@torch.no_grad()
-def load_hf_state_dict(model, state: dict[str, torch.Tensor]) -> None:
-    """Like ``load_hf_weights`` from an in-memory HF-named state dict (tests, random init)."""
-    mapping = get_family(model.hf_config).mapping(model.hf_config)
-    names = global_names(model)
-    for local, param in model.named_parameters():
-        rule, hf_names = mapping.resolve(names[local])
-        rank, size = _rank_size(rule.parallel)
-        param.copy_(rule.to_local([state[h] for h in hf_names], rank, size))
-
-
 @dataclass
 class _Item:
     """One Megatron parameter in the export plan (known identically on every rank)."""
