@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps sglang==0.5.23
 	touch $(STAMP)
 
 demo: $(STAMP)

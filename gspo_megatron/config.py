@@ -74,6 +74,7 @@ class ParallelConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["hf", "sglang"] = _f("hf", "hf: in-process transformers engine (CPU); sglang: SGLang servers (GPU)")
+    engine_server: Literal["sglang", "cpu"] = _f("sglang", "with engine=sglang: the server program; sglang: the real SGLang server (GPU); cpu: the CPU stand-in that speaks SGLang's HTTP API (gspo_megatron.rollout.cpu_server; for tests and CI, not an inference server)")
     group_size: int = _f(8, "G: responses sampled per prompt (>= 2)")
     prompts_per_step: int = _f(8, "prompts per rollout step (step batch = prompts_per_step * group_size sequences)")
     temperature: float = _f(1.0, "sampling temperature (> 0)")

@@ -21,42 +21,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.rollout.sglang_compat import (flattened_bucket_class, multiprocessing_serializer,
+                                                 patch_torch_reductions)
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 from gspo_megatron.weight_sync.sync_stats import SyncStats, bucket_nbytes
 from gspo_megatron.weight_sync.transport import WeightTransport
-
-
-def flattened_bucket_class() -> Any | None:
-    """sglang's FlattenedTensorBucket (its location moved between versions), or None."""
-    try:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-    except ImportError:
-        try:
-            from sglang.srt.model_executor.model_runner import FlattenedTensorBucket
-        except ImportError:
-            return None
-    return FlattenedTensorBucket
-
-
-def multiprocessing_serializer() -> Any:
-    """sglang's MultiprocessingSerializer (ForkingPickler + base64); ImportError names the fix."""
-    try:
-        from sglang.srt.utils import MultiprocessingSerializer
-    except ImportError as e:
-        raise ImportError("CUDA IPC weight sync needs sglang (pip install sglang) for "
-                          "MultiprocessingSerializer") from e
-    return MultiprocessingSerializer
-
-
-def _patch_reductions_for_cuda(bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """sglang's patch makes CUDA IPC handles carry the device UUID (processes see different
-    CUDA_VISIBLE_DEVICES). Applied only for CUDA tensors: the patched reducer breaks CPU tensors."""
-    if any(t.is_cuda for _, t in bucket):
-        try:
-            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-        except ImportError:
-            from sglang.srt.patch_torch import monkey_patch_torch_reductions
-        monkey_patch_torch_reductions()
 
 
 def group_for_flattening(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
@@ -85,7 +54,7 @@ def serialize_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     so the caller keeps the bucket alive until the engine has loaded it.
     """
     ser = multiprocessing_serializer()
-    _patch_reductions_for_cuda(bucket)
+    patch_torch_reductions([t for _, t in bucket])
     cls = flattened_bucket_class()
     bucket = [(n, t.detach().contiguous()) for n, t in bucket]
     if cls is None:
