@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -102,56 +104,59 @@ def build_rewards(cfg: Config):
     return InlineRewardScorer(cfg.reward.function)
 
 
-def build_engine(cfg: Config, hf_dir: str):
-    """Rank 0: the rollout engine. Weights arrive through the first weight sync, not from files."""
+@dataclass
+class Rollout:
+    """The run's engines as this rank sees them. engine: what rank 0 generates with (None on other
+    ranks); topology: this rank's part of the weight sync; dead_engines() (rank 0) and restart(dead)
+    (collective) serve ``RolloutSession``; shutdown() on every rank stops what this rank started."""
+
+    engine: Any
+    topology: Any
+    dead_engines: Callable[[], list[int]]
+    restart: Callable[[list[int]], None]
+    shutdown: Callable[[], None]
+
+
+def build_rollout(cfg: Config, hf_dir: str) -> Rollout:
+    """Every rank: the rollout engines and the weight-sync topology (weights arrive through the
+    first sync, not from files).
+
+    - ``rollout.engine=hf``: the transformers engine on rank 0 (in a child process with
+      ``rollout.engine_process``), fed in-process.
+    - ``rollout.engine=sglang``: ``rollout.num_engines`` SGLang servers (``rollout.engine_server``:
+      the real one, or the CPU stand-in) placed and launched by ``rollout.engine_fleet``, or attached
+      by URL; colocated or disaggregated sync (``weight_sync.topology``)."""
+    from gspo_megatron.weight_sync.topology import build_sync_topology
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if cfg.rollout.engine == "hf":
-        from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+        engine = _build_hf_engine(cfg, hf_dir) if rank == 0 else None
+        return Rollout(engine, build_sync_topology(cfg, engine=engine),
+                       dead_engines=lambda: [] if engine.health_check() else [0],
+                       restart=lambda dead: engine.restart() if rank == 0 else None,
+                       shutdown=lambda: engine.shutdown() if rank == 0 else None)
+    from gspo_megatron.rollout.engine_fleet import EngineFleet
 
-        kwargs = dict(config=hf_dir, weights=None, dtype=_dtype(cfg.model.dtype), seed=cfg.seed)
-        if cfg.rollout.engine_process:
-            from gspo_megatron.rollout.subprocess_engine import SubprocessRolloutEngine
+    fleet = EngineFleet(cfg, hf_dir, server_args=dict(random_seed=cfg.seed),
+                        log_dir=os.path.join(cfg.output_dir, "engine_logs"))
+    topology = build_sync_topology(cfg, fleet=fleet)
 
-            return SubprocessRolloutEngine(HFRolloutEngine, kwargs, call_timeout_s=cfg.rollout.engine_timeout_s)
-        return HFRolloutEngine(**kwargs)
-    from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
+    def restart(dead: list[int]) -> None:
+        fleet.restart(dead)
+        topology.reconnect_all()
 
-    if cfg.rollout.engine_urls:
-        return SGLangRolloutEngine.attach(cfg.rollout.engine_urls, router_url=cfg.rollout.router_url,
-                                          wait_timeout_s=cfg.rollout.engine_timeout_s)
-    return SGLangRolloutEngine.launch(
-        hf_dir, num_engines=max(1, cfg.rollout.num_engines), tp_size=cfg.rollout.engine_tp,
-        colocated=cfg.rollout.sync_mode == "colocated", mem_fraction_static=cfg.rollout.engine_mem_fraction,
-        log_dir=os.path.join(cfg.output_dir, "engine_logs"))
+    return Rollout(fleet.engine, topology, dead_engines=fleet.dead_engines, restart=restart, shutdown=fleet.shutdown)
 
 
-def build_transport(cfg: Config, engine):
-    """Rank 0: how weight buckets reach the engine (one class per sync mode).
+def _build_hf_engine(cfg: Config, hf_dir: str):
+    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
-    The trainer's export stream assembles full HF tensors on global rank 0, so the GPU transports
-    send from there: CUDA IPC handles of rank 0's tensors to colocated engines on the same node,
-    or one NCCL broadcast group between rank 0 and every engine GPU (disaggregated). Each engine
-    loads by name, so TP/EP resharding to the engine's layout happens on its side."""
-    if cfg.rollout.sync_mode == "inprocess":
-        from gspo_megatron.weight_sync.transport import InProcessTransport
+    kwargs = dict(config=hf_dir, weights=None, dtype=_dtype(cfg.model.dtype), seed=cfg.seed)
+    if cfg.rollout.engine_process:
+        from gspo_megatron.rollout.subprocess_engine import SubprocessRolloutEngine
 
-        return InProcessTransport(engine)
-    if cfg.rollout.sync_mode == "colocated":
-        from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport
-
-        return CudaIpcTransport(engine.clients[0], fp8=cfg.rollout.sync_fp8)
-    import socket
-
-    from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport, pp_group_name
-
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    transport = NcclBroadcastTransport(
-        engine.clients, engine_world_sizes=[cfg.rollout.engine_tp] * len(engine.clients),
-        master_address=os.environ.get("MASTER_ADDR_SYNC", socket.gethostname()), master_port=port,
-        group_name=pp_group_name(0), fp8=cfg.rollout.sync_fp8)
-    transport.connect()
-    return transport
+        return SubprocessRolloutEngine(HFRolloutEngine, kwargs, call_timeout_s=cfg.rollout.engine_timeout_s)
+    return HFRolloutEngine(**kwargs)
 
 
 def build_model(cfg: Config, hf: dict):

@@ -106,10 +106,10 @@ def train(cfg: Config) -> dict:
             cfg.model.checkpoint, ref_model, restore_rng=False)
         ref_model.requires_grad_(False)
 
-    # -- rank 0: tokenizer, data, rewards, engine, metrics ----------------------------------------
+    # -- every rank: the tokenizer; rank 0: data, rewards, metrics ---------------------------------------
     tokenizer = factory.build_tokenizer(hf_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    engine = transport = dataset = sampler = rewards = logger = None
+    dataset = sampler = rewards = logger = None
     if rank == 0:
         from gspo_megatron.data.dataset import PromptSampler
         from gspo_megatron.metrics import MetricsLogger
@@ -119,23 +119,31 @@ def train(cfg: Config) -> dict:
         if "sampler" in extra:
             sampler.load_state_dict(extra["sampler"])
         rewards = factory.build_rewards(cfg)
-        engine = factory.build_engine(cfg, hf_dir)
-        transport = factory.build_transport(cfg, engine)
         logger = MetricsLogger(cfg.output_dir, rank=rank, resume_step=start_step if loaded is not None else None,
                                total_steps=cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                                console="auto" if cfg.logging.progress else "plain",
                                wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
-    syncer = WeightSyncer(model, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_verify)
+    # -- every rank: the engines (colocated ones start on the nodes that share their GPUs) and this
+    #    rank's part of the weight sync
+    rollout = factory.build_rollout(cfg, hf_dir)
+    engine = rollout.engine
+    syncer = WeightSyncer(model, rollout.topology, cfg.rollout.sync_bucket_mb)
 
     # -- the loop ------------------------------------------------------------------------------------
     from gspo_megatron.rollout.session import RolloutSession
     from gspo_megatron.rollout_step import collect_rollouts
     from gspo_megatron.runtime.gpu_monitor import GpuMonitor
+    from gspo_megatron.weight_sync.probe import default_tolerance
 
+    verify = None
+    if cfg.rollout.sync_verify:
+        verify = (model, cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype), pad_id)
     session = RolloutSession(
-        syncer, engine, transport, sampler, max_restarts=cfg.rollout.max_engine_restarts,
-        collect=lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards))
-    session.sync()  # the engine starts from exactly the trainer's weights
+        syncer, engine, sampler, max_restarts=cfg.rollout.max_engine_restarts,
+        collect=lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards),
+        dead_engines=rollout.dead_engines, restart=rollout.restart, verify=verify,
+        probe_prompts=[dataset[i].prompt_ids for i in range(min(4, len(dataset)))] if rank == 0 else None)
+    session.sync()  # the engines start from exactly the trainer's weights
     colocated = cfg.rollout.sync_mode == "colocated"
     gpu_monitor = GpuMonitor()  # a quiet no-op without a GPU
     metrics: dict = {}
@@ -187,10 +195,10 @@ def train(cfg: Config) -> dict:
 
         export_to_hf_dir(model, hf, hf_out, max_shard_size=5 * 10**9,
                          bucket_bytes=int(cfg.rollout.sync_bucket_mb * (1 << 20)), assets_dir=hf_dir)
+    rollout.shutdown()
     if rank == 0:
         logger.close()
         rewards.close()
-        engine.shutdown()
         print(f"[gspo-train] run dir: {os.path.abspath(cfg.output_dir)}", flush=True)
         if not stopped:
             print(f"[gspo-train] exported Hugging Face model: {os.path.abspath(hf_out)}", flush=True)

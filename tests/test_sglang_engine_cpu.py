@@ -57,7 +57,8 @@ class FakeClient:
         assert return_logprob
         self.requests.append((input_ids, sampling_params))
         # response encodes (engine, seed) so the test can check routing and order
-        return [_out([100 + sp["sampling_seed"], 7 if self.name == "a" else 8], [-0.1, -0.2]) for sp in sampling_params]
+        return [_out([100 + sp.get("sampling_seed", -100), 7 if self.name == "a" else 8], [-0.1, -0.2])
+                for sp in sampling_params]
 
     def __getattr__(self, name):
         return lambda *a, **k: self.calls.append(name)
@@ -65,7 +66,7 @@ class FakeClient:
 
 def test_generate_groups_prompts_per_engine_and_seeds_samples():
     a, b = FakeClient("a"), FakeClient("b")
-    eng = SGLangRolloutEngine([a, b])
+    eng = SGLangRolloutEngine([a, b], send_seeds=True)
     prompts = [[1, 2], [3], [4, 5, 6]]
     out = eng.generate(prompts, n=2, params=SamplingParams(seed=10, max_new_tokens=2))
     assert [len(g) for g in out] == [2, 2, 2]
@@ -79,6 +80,13 @@ def test_generate_groups_prompts_per_engine_and_seeds_samples():
         eng.generate(prompts, n=0, params=SamplingParams())
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         eng.generate([[1], []], n=1, params=SamplingParams())
+    # SGLang ignores sampling_seed unless the server runs deterministic inference: not sent then
+    plain = SGLangRolloutEngine([FakeClient("a")])
+    assert plain.generate([[1]], n=1, params=SamplingParams(seed=10))[0][0].response_ids[0] == 0
+    # the post-sync probe asks every engine, not a router
+    each = SGLangRolloutEngine([a, b], router=FakeClient("router"))
+    assert [[s.response_ids[1] for s in per] for per in each.generate_on_each([[1], [2]], SamplingParams())] == \
+        [[7, 7], [8, 8]]
 
 
 def test_sync_bracket_and_memory_calls():
@@ -90,10 +98,8 @@ def test_sync_bracket_and_memory_calls():
     eng.resume_memory(["weights"])
     assert a.calls == ["pause_generation", "flush_cache", "begin_weight_update", "end_weight_update", "flush_cache",
                        "continue_generation", "flush_cache", "release_memory_occupation", "resume_memory_occupation"]
-    with pytest.raises(RuntimeError, match="attached"):
-        eng.restart()
-    with pytest.raises(NotImplementedError, match="verify_engine_prefixes"):
-        eng.weight_checksums(["x"])
+    with pytest.raises(NotImplementedError, match="through a transport"):
+        eng.update_weights([])
 
 
 class _Handler(BaseHTTPRequestHandler):

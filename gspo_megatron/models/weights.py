@@ -211,13 +211,36 @@ def _buckets(items: list[_Item], bucket_bytes: int) -> Iterator[list[_Item]]:
         yield bucket
 
 
+ALL_RANKS = "all"
+
+
+def _destination(dst, owner: int) -> int | None:
+    """Where an item owned by ``owner`` goes: a rank, or None for every rank (``ALL_RANKS``)."""
+    if dst == ALL_RANKS:
+        return None
+    return dst(owner) if callable(dst) else int(dst)
+
+
 @torch.no_grad()
 def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
-                      dst: int = 0) -> Iterator[list[tuple[str, torch.Tensor]] | None]:
+                      dst=0) -> Iterator[list[tuple[str, torch.Tensor]] | None]:
     """Collective generator over buckets of full HF tensors (see module docstring). Every rank must
-    iterate it to the end. ``plan`` may be a cached ``build_export_plan(model)``."""
+    iterate it to the end. ``plan`` may be a cached ``build_export_plan(model)``.
+
+    ``dst`` says which rank receives each item's full tensors:
+    - an int: that rank (HF export, the in-process engine): it yields each bucket, others yield None;
+    - ``ALL_RANKS``: every rank (colocated engines: each training rank hands the bucket to the engine
+      TP rank on its GPU); the owner broadcasts over the world group;
+    - a callable ``owner_rank -> rank`` (disaggregated: each pipeline stage's source rank receives the
+      items its stage owns and broadcasts them to the engines): a destination rank yields the part of
+      each bucket routed to it (possibly an empty list), other ranks yield None.
+    Buckets are cut from the global plan, so a destination's part of a bucket is at most
+    ``bucket_bytes`` (a single larger tensor excepted)."""
     items, mine = plan if plan is not None else build_export_plan(model)
     me = dist.get_rank() if dist.is_initialized() else 0
+    owners = {it.owner for it in items}
+    destinations = {_destination(dst, o) for o in owners}
+    receives = None in destinations or me in destinations
     for bucket in _buckets(items, bucket_bytes):
         out: list[tuple[str, torch.Tensor]] = []
         for it in bucket:
@@ -233,17 +256,27 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
                     shards = [param.data]
                 if me == it.owner:
                     tensors = rule.from_shards(shards)
-            if me == it.owner and me != dst:
-                for t in tensors:
-                    dist.send(t.contiguous(), dst=dst)
-            elif me == dst:
+            target = _destination(dst, it.owner)
+            if target is None:  # every rank gets the item
                 if tensors is None:
                     tensors = [torch.empty(s, dtype=it.dtype, device=_device()) for s in it.hf_shapes]
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    tensors = [t.contiguous() for t in tensors]
                     for t in tensors:
-                        dist.recv(t, src=it.owner)
-                out.extend((n, t.clone() if t.data_ptr() == _ptr(mine, it) else t)
-                           for n, t in zip(it.hf_names, tensors))
-        yield out if me == dst else None
+                        dist.broadcast(t, src=it.owner)
+            elif me == it.owner and me != target:
+                for t in tensors:
+                    dist.send(t.contiguous(), dst=target)
+                continue
+            elif me == target and tensors is None:
+                tensors = [torch.empty(s, dtype=it.dtype, device=_device()) for s in it.hf_shapes]
+                for t in tensors:
+                    dist.recv(t, src=it.owner)
+            elif me != target:
+                continue
+            out.extend((n, t.clone() if t.data_ptr() == _ptr(mine, it) else t)
+                       for n, t in zip(it.hf_names, tensors))
+        yield out if receives else None
 
 
 def _device() -> torch.device:

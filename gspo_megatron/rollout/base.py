@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -54,11 +54,21 @@ class RolloutEngine(abc.ABC):
     ) -> list[list[RolloutSample]]:
         """Return, for each prompt (token ids), a list of n samples."""
 
-    @abc.abstractmethod
     def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket of full (unsharded) tensors named in the Hugging Face checkpoint layout
-        (e.g. ``model.layers.0.mlp.experts.3.gate_proj.weight``). Called repeatedly per sync, between
-        ``begin_weight_update`` and ``end_weight_update``."""
+        """In-process engines (``weight_sync.transport.InProcessTransport``): load one bucket of full
+        (unsharded) tensors named in the Hugging Face checkpoint layout (e.g.
+        ``model.layers.0.mlp.experts.3.gate_proj.weight``). Called repeatedly per sync, between
+        ``begin_weight_update`` and ``end_weight_update``. Engines in other processes (SGLang) get
+        their weights through a transport instead."""
+        raise NotImplementedError(f"{type(self).__name__} receives weights through a transport")
+
+    def generate_on_each(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[RolloutSample]]:
+        """One sample per prompt from every engine replica: [engine][prompt] (the post-sync check)."""
+        return [[g[0] for g in self.generate(prompts, 1, params)]]
+
+    def weight_versions(self) -> list[str | None]:
+        """Each engine replica's weight version as it reports it (None: not reported)."""
+        return [None]
 
     def begin_weight_update(self) -> None:
         """Pause generation / flush caches before a sync (no-op by default)."""
@@ -83,8 +93,3 @@ class RolloutEngine(abc.ABC):
 
     def shutdown(self) -> None:
         """Release the engine's resources."""
-
-    def weight_checksums(self, names: Iterable[str]) -> dict[str, float]:
-        """Per-tensor checksums (float64 sum of the tensor) of the engine's loaded weights, in HF
-        names, for sync verification. Default: unsupported."""
-        raise NotImplementedError

@@ -1,9 +1,12 @@
-"""Keeps every rank in step with the rollout engine that rank 0 drives, and survives engine deaths.
+"""Keeps every rank in step with the rollout engines that rank 0 drives, and survives engine deaths.
 
-All ranks call ``sync()`` and ``rollout(step)`` together. Rank 0 talks to the engine and tells the
-others, by one broadcast, whether to go on, to re-sync the weights (the engine was restarted), or to
-stop with an error (so no rank is ever left waiting in a collective). An engine failure is recognized
-by a failing call plus a failed ``health_check``; a healthy engine that raises is a real error.
+All ranks call ``sync()`` and ``rollout(step)`` together. Rank 0 talks to the engines and tells the
+others, by one broadcast, whether to go on, to restart engines and re-sync (an engine died), or to
+stop with an error (so no rank is ever left waiting in a collective). An engine failure is
+recognized by a failing call plus a failed health check; a failure with every engine healthy is a
+real error. Restarting is collective (``restart(dead)`` on every rank: colocated engines are started
+by the ranks that share their GPUs), then the weight-update groups are rebuilt and the weights
+pushed again, and the same prompts retried.
 """
 
 from __future__ import annotations
@@ -17,42 +20,68 @@ from gspo_megatron.runtime.distributed import broadcast_object as broadcast
 
 
 class RolloutSession:
-    """engine / transport / sampler / collect exist on rank 0 only (None elsewhere).
-    collect(step) -> RolloutBatch; syncer: a WeightSyncer (every rank)."""
+    """engine / sampler / collect / probe_prompts exist on rank 0 only (None elsewhere).
 
-    def __init__(self, syncer, engine, transport, sampler, collect: Callable, max_restarts: int):
-        self.syncer, self.engine, self.transport = syncer, engine, transport
-        self.sampler, self.collect, self.max_restarts = sampler, collect, max_restarts
-        self.rank = dist.get_rank()
+    syncer: a ``WeightSyncer`` (every rank). collect(step) -> RolloutBatch. dead_engines() -> the
+    indices of engines that do not answer (rank 0). restart(dead): collective, brings them back.
+    verify: None, or ``(model, tolerance, pad_id)`` to check every engine after each sync
+    (``weight_sync.probe``)."""
+
+    def __init__(self, syncer, engine, sampler, collect: Callable, max_restarts: int,
+                 dead_engines: Callable[[], list[int]], restart: Callable[[list[int]], None],
+                 verify: tuple | None = None, probe_prompts: list[list[int]] | None = None):
+        self.syncer, self.engine, self.sampler, self.collect = syncer, engine, sampler, collect
+        self.max_restarts, self.dead_engines, self.restart = max_restarts, dead_engines, restart
+        self.verify, self.probe_prompts = verify, probe_prompts
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.restarts = 0
 
-    def _failed(self, error: BaseException) -> tuple:
-        """Rank 0, after an engine call failed: ("retry", why) once restarted, else ("fatal", why)."""
-        why = f"{type(error).__name__}: {error}"
-        if self.engine.health_check():
-            return ("fatal", f"rollout failed with a healthy engine: {why}\n{traceback.format_exc()}")
+    def _failed(self, why: str) -> tuple:
+        """Rank 0, after an engine call failed: ("restart", dead engines) or ("fatal", message)."""
+        dead = self.dead_engines()
+        if not dead:
+            return ("fatal", f"rollout failed with healthy engines: {why}")
         self.restarts += 1
         if self.restarts > self.max_restarts:
-            return ("fatal", f"rollout engine failed {self.restarts} times (rollout.max_engine_restarts="
-                             f"{self.max_restarts}); last error: {why}")
-        try:
-            self.engine.restart()
-        except Exception as e:  # noqa: BLE001 - becomes a clear fatal error on every rank
-            return ("fatal", f"rollout engine died ({why}) and could not be restarted: {e}")
-        print(f"[gspo-train] rollout engine died ({why}); restarted ({self.restarts}/{self.max_restarts}),"
-              " re-syncing weights and retrying", flush=True)
-        return ("retry", why)
+            return ("fatal", f"rollout engine(s) {dead} failed; {self.restarts} failures exceed "
+                             f"rollout.max_engine_restarts={self.max_restarts}; last error: {why}")
+        print(f"[gspo-train] rollout engine(s) {dead} died ({why.splitlines()[0]}); restarting "
+              f"({self.restarts}/{self.max_restarts}), re-syncing weights and retrying", flush=True)
+        return ("restart", dead)
+
+    def _act(self, status: tuple) -> bool:
+        """Every rank: True when ``status`` says go on; restarts engines or raises otherwise."""
+        if status[0] == "ok":
+            return True
+        if status[0] == "fatal":
+            raise RuntimeError(status[1])
+        self.restart(status[1])
+        return False
 
     def sync(self) -> dict:
-        """Push the trainer's weights; after a transport failure restart the engine and push again."""
+        """Push the trainer's weights (and check them with ``verify``); after a failure restart the
+        dead engines and push again."""
         while True:
-            metrics = self.syncer.sync(self.transport, self.engine)
-            failed = self.rank == 0 and self.syncer.error is not None
-            status = broadcast(self._failed(self.syncer.error) if failed else ("ok",))
-            if status[0] == "ok":
+            metrics = self.syncer.sync()
+            status = ("ok",)
+            if self.rank == 0 and self.syncer.errors:
+                status = self._failed("; ".join(self.syncer.errors))
+            if not self._act(broadcast(status)):
+                continue
+            if self.verify is None:
                 return metrics
-            if status[0] == "fatal":
-                raise RuntimeError(status[1])
+            from gspo_megatron.weight_sync.probe import check_engines
+
+            model, tol, pad_id = self.verify
+            result = check_engines(model, self.engine, str(self.syncer.version), self.probe_prompts, tol, pad_id)
+            metrics["sync/verify_max_abs_diff"] = result.max_abs_diff
+            if result.ok:
+                return metrics
+            status = None
+            if self.rank == 0:
+                status = self._failed(result.message) if self.dead_engines() else (
+                    "fatal", f"weight sync check failed: {result.message}")
+            self._act(broadcast(status))
 
     def rollout(self, step: int):
         """(records on every rank, rank 0's rollout metrics or None). A dead engine is restarted,
@@ -66,10 +95,9 @@ class RolloutSession:
                     msg = ("ok", batch.records)
                 except Exception as e:  # noqa: BLE001 - classified by _failed, never swallowed
                     self.sampler.load_state_dict(position)
-                    msg = self._failed(e)
+                    msg = self._failed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
             msg = broadcast(msg)
             if msg[0] == "ok":
                 return msg[1], (batch.metrics if batch is not None else None)
-            if msg[0] == "fatal":
-                raise RuntimeError(msg[1])
+            self._act(msg)
             self.sync()

@@ -1,10 +1,11 @@
-"""Thin clients for one SGLang engine: its HTTP server, or ``sglang.Engine`` in this process.
+"""The thin client of one SGLang HTTP server (``sglang.launch_server``, or the CPU stand-in
+``rollout.cpu_server`` that speaks the same API), and the one pause / flush / session sequence that
+brackets every weight update.
 
-Both expose the same methods (the ones the rollout engine and the weight transports call), written
-against SGLang's HTTP routes / ``Engine`` methods (read from sglang 0.5.x:
-``srt/entrypoints/http_server.py`` and ``srt/entrypoints/engine.py``). Weight-update calls
-return SGLang's ``(success, message)``; a failure raises :class:`SGLangError` naming the call.
-Called only on the trainer rank(s) that own an engine connection. No sglang import at module load.
+Written against sglang 0.5.23's routes (``srt/entrypoints/http_server.py``) and request fields
+(``srt/managers/io_struct.py``). Weight-update calls return SGLang's ``{success, message}``; a
+failure raises :class:`SGLangError` naming the engine and the call. Called on the trainer ranks that
+talk to an engine (rank 0 for generation; colocated and disaggregated sync sources). No sglang import.
 """
 
 from __future__ import annotations
@@ -91,7 +92,14 @@ class SGLangHttpClient:
             return False
 
     def server_info(self) -> dict:
-        return self.request("GET", "get_server_info")
+        """``/server_info`` (sglang 0.5.23; ``/get_server_info`` is its deprecated alias, kept for
+        older servers)."""
+        try:
+            return self.request("GET", "server_info")
+        except SGLangError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            return self.request("GET", "get_server_info")
 
     @property
     def tp_size(self) -> int:
@@ -99,6 +107,25 @@ class SGLangHttpClient:
         if self._tp_size is None:
             self._tp_size = int(self.server_info().get("tp_size", 1))
         return self._tp_size
+
+    @property
+    def world_size(self) -> int:
+        """GPUs (processes) of this engine as it reports them: tp_size * pp_size. The weight-update
+        group's size is built from this, never from the trainer's config: a mismatch hangs
+        ``init_weights_update_group``."""
+        info = self.server_info()
+        return int(info.get("tp_size", 1)) * int(info.get("pp_size", 1) or 1)
+
+    def weight_version(self) -> str | None:
+        """The version string of the weights the engine serves (``/model_info``'s weight_version,
+        set by the ``weight_version`` field of each update)."""
+        try:
+            info = self.request("GET", "model_info")
+        except SGLangError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            info = self.request("GET", "get_model_info")
+        return info.get("weight_version") if isinstance(info, dict) else None
 
     def generate(
         self, input_ids: Sequence[Sequence[int]], sampling_params: Sequence[dict], return_logprob: bool = True
@@ -203,100 +230,16 @@ class SGLangHttpClient:
         """Nothing to close for HTTP (the launcher owns the server process)."""
 
 
-class SGLangInProcessClient:
-    """``sglang.Engine`` living in this process (single node; the engine spawns its TP workers).
+def open_weight_update(client) -> None:
+    """Before the first bucket of a sync: pause generation, flush the KV / radix cache (entries of
+    the old weights) and open SGLang's weight-update session (0.5.23 refuses updates outside one)."""
+    client.pause_generation()
+    client.flush_cache()
+    client.begin_weight_update()
 
-    ``server_args`` are ``sglang.srt.server_args.ServerArgs`` fields (``model_path``, ``tp_size``,
-    ``mem_fraction_static``, ``enable_memory_saver``...). Generation is synchronous here, so no
-    request is in flight during a sync and pause/continue are no-ops.
-    """
 
-    def __init__(self, engine: Any = None, **server_args: Any):
-        if engine is None:
-            import sglang  # lazy: GPU-only dependency
-
-            engine = sglang.Engine(**server_args)
-        self.engine = engine
-        self._server_args = server_args
-        self._has_sessions = hasattr(engine, "begin_weight_update")
-
-    def __repr__(self) -> str:
-        return f"SGLangInProcessClient({self._server_args.get('model_path', '?')!r})"
-
-    @property
-    def tp_size(self) -> int:
-        sa = getattr(self.engine, "server_args", None)
-        return int(getattr(sa, "tp_size", self._server_args.get("tp_size", 1)))
-
-    def health(self, timeout_s: float = 10.0) -> bool:
-        try:
-            out = self.engine.generate(input_ids=[0], sampling_params={"max_new_tokens": 1})
-            return isinstance(out, dict)
-        except Exception:
-            return False
-
-    def generate(self, input_ids, sampling_params, return_logprob: bool = True) -> list[dict]:
-        out = self.engine.generate(input_ids=[list(map(int, x)) for x in input_ids],
-                                   sampling_params=list(sampling_params), return_logprob=return_logprob)
-        return out if isinstance(out, list) else [out]
-
-    def pause_generation(self) -> None:
-        """No request can be in flight: generate() blocks this process."""
-
-    def continue_generation(self) -> None:
-        """See pause_generation."""
-
-    def flush_cache(self) -> None:
-        self.engine.flush_cache()
-
-    def begin_weight_update(self) -> bool:
-        if not self._has_sessions:
-            return False
-        _check(self.engine.begin_weight_update(), f"{self}.begin_weight_update")
-        return True
-
-    def end_weight_update(self) -> None:
-        if self._has_sessions:
-            _check(self.engine.end_weight_update(), f"{self}.end_weight_update")
-
-    def update_weights_from_tensor(self, serialized_named_tensors, load_format=None, flush_cache=False,
-                                   weight_version=None) -> None:
-        # Engine.update_weights_from_tensor takes the per-rank payloads as `named_tensors` when
-        # load_format == "flattened_bucket"; the version string is HTTP-only.
-        _check(self.engine.update_weights_from_tensor(named_tensors=list(serialized_named_tensors),
-                                                      load_format=load_format, flush_cache=flush_cache),
-               f"{self}.update_weights_from_tensor")
-
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
-                                  backend="nccl") -> None:
-        _check(self.engine.init_weights_update_group(master_address=master_address, master_port=master_port,
-                                                     rank_offset=rank_offset, world_size=world_size,
-                                                     group_name=group_name, backend=backend),
-               f"{self}.init_weights_update_group")
-
-    def destroy_weights_update_group(self, group_name: str) -> None:
-        _check(self.engine.destroy_weights_update_group(group_name=group_name),
-               f"{self}.destroy_weights_update_group")
-
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, flush_cache=False,
-                                        weight_version=None, load_format=None) -> None:
-        _check(self.engine.update_weights_from_distributed(names=list(names), dtypes=list(dtypes),
-                                                           shapes=[list(s) for s in shapes],
-                                                           group_name=group_name, flush_cache=flush_cache,
-                                                           load_format=load_format),
-               f"{self}.update_weights_from_distributed")
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        out = self.engine.get_weights_by_name(name, truncate_size)
-        if out is None:
-            raise SGLangError(f"{self}.get_weights_by_name({name!r}) failed (model does not support it?)")
-        return out
-
-    def release_memory_occupation(self, tags=None) -> None:
-        self.engine.release_memory_occupation(tags=None if tags is None else list(tags))
-
-    def resume_memory_occupation(self, tags=None) -> None:
-        self.engine.resume_memory_occupation(tags=None if tags is None else list(tags))
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
+def close_weight_update(client) -> None:
+    """After the last bucket: close the session, flush again, continue generation."""
+    client.end_weight_update()
+    client.flush_cache()
+    client.continue_generation()

@@ -1,40 +1,41 @@
-"""SGLang rollout engine (GPU): G samples per prompt from token ids, with log-probs.
+"""SGLang rollout engine (GPU; on CPU the same code drives ``rollout.cpu_server``): G samples per
+prompt from token ids, with log-probs.
 
-Drives one or more SGLang engines through :mod:`gspo_megatron.rollout.sglang_client` (HTTP servers,
-or ``sglang.Engine`` in this process). Called on global rank 0 only (see ``rollout.base``). With a
-router URL, requests go to the SGLang router; otherwise samples are spread over the engines
-round-robin by prompt (a prompt's G samples stay on one engine so they share the prefix cache).
+Drives one or more SGLang HTTP servers through :mod:`gspo_megatron.rollout.sglang_client`. Called on
+global rank 0 only; where the servers run and who starts them is ``rollout.engine_fleet``'s job.
+With a router URL, requests go to the SGLang router; otherwise each prompt's G samples go to one
+engine (they share the prefix cache), prompts spread round-robin over the engines, one ``/generate``
+request per prompt (its G samples as a batch).
 
-Weight updates: ``begin_weight_update`` pauses generation, flushes the KV/radix cache and opens
-SGLang's weight-update session (newer versions refuse updates outside one); ``end_weight_update``
-closes it and continues generation. The buckets themselves travel through a transport
-(``weight_sync.cuda_ipc`` / ``weight_sync.nccl_broadcast``); ``update_weights`` here is the
-single-process CUDA-IPC path (trainer and engine on one node, tensors on a GPU).
+Weight updates travel through the transports (``weight_sync.cuda_ipc`` / ``weight_sync.nccl_broadcast``);
+``begin_weight_update`` / ``end_weight_update`` here bracket them with the one pause / flush / session
+sequence (``sglang_client.open_weight_update`` / ``close_weight_update``) that the transports use too.
 
 Colocation: ``release_memory`` frees weights and KV cache (tags ``weights``, ``kv_cache``) while the
 trainer runs; ``resume_memory(["weights"])`` before a sync and ``resume_memory(["kv_cache"])`` after
 it keeps the peak low.
 
 Log-probs: SGLang reports log softmax(logits / temperature) of the sampled token, before top-p/top-k
-filtering (``srt/layers/sampler.py``), matching ``SamplingParams``' contract.
+filtering (``srt/layers/sampler.py``), matching ``SamplingParams``' contract. Seeds: SGLang honours a
+request's ``sampling_seed`` only when the server runs with ``--enable-deterministic-inference``
+(``srt/sampling/sampling_batch_info.py``), so seeds are sent only when ``send_seeds`` says the
+engines were started that way (``rollout.engine_deterministic``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
-from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient, SGLangInProcessClient
-
-logger = logging.getLogger(__name__)
+from gspo_megatron.rollout.sglang_client import (SGLangError, SGLangHttpClient, close_weight_update,
+                                                 open_weight_update)
 
 MEMORY_TAGS = ("weights", "kv_cache")
 
@@ -71,9 +72,12 @@ def wait_until_healthy(client: SGLangHttpClient, proc: subprocess.Popen | None, 
                       + (f"; see {log_path}" if log_path else ""))
 
 
-def launch_server(server_args: dict[str, Any], *, log_path: str | None = None,
+def launch_server(server_args: dict[str, Any], *, module: str = "sglang.launch_server", log_path: str | None = None,
                   python: str = sys.executable, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``python -m sglang.launch_server`` (returns at once; see :func:`wait_until_healthy`).
+    """Start ``python -m <module>`` (``sglang.launch_server``, or the CPU stand-in
+    ``gspo_megatron.rollout.cpu_server`` that takes the same flags); returns at once (see
+    :func:`wait_until_healthy`). The server runs in its own process group (so that
+    :func:`kill_server` takes its workers too) and dies with this process.
 
     ``server_args`` must hold ``model_path``, ``host`` and ``port``. PYTORCH_CUDA_ALLOC_CONF is
     dropped from the child's environment: SGLang's memory saver does not support expandable segments.
@@ -85,18 +89,11 @@ def launch_server(server_args: dict[str, Any], *, log_path: str | None = None,
     child_env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     child_env.pop("PYTORCH_ALLOC_CONF", None)
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
-    return subprocess.Popen([python, "-m", "sglang.launch_server", *server_args_to_cli(server_args)],
-                            stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+    from gspo_megatron.runtime.children import die_with_parent
 
-
-def launch_router(worker_urls: Sequence[str], *, host: str = "127.0.0.1", port: int = 30000,
-                  policy: str = "cache_aware", log_path: str | None = None,
-                  python: str = sys.executable) -> subprocess.Popen:
-    """Start the SGLang router (``python -m sglang_router.launch_router``) over ``worker_urls``."""
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
-           "--host", host, "--port", str(port), "--policy", policy]
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen([python, "-m", module, *server_args_to_cli(server_args)],
+                            stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+                            preexec_fn=die_with_parent)
 
 
 def to_sglang_sampling_params(params: SamplingParams, seed: int | None) -> dict[str, Any]:
@@ -137,29 +134,23 @@ def parse_output(prompt_ids: Sequence[int], out: dict) -> RolloutSample:
 
 
 class SGLangRolloutEngine(RolloutEngine):
-    """G samples per prompt over one or more SGLang engines.
+    """G samples per prompt over one or more SGLang engines (global rank 0).
 
-    clients: one per engine (SGLangHttpClient / SGLangInProcessClient, or any object with their
-    methods). router: optional client for the SGLang router used for generation only.
-    processes: server processes this object launched (killed on shutdown / restart).
-    relaunch: per engine, a zero-arg callable that starts the server again and returns
-    (client, process); enables ``restart``.
+    clients: one ``SGLangHttpClient`` per engine (or any object with its methods). router: optional
+    client of the SGLang router, used for generation only. send_seeds: send per-sample
+    ``sampling_seed`` (only meaningful with deterministic-inference servers, see the module docstring).
     """
 
-    def __init__(self, clients: Sequence[Any], *, router: Any = None, processes: Sequence[Any] = (),
-                 relaunch: Sequence[Any] | None = None, max_concurrency: int = 64,
-                 memory_tags: Sequence[str] = MEMORY_TAGS):
+    def __init__(self, clients: Sequence[Any], *, router: Any = None, max_concurrency: int = 64,
+                 memory_tags: Sequence[str] = MEMORY_TAGS, send_seeds: bool = False):
         if not clients:
             raise ValueError("SGLangRolloutEngine: clients is empty")
         self.clients = list(clients)
         self.router = router
-        self.processes = list(processes)
-        self.relaunch = list(relaunch) if relaunch is not None else None
         self.max_concurrency = max(1, int(max_concurrency))
         self.memory_tags = list(memory_tags)
-        self.weight_version = 0
+        self.send_seeds = send_seeds
 
-    # -- construction ----------------------------------------------------------------------------
     @classmethod
     def attach(cls, urls: Sequence[str], *, router_url: str | None = None, api_key: str | None = None,
                wait_timeout_s: float = 0.0, **kw) -> "SGLangRolloutEngine":
@@ -172,52 +163,17 @@ class SGLangRolloutEngine(RolloutEngine):
                 wait_until_healthy(c, None, wait_timeout_s)
         return cls(clients, router=router, **kw)
 
-    @classmethod
-    def launch(cls, model_path: str, *, num_engines: int = 1, tp_size: int = 1, host: str = "127.0.0.1",
-               base_port: int = 30000, base_gpu_id: int = 0, colocated: bool = False,
-               mem_fraction_static: float | None = None, extra_server_args: dict[str, Any] | None = None,
-               use_router: bool | None = None, router_port: int | None = None, log_dir: str | None = None,
-               wait_timeout_s: float = 1800.0, **kw) -> "SGLangRolloutEngine":
-        """Start ``num_engines`` HTTP servers on this node (engine i on GPUs
-        ``base_gpu_id + i*tp_size ...``), plus a router when several (``use_router`` default)."""
-        procs, clients, relaunch = [], [], []
-        for i in range(num_engines):
-            args: dict[str, Any] = dict(model_path=model_path, host=host, port=base_port + 10 * i,
-                                        tp_size=tp_size, base_gpu_id=base_gpu_id + i * tp_size,
-                                        enable_memory_saver=colocated, skip_server_warmup=True,
-                                        mem_fraction_static=mem_fraction_static)
-            args.update(extra_server_args or {})
-            log = os.path.join(log_dir, f"sglang_engine{i}.log") if log_dir else None
-
-            def start(args=args, log=log):
-                proc = launch_server(args, log_path=log)
-                client = SGLangHttpClient(f"http://{host}:{args['port']}")
-                wait_until_healthy(client, proc, wait_timeout_s, log)
-                return client, proc
-
-            relaunch.append(start)
-            procs.append(None)
-            clients.append(None)
-        for i, start in enumerate(relaunch):
-            clients[i], procs[i] = start()
-        router = None
-        if use_router if use_router is not None else num_engines > 1:
-            rport = router_port or base_port + 10 * num_engines
-            log = os.path.join(log_dir, "sglang_router.log") if log_dir else None
-            procs.append(launch_router([c.base_url for c in clients], host=host, port=rport, log_path=log))
-            router = SGLangHttpClient(f"http://{host}:{rport}")
-            wait_until_healthy(router, procs[-1], 300.0, log)
-        return cls(clients, router=router, processes=procs, relaunch=relaunch, **kw)
-
-    @classmethod
-    def in_process(cls, **server_args: Any) -> "SGLangRolloutEngine":
-        """One ``sglang.Engine`` in this process (tests, single node)."""
-        return cls([SGLangInProcessClient(**server_args)])
-
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> list[list[RolloutSample]]:
-        """Each prompt repeated n times (per-sample seeds ``seed + i*n + j`` when seeded)."""
+        """Each prompt repeated n times (per-sample seeds ``seed + i*n + j`` when seeds are sent)."""
+        return self._generate(prompts, n, params, targets=[self.router] if self.router is not None else self.clients)
+
+    def generate_on_each(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[RolloutSample]]:
+        """One sample per prompt from every engine (not the router): [engine][prompt] (sync checks)."""
+        return [[g[0] for g in self._generate(prompts, 1, params, targets=[c])] for c in self.clients]
+
+    def _generate(self, prompts, n: int, params: SamplingParams, targets: list) -> list[list[RolloutSample]]:
         if n < 1:
             raise ValueError(f"generate: n must be >= 1, got {n}")
         flat_ids, flat_sp, owner = [], [], []
@@ -225,22 +181,20 @@ class SGLangRolloutEngine(RolloutEngine):
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty")
             for j in range(n):
-                seed = None if params.seed is None else params.seed + i * n + j
+                seed = None if params.seed is None or not self.send_seeds else params.seed + i * n + j
                 flat_ids.append(list(p))
                 flat_sp.append(to_sglang_sampling_params(params, seed))
                 owner.append(i)
-        outputs = self._dispatch(flat_ids, flat_sp, n)
+        outputs = self._dispatch(flat_ids, flat_sp, n, targets)
         result: list[list[RolloutSample]] = [[] for _ in prompts]
         for k, out in enumerate(outputs):
             result[owner[k]].append(parse_output(flat_ids[k], out))
         return result
 
-    def _dispatch(self, ids: list[list[int]], sps: list[dict], n: int) -> list[dict]:
-        """Send requests; HTTP targets get one request per prompt group, concurrently."""
+    def _dispatch(self, ids: list[list[int]], sps: list[dict], n: int, targets: list) -> list[dict]:
+        """One request per prompt group (its n samples batched), groups round-robin over ``targets``,
+        concurrently."""
         groups = [list(range(s, s + n)) for s in range(0, len(ids), n)]
-        targets = [self.router] if self.router is not None else self.clients
-        if all(isinstance(t, SGLangInProcessClient) for t in targets):
-            return targets[0].generate(ids, sps, return_logprob=True)
         outputs: list[dict | None] = [None] * len(ids)
 
         def run(g: int) -> None:
@@ -256,29 +210,18 @@ class SGLangRolloutEngine(RolloutEngine):
             list(pool.map(run, range(len(groups))))
         return outputs  # type: ignore[return-value]
 
-    # -- weight updates --------------------------------------------------------------------------
+    # -- weight updates (the buckets travel through a transport) ------------------------------------
     def begin_weight_update(self) -> None:
-        """Pause, flush the cache (the old weights' KV entries), open the update session."""
-        self.weight_version += 1
         for c in self.clients:
-            c.pause_generation()
-            c.flush_cache()
-            c.begin_weight_update()
+            open_weight_update(c)
 
     def end_weight_update(self) -> None:
         for c in self.clients:
-            c.end_weight_update()
-            c.flush_cache()
-            c.continue_generation()
+            close_weight_update(c)
 
-    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Single-process CUDA-IPC update of every engine (tensors must live on a GPU of this node)."""
-        from gspo_megatron.weight_sync.cuda_ipc import serialize_bucket
-
-        for c in self.clients:
-            for payload in serialize_bucket(bucket):
-                c.update_weights_from_tensor([payload] * c.tp_size, load_format=payload_format(),
-                                             flush_cache=False, weight_version=str(self.weight_version))
+    def weight_versions(self) -> list[str | None]:
+        """Each engine's current weight version (``/model_info``'s ``weight_version``)."""
+        return [c.weight_version() for c in self.clients]
 
     # -- colocation ------------------------------------------------------------------------------
     def release_memory(self) -> None:
@@ -291,53 +234,11 @@ class SGLangRolloutEngine(RolloutEngine):
         for c in self.clients:
             c.resume_memory_occupation(list(tags) if tags is not None else self.memory_tags)
 
-    # -- lifecycle -------------------------------------------------------------------------------
     def health_check(self) -> bool:
         return all(c.health() for c in self.clients)
 
-    def restart(self) -> None:
-        """Kill and relaunch every unhealthy engine; weights must be re-synced afterwards."""
-        if self.relaunch is None:
-            raise RuntimeError("SGLangRolloutEngine.restart: engines were attached, not launched here")
-        for i, c in enumerate(self.clients):
-            if c.health():
-                continue
-            logger.warning("restarting SGLang engine %d (%s)", i, c)
-            _kill(self.processes[i])
-            self.clients[i], self.processes[i] = self.relaunch[i]()
 
-    def shutdown(self) -> None:
-        for c in self.clients:
-            try:
-                c.shutdown()
-            except Exception as e:  # keep shutting the others down
-                logger.warning("shutdown of %s failed: %s", c, e)
-        for p in self.processes:
-            _kill(p)
-        self.processes = []
-
-    def weight_prefix(self, name: str, truncate_size: int = 100, engine: int = 0) -> torch.Tensor:
-        """Leading rows of TP rank 0's shard of HF tensor ``name`` on ``engine``
-        (SGLang's ``get_weights_by_name``), as float32; see ``weight_sync.verify``."""
-        return torch.tensor(self.clients[engine].get_weights_by_name(name, truncate_size), dtype=torch.float32)
-
-    def weight_checksums(self, names: Iterable[str]) -> dict[str, float]:
-        """Unsupported: SGLang exposes no full-tensor read in HF names (get_weights_by_name is
-        truncated and per TP shard; /weights_checker hashes its own fused parameters).
-        ``weight_sync.verify.verify_engine_prefixes`` compares ``weight_prefix`` blocks instead."""
-        raise NotImplementedError(
-            "SGLang cannot return full HF-named tensors; use weight_sync.verify.verify_engine_prefixes"
-        )
-
-
-def payload_format() -> str | None:
-    """``"flattened_bucket"`` when sglang's FlattenedTensorBucket is importable, else None."""
-    from gspo_megatron.weight_sync.cuda_ipc import flattened_bucket_class
-
-    return "flattened_bucket" if flattened_bucket_class() is not None else None
-
-
-def _kill(proc: Any) -> None:
+def kill_server(proc: Any) -> None:
     """Terminate a server process we started (and its process group: SGLang spawns workers)."""
     if proc is None or proc.poll() is not None:
         return

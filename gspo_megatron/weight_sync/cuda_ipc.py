@@ -8,6 +8,8 @@ name/shape/dtype/offset metadata) and serializes the CUDA IPC handle with sglang
 ``src``, which calls ``update_weights_from_tensor(serialized_named_tensors=[payload of rank 0..k-1],
 load_format="flattened_bucket")``; engine TP rank i opens payload i, i.e. memory on its own GPU.
 A barrier after the call keeps every producer's buffer alive until the engine has read it.
+On CPU (the CPU rollout server) the same code runs with CPU tensors, which the serializer passes as
+named shared-memory segments (``sglang_compat.use_cpu_shared_memory``) instead of CUDA IPC handles.
 
 Ranks: every training rank colocated with an engine calls begin / send_bucket / end (they are
 collective over ``gather_group``); only ``src`` talks to the engine, and it also pauses the engine,
@@ -21,6 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.rollout.sglang_client import close_weight_update, open_weight_update
 from gspo_megatron.rollout.sglang_compat import (flattened_bucket_class, multiprocessing_serializer,
                                                  patch_torch_reductions)
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
@@ -104,15 +107,13 @@ class CudaIpcTransport(WeightTransport):
         self.manage_session = manage_session
         self.load_format = "flattened_bucket" if flattened_bucket_class() is not None else None
         self.stats = SyncStats()
-        self.weight_version = 0
+        self.weight_version = "0"
 
-    def begin(self) -> None:
-        self.weight_version += 1
+    def begin(self, version: str) -> None:
+        self.weight_version = version
         self.stats.start()
         if self.is_src and self.manage_session:
-            self.client.pause_generation()
-            self.client.flush_cache()
-            self.client.begin_weight_update()
+            open_weight_update(self.client)
 
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.fp8:
@@ -132,7 +133,7 @@ class CudaIpcTransport(WeightTransport):
                 for i in range(len(payloads)):
                     self.client.update_weights_from_tensor([p[i] for p in gathered], load_format=self.load_format,
                                                            flush_cache=False,
-                                                           weight_version=str(self.weight_version))
+                                                           weight_version=self.weight_version)
             if self.group is not None:
                 dist.barrier(group=self.group)  # producers keep their buffers until the engine loaded
         del payloads, bucket
@@ -141,9 +142,7 @@ class CudaIpcTransport(WeightTransport):
 
     def end(self) -> None:
         if self.is_src and self.manage_session:
-            self.client.end_weight_update()
-            self.client.flush_cache()
-            self.client.continue_generation()
+            close_weight_update(self.client)
         self.stats.stop()
 
     def metrics(self) -> dict[str, float]:

@@ -1,16 +1,18 @@
 """NCCL broadcast transport (disaggregated: SGLang engines on their own GPUs / nodes).
 
-One process group per pipeline stage: its rank 0 is that stage's source rank (DP = TP = 0 of the
-stage, which holds the stage's full HF-named buckets after the export gather), ranks 1.. are every
-GPU of every engine (engine i's TP ranks start at ``1 + sum(engine_world_sizes[:i])``). SGLang's
+One process group per pipeline stage: its rank 0 is that stage's source rank (the stage's first rank
+with DP = TP = EP = CP = 0, which receives its stage's full HF-named tensors from the export stream),
+ranks 1.. are every GPU of every engine (engine i's TP ranks start at ``1 + sum(engine_world_sizes[:i])``). SGLang's
 ``init_weights_update_group`` makes the engines join; the trainer joins with
 :func:`init_external_process_group`. Per bucket: each engine is told the metadata
 (``update_weights_from_distributed(names, dtypes, shapes, group_name)``), which blocks while the
 source broadcasts each tensor from group rank 0 (engines allocate and receive in the same order).
 
-Ranks: only source ranks construct and call this transport. With several stages sending to the
-same engines, pass a ``lock`` (:class:`StoreLock`) so that stages take turns per bucket: engines
-serve requests one at a time, and two stages interleaving across engines would deadlock.
+Ranks: only source ranks construct and call this transport (``weight_sync.topology`` builds one per
+stage). With several stages sending to the same engines, a ``lock`` (:class:`StoreLock`) makes the
+stages take turns per bucket: engines serve requests one at a time, and two stages interleaving
+across engines would deadlock. The bytes leaving a source are its stage's share of the model.
+gloo on CPU (``backend="gloo"``, the CPU rollout server), NCCL on GPU: the same code.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.rollout.sglang_client import dtype_name
+from gspo_megatron.rollout.sglang_client import close_weight_update, dtype_name, open_weight_update
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 from gspo_megatron.weight_sync.sync_stats import SyncStats, bucket_nbytes
 from gspo_megatron.weight_sync.transport import WeightTransport
@@ -135,12 +137,14 @@ class NcclBroadcastTransport(WeightTransport):
         self.prefer_sglang = prefer_sglang_group_helper
         self.group: Any = None
         self.stats = SyncStats()
-        self.weight_version = 0
+        self.weight_version = "0"
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
 
     # -- group lifecycle -------------------------------------------------------------------------
     def connect(self) -> None:
-        """Create the group: engines join (blocking calls, run in threads) while this rank joins."""
+        """Create the group: engines join (blocking calls, run in threads) while this rank joins.
+        Idempotent; after an engine restart use :meth:`reconnect` (a restarted engine is no longer
+        in the group)."""
         if self.group is not None:
             return
         futures = [self._pool.submit(c.init_weights_update_group, self.master_address, self.master_port,
@@ -152,26 +156,42 @@ class NcclBroadcastTransport(WeightTransport):
         for f in futures:
             f.result()
 
-    def close(self) -> None:
-        """Destroy the group on the engines and here (e.g. before restarting an engine)."""
+    def close(self, tolerate_errors: bool = False) -> None:
+        """Destroy the group on the engines and here. ``tolerate_errors``: an engine that died (and
+        was restarted without the group) may refuse or fail the call; go on."""
         if self.group is None:
             return
         futures = [self._pool.submit(c.destroy_weights_update_group, self.group_name) for c in self.clients]
-        dist.destroy_process_group(self.group)
+        try:
+            dist.destroy_process_group(self.group)
+        except Exception:  # noqa: BLE001 - a broken group (dead peer) cannot always be torn down cleanly
+            if not tolerate_errors:
+                raise
         self.group = None
         for f in futures:
-            f.result()
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001
+                if not tolerate_errors:
+                    raise
+
+    def reconnect(self) -> None:
+        """After engines were restarted: every engine leaves the old group and all join a new one
+        (same name; the trainer side gets a fresh port)."""
+        self.close(tolerate_errors=True)
+        from gspo_megatron.rollout.placement import free_port
+
+        self.master_port = free_port(self.master_address)
+        self.connect()
 
     # -- one sync --------------------------------------------------------------------------------
-    def begin(self) -> None:
+    def begin(self, version: str) -> None:
         self.connect()
-        self.weight_version += 1
+        self.weight_version = version
         self.stats.start()
         if self.manage_session:
             for c in self.clients:
-                c.pause_generation()
-                c.flush_cache()
-                c.begin_weight_update()
+                open_weight_update(c)
         if self.barrier is not None:
             self.barrier()
 
@@ -191,7 +211,7 @@ class NcclBroadcastTransport(WeightTransport):
 
     def _broadcast(self, names, dtypes, shapes, tensors) -> None:
         futures = [self._pool.submit(c.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
-                                     False, str(self.weight_version)) for c in self.clients]
+                                     False, self.weight_version) for c in self.clients]
         handles = [dist.broadcast(t, 0, group=self.group, async_op=True) for t in tensors]
         for h in handles:
             h.wait()
@@ -203,9 +223,7 @@ class NcclBroadcastTransport(WeightTransport):
             self.barrier()
         if self.manage_session:
             for c in self.clients:
-                c.end_weight_update()
-                c.flush_cache()
-                c.continue_generation()
+                close_weight_update(c)
         self.stats.stop()
 
     def metrics(self) -> dict[str, float]:

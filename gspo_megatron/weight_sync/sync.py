@@ -1,70 +1,95 @@
 """Push the trainer's current weights to the rollout engine(s) after an optimizer step.
 
-Every rank calls ``sync_weights``: the export stream (``models.weights.export_hf_weights``) gathers
-TP / EP / PP shards and renames them to the HF layout on every rank; global rank 0 holds the
-transport and sends each bucket. The same stream writes HF checkpoints, so what the engine gets is
-exactly what an export would contain.
+Every rank calls :meth:`WeightSyncer.sync`: the export stream (``models.weights.export_hf_weights``)
+gathers TP / EP / PP shards and renames them to the HF layout, routed by the run's
+``weight_sync.topology`` (rank 0, every rank, or each pipeline stage's source); every rank that holds
+a transport sends the buckets it receives. The same stream writes HF checkpoints, so what the
+engines get is exactly what an export would contain.
+
+A transport failure (a dead engine) never leaves the other ranks stuck in the export collectives:
+the failing rank keeps iterating the stream without sending, and after the stream every rank learns
+whether any rank failed (one all-reduce); the error texts are gathered on rank 0, which decides
+(``rollout.session``).
 """
 
 from __future__ import annotations
 
 import time
 
-import torch
 import torch.distributed as dist
 
 from gspo_megatron.models.weights import build_export_plan, export_hf_weights
+from gspo_megatron.runtime.distributed import any_rank
+from gspo_megatron.weight_sync.sync_stats import bucket_nbytes
 
 
 class WeightSyncer:
-    """Caches the export plan (one all_gather_object) and times each sync."""
+    """Caches the export plan (one all_gather_object), numbers the syncs (the weight version the
+    engines report) and times each sync."""
 
-    def __init__(self, model, bucket_mb: float = 512.0, verify: bool = False):
+    def __init__(self, model, topology, bucket_mb: float = 512.0):
         self.model = model
+        self.topology = topology
         self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
-        self.verify = verify
         self.plan = build_export_plan(model)
+        self.version = 0
+        self.errors: list[str] = []  # on rank 0 after a failed sync: one text per failing rank
 
-    def sync(self, transport=None, engine=None) -> dict:
-        """Collective. ``transport`` (and ``engine``, for verification) only on global rank 0."""
+    def sync(self) -> dict:
+        """Collective. Returns the sync metrics; ``self.errors`` (rank 0) is non-empty on failure."""
         t0 = time.perf_counter()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        checksums: dict[str, float] = {}
+        transport = self.topology.transport
+        self.version += 1
+        error: BaseException | None = None
         nbytes, nbuckets, bucket_times = 0, 0, []
-        # A transport failure (dead engine) must not leave the other ranks stuck in the export
-        # collectives: rank 0 keeps iterating the stream without sending and reports the error.
-        self.error: BaseException | None = None
-        if rank == 0 and transport is not None:
-            self._guard(transport.begin)
-        for bucket in export_hf_weights(self.model, self.bucket_bytes, plan=self.plan):
-            if bucket is None or rank != 0 or transport is None or self.error is not None:
+
+        def guard(fn, *args) -> None:
+            nonlocal error
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 - reported to every rank after the stream
+                error = e
+
+        if transport is not None:
+            guard(transport.begin, str(self.version))
+        for bucket in export_hf_weights(self.model, self.bucket_bytes, plan=self.plan, dst=self.topology.dst):
+            if not bucket or transport is None or error is not None:
                 continue
             tb = time.perf_counter()
-            self._guard(transport.send_bucket, bucket)
+            guard(transport.send_bucket, bucket)
             bucket_times.append(time.perf_counter() - tb)
             nbuckets += 1
-            for name, t in bucket:
-                nbytes += t.numel() * t.element_size()
-                if self.verify:
-                    checksums[name] = float(t.detach().to(torch.float64).sum())
-        if rank == 0 and transport is not None and self.error is None:
-            self._guard(transport.end)
-        metrics = {"sync/total_s": time.perf_counter() - t0, "sync/bytes": float(nbytes),
-                   "sync/buckets": float(nbuckets),
-                   "sync/bucket_s_max": max(bucket_times, default=0.0)}
-        if self.error is not None:
-            return metrics
-        if rank == 0 and self.verify and engine is not None:
-            got = engine.weight_checksums(list(checksums))
-            bad = [n for n, v in checksums.items() if got.get(n) != v]
-            if bad:
-                raise RuntimeError(f"weight sync verification failed for {len(bad)} tensors, e.g. {bad[0]}: "
-                                   f"trainer {checksums[bad[0]]!r} vs engine {got.get(bad[0])!r}")
-            metrics["sync/verified_tensors"] = float(len(checksums))
-        return metrics
+            nbytes += bucket_nbytes(bucket)
+        if transport is not None and error is None:
+            guard(transport.end)
+        failed = any_rank(error is not None)
+        self.errors = []
+        if failed:
+            texts = _gather_to_rank0(f"rank {rank}: {type(error).__name__}: {error}" if error else None)
+            self.errors = [t for t in texts if t] if rank == 0 else []
+        sent = _max_over_ranks(float(nbytes))
+        return {"sync/total_s": time.perf_counter() - t0, "sync/bytes": float(nbytes),
+                "sync/bytes_max_rank": sent, "sync/buckets": float(nbuckets),
+                "sync/bucket_s_max": max(bucket_times, default=0.0), "sync/version": float(self.version)}
 
-    def _guard(self, fn, *args) -> None:
-        try:
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - reported to the caller through self.error
-            self.error = e
+
+def _gather_to_rank0(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
+def _max_over_ranks(value: float) -> float:
+    """The largest ``value`` over all ranks (the bytes the busiest sender moved)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    import torch
+
+    from gspo_megatron.runtime.distributed import device
+
+    t = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())

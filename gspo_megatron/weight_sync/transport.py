@@ -1,9 +1,10 @@
 """The transport interface: how one bucket of full HF-named tensors reaches the rollout engines.
 
-The engine-independent plan (``weight_sync.plan``) gathers TP/EP/PP shards, renames to HF and cuts
-buckets on every training rank; the transport is then called on the rank(s) that own the engine
-connection. One class per mode (slime style): in-process (CPU engine), CUDA IPC (colocated SGLang),
-NCCL broadcast (disaggregated SGLang).
+The export stream (``models.weights.export_hf_weights``) gathers TP/EP/PP shards, renames to HF and
+cuts buckets; ``weight_sync.topology`` routes each bucket to the ranks that send it and builds the
+transport of each such rank. One class per mode (slime style): in-process (CPU transformers engine
+on rank 0), CUDA IPC (colocated SGLang: every training rank feeds the engine TP rank on its GPU),
+NCCL broadcast (disaggregated SGLang: each pipeline stage's source broadcasts its own part).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 class WeightTransport(abc.ABC):
     """Sends buckets to engines. ``begin`` / ``end`` bracket one full sync."""
 
-    def begin(self) -> None:
-        """Called once before the first bucket of a sync (pause engines, open groups)."""
+    def begin(self, version: str) -> None:
+        """Called once before the first bucket of a sync (pause engines, open groups); ``version``
+        is the weight version the engines report after this sync."""
 
     @abc.abstractmethod
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -27,6 +29,9 @@ class WeightTransport(abc.ABC):
     def end(self) -> None:
         """Called once after the last bucket (flush caches, resume engines)."""
 
+    def reconnect(self) -> None:
+        """After engines were restarted: rebuild whatever the transport holds on them (groups)."""
+
 
 class InProcessTransport(WeightTransport):
     """CPU / tests: hand buckets straight to an engine object living in this process."""
@@ -34,7 +39,7 @@ class InProcessTransport(WeightTransport):
     def __init__(self, engine):
         self.engine = engine
 
-    def begin(self) -> None:
+    def begin(self, version: str) -> None:
         self.engine.begin_weight_update()
 
     def send_bucket(self, bucket):

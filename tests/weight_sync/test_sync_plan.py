@@ -1,5 +1,7 @@
 """The engine-independent sync plan on gloo: tensors gathered from TP2, EP2 and PP2 layouts (and
-TP2 x EP2) and cut into buckets equal the HF checkpoint tensor for tensor; buckets respect the limit."""
+TP2 x EP2) and cut into buckets equal the HF checkpoint tensor for tensor; buckets respect the limit.
+The three routings of weight_sync.topology: to rank 0 (in-process engine), to every rank (colocated
+engines) and per pipeline stage (disaggregated: each stage's source gets exactly its stage's tensors)."""
 
 import pytest
 import torch
@@ -16,8 +18,8 @@ class Recorder:
         self.calls = []
         self.buckets = []
 
-    def begin(self):
-        self.calls.append("begin")
+    def begin(self, version):
+        self.calls.append(f"begin {version}")
 
     def send_bucket(self, bucket):
         self.buckets.append([(n, t.clone()) for n, t in bucket])
@@ -26,19 +28,32 @@ class Recorder:
         self.calls.append("end")
 
 
-def _worker(rank, world, hf_dir, layout):
+def _worker(rank, world, hf_dir, layout, routing="rank0"):
     from gspo_megatron.models.build import build_model, load_hf_config
-    from gspo_megatron.models.weights import load_hf_weights
+    from gspo_megatron.models.weights import ALL_RANKS, load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.weight_sync.sync import WeightSyncer
+    from gspo_megatron.weight_sync.topology import SyncTopology, stage_sources
 
     init_distributed(ParallelLayout(**layout))
     model = build_model(load_hf_config(hf_dir), layout.get("tp", 1), layout.get("pp", 1),
                         layout.get("ep", 1), layout.get("etp"))
     load_hf_weights(model, hf_dir)
-    rec = Recorder() if rank == 0 else None
-    metrics = WeightSyncer(model, bucket_mb=BUCKET / (1 << 20)).sync(rec)
-    return (rec.calls, rec.buckets, metrics) if rank == 0 else None
+    if routing == "rank0":
+        topology = SyncTopology("inprocess", 0, Recorder() if rank == 0 else None)
+    elif routing == "all":
+        topology = SyncTopology("colocated", ALL_RANKS, Recorder())
+    else:
+        stage_of, sources = stage_sources()
+        topology = SyncTopology("disaggregated", lambda owner: sources[stage_of[owner]],
+                                Recorder() if rank in sources else None, sources=sources)
+    syncer = WeightSyncer(model, topology, bucket_mb=BUCKET / (1 << 20))
+    metrics = syncer.sync()
+    rec = topology.transport
+    from megatron.core import parallel_state as ps
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    return (rec.calls, rec.buckets, metrics, stage) if rec is not None else None
 
 
 @pytest.mark.parametrize("layout,world", [({"tp": 2}, 2), ({"ep": 2}, 2), ({"pp": 2}, 2),
@@ -51,8 +66,8 @@ def test_sync_buckets_equal_the_hf_checkpoint(tmp_path, layout, world):
 
     save_tiny_hf_model("qwen3_moe", str(tmp_path))
     reference = load_file(str(tmp_path / "model.safetensors"))
-    calls, buckets, metrics = run_ranks(_worker, world, str(tmp_path), layout)[0]
-    assert calls == ["begin", "end"]
+    calls, buckets, metrics, _ = run_ranks(_worker, world, str(tmp_path), layout)[0]
+    assert calls == ["begin 1", "end"]
     names = [n for b in buckets for n, _ in b]
     assert sorted(names) == sorted(reference) and len(names) == len(set(names))
     for bucket in buckets:
@@ -62,3 +77,57 @@ def test_sync_buckets_equal_the_hf_checkpoint(tmp_path, layout, world):
             assert t.dtype == reference[name].dtype and torch.equal(t, reference[name]), name
     assert metrics["sync/buckets"] == len(buckets) > 3
     assert metrics["sync/bytes"] == sum(t.numel() * t.element_size() for t in reference.values())
+
+
+def _check_buckets(buckets, reference):
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= BUCKET or len(bucket) == 1, (size, [n for n, _ in bucket])
+        for name, t in bucket:
+            assert t.dtype == reference[name].dtype and torch.equal(t, reference[name]), name
+
+
+def test_colocated_routing_gives_every_rank_every_tensor(tmp_path):
+    """Colocated engines: each training rank hands the engine TP rank on its GPU the full bucket."""
+    from safetensors.torch import load_file
+
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    save_tiny_hf_model("qwen3_moe", str(tmp_path))
+    reference = load_file(str(tmp_path / "model.safetensors"))
+    results = run_ranks(_worker, 2, str(tmp_path), {"tp": 2}, "all")
+    for calls, buckets, metrics, _ in results:
+        assert calls == ["begin 1", "end"]
+        assert sorted(n for b in buckets for n, _ in b) == sorted(reference)
+        _check_buckets(buckets, reference)
+
+
+@pytest.mark.parametrize("layout,world", [({"pp": 2}, 2), ({"pp": 2, "ep": 2}, 4)], ids=["pp2", "pp2ep2"])
+def test_stage_routing_sends_each_stage_from_its_own_source(tmp_path, layout, world):
+    """Disaggregated: every tensor reaches exactly one source, the source of the stage that owns it;
+    the busiest source moves about its stage's share of the model, not the whole model."""
+    from safetensors.torch import load_file
+
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    save_tiny_hf_model("qwen3_moe", str(tmp_path))
+    reference = load_file(str(tmp_path / "model.safetensors"))
+    results = [r for r in run_ranks(_worker, world, str(tmp_path), layout, "stages") if r is not None]
+    assert [r[3] for r in results] == [0, 1]  # one source per stage, in stage order
+    seen = {}
+    for calls, buckets, metrics, stage in results:
+        assert calls == ["begin 1", "end"] and buckets
+        _check_buckets(buckets, reference)
+        for b in buckets:
+            for n, _ in b:
+                assert n not in seen, f"{n} sent by two sources"
+                seen[n] = stage
+    assert sorted(seen) == sorted(reference)
+    layers = {n: int(n.split(".")[2]) for n in seen if n.startswith("model.layers.")}
+    per_stage = (max(layers.values()) + 1) // 2  # PP2 splits the layers evenly
+    assert all(seen[n] == layer // per_stage for n, layer in layers.items())
+    assert seen["model.embed_tokens.weight"] == 0 and seen["lm_head.weight"] == 1
+    total = sum(t.numel() * t.element_size() for t in reference.values())
+    per_source = [r[2]["sync/bytes"] for r in results]
+    assert sum(per_source) == total and max(per_source) < total
+    assert all(r[2]["sync/bytes_max_rank"] == max(per_source) for r in results)

@@ -1,0 +1,193 @@
+"""The SGLang engines of a run, as every training rank sees them: who launched which part, the URL of
+each engine, restarts, shutdown.
+
+Collective: every rank builds an :class:`EngineFleet` and calls ``restart`` / ``shutdown`` together.
+``rollout.placement`` decides where engine parts live; the ranks that launch a part start its server
+process (``sglang.launch_server``, or with ``rollout.engine_server=cpu`` the CPU stand-in
+``gspo_megatron.rollout.cpu_server``, same flags, same HTTP API), wait until it answers, and every
+rank then learns every engine's URL (one all_gather_object). Global rank 0 drives generation on all
+engines (``engine``, an :class:`SGLangRolloutEngine`); each engine's colocated source rank holds a
+client of its own engine for the weight sync (``client(e)``).
+
+Restart (after rank 0 found engines dead): the launching ranks of those engines kill what is left of
+their parts and start them again on the same ports, then every rank waits for the engines to answer.
+Attached engines (``rollout.engine_urls``, started by the launch scripts) cannot be restarted from
+here: the trainer waits up to ``rollout.engine_timeout_s`` for them to come back (the launch script
+may supervise them) and then re-syncs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+from gspo_megatron.rollout.placement import EnginePart, EngineSpec, free_port, gather_rank_infos, plan_engines
+from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
+from gspo_megatron.rollout.sglang_engine import (SGLangRolloutEngine, kill_server, launch_server,
+                                                 wait_until_healthy)
+
+logger = logging.getLogger(__name__)
+
+SERVER_MODULES = {"sglang": "sglang.launch_server", "cpu": "gspo_megatron.rollout.cpu_server"}
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class EngineFleet:
+    """See the module docstring. ``model_path``: the HF directory the engines start from (its config
+    and tokenizer; weights are then synced). ``server_args``: extra SGLang server args for every part
+    (e.g. ``random_seed``, ``enable_deterministic_inference``, quantization)."""
+
+    def __init__(self, cfg, model_path: str, server_args: dict[str, Any] | None = None,
+                 log_dir: str | None = None):
+        r = cfg.rollout
+        self.rank, self.world = _world()
+        self.colocated = r.sync_mode == "colocated"
+        self.wait_s = r.engine_launch_timeout_s
+        self.request_timeout_s = r.engine_timeout_s
+        self.log_dir = log_dir
+        self.module = SERVER_MODULES[r.engine_server]
+        self.processes: dict[tuple[int, int], Any] = {}  # (engine, node_rank) -> Popen, on the launcher
+        self.attached = bool(r.engine_urls)
+        self.base_args = dict(model_path=model_path, tp_size=r.engine_tp, skip_server_warmup=True,
+                              enable_memory_saver=self.colocated, mem_fraction_static=r.engine_mem_fraction,
+                              enable_deterministic_inference=r.engine_deterministic, **(server_args or {}))
+        if self.attached:
+            self.specs = [EngineSpec(e, r.engine_tp, (), ()) for e in range(len(r.engine_urls))]
+            self.urls = list(r.engine_urls)
+            if self.rank == 0:
+                for url in self.urls:
+                    wait_until_healthy(SGLangHttpClient(url), None, self.wait_s)
+        else:
+            infos = gather_rank_infos()
+            num = r.num_engines or (self.world // r.engine_tp if self.colocated else 1)
+            self.specs = plan_engines(infos, num, r.engine_tp, self.colocated)
+            self.ports = self._choose_ports()
+            self._launch([s.index for s in self.specs])
+            self.urls = [f"http://{s.http_address}:{self.ports[s.index][0]}" for s in self.specs]
+        # engine world sizes as the engines report them (not rollout.engine_tp): the weight-update
+        # group's size must match what the engines join with
+        sizes = None
+        if self.rank == 0:
+            sizes = [SGLangHttpClient(u).world_size for u in self.urls]
+        self.world_sizes: list[int] = _broadcast(sizes)
+        self.engine = None
+        if self.rank == 0:
+            router = r.router_url if self.attached else None
+            self.engine = SGLangRolloutEngine(
+                [SGLangHttpClient(u, timeout_s=self.request_timeout_s) for u in self.urls],
+                router=SGLangHttpClient(router, timeout_s=self.request_timeout_s) if router else None,
+                send_seeds=r.engine_deterministic)
+
+    # -- launching -------------------------------------------------------------------------------------
+    def _choose_ports(self) -> dict[int, tuple[int, int]]:
+        """(http port, dist-init port) per engine, chosen by the launcher of its node-rank-0 part."""
+        mine = {}
+        for s in self.specs:
+            if s.parts[0].launcher == self.rank:
+                host = s.parts[0].address
+                mine[s.index] = (free_port(host), free_port(host))
+        ports: dict[int, tuple[int, int]] = {}
+        for part in _all_gather(mine):
+            ports.update(part)
+        return ports
+
+    def _part_args(self, spec: EngineSpec, part: EnginePart) -> dict[str, Any]:
+        http_port, dist_port = self.ports[spec.index]
+        args = dict(self.base_args, host=part.address, port=http_port, base_gpu_id=part.base_gpu_id)
+        if part.nnodes > 1:
+            args.update(nnodes=part.nnodes, node_rank=part.node_rank,
+                        dist_init_addr=f"{spec.http_address}:{dist_port}")
+        return args
+
+    def _launch(self, engines: list[int]) -> None:
+        """Start this rank's parts of ``engines`` (collective: ends when they all answer)."""
+        for spec in self.specs:
+            if spec.index not in engines:
+                continue
+            for part in spec.parts:
+                if part.launcher != self.rank:
+                    continue
+                log = None
+                if self.log_dir:
+                    os.makedirs(self.log_dir, exist_ok=True)
+                    log = os.path.join(self.log_dir, f"engine{spec.index}_node{part.node_rank}.log")
+                self.processes[(spec.index, part.node_rank)] = launch_server(
+                    self._part_args(spec, part), module=self.module, log_path=log, python=sys.executable)
+                print(f"[gspo-train] rank {self.rank}: engine {spec.index} part {part.node_rank}/{part.nnodes} "
+                      f"({spec.tp} TP ranks, {self.module}) starting; log {log}", flush=True)
+        errors = []
+        for spec in self.specs:
+            part = spec.parts[0]
+            if spec.index in engines and part.launcher == self.rank:
+                proc = self.processes[(spec.index, 0)]
+                url = f"http://{part.address}:{self.ports[spec.index][0]}"
+                try:
+                    wait_until_healthy(SGLangHttpClient(url), proc, self.wait_s,
+                                       os.path.join(self.log_dir, f"engine{spec.index}_node0.log")
+                                       if self.log_dir else None)
+                except SGLangError as e:
+                    errors.append(str(e))
+        errors = [e for part in _all_gather(errors) for e in part]
+        if errors:
+            self._kill_mine(engines)
+            raise SGLangError("; ".join(errors))
+
+    def _kill_mine(self, engines: list[int]) -> None:
+        for (e, k), proc in list(self.processes.items()):
+            if e in engines:
+                kill_server(proc)
+                del self.processes[(e, k)]
+
+    # -- what the trainer uses -------------------------------------------------------------------------
+    def client(self, e: int) -> SGLangHttpClient:
+        """A client of engine ``e`` (any rank may hold one: HTTP is stateless)."""
+        return SGLangHttpClient(self.urls[e], timeout_s=self.request_timeout_s)
+
+    def restart(self, engines: list[int]) -> None:
+        """Collective: bring ``engines`` (dead ones, as rank 0 found) back on the same URLs."""
+        if self.attached:
+            if self.rank == 0:
+                for e in engines:
+                    wait_until_healthy(SGLangHttpClient(self.urls[e]), None, self.wait_s)
+            _barrier()
+            return
+        self._kill_mine(engines)
+        _barrier()  # every part of a multi-node engine is down before any is started again
+        self._launch(engines)
+
+    def dead_engines(self) -> list[int]:
+        """Rank 0: the engines that do not answer ``/health_generate``."""
+        return [e for e, c in enumerate(self.engine.clients) if not c.health()]
+
+    def shutdown(self) -> None:
+        """Every rank: stop the server processes this rank launched."""
+        self._kill_mine([s.index for s in self.specs])
+
+
+def _broadcast(obj):
+    from gspo_megatron.runtime.distributed import broadcast_object
+
+    return broadcast_object(obj) if dist.is_initialized() else obj
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+

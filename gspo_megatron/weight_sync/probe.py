@@ -1,0 +1,80 @@
+"""After a sync, check that every engine serves the trainer's weights (``rollout.sync_verify``).
+
+Works against real SGLang for every family (sglang 0.5.23's ``get_weights_by_name`` exists only for
+Llama-style models), so it compares what the engines compute rather than what they store:
+
+1. each engine reports the weight version of the sync just done (``/model_info``'s
+   ``weight_version``, set by every update call); a stale engine fails here;
+2. each engine generates greedily (top_k = 1, temperature 1: SGLang then reports log softmax of the
+   raw logits) a few tokens for a fixed probe batch; the trainer scores the same tokens with its own
+   forward (``score.score_rows``: every layout, every rank); the largest absolute log-prob
+   difference must be within ``tol``. A layer left with old or wrong weights moves log-probs far
+   beyond the bf16 noise of a correct sync.
+
+Collective: every rank calls :func:`check_engines`; the engines are driven by rank 0 only, the
+verdict is broadcast, so a failed check stops every rank at once and never leaves one waiting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.runtime.distributed import broadcast_object
+
+
+def default_tolerance(dtype: str) -> float:
+    """Max abs log-prob difference accepted when ``rollout.sync_verify_tol`` is 0: engine and trainer
+    compute the same function with different kernels; fp32 agrees to ~1e-5, bf16 to ~1e-1 on
+    single tokens."""
+    return 1e-3 if dtype == "float32" else 0.25
+
+
+@dataclass
+class ProbeResult:
+    ok: bool
+    message: str
+    max_abs_diff: float
+
+
+def check_engines(model, engine, version: str, prompts: list[list[int]] | None, tol: float, pad_id: int = 0,
+                  max_new_tokens: int = 4) -> ProbeResult:
+    """Collective (see module docstring). ``engine`` and ``prompts`` on rank 0 only."""
+    from gspo_megatron.score import score_rows
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rows, samples, problem = None, None, None
+    if rank == 0:
+        try:
+            versions = engine.weight_versions()
+            stale = [(i, v) for i, v in enumerate(versions) if v is not None and v != version]
+            if stale:
+                problem = (f"engine {stale[0][0]} reports weight version {stale[0][1]!r} after sync {version!r} "
+                           f"({len(stale)} of {len(versions)} engines stale)")
+            else:
+                params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=max_new_tokens)
+                samples = engine.generate_on_each(prompts, params)
+                rows = [list(s.prompt_ids) + list(s.response_ids) for per_engine in samples for s in per_engine]
+        except Exception as e:  # noqa: BLE001 - becomes the verdict on every rank
+            problem = f"probe generation failed: {type(e).__name__}: {e}"
+    rows = broadcast_object(None if problem else rows)
+    if rows is None:
+        return ProbeResult(False, broadcast_object(problem), float("inf"))
+    scored = score_rows(model, rows, pad_id=pad_id)  # rank 0: full-row log-probs, position 1..
+    verdict = None
+    if rank == 0:
+        worst, where, k = 0.0, "", 0
+        for e, per_engine in enumerate(samples):
+            for p, s in enumerate(per_engine):
+                trainer = scored[k][len(s.prompt_ids) - 1:]
+                k += 1
+                for t, (a, b) in enumerate(zip(trainer, s.response_logprobs)):
+                    if abs(a - b) > worst:
+                        worst, where = abs(a - b), f"engine {e}, probe prompt {p}, token {t}"
+        ok = worst <= tol
+        message = "" if ok else (f"engine log-probs differ from the trainer's by {worst:.3g} (> rollout.sync_verify_tol "
+                                 f"{tol:g}) at {where}: the engine does not hold the trainer's weights")
+        verdict = ProbeResult(ok, message, worst)
+    return broadcast_object(verdict)
