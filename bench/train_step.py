@@ -229,10 +229,10 @@ class OursInProcess:
         self.dataset = factory.build_dataset(cfg, self.tokenizer)
         self.sampler = PromptSampler(len(self.dataset), seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.rewards = factory.build_rewards(cfg)
-        self.engine = factory.build_engine(cfg, hf_dir)
-        self.transport = factory.build_transport(cfg, self.engine)
-        self.syncer = WeightSyncer(model, cfg.rollout.sync_bucket_mb, cfg.rollout.sync_verify)
-        self.syncer.sync(self.transport, self.engine)  # the engine starts from the trainer's weights
+        rollout = factory.build_rollout(cfg, hf_dir)
+        self.engine = rollout.engine
+        self.syncer = WeightSyncer(model, rollout.topology, cfg.rollout.sync_bucket_mb)
+        self.syncer.sync()  # the engine starts from the trainer's weights
         self.cfg, self.side, self.steps_done = cfg, Side("gspo-megatron"), 0
         self.side.wall_s = time.perf_counter() - t0  # (setup; steps are added as they run)
 
@@ -250,7 +250,7 @@ class OursInProcess:
         box = [("ok", batch.records)]
         dist.broadcast_object_list(box, src=0)  # as train.py (a world of one here)
         m = train_on_batch(self.cfg, self.ddp, self.optimizer, self.scheduler, box[0][1], self.pad_id)
-        sync = self.syncer.sync(self.transport, self.engine)
+        sync = self.syncer.sync()
         step_s = time.perf_counter() - t0
         self.side.wall_s += step_s
         if not measured:

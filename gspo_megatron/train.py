@@ -169,6 +169,9 @@ def train(cfg: Config) -> dict:
                         "train/bad_streak": float(bad_streak), "rollout/engine_restarts": float(session.restarts)})
         if rank == 0:
             metrics.update(rollout_metrics)
+            served = engine.take_served()
+            if served:
+                metrics["rollout/engines_serving"] = float(sum(1 for n in served if n > 0))
             logger.log(step, metrics)
         stop_signal = stopped = any_rank(_Stop.signum is not None)
         too_bad = bad_streak >= cfg.optimizer.max_bad_steps > 0

@@ -66,6 +66,10 @@ class RolloutEngine(abc.ABC):
         """One sample per prompt from every engine replica: [engine][prompt] (the post-sync check)."""
         return [[g[0] for g in self.generate(prompts, 1, params)]]
 
+    def take_served(self) -> list[int]:
+        """Generate requests each engine replica answered since the last call ([] if not counted)."""
+        return []
+
     def weight_versions(self) -> list[str | None]:
         """Each engine replica's weight version as it reports it (None: not reported)."""
         return [None]

@@ -128,8 +128,9 @@ class EngineFleet:
                 if self.log_dir:
                     os.makedirs(self.log_dir, exist_ok=True)
                     log = os.path.join(self.log_dir, f"engine{spec.index}_node{part.node_rank}.log")
+                env = dict(os.environ, GSPO_ENGINE=f"{spec.index}.{part.node_rank}")  # names the process
                 self.processes[(spec.index, part.node_rank)] = launch_server(
-                    self._part_args(spec, part), module=self.module, log_path=log, python=sys.executable)
+                    self._part_args(spec, part), module=self.module, log_path=log, python=sys.executable, env=env)
                 print(f"[gspo-train] rank {self.rank}: engine {spec.index} part {part.node_rank}/{part.nnodes} "
                       f"({spec.tp} TP ranks, {self.module}) starting; log {log}", flush=True)
         errors = []

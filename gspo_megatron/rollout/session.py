@@ -11,6 +11,8 @@ pushed again, and the same prompts retried.
 
 from __future__ import annotations
 
+import importlib
+import os
 import traceback
 from typing import Callable
 
@@ -69,19 +71,29 @@ class RolloutSession:
             if not self._act(broadcast(status)):
                 continue
             if self.verify is None:
-                return metrics
+                return self._after_sync(metrics)
             from gspo_megatron.weight_sync.probe import check_engines
 
             model, tol, pad_id = self.verify
             result = check_engines(model, self.engine, str(self.syncer.version), self.probe_prompts, tol, pad_id)
             metrics["sync/verify_max_abs_diff"] = result.max_abs_diff
             if result.ok:
-                return metrics
+                return self._after_sync(metrics)
             status = None
             if self.rank == 0:
                 status = self._failed(result.message) if self.dead_engines() else (
                     "fatal", f"weight sync check failed: {result.message}")
             self._act(broadcast(status))
+
+    def _after_sync(self, metrics: dict) -> dict:
+        """Test instrumentation, never used by a run: ``GSPO_AFTER_SYNC_HOOK=module:function`` is
+        called on every rank after each successful sync as ``function(syncer)`` (the multi-node
+        tests read every engine TP rank's weights there through the CPU server's test-only route)."""
+        spec = os.environ.get("GSPO_AFTER_SYNC_HOOK")
+        if spec:
+            module, _, name = spec.partition(":")
+            getattr(importlib.import_module(module), name)(self.syncer)
+        return metrics
 
     def rollout(self, step: int):
         """(records on every rank, rank 0's rollout metrics or None). A dead engine is restarted,

@@ -150,6 +150,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.max_concurrency = max(1, int(max_concurrency))
         self.memory_tags = list(memory_tags)
         self.send_seeds = send_seeds
+        self.served = [0] * len(self.clients)  # generate requests answered per engine (not the router)
 
     @classmethod
     def attach(cls, urls: Sequence[str], *, router_url: str | None = None, api_key: str | None = None,
@@ -205,10 +206,17 @@ class SGLangRolloutEngine(RolloutEngine):
                 raise SGLangError(f"{target} returned {len(res)} outputs for {len(idx)} inputs")
             for k, r in zip(idx, res):
                 outputs[k] = r
+            if target in self.clients:
+                self.served[self.clients.index(target)] += 1
 
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(groups))) as pool:
             list(pool.map(run, range(len(groups))))
         return outputs  # type: ignore[return-value]
+
+    def take_served(self) -> list[int]:
+        """Requests each engine answered since the last call (the router's are not attributed)."""
+        out, self.served = self.served, [0] * len(self.clients)
+        return out
 
     # -- weight updates (the buckets travel through a transport) ------------------------------------
     def begin_weight_update(self) -> None:

@@ -68,9 +68,9 @@ class WeightSyncer:
         if failed:
             texts = _gather_to_rank0(f"rank {rank}: {type(error).__name__}: {error}" if error else None)
             self.errors = [t for t in texts if t] if rank == 0 else []
-        sent = _max_over_ranks(float(nbytes))
+        most, total = _reduce_over_ranks(float(nbytes))
         return {"sync/total_s": time.perf_counter() - t0, "sync/bytes": float(nbytes),
-                "sync/bytes_max_rank": sent, "sync/buckets": float(nbuckets),
+                "sync/bytes_max_rank": most, "sync/bytes_total": total, "sync/buckets": float(nbuckets),
                 "sync/bucket_s_max": max(bucket_times, default=0.0), "sync/version": float(self.version)}
 
 
@@ -82,14 +82,16 @@ def _gather_to_rank0(obj) -> list:
     return out or []
 
 
-def _max_over_ranks(value: float) -> float:
-    """The largest ``value`` over all ranks (the bytes the busiest sender moved)."""
+def _reduce_over_ranks(value: float) -> tuple[float, float]:
+    """(largest, sum) of ``value`` over all ranks: the bytes the busiest sender moved, and all."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
+        return value, value
     import torch
 
     from gspo_megatron.runtime.distributed import device
 
     t = torch.tensor([value], dtype=torch.float64, device=device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    s = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(s)
+    return float(t[0].item()), float(s.item())

@@ -40,6 +40,7 @@ class SyncTopology:
     transport: Any
     sources: list[int] = field(default_factory=lambda: [0])
     reconnect_all: Callable[[], None] = lambda: None
+    engine_urls: list[str] = field(default_factory=list)
 
 
 def build_sync_topology(cfg, engine=None, fleet=None) -> SyncTopology:
@@ -67,7 +68,8 @@ def _colocated(cfg, fleet, rank: int) -> SyncTopology:
             client = fleet.client(spec.index) if rank == spec.src_rank else None
             transport = CudaIpcTransport(client, gather_group=group, gather_src=spec.src_rank,
                                          fp8=cfg.rollout.sync_fp8)
-    return SyncTopology("colocated", ALL_RANKS, transport, sources=[s.src_rank for s in fleet.specs])
+    return SyncTopology("colocated", ALL_RANKS, transport, sources=[s.src_rank for s in fleet.specs],
+                        engine_urls=list(fleet.urls))
 
 
 def stage_sources() -> tuple[dict[int, int], list[int]]:
@@ -115,4 +117,4 @@ def _disaggregated(cfg, fleet, rank: int) -> SyncTopology:
 
     connect_all(False)
     return SyncTopology("disaggregated", lambda owner: sources[stage_of[owner]], transport,
-                        sources=sources, reconnect_all=lambda: connect_all(True))
+                        sources=sources, reconnect_all=lambda: connect_all(True), engine_urls=list(fleet.urls))

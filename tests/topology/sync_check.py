@@ -1,0 +1,44 @@
+"""Test instrumentation for the multi-node runs (loaded by the trainer through GSPO_AFTER_SYNC_HOOK):
+after every sync, every engine TP rank's weights, read from the CPU server's processes by its
+test-only route, must equal the trainer's HF export of that shard exactly. Rank 0 appends one line
+per sync to ``$GSPO_SYNC_CHECK_FILE``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def check(syncer) -> None:
+    from gspo_megatron.models.weights import export_hf_weights
+    from gspo_megatron.rollout.cpu_server import expected_shard, read_weight_shards
+    from gspo_megatron.rollout.sglang_client import SGLangHttpClient
+
+    full: dict[str, torch.Tensor] = {}
+    for bucket in export_hf_weights(syncer.model, syncer.bucket_bytes, plan=syncer.plan, dst=0):
+        if bucket:
+            full.update((n, t.clone()) for n, t in bucket)
+    if dist.get_rank() != 0:
+        return
+    hf_config = syncer.model.hf_config
+    result = {"version": syncer.version, "engines": [], "mismatches": []}
+    for url in syncer.topology.engine_urls:
+        info = SGLangHttpClient(url).server_info()
+        tp, ep = int(info["tp_size"]), int(info.get("ep_size", 1) or 1)
+        shards = read_weight_shards(url, sorted(full))
+        checked = 0
+        for tp_rank, held in enumerate(shards):
+            for name, tensor in full.items():
+                want = expected_shard(name, tensor, tp_rank, tp, ep, hf_config)
+                if want is None:
+                    continue
+                got = held.get(name)
+                checked += 1
+                if got is None or got.dtype != want.dtype or not torch.equal(got, want):
+                    result["mismatches"].append(f"{url} tp{tp_rank} {name}")
+        result["engines"].append({"url": url, "tp": tp, "checked": checked})
+    with open(os.environ["GSPO_SYNC_CHECK_FILE"], "a") as f:
+        f.write(json.dumps(result) + "\n")
