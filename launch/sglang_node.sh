@@ -7,6 +7,9 @@
 #   SGLANG_PORT [30000]         engine i listens on SGLANG_PORT + 10*i, host 0.0.0.0
 #   SGLANG_MEM_FRACTION [0.85]  --mem-fraction-static
 #   SGLANG_EXTRA_ARGS []        extra sglang.launch_server flags (word-split)
+#   SGLANG_MODULE [sglang.launch_server]  the server program; gspo_megatron.rollout.cpu_server is the
+#                               CPU stand-in (same flags and HTTP API; tests only)
+#   NUM_ENGINES [GPUs on node / SGLANG_TP]
 #   START_ROUTER [0]            1: also start the router over ROUTER_WORKER_URLS on ROUTER_PORT [30100]
 #   LOG_DIR [logs]              one log per engine: LOG_DIR/sglang-<host>-<i>.log
 #   PYTHON [.venv/bin/python if present, else python3]
@@ -28,12 +31,15 @@ fi
 mkdir -p "$LOG_DIR"
 HOST="$(hostname)"
 
-NGPUS="$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)"
-if [[ "$NGPUS" -lt "$SGLANG_TP" ]]; then
-  echo "$0: node $HOST has $NGPUS GPUs, fewer than SGLANG_TP=$SGLANG_TP" >&2
-  exit 2
+SGLANG_MODULE="${SGLANG_MODULE:-sglang.launch_server}"
+if [[ -z "${NUM_ENGINES:-}" ]]; then
+  NGPUS="$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)"
+  if [[ "$NGPUS" -lt "$SGLANG_TP" ]]; then
+    echo "$0: node $HOST has $NGPUS GPUs, fewer than SGLANG_TP=$SGLANG_TP" >&2
+    exit 2
+  fi
+  NUM_ENGINES=$((NGPUS / SGLANG_TP))
 fi
-NUM_ENGINES=$((NGPUS / SGLANG_TP))
 # SGLang's memory saver does not support expandable segments.
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
 
@@ -41,7 +47,7 @@ PIDS=()
 for ((i = 0; i < NUM_ENGINES; i++)); do
   port=$((SGLANG_PORT + 10 * i))
   # shellcheck disable=SC2086  # SGLANG_EXTRA_ARGS is a list of flags
-  "$PYTHON" -m sglang.launch_server \
+  "$PYTHON" -m "$SGLANG_MODULE" \
     --model-path "$MODEL_PATH" --host 0.0.0.0 --port "$port" \
     --tp-size "$SGLANG_TP" --base-gpu-id $((i * SGLANG_TP)) \
     --mem-fraction-static "$SGLANG_MEM_FRACTION" --skip-server-warmup \

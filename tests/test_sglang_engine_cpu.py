@@ -51,11 +51,12 @@ def test_parse_output():
 
 class FakeClient:
     def __init__(self, name):
-        self.name, self.requests, self.calls = name, [], []
+        self.name, self.requests, self.calls, self.batched = name, [], [], []
 
-    def generate(self, input_ids, sampling_params, return_logprob=True):
+    def generate(self, input_ids, sampling_params, return_logprob=True, batch=True):
         assert return_logprob
         self.requests.append((input_ids, sampling_params))
+        self.batched.append(batch)
         # response encodes (engine, seed) so the test can check routing and order
         return [_out([100 + sp.get("sampling_seed", -100), 7 if self.name == "a" else 8], [-0.1, -0.2])
                 for sp in sampling_params]
@@ -83,6 +84,12 @@ def test_generate_groups_prompts_per_engine_and_seeds_samples():
     # SGLang ignores sampling_seed unless the server runs deterministic inference: not sent then
     plain = SGLangRolloutEngine([FakeClient("a")])
     assert plain.generate([[1]], n=1, params=SamplingParams(seed=10))[0][0].response_ids[0] == 0
+    # through the router every sample is its own request (its /generate takes one sampling-params object)
+    router = FakeClient("a")
+    routed = SGLangRolloutEngine([FakeClient("b")], router=router, send_seeds=True)
+    assert [len(g) for g in routed.generate(prompts, n=2, params=SamplingParams(seed=10))] == [2, 2, 2]
+    assert [len(r[0]) for r in router.requests] == [2, 2, 2] and router.batched == [False] * 3
+    assert a.batched == [True, True]  # engines directly: one batched request per prompt group
     # the post-sync probe asks every engine, not a router
     each = SGLangRolloutEngine([a, b], router=FakeClient("router"))
     assert [[s.response_ids[1] for s in per] for per in each.generate_on_each([[1], [2]], SamplingParams())] == \

@@ -76,7 +76,9 @@ class EngineFleet:
                     wait_until_healthy(SGLangHttpClient(url), None, self.wait_s)
         else:
             infos = gather_rank_infos()
-            num = r.num_engines or (self.world // r.engine_tp if self.colocated else 1)
+            from gspo_megatron.config import engine_count
+
+            num = engine_count(cfg, self.world)  # the planner's count
             self.specs = plan_engines(infos, num, r.engine_tp, self.colocated)
             self.ports = self._choose_ports()
             self._launch([s.index for s in self.specs])

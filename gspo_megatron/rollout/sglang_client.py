@@ -128,18 +128,24 @@ class SGLangHttpClient:
         return info.get("weight_version") if isinstance(info, dict) else None
 
     def generate(
-        self, input_ids: Sequence[Sequence[int]], sampling_params: Sequence[dict], return_logprob: bool = True
+        self, input_ids: Sequence[Sequence[int]], sampling_params: Sequence[dict], return_logprob: bool = True,
+        batch: bool = True,
     ) -> list[dict]:
-        """Batched ``/generate`` from token ids; one output dict per input, in order."""
-        out = self.post(
-            "generate",
-            {
-                "input_ids": [list(map(int, ids)) for ids in input_ids],
-                "sampling_params": list(sampling_params),
-                "return_logprob": return_logprob,
-            },
-        )
-        return out if isinstance(out, list) else [out]
+        """``/generate`` from token ids; one output dict per input, in order. ``batch``: one request
+        with lists of ``input_ids`` and ``sampling_params`` (the SGLang server's batch form);
+        otherwise one request per input with a single ``input_ids`` list and ``sampling_params``
+        object (the form the SGLang router's ``/generate`` accepts: its request type takes one
+        sampling-params object)."""
+        if batch:
+            out = self.post("generate", {"input_ids": [list(map(int, ids)) for ids in input_ids],
+                                         "sampling_params": list(sampling_params), "return_logprob": return_logprob})
+            return out if isinstance(out, list) else [out]
+        outs = []
+        for ids, sp in zip(input_ids, sampling_params):
+            out = self.post("generate", {"input_ids": list(map(int, ids)), "sampling_params": dict(sp),
+                                         "return_logprob": return_logprob})
+            outs.append(out[0] if isinstance(out, list) else out)
+        return outs
 
     def pause_generation(self) -> None:
         self.post("pause_generation")

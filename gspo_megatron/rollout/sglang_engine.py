@@ -5,7 +5,8 @@ Drives one or more SGLang HTTP servers through :mod:`gspo_megatron.rollout.sglan
 global rank 0 only; where the servers run and who starts them is ``rollout.engine_fleet``'s job.
 With a router URL, requests go to the SGLang router; otherwise each prompt's G samples go to one
 engine (they share the prefix cache), prompts spread round-robin over the engines, one ``/generate``
-request per prompt (its G samples as a batch).
+request per prompt (its G samples as a batch). Through the router every sample is its own request:
+the router's ``/generate`` takes one sampling-params object per request, not a list.
 
 Weight updates travel through the transports (``weight_sync.cuda_ipc`` / ``weight_sync.nccl_broadcast``);
 ``begin_weight_update`` / ``end_weight_update`` here bracket them with the one pause / flush / session
@@ -201,7 +202,8 @@ class SGLangRolloutEngine(RolloutEngine):
         def run(g: int) -> None:
             idx = groups[g]
             target = targets[g % len(targets)]
-            res = target.generate([ids[k] for k in idx], [sps[k] for k in idx], return_logprob=True)
+            res = target.generate([ids[k] for k in idx], [sps[k] for k in idx], return_logprob=True,
+                                  batch=target is not self.router)
             if len(res) != len(idx):
                 raise SGLangError(f"{target} returned {len(res)} outputs for {len(idx)} inputs")
             for k, r in zip(idx, res):
