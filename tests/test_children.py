@@ -1,6 +1,6 @@
 """gspo_megatron/runtime/children.py: each way a child is started dies with its starter when the
 starter is SIGKILLed (a Popen'd program, a forkserver child, a forked child, Megatron's checkpoint
-writer Manager with multiprocessing's resource tracker), and a forked child without the hooks does
+writer Manager with multiprocessing's resource tracker, a rank under a torchrun-like launcher), and a forked child without the hooks does
 not (the control: the check can fail).
 
 Each case runs a small starter script in its own process; the script starts the children, prints
@@ -59,6 +59,13 @@ p = mp.get_context("fork").Process(target=sleeper)
 p.start()
 report(p.pid)
 """,
+    "launcher": """
+env = dict(os.environ, TORCHELASTIC_RUN_ID="test")
+code = "from gspo_megatron.runtime import children; import time; assert children.die_with_launcher(); print(1, flush=True); time.sleep(600)"
+proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+proc.stdout.readline()
+report(proc.pid)
+""",
     "fork_no_hook": """
 p = mp.get_context("fork").Process(target=sleeper)
 p.start()
@@ -102,7 +109,7 @@ def run_case(name: str, tmp_path):
         fault_injection.kill_marked("GSPO_TEST_MARKER", marker)
 
 
-@pytest.mark.parametrize("name", ["popen", "forkserver", "spawn", "fork_hook", "checkpoint_manager"])
+@pytest.mark.parametrize("name", ["popen", "forkserver", "spawn", "fork_hook", "checkpoint_manager", "launcher"])
 def test_child_dies_with_sigkilled_starter(name, tmp_path):
     pids, alive = run_case(name, tmp_path)
     assert alive == [], {p: fault_injection.cmdline(p) for p in alive}

@@ -17,6 +17,7 @@ the kernel and the children themselves can notice. Three mechanisms, all Linux:
 - ``popen_preexec()``: ``subprocess.Popen(..., preexec_fn=popen_preexec())`` (SGLang servers, the CPU
   rollout server): PR_SET_PDEATHSIG in the child between fork and exec (it survives exec of a
   non-setuid program). Works together with ``start_new_session=True``.
+- ``die_with_launcher()``: first thing in a rank under torchrun: the rank dies with the agent.
 
 Megatron's checkpoint writer (``dist_checkpointing.save`` with the torch_dist strategy, which
 ``checkpoint.save_checkpoint`` uses) starts processes we do not create: on the first save,
@@ -76,6 +77,16 @@ def die_with_parent(parent_pid: int | None = None) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_launcher() -> bool:
+    """First thing in a training rank's main under torchrun (``TORCHELASTIC_RUN_ID`` set): the rank
+    dies with the torchrun agent that started it, also when the agent is SIGKILLed (torchrun itself
+    does not ask for this). Returns whether it applied."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _libc is None:
+        return False
+    die_with_parent(os.getppid())
+    return True
 
 
 def popen_preexec() -> Callable[[], None]:
