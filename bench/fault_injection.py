@@ -16,7 +16,9 @@ checkpoints every 2 steps) and, after a random delay, injects one fault:
 Reported per trial and in total: faults injected, runs recovered (finished with every step's
 metrics row present exactly once and a loadable final checkpoint), steps lost (finished steps
 recomputed after a trainer kill = the last logged step minus the resumed checkpoint's step), data lost (missing or
-duplicated metrics rows, or no loadable checkpoint).
+duplicated metrics rows, or no loadable checkpoint), orphan processes (processes of the run -- found by
+a marker in their environment, whoever their parent is now -- still alive 20 s after it ended; they
+are killed then). Each trial's run directory is removed afterwards (``--keep`` keeps them).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import shutil
 import time
+import uuid
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 STEPS = 8
@@ -54,7 +58,7 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
@@ -76,9 +80,9 @@ def find_targets(root: int) -> dict[str, list[int]]:
     """Processes of a run by role: training ranks, engine children, reward workers."""
     procs = _descendants(root)
     roles: dict[str, list[int]] = {"trainer": [], "engine": [], "reward": []}
-    forkservers = {p for p in procs if "forkserver" in _cmdline(p)}
+    forkservers = {p for p in procs if "forkserver" in cmdline(p)}
     for p in procs:
-        cmd = _cmdline(p)
+        cmd = cmdline(p)
         parent = _parent(p)
         if parent in forkservers:
             roles["engine"].append(p)  # the rollout engine is forked from a forkserver
@@ -86,9 +90,41 @@ def find_targets(root: int) -> dict[str, list[int]]:
             roles["reward"].append(p)
         elif "gspo_megatron.train" in cmd and "torch.distributed.run" not in cmd:
             roles["trainer"].append(p)
-    if "gspo_megatron.train" in _cmdline(root) and "torch.distributed.run" not in _cmdline(root):
+    if "gspo_megatron.train" in cmdline(root) and "torch.distributed.run" not in cmdline(root):
         roles["trainer"].append(root)
     return roles
+
+
+def marked_processes(key: str, value: str) -> list[int]:
+    """Live processes (zombies excluded) whose environment holds ``key=value``: every process of a
+    run started with that variable, forked or spawned, whoever its parent is now."""
+    needle = f"{key}={value}".encode()
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except OSError:  # gone, or not ours
+            continue
+        found.append(int(pid))
+    return found
+
+
+def kill_marked(key: str, value: str) -> list[int]:
+    """SIGKILL every process ``marked_processes(key, value)`` finds; returns their pids."""
+    pids = marked_processes(key, value)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
 
 
 def _parent(pid: int) -> int:
@@ -127,9 +163,32 @@ def latest_step(out_dir: str) -> int:
     return int(read_meta(path)["step"]) if path else 0
 
 
-def trial(kind: str, rng: random.Random, nproc: int, log) -> dict:
-    out_dir = tempfile.mkdtemp(prefix=f"fault-{kind}-")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+MARK = "GSPO_FAULT_TRIAL"
+
+
+def leftovers(marker: str, grace_s: float = 20.0) -> list[int]:
+    """Processes of a finished (or killed) run still alive after ``grace_s`` seconds."""
+    deadline = time.time() + grace_s
+    alive = marked_processes(MARK, marker)
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = marked_processes(MARK, marker)
+    return alive
+
+
+def trial(kind: str, rng: random.Random, nproc: int, log, out_dir: str | None = None) -> dict:
+    """One run with one fault, in ``out_dir`` (default: a new temporary directory, which the caller
+    removes). ``orphans``: processes of the run still alive after it ended (killed afterwards)."""
+    out_dir = out_dir or tempfile.mkdtemp(prefix=f"fault-{kind}-")
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{MARK: marker})
+    try:
+        return _trial(kind, rng, nproc, log, out_dir, env, marker)
+    finally:
+        kill_marked(MARK, marker)  # whatever happened, nothing of this trial keeps running
+
+
+def _trial(kind: str, rng: random.Random, nproc: int, log, out_dir: str, env: dict, marker: str) -> dict:
     proc = subprocess.Popen(command(out_dir, nproc), cwd=REPO, env=env, stdout=log, stderr=log,
                             start_new_session=True)
     injected, killed_at, deadline = False, None, time.time() + 900
@@ -147,6 +206,12 @@ def trial(kind: str, rng: random.Random, nproc: int, log) -> dict:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    orphans = [cmdline(p)[:120] for p in leftovers(marker)]  # what outlived the (killed) run
+    try:  # the group outlives its root while any member lives
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    kill_marked(MARK, marker)
     first_rc, resumed_from, steps_lost = proc.returncode, None, 0
     if kind == "trainer" and injected:
         time.sleep(1.0)
@@ -154,13 +219,14 @@ def trial(kind: str, rng: random.Random, nproc: int, log) -> dict:
         steps_lost = max(0, (killed_at or 0) - resumed_from)  # finished steps redone after resume
         rerun = subprocess.run(command(out_dir, nproc), cwd=REPO, env=env, stdout=log, stderr=log, timeout=900)
         final_rc = rerun.returncode
+        orphans += [cmdline(p)[:120] for p in leftovers(marker)]
     else:
         final_rc = first_rc
     steps = metrics_steps(out_dir)
     data_lost = steps != list(range(1, STEPS + 1)) or latest_step(out_dir) != STEPS
     return dict(kind=kind, out_dir=out_dir, injected=injected, killed_after_step=killed_at,
                 first_exit=first_rc, final_exit=final_rc, recovered=final_rc == 0 and not data_lost,
-                resumed_from_step=resumed_from, steps_lost=steps_lost, data_lost=data_lost)
+                resumed_from_step=resumed_from, steps_lost=steps_lost, data_lost=data_lost, orphans=orphans)
 
 
 def main() -> int:
@@ -170,6 +236,7 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=1, help="training ranks (2: torchrun, EP2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "fault_injection.log"))
+    parser.add_argument("--keep", action="store_true", help="keep each trial's run directory")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     kinds = args.kinds.split(",")
@@ -177,13 +244,16 @@ def main() -> int:
     with open(args.log, "w") as log:
         for i in range(args.faults):
             r = trial(kinds[i % len(kinds)], rng, args.nproc, log)
+            if not args.keep:
+                shutil.rmtree(r["out_dir"], ignore_errors=True)
             results.append(r)
             print(json.dumps(r), flush=True)
     injected = sum(r["injected"] for r in results)
+    orphans = sum(len(r["orphans"]) for r in results)
     print(f"\nfaults injected: {injected}/{len(results)}  runs recovered: {sum(r['recovered'] for r in results)}"
           f"  steps lost: {sum(r['steps_lost'] for r in results)}  "
-          f"data lost: {sum(r['data_lost'] for r in results)} runs   (log: {args.log})")
-    return 0 if all(r["recovered"] for r in results) else 1
+          f"data lost: {sum(r['data_lost'] for r in results)} runs  orphan processes: {orphans}   (log: {args.log})")
+    return 0 if all(r["recovered"] and not r["orphans"] for r in results) else 1
 
 
 if __name__ == "__main__":

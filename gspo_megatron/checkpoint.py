@@ -276,6 +276,8 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
     tokenizer files and generation_config.json are copied along."""
     from megatron.core import dist_checkpointing
 
+    from gspo_megatron.runtime.children import adopt_checkpoint_writers
+
     final_dir = os.path.abspath(final_dir)
     parent = os.path.dirname(final_dir)
     tmp_dir = None
@@ -292,6 +294,7 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"],
                                                           metadata=dict(_SHARDING_METADATA))
+    adopt_checkpoint_writers()  # Megatron's writer processes die with this one, also on SIGKILL
     dist_checkpointing.save(state, os.path.join(tmp_dir, DIST_SUBDIR))
     if save_rng:
         torch.save(capture_rng_state(), os.path.join(tmp_dir, "rng", f"rank_{_rank():05d}.pt"))

@@ -334,7 +334,7 @@ def add_layout_args(parser, with_cp: bool = False) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
     parser.add_argument("--etp", type=int, default=None,
-                        help="expert tensor parallel size (default: --tp; use 1 for TPxEP on gloo)")
+                        help="expert tensor parallel size (default: --tp)")
     if with_cp:
         parser.add_argument("--cp", type=int, default=1, help="context parallel size (GPU only)")
 

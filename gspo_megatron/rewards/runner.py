@@ -18,6 +18,8 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
+from gspo_megatron.runtime.children import run_dying_with_parent
+
 logger = logging.getLogger(__name__)
 
 
@@ -96,7 +98,8 @@ class InlineRewardScorer:
 class _Worker:
     def __init__(self, ctx, spec: str):
         self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child_conn, spec), daemon=True)
+        # the worker dies with the trainer, also when the trainer is SIGKILLed
+        self.proc = ctx.Process(target=run_dying_with_parent, args=(_worker_main, child_conn, spec), daemon=True)
         self.proc.start()
         child_conn.close()
         self.ready = False

@@ -90,11 +90,11 @@ def launch_server(server_args: dict[str, Any], *, module: str = "sglang.launch_s
     child_env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     child_env.pop("PYTORCH_ALLOC_CONF", None)
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
-    from gspo_megatron.runtime.children import die_with_parent
+    from gspo_megatron.runtime import children
 
     return subprocess.Popen([python, "-m", module, *server_args_to_cli(server_args)],
                             stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
-                            preexec_fn=die_with_parent)
+                            preexec_fn=children.popen_preexec())
 
 
 def to_sglang_sampling_params(params: SamplingParams, seed: int | None) -> dict[str, Any]:

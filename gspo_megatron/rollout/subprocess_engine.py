@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+from gspo_megatron.runtime.children import run_dying_with_parent
 
 
 class EngineDiedError(RuntimeError):
@@ -92,7 +93,8 @@ class SubprocessRolloutEngine(RolloutEngine):
     def _start(self) -> None:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         self._proc = self._ctx.Process(
-            target=_child_main, args=(child_conn, self.factory, self.kwargs), daemon=True
+            # dies with the trainer (also on SIGKILL), not only with the fork server
+            target=run_dying_with_parent, args=(_child_main, child_conn, self.factory, self.kwargs), daemon=True
         )
         self._proc.start()
         child_conn.close()

@@ -214,6 +214,7 @@ def activate(force: bool = False) -> bool:
             mod.torch = proxy
     _patch_rng_tracker()
     _patch_moe_split_sizes()
+    _patch_uneven_first_dim_collectives()
     _patch_tied_embedding_setup()
     _patch_type_string_checks()
     _ACTIVE = True
@@ -240,6 +241,70 @@ def _patch_moe_split_sizes() -> None:
         return tensor
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` rows (dim 0)."""
+    if t.shape[0] == rows:
+        return t.contiguous()
+    pad = t.new_zeros((rows - t.shape[0], *t.shape[1:]))
+    return torch.cat([t, pad], dim=0)
+
+
+def _patch_uneven_first_dim_collectives() -> None:
+    """The alltoall dispatcher with expert-tensor parallelism (ETP > 1) all-gathers, over the TP
+    group, the tokens each TP rank routes to this rank's experts (``output_split_sizes``: one count
+    per TP rank, the same list on every rank of the group), and reduce-scatters their gradients
+    (and the experts' outputs) back with the same uneven splits. NCCL takes uneven sizes; gloo's
+    all-gather refuses them (``ProcessGroupGloo::allgather: invalid tensor size``).
+
+    Replaced: ``mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` (module
+    globals, called by the autograd functions ``_GatherFromSequenceParallelRegion`` and
+    ``_ReduceScatterToSequenceParallelRegion`` in forward and backward). With uneven splits
+    (sizes n_0..n_{W-1}, m = max n_r) each rank's piece is zero-padded to m rows, the equal-size
+    collective runs on [W*m, ...], and the padding is dropped:
+      gather:          out = cat_r x_r[:n_r]               (x_r = rank r's padded input)
+      reduce-scatter:  out_r = sum_k chunk_{k,r}[:n_r]     (chunk_{k,r} = rank k's r-th split, padded)
+    Zero rows add nothing to a sum, so both equal the unpadded collectives exactly. Even splits
+    and the no-split path go to Megatron's own functions unchanged."""
+    from megatron.core.tensor_parallel import mappings
+
+    if getattr(mappings._gather_along_first_dim, "_gspo_patched", False):
+        return
+    gather_orig = mappings._gather_along_first_dim
+    reduce_scatter_orig = mappings._reduce_scatter_along_first_dim
+
+    def uneven(sizes, group) -> bool:
+        return sizes is not None and group is not None and group.size() > 1 and len(set(sizes)) > 1
+
+    @functools.wraps(gather_orig)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if not uneven(output_split_sizes, group):
+            return gather_orig(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        rank, m = group.rank(), max(sizes)
+        if input_.shape[0] != sizes[rank]:
+            raise RuntimeError(f"uneven all-gather: rank {rank} holds {input_.shape[0]} rows, "
+                               f"output_split_sizes says {sizes[rank]}")
+        out = torch.empty((len(sizes) * m, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+        torch.distributed.all_gather_into_tensor(out, _pad_rows(input_, m), group=group)
+        return torch.cat([out[r * m : r * m + n] for r, n in enumerate(sizes)], dim=0)
+
+    @functools.wraps(reduce_scatter_orig)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if not uneven(input_split_sizes, group):
+            return reduce_scatter_orig(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        rank, m = group.rank(), max(sizes)
+        padded = torch.cat([_pad_rows(c, m) for c in torch.split(input_, sizes, dim=0)], dim=0)
+        out = torch.empty((m, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+        torch.distributed.reduce_scatter_tensor(out, padded, group=group)
+        return out[: sizes[rank]]
+
+    gather._gspo_patched = True
+    reduce_scatter._gspo_patched = True
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""kill -9 during a save loop leaves the newest complete checkpoint loadable (slow: two extra
-processes with Megatron)."""
+"""kill -9 during a save loop leaves the newest complete checkpoint loadable, and no process of
+the killed saver (Megatron's checkpoint-writer Manager, forked writers, resource tracker) alive."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
-import pytest
 
 from distributed_harness import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import fault_injection  # noqa: E402
 
 
 def load_latest(rank, world, hf_dir, root):
@@ -32,13 +35,13 @@ def load_latest(rank, world, hf_dir, root):
     return step, extra, values
 
 
-@pytest.mark.slow
 def test_kill_during_save_loop_leaves_a_loadable_checkpoint(tmp_path):
     from gspo_megatron.models.tiny import save_tiny_hf_model
 
     hf_dir, root = str(tmp_path / "hf"), str(tmp_path / "run")
     save_tiny_hf_model("qwen3_moe", hf_dir, num_hidden_layers=2)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=ROOT, GSPO_TEST_MARKER=marker)
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "save_loop_script.py"), hf_dir, root],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
@@ -48,9 +51,16 @@ def test_kill_during_save_loop_leaves_a_loadable_checkpoint(tmp_path):
         time.sleep(random.Random(0).uniform(0.05, 0.6))  # somewhere inside a later save
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        deadline, alive = time.time() + 20, fault_injection.marked_processes("GSPO_TEST_MARKER", marker)
+        while alive and time.time() < deadline:
+            time.sleep(0.1)
+            alive = fault_injection.marked_processes("GSPO_TEST_MARKER", marker)
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.stdout.close()
+        fault_injection.kill_marked("GSPO_TEST_MARKER", marker)
+    assert alive == [], {p: fault_injection.cmdline(p) for p in alive}  # nothing outlived the saver
     (step, extra, values), = run_ranks(load_latest, 1, hf_dir, root)
     assert step >= 2 and extra == {"step": step}
     assert values == [float(step)]  # every weight comes from that one save

@@ -20,11 +20,12 @@ import fault_injection  # noqa: E402
 @pytest.mark.parametrize("kind", ["engine", "trainer", "reward"])
 def test_fault_is_recovered_without_data_loss(kind, tmp_path):
     with open(tmp_path / "log.txt", "w") as log:
-        result = fault_injection.trial(kind, random.Random(1), nproc=1, log=log)
+        result = fault_injection.trial(kind, random.Random(1), nproc=1, log=log, out_dir=str(tmp_path / "run"))
     logtext = (tmp_path / "log.txt").read_text()
     assert result["injected"], logtext[-4000:]
     assert result["recovered"], (result, logtext[-4000:])
     assert not result["data_lost"]
+    assert result["orphans"] == []  # nothing of the run outlived it (after a trainer kill neither)
     if kind == "engine":
         rows = [json.loads(x) for x in open(os.path.join(result["out_dir"], "metrics.jsonl"))]
         assert rows[-1]["rollout/engine_restarts"] >= 1
