@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gspo_megatron.runtime import children
+
+    children.die_with_launcher()  # a rank never outlives a SIGKILLed torchrun agent
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.help:
