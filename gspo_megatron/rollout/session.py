@@ -42,13 +42,12 @@ class RolloutSession:
         """Rank 0, after an engine call failed: ("restart", dead engines) or ("fatal", message)."""
         dead = self.dead_engines()
         if not dead:
-            return ("fatal", f"rollout failed with healthy engines: {why}")
+            return ("fatal", f"rollout failed with a healthy engine: {why}")
         self.restarts += 1
         if self.restarts > self.max_restarts:
-            return ("fatal", f"rollout engine(s) {dead} failed; {self.restarts} failures exceed "
-                             f"rollout.max_engine_restarts={self.max_restarts}; last error: {why}")
-        print(f"[gspo-train] rollout engine(s) {dead} died ({why.splitlines()[0]}); restarting "
-              f"({self.restarts}/{self.max_restarts}), re-syncing weights and retrying", flush=True)
+            return ("fatal", f"rollout engine(s) {dead} failed {self.restarts} times (rollout.max_engine_restarts="
+                             f"{self.max_restarts}); last error: {why}")
+        print(f"[gspo-train] rollout engine(s) {dead} died ({why.splitlines()[0]}); restarting", flush=True)
         return ("restart", dead)
 
     def _act(self, status: tuple) -> bool:
@@ -57,7 +56,13 @@ class RolloutSession:
             return True
         if status[0] == "fatal":
             raise RuntimeError(status[1])
-        self.restart(status[1])
+        try:
+            self.restart(status[1])
+        except Exception as e:  # noqa: BLE001 - the same message on every rank
+            raise RuntimeError(f"rollout engine(s) {status[1]} died and could not be restarted: {e}") from e
+        if self.rank == 0:
+            print(f"[gspo-train] rollout engine(s) {status[1]} restarted ({self.restarts}/{self.max_restarts}), "
+                  "re-syncing weights and retrying", flush=True)
         return False
 
     def sync(self) -> dict:

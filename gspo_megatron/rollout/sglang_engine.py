@@ -81,12 +81,13 @@ def launch_server(server_args: dict[str, Any], *, module: str = "sglang.launch_s
     :func:`kill_server` takes its workers too) and dies with this process.
 
     ``server_args`` must hold ``model_path``, ``host`` and ``port``. PYTORCH_CUDA_ALLOC_CONF is
-    dropped from the child's environment: SGLang's memory saver does not support expandable segments.
+    dropped from the child's environment (SGLang's memory saver does not support expandable
+    segments), and so are torchrun's variables (:func:`without_torchrun_env`).
     """
     for key in ("model_path", "host", "port"):
         if key not in server_args:
             raise ValueError(f"launch_server: server_args is missing {key!r}")
-    child_env = dict(os.environ if env is None else env)
+    child_env = without_torchrun_env(dict(os.environ if env is None else env))
     child_env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     child_env.pop("PYTORCH_ALLOC_CONF", None)
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
@@ -95,6 +96,18 @@ def launch_server(server_args: dict[str, Any], *, module: str = "sglang.launch_s
     return subprocess.Popen([python, "-m", module, *server_args_to_cli(server_args)],
                             stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
                             preexec_fn=children.popen_preexec())
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def without_torchrun_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` less the variables torchrun gives a training rank. A server started from a rank must
+    not inherit them: with ``TORCHELASTIC_USE_AGENT_STORE=True`` every ``tcp://`` rendezvous in it
+    (SGLang's TP group, its weight-update groups) connects as a client to a store nobody serves, and
+    hangs."""
+    return {k: v for k, v in env.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
 
 
 def to_sglang_sampling_params(params: SamplingParams, seed: int | None) -> dict[str, Any]:

@@ -17,8 +17,10 @@ gloo on CPU (``backend="gloo"``, the CPU rollout server), NCCL on GPU: the same 
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -66,14 +68,33 @@ def init_external_process_group(backend: str, init_method: str, world_size: int,
     installed; otherwise the equivalent torch calls (torch has no public API for a second, disjoint
     world group, hence the private helpers).
     """
-    if prefer_sglang:
-        try:
-            from sglang.srt.utils.common import init_custom_process_group
-        except ImportError:
-            init_custom_process_group = None
-        if init_custom_process_group is not None:
-            return init_custom_process_group(backend=backend, init_method=init_method, world_size=world_size,
-                                             rank=rank, group_name=group_name, timeout=timeout)
+    with _outside_torchelastic():
+        if prefer_sglang:
+            try:
+                from sglang.srt.utils.common import init_custom_process_group
+            except ImportError:
+                init_custom_process_group = None
+            if init_custom_process_group is not None:
+                return init_custom_process_group(backend=backend, init_method=init_method, world_size=world_size,
+                                                 rank=rank, group_name=group_name, timeout=timeout)
+        return _torch_external_group(backend, init_method, world_size, rank, group_name, timeout)
+
+
+@contextmanager
+def _outside_torchelastic():
+    """Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) torch's ``tcp://`` rendezvous never
+    starts a store server, it connects to the agent's: a group with outside peers would hang. The
+    trainer rank is this group's rank 0 and must serve the store itself."""
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+
+
+def _torch_external_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                          timeout: timedelta | None) -> Any:
     from torch.distributed.distributed_c10d import (PrefixStore, _new_process_group_helper, _world,
                                                     default_pg_timeout, rendezvous)
 
