@@ -127,6 +127,15 @@ def latest_step(out_dir: str) -> int:
     return int(read_meta(path)["step"]) if path else 0
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's whole process group (ranks, engine child, reward workers) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def trial(kind: str, rng: random.Random, nproc: int, log) -> dict:
     out_dir = tempfile.mkdtemp(prefix=f"fault-{kind}-")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -134,26 +143,30 @@ def trial(kind: str, rng: random.Random, nproc: int, log) -> dict:
                             start_new_session=True)
     injected, killed_at, deadline = False, None, time.time() + 900
     target_step = rng.randint(2, STEPS - 2)
-    while proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-        if injected or not metrics_steps(out_dir) or max(metrics_steps(out_dir)) < target_step:
-            continue
-        victims = find_targets(proc.pid)[kind]
-        if victims:
-            time.sleep(rng.uniform(0.0, 1.0))  # land anywhere inside the next step
-            killed_at = max(metrics_steps(out_dir) or [0])
-            os.kill(rng.choice(victims), signal.SIGKILL)
-            injected = True
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:
+        while proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+            if injected or not metrics_steps(out_dir) or max(metrics_steps(out_dir)) < target_step:
+                continue
+            victims = find_targets(proc.pid)[kind]
+            if victims:
+                time.sleep(rng.uniform(0.0, 1.0))  # land anywhere inside the next step
+                killed_at = max(metrics_steps(out_dir) or [0])
+                os.kill(rng.choice(victims), signal.SIGKILL)
+                injected = True
+    finally:  # also when interrupted (a test's timeout): nothing of the run is left behind
+        _kill_group(proc)
     first_rc, resumed_from, steps_lost = proc.returncode, None, 0
     if kind == "trainer" and injected:
         time.sleep(1.0)
         resumed_from = latest_step(out_dir)
         steps_lost = max(0, (killed_at or 0) - resumed_from)  # finished steps redone after resume
-        rerun = subprocess.run(command(out_dir, nproc), cwd=REPO, env=env, stdout=log, stderr=log, timeout=900)
-        final_rc = rerun.returncode
+        rerun = subprocess.Popen(command(out_dir, nproc), cwd=REPO, env=env, stdout=log, stderr=log,
+                                 start_new_session=True)
+        try:
+            final_rc = rerun.wait(timeout=900)
+        finally:
+            _kill_group(rerun)
     else:
         final_rc = first_rc
     steps = metrics_steps(out_dir)
