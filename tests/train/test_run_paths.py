@@ -94,8 +94,8 @@ def test_kl_reference_model_is_frozen_and_kl_grows_from_zero(first_run, tmp_path
     assert proc.returncode == 0, proc.stderr[-4000:]
     kl = [m["loss/kl_ref"] for m in read_metrics(out)]
     assert len(kl) == 3
-    assert abs(kl[0]) < 1e-6  # step 1, one mini-batch: the policy IS the reference
-    assert kl[1] > 1e-6 and kl[2] > 1e-6  # after updates the policy has left the reference
+    assert abs(kl[0]) < 1e-6, kl  # step 1, one mini-batch: the policy IS the reference
+    assert kl[1] > 1e-6 and kl[2] > 1e-6, kl  # after updates the policy has left the reference
     assert report["models_built"] == 2
     assert report["ref_started_as_policy"] and report["policy_moved"]
     assert report["ref_unchanged"]
