@@ -6,7 +6,7 @@ order). A rank's exception is re-raised in the parent with its traceback text.
 
 Never hangs: when the ranks have not all finished after ``timeout`` seconds (a deadlocked
 collective, a rank waiting on a dead peer), every live rank is asked to dump its Python stacks
-(faulthandler, on SIGUSR1), then the ranks and their children are killed and the call raises
+(faulthandler, on SIGUSR2), then the ranks and their children are killed and the call raises
 ``RanksTimedOut`` with each rank's stacks. The same clean-up runs when the wait itself is interrupted
 (pytest-timeout, Ctrl-C), so no rank outlives its test.
 """
@@ -24,7 +24,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-STACK_SIGNAL = signal.SIGUSR1
+STACK_SIGNAL = signal.SIGUSR2  # SIGUSR1 is the trainer's checkpoint-and-stop signal
 
 
 class RanksTimedOut(RuntimeError):
@@ -98,7 +98,7 @@ def _dump_stacks(ctx, outdir: str, world_size: int) -> str:
             with open(os.path.join(outdir, f"rank{r}.stacks")) as f:
                 text = f.read().strip()
         except OSError:
-            text = ""
+            text = "(no stack dump: the rank had not started its function yet)"
         parts.append(f"--- rank {r} (pid {proc.pid}, {state}) ---\n{text or '(no stack dump)'}")
     return "\n".join(parts)
 
