@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine (Python 3.11+):
 #   make demo   - create .venv if missing, install, run the CPU GSPO demo
 #   make test   - create .venv if missing, install, run the CPU test suite
+#   make lint   - ruff check (CI runs it before the tests)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all test-mcore-latest clean-venv bench
+.PHONY: demo test lint test-all test-mcore-latest clean-venv bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q tests $(ARGS)
+
+# ruff: pyflakes, pycodestyle, import order (rules in pyproject.toml; also a pre-commit hook)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gspo_megatron tests tools bench
 
 # Everything, slow tests included.
 test-all: $(STAMP)

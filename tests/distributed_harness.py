@@ -1,19 +1,34 @@
 """Run a function on N gloo ranks (torch.multiprocessing spawn) and collect each rank's result.
 
-``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in fresh processes with
-MASTER_ADDR/PORT, RANK, WORLD_SIZE set; returns the list of return values (rank order). A rank's
-exception is re-raised in the parent with its traceback text.
+``run_ranks(fn, world_size, *args, timeout=600)`` calls ``fn(rank, world_size, *args)`` in fresh
+processes with MASTER_ADDR/PORT, RANK, WORLD_SIZE set; returns the list of return values (rank
+order). A rank's exception is re-raised in the parent with its traceback text.
+
+Never hangs: when the ranks have not all finished after ``timeout`` seconds (a deadlocked
+collective, a rank waiting on a dead peer), every live rank is asked to dump its Python stacks
+(faulthandler, on SIGUSR2), then the ranks and their children are killed and the call raises
+``RanksTimedOut`` with each rank's stacks. The same clean-up runs when the wait itself is interrupted
+(pytest-timeout, Ctrl-C), so no rank outlives its test.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
 import tempfile
+import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+STACK_SIGNAL = signal.SIGUSR2  # SIGUSR1 is the trainer's checkpoint-and-stop signal
+
+
+class RanksTimedOut(RuntimeError):
+    """The ranks did not finish in time; the message holds each live rank's Python stacks."""
 
 
 def _free_port() -> int:
@@ -23,9 +38,13 @@ def _free_port() -> int:
 
 
 def _entry(rank, world_size, port, outdir, fn, args):
+    import faulthandler
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    stacks = open(os.path.join(outdir, f"rank{rank}.stacks"), "w")  # noqa: SIM115 - lives as long as the rank
+    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
         result = fn(rank, world_size, *args)
@@ -43,16 +62,74 @@ def _entry(rank, world_size, port, outdir, fn, args):
                 pass
 
 
+def _kill_tree(pids: list[int]) -> None:
+    """SIGKILL each pid and every process below it (e.g. a checkpoint writer's helpers)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += p.children(recursive=True) + [p]
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _dump_stacks(ctx, outdir: str, world_size: int) -> str:
+    """Signal every live rank to write its stacks, wait briefly, and return them as one text."""
+    live = [(r, p) for r, p in enumerate(ctx.processes) if p.is_alive()]
+    for _, p in live:
+        try:
+            os.kill(p.pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            pass
+    time.sleep(2.0)
+    parts = []
+    for r in range(world_size):
+        proc = ctx.processes[r]
+        state = "running" if proc.is_alive() else f"exited with code {proc.exitcode}"
+        try:
+            with open(os.path.join(outdir, f"rank{r}.stacks")) as f:
+                text = f.read().strip()
+        except OSError:
+            text = "(no stack dump: the rank had not started its function yet)"
+        parts.append(f"--- rank {r} (pid {proc.pid}, {state}) ---\n{text or '(no stack dump)'}")
+    return "\n".join(parts)
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 600):
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(_entry, args=(world_size, _free_port(), outdir, fn, args),
                                  nprocs=world_size, join=False, start_method="spawn")
         errors = []
+        deadline = time.monotonic() + timeout
+        finished = False
         try:
-            while not ctx.join(timeout=timeout):
-                pass
-        except Exception as e:  # a rank failed: report the first traceback we saved
-            errors.append(str(e))
+            while not finished:
+                if time.monotonic() > deadline:
+                    stacks = _dump_stacks(ctx, outdir, world_size)
+                    raise RanksTimedOut(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s; "
+                                        f"killed. Each rank's Python stacks:\n{stacks}")
+                try:
+                    finished = ctx.join(timeout=1.0)
+                except Exception as e:  # a rank failed: report the first traceback we saved
+                    errors.append(str(e))
+                    finished = True
+        except BaseException as e:
+            if not finished:  # timed out here, or interrupted (pytest-timeout, Ctrl-C): leave no rank behind
+                if not isinstance(e, RanksTimedOut):
+                    print(f"run_ranks interrupted; the ranks' Python stacks:\n{_dump_stacks(ctx, outdir, world_size)}",
+                          file=sys.stderr, flush=True)
+                _kill_tree([p.pid for p in ctx.processes if p.is_alive()])
+            raise
+        # one rank failing makes join() kill the others; make sure their children are gone too
+        _kill_tree([p.pid for p in ctx.processes if p.is_alive()])
         results = []
         for r in range(world_size):
             path = os.path.join(outdir, f"rank{r}.pt")

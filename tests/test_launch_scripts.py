@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from subprocess_utils import popen_group
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [ROOT / "launch/torchrun.sh", ROOT / "launch/sglang_node.sh", ROOT / "launch/slurm/train.sbatch"]
 
@@ -64,13 +66,13 @@ def test_torchrun_forwards_usr1_to_training_processes(tmp_path):
                 'bash -c \'trap "echo ckpt > $MARK; exit 0" USR1; touch $MARK.ready; '
                 'while true; do sleep 0.05; done\' &\nwait $!\n')
     env = {**os.environ, "TORCHRUN": str(fake), "MARK": str(marker), "NPROC_PER_NODE": "1"}
-    proc = subprocess.Popen([str(SCRIPTS[0]), str(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 20
-    while not Path(str(marker) + ".ready").exists():
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)
-    assert proc.wait(timeout=20) == 0
+    with popen_group([str(SCRIPTS[0]), str(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        deadline = time.monotonic() + 20
+        while not Path(str(marker) + ".ready").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=20) == 0
     assert marker.read_text().strip() == "ckpt"
 
 

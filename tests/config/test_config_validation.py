@@ -99,6 +99,8 @@ def test_static_errors_name_the_field(overrides, expected):
 
 
 @pytest.mark.parametrize("overrides", [
+    # NOT RUNNABLE YET (issue 15): the trainer has no token-sum loss (train_step.loss_config maps it to
+    # seq-mean-token-mean); helper "first-day" decides whether token-sum is implemented or refused.
     ["gspo.mode=grpo", "gspo.loss_agg=token-sum"],
     ["gspo.mode=grpo", "gspo.loss_agg=token-mean"],
     ["reward.function=exact_match"], ["reward.function=math"], ["reward.function=add_digits"],
@@ -158,6 +160,10 @@ def test_world_size_checks():
 
 def test_colocated_engine_checks():
     cfg = moe(rollout__engine="sglang", rollout__sync_mode="colocated", rollout__engine_tp=4)
+    # NOT RUNNABLE YET (issue 15): this config passes validation, but factory.build_transport sends every
+    # bucket from global rank 0 to engine 0 only (CudaIpcTransport(engine.clients[0])), so colocated
+    # engine_tp=4 with two engines is accepted here and not run by the trainer (the integrator is
+    # rewriting the colocated transport: each training rank feeds its own engine TP rank).
     validate(cfg, 8)
     with pytest.raises(ConfigError, match="rollout.engine_tp=4 must divide the number of training GPUs 6"):
         validate(moe(rollout__engine="sglang", rollout__sync_mode="colocated", rollout__engine_tp=4,

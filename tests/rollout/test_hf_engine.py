@@ -75,6 +75,19 @@ def test_loading_from_a_directory(tmp_path):
         assert torch.equal(engine.model(ids).logits, model(ids).logits)
 
 
+def test_loading_from_a_sharded_directory(tmp_path):
+    """save_pretrained with a small max_shard_size: model.safetensors.index.json and several shards."""
+    torch.manual_seed(123)
+    model = AutoModelForCausalLM.from_config(CONFIGS["qwen3_moe"]()).eval()
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(shards) >= 2, shards
+    engine = HFRolloutEngine(tmp_path, weights=tmp_path, seed=9)
+    ids = torch.arange(20)[None] % V
+    with torch.no_grad():
+        assert torch.equal(engine.model(ids).logits, model(ids).logits)
+
+
 def test_partial_expert_update_touches_only_its_slice(tmp_path):
     model, tensors = saved_reference("qwen3_moe", tmp_path)
     engine = HFRolloutEngine(model.config, weights=tensors)

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from subprocess_utils import run_group
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOLS = os.path.join(ROOT, "tools")
 
@@ -23,7 +25,7 @@ def run_tool(name: str, args: list[str], nproc: int = 1, timeout: int = 300) -> 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return run_group(cmd, timeout=timeout, env=env, cwd=ROOT)  # a timeout kills torchrun's ranks too
 
 
 def load_tool(name: str):

@@ -1,23 +1,21 @@
 """gspo-train's command line: --help documents the config, --check validates, bad settings fail in
-seconds naming the field, before any model is built."""
+seconds naming the field, before any model is built (no model: no hf_init directory is written)."""
 
 import os
-import subprocess
 import sys
-import time
+
+from subprocess_utils import run_group
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _run(*args, env=None):
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.train", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, **(env or {})))
-    return proc, time.time() - t0
+    return run_group([sys.executable, "-m", "gspo_megatron.train", *args], timeout=120, cwd=REPO,
+                     env=dict(os.environ, **(env or {})))
 
 
 def test_help_lists_every_section_and_interface_key():
-    proc, _ = _run("--help")
+    proc = _run("--help")
     assert proc.returncode == 0
     for key in ("output_dir", "train.steps", "data.path", "data.prompt_key", "data.label_key",
                 "reward.function", "checkpoint.interval", "seed", "gspo.clip_low", "parallel.ep"):
@@ -25,7 +23,7 @@ def test_help_lists_every_section_and_interface_key():
 
 
 def test_check_accepts_the_demo_config():
-    proc, _ = _run("--config", "configs/demo_cpu.yaml", "--check")
+    proc = _run("--config", "configs/demo_cpu.yaml", "--check")
     assert proc.returncode == 0, proc.stderr
     assert "config OK" in proc.stdout
 
@@ -39,14 +37,14 @@ def test_bad_settings_fail_fast_naming_the_field(tmp_path):
         ([f"data.path={tmp_path}/missing.jsonl"], "data.path"),
     ]
     for overrides, expected in cases:
-        proc, _ = _run("--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/run", *overrides)
+        proc = _run("--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/run", *overrides)
         assert proc.returncode != 0, overrides
         assert expected in proc.stderr, (overrides, proc.stderr[-2000:])
         assert not os.path.exists(tmp_path / "run" / "hf_init"), "failed before building anything"
 
 
 def test_world_size_that_does_not_divide_the_layout_is_refused(tmp_path):
-    proc, _ = _run("--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/run", "parallel.ep=2",
+    proc = _run("--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/run", "parallel.ep=2",
                    env={"WORLD_SIZE": "3"})
     assert proc.returncode != 0
     assert "parallel.ep" in proc.stderr or "world size" in proc.stderr

@@ -5,19 +5,22 @@ transformers itself."""
 import json
 import os
 import statistics
-import subprocess
 import sys
 
+import pytest
 import torch
+
+from subprocess_utils import run_group
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
+@pytest.mark.timeout(1800)  # the whole demo (about 5 minutes on 2 free cores); the run itself stops at 1500 s
 def test_cpu_demo_learns_and_exports(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", "configs/demo_cpu.yaml",
-                           f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false"],
-                          cwd=REPO, capture_output=True, text=True, timeout=1500)
+    proc = run_group([sys.executable, "-m", "gspo_megatron.train", "--config", "configs/demo_cpu.yaml",
+                      f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false"],
+                     timeout=1500, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"exported Hugging Face model: {out / 'hf_final'}" in proc.stdout
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]

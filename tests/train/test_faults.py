@@ -15,6 +15,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import fault_injection  # noqa: E402
+from subprocess_utils import popen_group, run_group  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["engine", "trainer", "reward"])
@@ -39,16 +40,16 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     out = str(tmp_path / "run")
     cmd = fault_injection.command(out, 1)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and not fault_injection.metrics_steps(out):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    text, _ = proc.communicate(timeout=300)
+    with popen_group(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        deadline = time.time() + 300
+        while time.time() < deadline and not fault_injection.metrics_steps(out):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        text, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, text[-3000:]
     assert "signal received: checkpointed step" in text
     stopped_at = max(fault_injection.metrics_steps(out))
     assert fault_injection.latest_step(out) == stopped_at < fault_injection.STEPS
-    rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    rerun = run_group(cmd, timeout=600, cwd=REPO, env=env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert fault_injection.metrics_steps(out) == list(range(1, fault_injection.STEPS + 1))

@@ -14,17 +14,22 @@ import os
 
 def score(prompt, response, label):
     # reward: the response contains the label's letter; every call is logged to prove it ran
-    with open(os.environ["GSPO_TEST_REWARD_LOG"], "a") as f:
+    log = os.environ["GSPO_TEST_REWARD_LOG"]
+    first_hang = label == "hang" and not os.path.exists(log + ".hung")
+    with open(log, "a") as f:
         f.write(json.dumps([prompt, response, label]) + "\\n")
-    if label == "hang" and "q" in response:
-        import time; time.sleep(60)   # a hang: must be cut by reward.timeout_s and score 0
+    if first_hang:  # the first call for the "hang" row hangs: cut by reward.timeout_s, scored 0, counted
+        open(log + ".hung", "w").close()
+        import time; time.sleep(600)
     return 1.0 if str(label)[0] in response else 0.0
 '''
 
 
 def test_user_data_and_reward_function(tmp_path, monkeypatch):
     data = tmp_path / "letters.jsonl"
-    rows = [{"question": f"write the letter {c}", "answer": c} for c in "abcdefgh"]
+    # 8 rows = 2 steps * 4 prompts: one epoch, so every row (the "hang" row too) is drawn exactly once
+    rows = [{"question": f"write the letter {c}", "answer": c} for c in "abcdefg"]
+    rows.append({"question": "write the letter h", "answer": "hang"})
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     reward = tmp_path / "my_reward.py"
     reward.write_text(REWARD_SRC)
@@ -32,20 +37,22 @@ def test_user_data_and_reward_function(tmp_path, monkeypatch):
     monkeypatch.setenv("GSPO_TEST_REWARD_LOG", str(log))
     out = tmp_path / "run"
     run_train(str(out), [f"data.path={data}", "data.prompt_key=question", "data.label_key=answer",
-                         f"reward.function={reward}:score", "reward.num_workers=1", "train.steps=2",
+                         f"reward.function={reward}:score", "reward.num_workers=1", "reward.timeout_s=2", "train.steps=2",
                          "rollout.dynamic_sampling=false"])  # one sampling round: an exact call count
     metrics = read_metrics(str(out))
     assert [m["step"] for m in metrics] == [1, 2]
     calls = log.read_text().splitlines()
     assert len(calls) == 2 * 4 * 4  # steps * prompts * group size
     prompts = {json.loads(c)[0] for c in calls}
-    assert prompts <= {r["question"] for r in rows}
+    assert prompts == {r["question"] for r in rows}
+    assert sum(json.loads(c)[2] == "hang" for c in calls) == 4  # the hanging row's group, every call made
     for m in metrics:
         for key in ("reward/mean", "reward/std", "loss/policy", "gspo/clip_frac", "gspo/ratio_mean",
                     "rollout/logprob_abs_diff", "rollout/response_len_mean", "perf/step_time_s",
                     "perf/tokens_per_s"):
             assert key in m, key
-        assert m["reward/errors"] == 0
+        assert m["reward/errors"] == 0 and m["reward/nonfinite"] == 0
+    assert sum(m["reward/timeouts"] for m in metrics) == 1  # the hung call was cut and counted
     assert os.path.exists(out / "hf_final" / "config.json")
 
 

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+from subprocess_utils import run_group
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # A tiny, fast configuration shared by the e2e tests (the demo model, few prompts, few steps).
@@ -34,7 +36,7 @@ def run_train(out_dir: str, overrides: list[str], nproc: int = 1, config: str = 
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={_port()}", "-m", "gspo_megatron.train", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_group(cmd, timeout=timeout, cwd=REPO, env=env)  # kills torchrun's ranks / engine children too
     if check and proc.returncode != 0:
         raise AssertionError(f"gspo-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -1,0 +1,47 @@
+"""The multi-rank harness never hangs: ranks stuck past the deadline are killed and the test fails
+with each rank's Python stacks; a failing rank's traceback reaches the parent."""
+
+import time
+
+import psutil
+import pytest
+
+from distributed_harness import RanksTimedOut, run_ranks
+
+
+def _stuck_in_a_collective(rank, world):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if rank == 1:
+        time.sleep(3600)  # rank 0 waits in the barrier for a peer that never comes
+    dist.barrier()
+
+
+def _raises(rank, world):
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    return rank
+
+
+def _ranks_alive(before: set[int]) -> list[int]:
+    # (multiprocessing's resource tracker, started with the first spawn, stays for the session)
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_a_deadlock_fails_with_every_ranks_stacks_and_kills_them():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RanksTimedOut) as e:
+        run_ranks(_stuck_in_a_collective, 2, timeout=45)  # ample for 2 ranks to start on an idle machine
+    text = str(e.value)
+    assert "did not finish in 45s" in text
+    rank0, rank1 = text.split("--- rank 0")[1].split("--- rank 1")
+    assert "in barrier" in rank0  # rank 0 waits in the collective
+    assert "in _stuck_in_a_collective" in rank1 and "in barrier" not in rank1  # rank 1 never got there
+    assert _ranks_alive(before) == []
+
+
+def test_a_failing_rank_reports_its_traceback():
+    with pytest.raises(RuntimeError, match="(?s)rank one is broken"):
+        run_ranks(_raises, 2, timeout=600)
