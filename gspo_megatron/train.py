@@ -140,11 +140,11 @@ def train(cfg: Config) -> dict:
         verify = (model, cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype), pad_id)
     session = RolloutSession(
         syncer, engine, sampler, max_restarts=cfg.rollout.max_engine_restarts,
+        colocated=cfg.rollout.sync_mode == "colocated",
         collect=lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards),
         dead_engines=rollout.dead_engines, restart=rollout.restart, verify=verify,
         probe_prompts=[dataset[i].prompt_ids for i in range(min(4, len(dataset)))] if rank == 0 else None)
     session.sync()  # the engines start from exactly the trainer's weights
-    colocated = cfg.rollout.sync_mode == "colocated"
     gpu_monitor = GpuMonitor()  # a quiet no-op without a GPU
     metrics: dict = {}
     bad_streak = int(extra.get("bad_streak", 0))
@@ -152,14 +152,9 @@ def train(cfg: Config) -> dict:
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
         records, rollout_metrics = session.rollout(step)
-        if colocated and rank == 0:
-            engine.release_memory()  # the engines' weights and KV cache leave the GPUs while we train
+        session.release_engines()  # colocated: the engines' weights and KV cache leave the GPUs
         metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id, ref_model=ref_model)
-        if colocated and rank == 0:
-            engine.resume_memory(["weights"])
-        sync_metrics = session.sync()
-        if colocated and rank == 0:
-            engine.resume_memory(["kv_cache"])
+        sync_metrics = session.sync()  # (colocated: takes the engines' memory back around the sync)
         bad_streak = bad_streak + 1 if metrics.pop("_nonfinite_step") else 0
         step_time = time.perf_counter() - t0
         n_tokens = sum(len(r["tokens"]) for r in records)

@@ -169,11 +169,15 @@ class EngineFleet:
             if self.rank == 0:
                 for e in engines:
                     wait_until_healthy(SGLangHttpClient(self.urls[e]), None, self.wait_s)
+                    self.engine.engine_restarted(e)
             _barrier()
             return
         self._kill_mine(engines)
         _barrier()  # every part of a multi-node engine is down before any is started again
         self._launch(engines)
+        if self.engine is not None:
+            for e in engines:
+                self.engine.engine_restarted(e)
 
     def dead_engines(self) -> list[int]:
         """Rank 0: the engines that do not answer ``/health_generate``."""

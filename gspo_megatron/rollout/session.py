@@ -31,12 +31,35 @@ class RolloutSession:
 
     def __init__(self, syncer, engine, sampler, collect: Callable, max_restarts: int,
                  dead_engines: Callable[[], list[int]], restart: Callable[[list[int]], None],
-                 verify: tuple | None = None, probe_prompts: list[list[int]] | None = None):
+                 verify: tuple | None = None, probe_prompts: list[list[int]] | None = None,
+                 colocated: bool = False):
         self.syncer, self.engine, self.sampler, self.collect = syncer, engine, sampler, collect
         self.max_restarts, self.dead_engines, self.restart = max_restarts, dead_engines, restart
-        self.verify, self.probe_prompts = verify, probe_prompts
+        self.verify, self.probe_prompts, self.colocated = verify, probe_prompts, colocated
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.restarts = 0
+
+    def release_engines(self) -> None:
+        """Colocated, before training: the engines free their weights and KV cache (rank 0 asks).
+        An engine that died meanwhile is found by the next sync, which restarts it."""
+        if self.colocated and self.rank == 0:
+            self._quietly(self.engine.release_memory)
+
+    def _resume(self, tags: list[str]) -> None:
+        """Rank 0: take back what ``release_engines`` freed (weights before the sync, KV cache after;
+        the engine object resumes only what it released: a restarted engine holds its memory)."""
+        if self.colocated and self.rank == 0:
+            self._quietly(self.engine.resume_memory, tags)
+
+    @staticmethod
+    def _quietly(fn, *args) -> bool:
+        try:
+            fn(*args)
+            return True
+        except Exception as e:  # noqa: BLE001 - a dead engine: the sync or rollout that follows restarts it
+            print(f"[gspo-train] engine memory call failed ({type(e).__name__}: {e}); the next engine call "
+                  "decides whether to restart", flush=True)
+            return False
 
     def _failed(self, why: str) -> tuple:
         """Rank 0, after an engine call failed: ("restart", dead engines) or ("fatal", message)."""
@@ -68,6 +91,7 @@ class RolloutSession:
     def sync(self) -> dict:
         """Push the trainer's weights (and check them with ``verify``); after a failure restart the
         dead engines and push again."""
+        self._resume(["weights"])
         while True:
             metrics = self.syncer.sync()
             status = ("ok",)
@@ -91,9 +115,12 @@ class RolloutSession:
             self._act(broadcast(status))
 
     def _after_sync(self, metrics: dict) -> dict:
-        """Test instrumentation, never used by a run: ``GSPO_AFTER_SYNC_HOOK=module:function`` is
+        """The sync succeeded: colocated engines get their KV cache back; then the test hook.
+
+        Test instrumentation, never used by a run: ``GSPO_AFTER_SYNC_HOOK=module:function`` is
         called on every rank after each successful sync as ``function(syncer)`` (the multi-node
         tests read every engine TP rank's weights there through the CPU server's test-only route)."""
+        self._resume(["kv_cache"])
         spec = os.environ.get("GSPO_AFTER_SYNC_HOOK")
         if spec:
             module, _, name = spec.partition(":")

@@ -165,6 +165,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.memory_tags = list(memory_tags)
         self.send_seeds = send_seeds
         self.served = [0] * len(self.clients)  # generate requests answered per engine (not the router)
+        self.released: list[set[str]] = [set() for _ in self.clients]  # memory tags each engine released
 
     @classmethod
     def attach(cls, urls: Sequence[str], *, router_url: str | None = None, api_key: str | None = None,
@@ -248,14 +249,23 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # -- colocation ------------------------------------------------------------------------------
     def release_memory(self) -> None:
-        for c in self.clients:
+        for i, c in enumerate(self.clients):
             c.flush_cache()
             c.release_memory_occupation(self.memory_tags)
+            self.released[i] = set(self.memory_tags)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Resume ``tags`` (default: all memory tags). Order for a sync: weights, sync, kv_cache."""
-        for c in self.clients:
-            c.resume_memory_occupation(list(tags) if tags is not None else self.memory_tags)
+        """Resume ``tags`` (default: all memory tags) on the engines that released them. Order for a
+        sync: weights, sync, kv_cache."""
+        for i, c in enumerate(self.clients):
+            want = [t for t in (tags if tags is not None else self.memory_tags) if t in self.released[i]]
+            if want:
+                c.resume_memory_occupation(want)
+                self.released[i] -= set(want)
+
+    def engine_restarted(self, index: int) -> None:
+        """Engine ``index`` was started again: it holds its memory (nothing to resume)."""
+        self.released[index] = set()
 
     def health_check(self) -> bool:
         return all(c.health() for c in self.clients)
