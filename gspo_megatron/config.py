@@ -86,7 +86,7 @@ class RolloutConfig:
     sync_bucket_mb: float = _f(512.0, "weight-sync bucket size in MiB")
     sync_verify: bool = _f(False, "after each sync, compare a checksum of the engine's weights with the trainer's")
     sync_fp8: bool = _f(False, "quantize weights to FP8 on sync (sglang only)")
-    offload_train: bool = _f(False, "colocated: move training weights/grads/optimizer to host memory while engines generate")
+    offload_train: bool = _f(False, "colocated (or in-process) engines: move training weights/grads/optimizer states to host memory while the engines generate (gspo_megatron/offload.py)")
     engine_tp: int = _f(1, "tensor parallel size of one engine")
     num_engines: int = _f(0, "number of engines; 0 = auto (colocated: training GPUs / engine_tp; hf: 1)")
     engine_mem_fraction: float = _f(0.8, "fraction of a GPU's memory an engine fills (weights + KV cache), SGLang's mem_fraction_static")
@@ -463,7 +463,8 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
          f"rollout.num_engines={r.num_engines} but rollout.engine_urls lists {len(r.engine_urls)} engines")
     need(r.sync_mode != "disaggregated" or r.num_engines >= 1 or r.engine_urls,
          "rollout.num_engines must be >= 1 (or rollout.engine_urls set) with rollout.sync_mode=disaggregated")
-    need(not r.offload_train or r.sync_mode == "colocated", "rollout.offload_train needs rollout.sync_mode=colocated")
+    need(not r.offload_train or r.sync_mode != "disaggregated",
+         "rollout.offload_train needs engines on the training devices (rollout.sync_mode colocated or inprocess), got disaggregated")
     need(m.max_seq_len >= cfg.data.max_prompt_len + r.max_new_tokens,
          f"model.max_seq_len={m.max_seq_len} must be >= data.max_prompt_len + rollout.max_new_tokens "
          f"= {cfg.data.max_prompt_len} + {r.max_new_tokens}")

@@ -59,6 +59,7 @@ def train(cfg: Config) -> dict:
     from gspo_megatron.checkpoint import load_checkpoint, save_checkpoint
     from gspo_megatron.models.build import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
+    from gspo_megatron.offload import TrainStateOffloader
     from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.train_step import train_on_batch
@@ -141,11 +142,18 @@ def train(cfg: Config) -> dict:
     metrics: dict = {}
     bad_streak = int(extra.get("bad_streak", 0))
     step, stopped = start_step, False
+    # rollout.offload_train: params, grads and optimizer states leave the device while the engines generate
+    offloader = TrainStateOffloader(ddp, optimizer) if cfg.rollout.offload_train else None
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
+        if offloader is not None:  # (after the previous step's sync and checkpoint)
+            offloader.offload()
         records, rollout_metrics = session.rollout(step)
         if colocated and rank == 0:
             engine.release_memory()  # the engines' weights and KV cache leave the GPUs while we train
+        if offloader is not None:  # back before training, once rank 0 has released the engines' memory
+            dist.barrier()
+            offloader.reload()
         metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id, ref_model=ref_model)
         if colocated and rank == 0:
             engine.resume_memory(["weights"])
@@ -156,6 +164,7 @@ def train(cfg: Config) -> dict:
         step_time = time.perf_counter() - t0
         n_tokens = sum(len(r["tokens"]) for r in records)
         metrics.update(sync_metrics)
+        metrics.update(offloader.metrics() if offloader is not None else {})
         metrics.update(gpu_monitor.sample())
         metrics.update({"step": step, "perf/step_time_s": step_time, "perf/tokens_per_s": n_tokens / step_time,
                         "train/bad_streak": float(bad_streak), "rollout/engine_restarts": float(session.restarts)})
