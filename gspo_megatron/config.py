@@ -88,6 +88,7 @@ class RolloutConfig:
     sync_fp8: bool = _f(False, "quantize weights to FP8 on sync (sglang only)")
     offload_train: bool = _f(False, "colocated (or in-process) engines: move training weights/grads/optimizer states to host memory while the engines generate (gspo_megatron/offload.py)")
     engine_tp: int = _f(1, "tensor parallel size of one engine")
+    engine_ep: int = _f(1, "expert parallel size inside one SGLang engine (its --ep-size; divides engine_tp); with sync_fp8 an MoE model needs moe_intermediate_size / (engine_tp / engine_ep) to be a multiple of 128")
     num_engines: int = _f(0, "number of engines; 0 = auto (colocated: training GPUs / engine_tp; hf: 1)")
     engine_mem_fraction: float = _f(0.8, "fraction of a GPU's memory an engine fills (weights + KV cache), SGLang's mem_fraction_static")
     engine_urls: list[str] = _f([], "already running engines to use (disaggregated); empty = launch them")
@@ -446,6 +447,9 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     positive("rollout.max_new_tokens", r.max_new_tokens)
     positive("rollout.sync_bucket_mb", r.sync_bucket_mb)
     positive("rollout.engine_tp", r.engine_tp)
+    positive("rollout.engine_ep", r.engine_ep)
+    need(r.engine_ep <= 1 or (r.engine == "sglang" and r.engine_tp % r.engine_ep == 0),
+         f"rollout.engine_ep={r.engine_ep} needs rollout.engine=sglang and must divide rollout.engine_tp={r.engine_tp}")
     non_negative("rollout.num_engines", r.num_engines)
     need(0 < r.engine_mem_fraction < 1, f"rollout.engine_mem_fraction must be in (0, 1), got {r.engine_mem_fraction}")
     positive("rollout.engine_timeout_s", r.engine_timeout_s)
@@ -633,6 +637,9 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
         e.append(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                  f"= {d.max_position_embeddings}")
     if r.engine == "sglang":
+        from gspo_megatron.rollout.engine_model import engine_layout_errors
+
         divides("rollout.engine_tp", r.engine_tp, "num_attention_heads", d.num_heads)
+        e.extend(engine_layout_errors(cfg, d))
     if e:
         raise ConfigError(e)
