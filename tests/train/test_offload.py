@@ -111,3 +111,35 @@ def test_loss_curve_identical_with_offload(tmp_path):
     assert all(m["offload/bytes"] > 0 for m in runs["true"]) and "offload/bytes" not in runs["false"][0]
     for a, b in zip(runs["false"], runs["true"]):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+def test_walks_into_chained_and_hybrid_optimizers():
+    """Megatron's ChainedOptimizer (dense + expert optimizers) and HybridDeviceOptimizer
+    (optimizer.cpu_offload_fraction; a torch Optimizer whose states live in .sub_optimizers) are
+    walked into. (The real HybridDeviceOptimizer needs CUDA streams, so its shape is mimicked here.)"""
+    from types import SimpleNamespace
+
+    from gspo_megatron.offload import TrainStateOffloader
+
+    dense, expert_main, expert_sub = (torch.nn.Parameter(torch.randn(4)) for _ in range(3))
+
+    class Hybrid(torch.optim.Optimizer):
+        def __init__(self):
+            super().__init__([expert_main], {})
+            self.sub_optimizers = [torch.optim.Adam([expert_sub])]
+
+    dense_opt, hybrid = torch.optim.Adam([dense]), Hybrid()
+    for p, opt in ((dense, dense_opt), (expert_sub, hybrid.sub_optimizers[0])):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=dense_opt), SimpleNamespace(optimizer=hybrid)])
+    off = TrainStateOffloader([], chained)
+    before = [t.clone() for t in (dense, expert_main, expert_sub, *dense_opt.state[dense].values(),
+                                   *hybrid.sub_optimizers[0].state[expert_sub].values())]
+    moved = off.offload()
+    assert moved == 3 * 16 + 2 * 16 + 2 * (16 + 16 + 4)  # 3 params, 2 grads, 2 x (exp_avg, exp_avg_sq, step)
+    assert hybrid.sub_optimizers[0].state[expert_sub]["exp_avg"].untyped_storage().nbytes() == 0
+    off.reload()
+    after = [dense, expert_main, expert_sub, *dense_opt.state[dense].values(),
+             *hybrid.sub_optimizers[0].state[expert_sub].values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
