@@ -2,8 +2,9 @@
 
 ``TrainStateOffloader(ddp_models, optimizer)`` with ``offload()`` / ``reload()``. Every training rank
 calls both, at the same points of the loop (train.py: ``offload()`` before the rollout, ``reload()``
-after the engines released their memory and before the train step). No collective is involved: each
-rank moves its own state.
+after the engines released their memory and before the train step; the weight syncer's ``sync`` is
+wrapped by ``loaded_call`` so that a re-sync inside the rollout, after an engine restart, finds the
+weights). No collective is involved: each rank moves its own state.
 
 What moves (every tensor storage that lives on the training device, each moved once however many
 views share it):
@@ -52,7 +53,7 @@ on H100 PCIe/NVLink-C2C hosts), and pinned host memory equal to the state's size
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -188,6 +189,23 @@ class TrainStateOffloader:
         self.offloaded = False
         self._metrics["offload/reload_s"] = time.perf_counter() - t0
         return total
+
+    def loaded_call(self, fn: Callable) -> Callable:
+        """``fn`` wrapped to run with the state on the device: if it is offloaded when called, it is
+        reloaded for the call and offloaded again after. For code that may need the weights while
+        they are away (an engine restarted during a rollout is re-synced there). Every rank calls the
+        wrapped function at the same point, so every rank reloads and offloads together."""
+
+        def call(*args, **kwargs):
+            if not self.offloaded:
+                return fn(*args, **kwargs)
+            self.reload()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.offload()
+
+        return call
 
     def metrics(self) -> dict:
         return dict(self._metrics)

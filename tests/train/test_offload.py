@@ -143,3 +143,24 @@ def test_walks_into_chained_and_hybrid_optimizers():
     after = [dense, expert_main, expert_sub, *dense_opt.state[dense].values(),
              *hybrid.sub_optimizers[0].state[expert_sub].values()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_loaded_call_brings_the_state_back_for_the_call():
+    from types import SimpleNamespace
+
+    from gspo_megatron.offload import TrainStateOffloader
+
+    p = torch.nn.Parameter(torch.arange(4.0))
+    chunk = SimpleNamespace(buffers=[], expert_parallel_buffers=[], parameters=lambda: [p])
+    off = TrainStateOffloader([chunk], None)
+    read = off.loaded_call(lambda scale: (p.detach() * scale).tolist())
+    assert read(2) == [0.0, 2.0, 4.0, 6.0]  # not offloaded: plain call
+    off.offload()
+    assert read(3) == [0.0, 3.0, 6.0, 9.0]  # offloaded: reloaded for the call ...
+    assert off.offloaded and p.untyped_storage().nbytes() == 0  # ... and offloaded again after
+    failing = off.loaded_call(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing()
+    assert off.offloaded
+    off.reload()
+    assert p.tolist() == [0.0, 1.0, 2.0, 3.0]
