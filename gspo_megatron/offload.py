@@ -2,9 +2,9 @@
 
 ``TrainStateOffloader(ddp_models, optimizer)`` with ``offload()`` / ``reload()``. Every training rank
 calls both, at the same points of the loop (train.py: ``offload()`` before the rollout, ``reload()``
-after the engines released their memory and before the train step; the weight syncer's ``sync`` is
-wrapped by ``loaded_call`` so that a re-sync inside the rollout, after an engine restart, finds the
-weights). No collective is involved: each rank moves its own state.
+after the engines released their memory and before the train step; the rollout session's ``sync``
+is wrapped by ``loaded_call`` so that a re-sync (and its check) inside the rollout, after an engine
+restart, finds the weights). No collective is involved: each rank moves its own state.
 
 What moves (every tensor storage that lives on the training device, each moved once however many
 views share it):

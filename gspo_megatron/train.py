@@ -145,7 +145,7 @@ def train(cfg: Config) -> dict:
     # rollout.offload_train: params, grads and optimizer states leave the device while the engines generate
     offloader = TrainStateOffloader(ddp, optimizer) if cfg.rollout.offload_train else None
     if offloader is not None:  # a re-sync inside the rollout (engine restarted) needs the weights back
-        syncer.sync = offloader.loaded_call(syncer.sync)
+        session.sync = offloader.loaded_call(session.sync)
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
         if offloader is not None:  # (after the previous step's sync and checkpoint)
