@@ -150,6 +150,9 @@ def train(cfg: Config) -> dict:
         t0 = time.perf_counter()
         if offloader is not None:  # (after the previous step's sync and checkpoint)
             offloader.offload()
+            dist.barrier()  # every rank's state is off its GPU before the engines take their KV cache back
+            if colocated and rank == 0 and step > start_step + 1:
+                engine.resume_memory(["kv_cache"])
         records, rollout_metrics = session.rollout(step)
         if colocated and rank == 0:
             engine.release_memory()  # the engines' weights and KV cache leave the GPUs while we train
@@ -160,7 +163,7 @@ def train(cfg: Config) -> dict:
         if colocated and rank == 0:
             engine.resume_memory(["weights"])
         sync_metrics = session.sync()
-        if colocated and rank == 0:
+        if colocated and rank == 0 and offloader is None:  # (with offload_train: after the offload above)
             engine.resume_memory(["kv_cache"])
         bad_streak = bad_streak + 1 if metrics.pop("_nonfinite_step") else 0
         step_time = time.perf_counter() - t0
