@@ -87,8 +87,9 @@ class RolloutConfig:
     sync_verify: bool = _f(False, "after each sync, check every engine: its weight version, and its log-probs of a greedy probe batch against the trainer's (max abs difference <= sync_verify_tol)")
     sync_verify_tol: float = _f(0.0, "sync_verify tolerance on the max abs log-prob difference; 0 = by dtype (1e-3 float32, 0.25 bfloat16/float16)")
     sync_fp8: bool = _f(False, "quantize weights to FP8 on sync (sglang only)")
-    offload_train: bool = _f(False, "colocated: move training weights/grads/optimizer to host memory while engines generate")
+    offload_train: bool = _f(False, "colocated (or in-process) engines: move training weights/grads/optimizer states to host memory while the engines generate (gspo_megatron/offload.py)")
     engine_tp: int = _f(1, "tensor parallel size of one engine")
+    engine_ep: int = _f(1, "expert parallel size inside one SGLang engine (its --ep-size; divides engine_tp); with sync_fp8 an MoE model needs moe_intermediate_size / (engine_tp / engine_ep) to be a multiple of 128")
     num_engines: int = _f(0, "number of engines; 0 = auto (colocated: training GPUs / engine_tp; hf: 1)")
     engine_mem_fraction: float = _f(0.8, "fraction of a GPU's memory an engine fills (weights + KV cache), SGLang's mem_fraction_static")
     engine_urls: list[str] = _f([], "already running engines to use (disaggregated); empty = launch them")
@@ -449,6 +450,9 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     positive("rollout.max_new_tokens", r.max_new_tokens)
     positive("rollout.sync_bucket_mb", r.sync_bucket_mb)
     positive("rollout.engine_tp", r.engine_tp)
+    positive("rollout.engine_ep", r.engine_ep)
+    need(r.engine_ep <= 1 or (r.engine == "sglang" and r.engine_tp % r.engine_ep == 0),
+         f"rollout.engine_ep={r.engine_ep} needs rollout.engine=sglang and must divide rollout.engine_tp={r.engine_tp}")
     non_negative("rollout.num_engines", r.num_engines)
     need(0 < r.engine_mem_fraction < 1, f"rollout.engine_mem_fraction must be in (0, 1), got {r.engine_mem_fraction}")
     positive("rollout.engine_timeout_s", r.engine_timeout_s)
@@ -466,7 +470,8 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
          f"rollout.num_engines={r.num_engines} but rollout.engine_urls lists {len(r.engine_urls)} engines")
     need(r.sync_mode != "disaggregated" or r.num_engines >= 1 or r.engine_urls,
          "rollout.num_engines must be >= 1 (or rollout.engine_urls set) with rollout.sync_mode=disaggregated")
-    need(not r.offload_train or r.sync_mode == "colocated", "rollout.offload_train needs rollout.sync_mode=colocated")
+    need(not r.offload_train or r.sync_mode != "disaggregated",
+         "rollout.offload_train needs engines on the training devices (rollout.sync_mode colocated or inprocess), got disaggregated")
     need(m.max_seq_len >= cfg.data.max_prompt_len + r.max_new_tokens,
          f"model.max_seq_len={m.max_seq_len} must be >= data.max_prompt_len + rollout.max_new_tokens "
          f"= {cfg.data.max_prompt_len} + {r.max_new_tokens}")
@@ -635,6 +640,9 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
         e.append(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                  f"= {d.max_position_embeddings}")
     if r.engine == "sglang":
+        from gspo_megatron.rollout.engine_model import engine_layout_errors
+
         divides("rollout.engine_tp", r.engine_tp, "num_attention_heads", d.num_heads)
+        e.extend(engine_layout_errors(cfg, d))
     if e:
         raise ConfigError(e)

@@ -59,6 +59,7 @@ def train(cfg: Config) -> dict:
     from gspo_megatron.checkpoint import load_checkpoint, save_checkpoint
     from gspo_megatron.models.build import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
+    from gspo_megatron.offload import TrainStateOffloader
     from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.train_step import train_on_batch
@@ -140,7 +141,7 @@ def train(cfg: Config) -> dict:
         verify = (model, cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype), pad_id)
     session = RolloutSession(
         syncer, engine, sampler, max_restarts=cfg.rollout.max_engine_restarts,
-        colocated=cfg.rollout.sync_mode == "colocated",
+        colocated=cfg.rollout.sync_mode == "colocated", kv_cache_after_sync=not cfg.rollout.offload_train,
         collect=lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards),
         dead_engines=rollout.dead_engines, restart=rollout.restart, verify=verify,
         probe_prompts=[dataset[i].prompt_ids for i in range(min(4, len(dataset)))] if rank == 0 else None)
@@ -149,16 +150,28 @@ def train(cfg: Config) -> dict:
     metrics: dict = {}
     bad_streak = int(extra.get("bad_streak", 0))
     step, stopped = start_step, False
+    # rollout.offload_train: params, grads and optimizer states leave the device while the engines generate
+    offloader = TrainStateOffloader(ddp, optimizer) if cfg.rollout.offload_train else None
+    if offloader is not None:  # a re-sync inside the rollout (engine restarted) needs the weights back
+        session.sync = offloader.loaded_call(session.sync)
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
+        if offloader is not None:  # (after the previous step's sync and checkpoint)
+            offloader.offload()
+            dist.barrier()  # every rank's state is off its GPU before the engines take their KV cache back
+            session.resume_kv_cache()
         records, rollout_metrics = session.rollout(step)
         session.release_engines()  # colocated: the engines' weights and KV cache leave the GPUs
+        if offloader is not None:  # back before training, once rank 0 has released the engines' memory
+            dist.barrier()
+            offloader.reload()
         metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id, ref_model=ref_model)
         sync_metrics = session.sync()  # (colocated: takes the engines' memory back around the sync)
         bad_streak = bad_streak + 1 if metrics.pop("_nonfinite_step") else 0
         step_time = time.perf_counter() - t0
         n_tokens = sum(len(r["tokens"]) for r in records)
         metrics.update(sync_metrics)
+        metrics.update(offloader.metrics() if offloader is not None else {})
         metrics.update(gpu_monitor.sample())
         metrics.update({"step": step, "perf/step_time_s": step_time, "perf/tokens_per_s": n_tokens / step_time,
                         "train/bad_streak": float(bad_streak), "rollout/engine_restarts": float(session.restarts)})

@@ -32,10 +32,11 @@ class RolloutSession:
     def __init__(self, syncer, engine, sampler, collect: Callable, max_restarts: int,
                  dead_engines: Callable[[], list[int]], restart: Callable[[list[int]], None],
                  verify: tuple | None = None, probe_prompts: list[list[int]] | None = None,
-                 colocated: bool = False):
+                 colocated: bool = False, kv_cache_after_sync: bool = True):
         self.syncer, self.engine, self.sampler, self.collect = syncer, engine, sampler, collect
         self.max_restarts, self.dead_engines, self.restart = max_restarts, dead_engines, restart
         self.verify, self.probe_prompts, self.colocated = verify, probe_prompts, colocated
+        self.kv_cache_after_sync = kv_cache_after_sync  # False with offload_train: after the offload
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.restarts = 0
 
@@ -44,6 +45,10 @@ class RolloutSession:
         An engine that died meanwhile is found by the next sync, which restarts it."""
         if self.colocated and self.rank == 0:
             self._quietly(self.engine.release_memory)
+
+    def resume_kv_cache(self) -> None:
+        """Rank 0 (colocated): the engines take their KV cache back (no-op where not released)."""
+        self._resume(["kv_cache"])
 
     def _resume(self, tags: list[str]) -> None:
         """Rank 0: take back what ``release_engines`` freed (weights before the sync, KV cache after;
@@ -120,7 +125,8 @@ class RolloutSession:
         Test instrumentation, never used by a run: ``GSPO_AFTER_SYNC_HOOK=module:function`` is
         called on every rank after each successful sync as ``function(syncer)`` (the multi-node
         tests read every engine TP rank's weights there through the CPU server's test-only route)."""
-        self._resume(["kv_cache"])
+        if self.kv_cache_after_sync:
+            self._resume(["kv_cache"])
         spec = os.environ.get("GSPO_AFTER_SYNC_HOOK")
         if spec:
             module, _, name = spec.partition(":")

@@ -9,8 +9,11 @@ Names: ``<module>.weight`` carries ``Q`` (torch.float8_e4m3fn, [out, in]) and
 Only the big projections are quantized (attention q/k/v/o, dense and expert gate/up/down, MLA
 projections); norms, embeddings, the MoE router gate and lm_head stay in their training dtype, as in
 the published FP8 checkpoints. Pure torch: runs on CPU (float8_e4m3fn casts work there). The engine
-must be launched from an FP8 checkpoint config (``quantization_config.weight_block_size = [128,
-128]``) so that its loader expects these names.
+must be launched from an FP8 checkpoint config so that its loader has parameters for these names:
+``rollout.engine_model.prepare_engine_model_dir`` writes it (``quant_method: fp8``,
+``weight_block_size: [128, 128]``, ``activation_scheme: dynamic``). The names and scale shapes are
+those sglang 0.5.23 creates for block FP8 (``Fp8LinearMethod`` / ``Fp8MoEMethod``; checked in
+tests/rollout/test_engine_model.py).
 """
 
 from __future__ import annotations
