@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gspo_megatron.rollout.engine_model import prepare_engine_model_dir
 from gspo_megatron.rollout.placement import EnginePart, EngineSpec, free_port, gather_rank_infos, plan_engines
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
 from gspo_megatron.rollout.sglang_engine import (SGLangRolloutEngine, kill_server, launch_server,
@@ -63,6 +64,7 @@ class EngineFleet:
         self.request_timeout_s = r.engine_timeout_s
         self.log_dir = log_dir
         self.module = SERVER_MODULES[r.engine_server]
+        self.cfg, self.model_path, self.output_dir = cfg, model_path, cfg.output_dir
         self.processes: dict[tuple[int, int], Any] = {}  # (engine, node_rank) -> Popen, on the launcher
         self.attached = bool(r.engine_urls)
         self.base_args = dict(model_path=model_path, tp_size=r.engine_tp, skip_server_warmup=True,
@@ -131,8 +133,12 @@ class EngineFleet:
                     os.makedirs(self.log_dir, exist_ok=True)
                     log = os.path.join(self.log_dir, f"engine{spec.index}_node{part.node_rank}.log")
                 env = dict(os.environ, GSPO_ENGINE=f"{spec.index}.{part.node_rank}")  # names the process
+                # the engine's own model dir (FP8-on-sync engines start quantized) and extra flags
+                model_path, extra_cli = prepare_engine_model_dir(
+                    self.cfg, self.model_path, os.path.join(self.output_dir, "engine_model", f"rank{self.rank}"))
+                args = dict(self._part_args(spec, part), model_path=model_path)
                 self.processes[(spec.index, part.node_rank)] = launch_server(
-                    self._part_args(spec, part), module=self.module, log_path=log, python=sys.executable, env=env)
+                    args, module=self.module, log_path=log, python=sys.executable, env=env, extra_cli=extra_cli)
                 print(f"[gspo-train] rank {self.rank}: engine {spec.index} part {part.node_rank}/{part.nnodes} "
                       f"({spec.tp} TP ranks, {self.module}) starting; log {log}", flush=True)
         errors = []

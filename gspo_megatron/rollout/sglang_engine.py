@@ -74,7 +74,8 @@ def wait_until_healthy(client: SGLangHttpClient, proc: subprocess.Popen | None, 
 
 
 def launch_server(server_args: dict[str, Any], *, module: str = "sglang.launch_server", log_path: str | None = None,
-                  python: str = sys.executable, env: dict[str, str] | None = None) -> subprocess.Popen:
+                  python: str = sys.executable, env: dict[str, str] | None = None,
+                  extra_cli: Sequence[str] = ()) -> subprocess.Popen:
     """Start ``python -m <module>`` (``sglang.launch_server``, or the CPU stand-in
     ``gspo_megatron.rollout.cpu_server`` that takes the same flags); returns at once (see
     :func:`wait_until_healthy`). The server runs in its own process group (so that
@@ -93,7 +94,7 @@ def launch_server(server_args: dict[str, Any], *, module: str = "sglang.launch_s
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
     from gspo_megatron.runtime import children
 
-    return subprocess.Popen([python, "-m", module, *server_args_to_cli(server_args)],
+    return subprocess.Popen([python, "-m", module, *server_args_to_cli(server_args), *extra_cli],
                             stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
                             preexec_fn=children.popen_preexec())
 
