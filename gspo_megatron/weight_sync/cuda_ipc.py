@@ -107,13 +107,29 @@ class CudaIpcTransport(WeightTransport):
         self.manage_session = manage_session
         self.load_format = "flattened_bucket" if flattened_bucket_class() is not None else None
         self.stats = SyncStats()
+        self.failed: BaseException | None = None
         self.weight_version = "0"
+
+    # The k ranks of an engine stay in step (gather + barrier per bucket) whatever the engine does:
+    # an engine call that fails is remembered, later calls to that engine are skipped, and ``end``
+    # raises it on ``gather_src`` once every bucket has passed. So a dead engine never leaves the
+    # other ranks of its group waiting in a collective (``keeps_step`` tells the syncer to go on
+    # calling ``send_bucket`` after a failure).
+    keeps_step = True
+
+    def _engine_call(self, fn, *args, **kw) -> None:
+        if self.failed is None:
+            try:
+                fn(*args, **kw)
+            except Exception as e:  # noqa: BLE001 - raised by end()
+                self.failed = e
 
     def begin(self, version: str) -> None:
         self.weight_version = version
+        self.failed: BaseException | None = None
         self.stats.start()
         if self.is_src and self.manage_session:
-            open_weight_update(self.client)
+            self._engine_call(open_weight_update, self.client)
 
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.fp8:
@@ -131,9 +147,9 @@ class CudaIpcTransport(WeightTransport):
                     raise RuntimeError(f"CudaIpcTransport: ranks produced different payload counts {counts}: "
                                        "every colocated rank must send the same bucket")
                 for i in range(len(payloads)):
-                    self.client.update_weights_from_tensor([p[i] for p in gathered], load_format=self.load_format,
-                                                           flush_cache=False,
-                                                           weight_version=self.weight_version)
+                    self._engine_call(self.client.update_weights_from_tensor, [p[i] for p in gathered],
+                                      load_format=self.load_format, flush_cache=False,
+                                      weight_version=self.weight_version)
             if self.group is not None:
                 dist.barrier(group=self.group)  # producers keep their buffers until the engine loaded
         del payloads, bucket
@@ -142,8 +158,10 @@ class CudaIpcTransport(WeightTransport):
 
     def end(self) -> None:
         if self.is_src and self.manage_session:
-            close_weight_update(self.client)
+            self._engine_call(close_weight_update, self.client)
         self.stats.stop()
+        if self.failed is not None:
+            raise self.failed
 
     def metrics(self) -> dict[str, float]:
         """``sync/bucket_s_mean``, ``sync/bucket_s_max``, ``sync/total_s``, ``sync/bytes`` of the last sync."""

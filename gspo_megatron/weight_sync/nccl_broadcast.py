@@ -158,6 +158,7 @@ class NcclBroadcastTransport(WeightTransport):
         self.prefer_sglang = prefer_sglang_group_helper
         self.group: Any = None
         self.stats = SyncStats()
+        self.failed: BaseException | None = None
         self.weight_version = "0"
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
 
@@ -206,29 +207,42 @@ class NcclBroadcastTransport(WeightTransport):
         self.connect()
 
     # -- one sync --------------------------------------------------------------------------------
+    # Stage sources meet in ``barrier`` in begin / end: whatever the engines do, every source gets
+    # there. An engine call or broadcast that fails is remembered, the later ones are skipped, and
+    # ``end`` raises it after the barrier (``keeps_step`` tells the syncer to keep calling).
+    keeps_step = True
+
+    def _guarded(self, fn, *args) -> None:
+        if self.failed is None:
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 - raised by end()
+                self.failed = e
+
     def begin(self, version: str) -> None:
-        self.connect()
+        self.failed: BaseException | None = None
+        self._guarded(self.connect)
         self.weight_version = version
         self.stats.start()
         if self.manage_session:
             for c in self.clients:
-                open_weight_update(c)
+                self._guarded(open_weight_update, c)
         if self.barrier is not None:
             self.barrier()
 
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.fp8:
             bucket = quantize_bucket_fp8(bucket)
-        if not bucket:
+        if not bucket or self.failed is not None:
             return
         tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
         names, dtypes, shapes = bucket_metadata(bucket)
         with self.stats.bucket(bucket_nbytes(bucket)):
             if self.lock is not None:
                 with self.lock:
-                    self._broadcast(names, dtypes, shapes, tensors)
+                    self._guarded(self._broadcast, names, dtypes, shapes, tensors)
             else:
-                self._broadcast(names, dtypes, shapes, tensors)
+                self._guarded(self._broadcast, names, dtypes, shapes, tensors)
 
     def _broadcast(self, names, dtypes, shapes, tensors) -> None:
         futures = [self._pool.submit(c.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
@@ -244,8 +258,10 @@ class NcclBroadcastTransport(WeightTransport):
             self.barrier()
         if self.manage_session:
             for c in self.clients:
-                close_weight_update(c)
+                self._guarded(close_weight_update, c)
         self.stats.stop()
+        if self.failed is not None:
+            raise self.failed
 
     def metrics(self) -> dict[str, float]:
         """``sync/bucket_s_mean``, ``sync/bucket_s_max``, ``sync/total_s``, ``sync/bytes`` of the last sync."""

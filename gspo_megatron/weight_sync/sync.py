@@ -53,15 +53,18 @@ class WeightSyncer:
 
         if transport is not None:
             guard(transport.begin, str(self.version))
+        # a transport whose ranks run collectives per bucket (``keeps_step``) is called for every
+        # bucket even after a failure; the others stop sending at the first one
+        keeps_step = getattr(transport, "keeps_step", False)
         for bucket in export_hf_weights(self.model, self.bucket_bytes, plan=self.plan, dst=self.topology.dst):
-            if not bucket or transport is None or error is not None:
+            if not bucket or transport is None or (error is not None and not keeps_step):
                 continue
             tb = time.perf_counter()
             guard(transport.send_bucket, bucket)
             bucket_times.append(time.perf_counter() - tb)
             nbuckets += 1
             nbytes += bucket_nbytes(bucket)
-        if transport is not None and error is None:
+        if transport is not None and (error is None or keeps_step):
             guard(transport.end)
         failed = any_rank(error is not None)
         self.errors = []
