@@ -201,7 +201,7 @@ def roles(lay: Layout, mode: str) -> dict[int, str]:
         s, off = divmod(r, lay.per_stage)
         owner = off % lay.etp == 0 and off // lay.etp < lay.ep
         if off == 0:
-            out[r] = f"stage {s} source / dense owner" if mode == "disaggregated" else f"stage {s} dense owner"
+            out[r] = f"stage {s} {'source, ' if mode == 'disaggregated' else ''}dense + EP 0 owner"
         elif owner:
             out[r] = f"stage {s} expert owner"
         elif off < lay.tp:
@@ -216,7 +216,8 @@ def table(name: str, stages: list[StageBytes], lay: Layout) -> str:
     model = sum(sb.total for sb in stages)
     lines = [f"{name}: {lay.world} training GPUs ({lay.world // lay.gpus_per_node} nodes x "
              f"{lay.gpus_per_node}), tp{lay.tp} pp{lay.pp} ep{lay.ep} etp{lay.etp}, {lay.engines} engines "
-             f"of TP{lay.engine_tp}; model {_gb(model)} GB per sync; per stage "
+             f"of TP{lay.engine_tp} (disaggregated: the same engines on their own nodes); "
+             f"model {_gb(model)} GB per sync; per stage "
              + ", ".join(_gb(sb.total) for sb in stages) + " GB",
              f"  {'mode':<14}{'who':<44}{'GB sent (network)':>19}{'GB to own engine':>18}"]
     for mode in ("colocated", "disaggregated"):
@@ -232,8 +233,8 @@ def table(name: str, stages: list[StageBytes], lay: Layout) -> str:
             lines.append(f"  {mode:<14}{f'ranks {_ranges(ranks)}: {role}':<44}{v:>19}{lv:>18}")
         eng = [v for k, v in sent.items() if isinstance(k, tuple)]
         if eng:
-            lines.append(f"  {mode:<14}{f'engine GPUs ({len(eng) + 1}, ring relay)':<44}"
-                         f"{_gb(min(eng)) + '-' + _gb(max(eng)):>19}{'-':>18}")
+            v = _gb(max(eng)) if min(eng) == max(eng) else f"{_gb(min(eng))}-{_gb(max(eng))}"
+            lines.append(f"  {mode:<14}{f'engine GPUs 0-{len(eng) - 1} (ring relay; last: 0)':<44}{v:>19}{'-':>18}")
         for node in sorted((k for k in nodes if not isinstance(k, tuple))):
             lines.append(f"  {mode:<14}{f'training node {node}: leaves the node':<44}{_gb(nodes[node]):>19}{'':>18}")
         eng_nodes = [v for k, v in nodes.items() if isinstance(k, tuple)]
