@@ -326,9 +326,11 @@ def part_time(args) -> None:
              for m in args.modes.split(",") for n in (int(e) for e in args.engines.split(","))]
     print(f"{'mode':<14}{'train':>6}{'engines':>9}{'MB':>6}{'max MB/rank':>12}{'buckets':>8}"
           f"{'sync s':>9}{'baseline s':>11}{'sync/base':>10}  engines' tensors == HF")
+    failed = 0
     for mode, engines, tp in cases:
         r = run_case(mode, engines, tp, hf_dir, args)
         ok = all(not bad and not extra for _, _, _, bad, extra in r["checks"])
+        failed += not ok
         detail = f"{len(r['checks'])} TP ranks x {r['checks'][0][2]} tensors: " + ("yes" if ok else f"NO {r['checks']}")
         print(f"{mode:<14}{r['layout']:>6}{f'{engines}xTP{tp}':>9}{r['bytes'] / 1e6:>6.0f}"
               f"{r['bytes_max_rank'] / 1e6:>12.0f}{int(r['buckets']):>8}{r['sync_s']:>9.3f}{r['base_s']:>11.3f}"
@@ -338,6 +340,8 @@ def part_time(args) -> None:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
+    if failed:
+        sys.exit(f"{failed} case(s): an engine's tensors differ from the HF checkpoint")
 
 
 def part_bytes(args) -> None:
