@@ -26,7 +26,10 @@ both sync modes, from the recipe's layout and the planner's parameter counts.
 
 Usage: python bench/weight_sync.py [--part time|bytes|all] [--hidden 256] [--experts 8] [--layers 4]
     [--vocab 8192] [--bucket-mb 8] [--repeats 3] [--disagg-engine-tp 1] [--workdir DIR]
-Runs in about a minute on 2 idle CPU cores at the defaults (45 MB fp32 model).
+At the defaults (45 MB fp32 model, 4 cases, each starting 2 Megatron ranks and its engine processes)
+it took about 10 minutes on the shared 2-core machine under heavy load; tests/weight_sync/
+test_bench_weight_sync.py runs it on a 1 MB model. ``BENCH_DUMP_S=N``: every child process dumps its
+Python stacks after N seconds (to see where a case hangs).
 """
 
 from __future__ import annotations
