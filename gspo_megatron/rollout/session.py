@@ -2,7 +2,9 @@
 
 All ranks call ``sync()`` and ``rollout(step)`` together. Rank 0 talks to the engine and tells the
 others, by one broadcast, whether to go on, to re-sync the weights (the engine was restarted), or to
-stop with an error (so no rank is ever left waiting in a collective). An engine failure is recognized
+stop with an error (so no rank is ever left waiting in a collective). A user-input error met on rank 0
+(e.g. a reward function failing on every call: ``errors.UserInputError``) is re-raised as such on
+every rank, so that ``gspo-train`` ends with one line and exit status 2. An engine failure is recognized
 by a failing call plus a failed ``health_check``; a healthy engine that raises is a real error.
 """
 
@@ -13,6 +15,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from gspo_megatron.errors import UserInputError
 from gspo_megatron.runtime.distributed import broadcast_object as broadcast
 
 
@@ -64,6 +67,8 @@ class RolloutSession:
                 try:
                     batch = self.collect(step)
                     msg = ("ok", batch.records)
+                except UserInputError as e:  # not an engine fault: every rank stops with it
+                    msg = ("user_error", str(e))
                 except Exception as e:  # noqa: BLE001 - classified by _failed, never swallowed
                     self.sampler.load_state_dict(position)
                     msg = self._failed(e)
@@ -72,4 +77,6 @@ class RolloutSession:
                 return msg[1], (batch.metrics if batch is not None else None)
             if msg[0] == "fatal":
                 raise RuntimeError(msg[1])
+            if msg[0] == "user_error":
+                raise UserInputError(msg[1])
             self.sync()
