@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -194,3 +195,58 @@ def test_a_mistake_is_one_line_and_exit_2(user, mistake):
     if mistake == "reward raises":
         debug = run(args_for(user, *overrides, "--debug"))
         assert debug.returncode == 2 and "Traceback" in debug.stderr and debug.stderr.strip().endswith(line)
+
+
+# A reward that passes the start-up call (it returns a number once) and then returns None on every call
+# of the run: the first scoring round fails entirely and must stop the run on every rank.
+LATE_NONE = '''
+CALLS = [0]
+
+def score(prompt, response, label):
+    CALLS[0] += 1
+    return 1.0 if CALLS[0] == 1 else None
+'''
+
+
+def test_reward_failing_on_every_call_during_the_run_stops_every_rank_once(user):
+    user["reward"].write_text(LATE_NONE)
+    proc = run(args_for(user), nproc=2)
+    out = proc.stdout + proc.stderr
+    # torchrun's own exit status is 1 when a worker fails; its report shows the ranks' status 2
+    assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr, out[-4000:]
+    assert "exitcode  : 1 " not in proc.stderr, out[-4000:]
+    ours = [ln for ln in proc.stderr.splitlines() if "error:" in ln and "gspo-train" in ln]
+    assert ours == [ln for ln in ours if ln.startswith("gspo-train: error: ")] and len(ours) == 1, out[-4000:]
+    assert "my_reward.py:score' failed on 16 of 16 calls" in ours[0], ours
+    assert "last error: TypeError: returned NoneType None, expected a number" in ours[0], ours
+    # no rank printed a traceback (torchrun's launcher prints its own ChildFailedError report)
+    assert not re.search(r'File ".*gspo_megatron/', out), out[-4000:]
+    assert not os.path.exists(user["out"] / "hf_final"), "the run must not export a model trained on no reward"
+
+
+def test_resume_says_from_which_step_and_a_checkpoint_of_another_model_is_one_line(user):
+    # a run from the HF directory: config.yaml records where the model came from
+    first = run(args_for(user, "train.steps=1"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = (user["out"] / "config.yaml").read_text()
+    assert f"model: architecture from {user['hf']}/config.json, weights from {user['hf']}" in saved
+    from gspo_megatron.config import load_config
+
+    cfg = load_config(str(user["out"] / "config.yaml"))
+    assert cfg.model.arch is None and cfg.model.hf_path == user["hf"] and cfg.model.init == "pretrained"
+    # the same command with more steps resumes, and says from which step
+    again = run(args_for(user, "train.steps=2"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[gspo-train] resuming from step 1 " in again.stdout, again.stdout[-2000:]
+    # the same run directory with another model: one line instead of CheckpointExceptions
+    other = run(args_for(user, "model.init=random", "model.hf_path=null", "model.arch=tiny-qwen3-moe"))
+    out = other.stdout + other.stderr
+    assert other.returncode == 2 and "Traceback" not in out, out[-3000:]
+    line = other.stderr.strip()
+    assert line.startswith("gspo-train: error: output_dir: the checkpoints in") and "\n" not in line, line
+    assert "belong to another model" in line and "moe_ffn_hidden 32 vs 64" in line, line
+    # a resume in another layout is refused before the model is built, saying what to do
+    layout = run(args_for(user, "parallel.ep=2"), nproc=2)
+    lines = [ln for ln in layout.stderr.splitlines() if ln.startswith("gspo-train: error:")]
+    assert layout.returncode == 1 and "exitcode  : 2" in layout.stderr and len(lines) == 1, layout.stderr[-3000:]
+    assert "resuming the optimizer needs the same layout" in lines[0] and "model.checkpoint=" in lines[0]
