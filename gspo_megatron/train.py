@@ -82,7 +82,7 @@ def train(cfg: Config, *, checked: bool = False) -> dict:
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
         lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_decay_style, total_steps=steps_total,
         use_distributed_optimizer=p.use_distributed_optimizer,
-        grad_reduce_in_fp32=getattr(p, "grad_reduce_in_fp32", True),
+        grad_reduce_in_fp32=p.grad_reduce_in_fp32,
         cpu_offload_fraction=o.cpu_offload_fraction))
     ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
     # resume: the newest loadable checkpoint (a corrupt newest one falls back to the previous)
