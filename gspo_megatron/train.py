@@ -228,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from gspo_megatron.planner import run_plan
 
-        return run_plan(args.config, args.overrides, args.nodes, args.gpus_per_node, args.gpu_memory_gb)
-    from gspo_megatron.errors import UserInputError
+        return run_plan(args.config, args.overrides, args.nodes, args.gpus_per_node, args.gpu_memory_gb,
+                        prog="gspo-train")
+    from gspo_megatron.errors import UserInputError, agree, stop_all
 
     error = None
     try:
@@ -237,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         check_before_start(cfg)
     except (UserInputError, FileNotFoundError, ValueError) as e:  # nothing started yet
         error = e
-    error = _agree_on_start(error)
+    error = agree(error)  # under torchrun: every rank learns whether any rank's checks failed
     if error is not None:
-        return _stop_all("gspo-train", error, args.debug)
+        return stop_all("gspo-train", error, args.debug)
     if args.check:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config OK: {args.config or '(defaults)'} (config, output_dir, model, tokenizer, data, "
@@ -250,41 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, checked=True)
     except UserInputError as e:  # met during the run on every rank (e.g. a reward failing on every call)
-        return _stop_all("gspo-train", e, args.debug)
+        e._gspo_agreed = True  # raised on every rank together (RolloutSession broadcasts it)
+        return stop_all("gspo-train", e, args.debug)
     if dist.is_initialized():
         destroy_distributed()
     return 0
-
-
-def _agree_on_start(error: BaseException | None) -> BaseException | None:
-    """Under torchrun, every rank learns whether any rank's start-up checks failed (one all-gather
-    over the default group, which the run would create next anyway): then all stop together, with
-    the lowest failing rank's message, so no rank is left waiting and rank 0 prints it once."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return error
-    from gspo_megatron.errors import UserInputError, one_line
-    from gspo_megatron.runtime.distributed import init_process_group
-
-    init_process_group()
-    messages: list = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else one_line(error))
-    first = next((m for m in messages if m), None)
-    if first is None:
-        return None
-    return error if error is not None and one_line(error) == first else UserInputError(first)
-
-
-def _stop_all(prog: str, error: BaseException, debug: bool) -> int:
-    """Rank 0 prints the one line; every rank waits for that (a rank exiting first would make
-    torchrun kill rank 0 before it prints), then leaves the process groups. Returns exit status 2."""
-    from gspo_megatron.errors import report
-    from gspo_megatron.runtime.distributed import destroy_distributed
-
-    code = report(prog, error, debug)
-    if dist.is_initialized():
-        dist.barrier()
-        destroy_distributed()
-    return code
 
 
 def record_model_source(cfg: Config) -> str:
