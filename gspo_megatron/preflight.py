@@ -91,9 +91,7 @@ def check_hf_dir(path: str | None, field: str) -> dict:
         raise UserInputError(f"{field} must name a Hugging Face model directory")
     try:
         return _check(path)
-    except UserInputError:
-        raise
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, KeyError) as e:  # UsageError (a UserInputError) included
         raise UserInputError(f"{field}: {e}") from None
 
 
