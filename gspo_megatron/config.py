@@ -19,8 +19,10 @@ from typing import Any, Literal
 
 import yaml
 
+from gspo_megatron.errors import UserInputError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserInputError):
     """A config that cannot work. ``errors`` lists every problem found, each naming its field."""
 
     def __init__(self, errors: list[str] | str):
@@ -37,7 +39,7 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-GSPO_MODES = ("gspo", "gspo_token")
+# (clip_low, clip_high) per gspo.mode when the config leaves them null; the loss module reads it too.
 DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.2)}
 
 
@@ -52,10 +54,9 @@ class ModelConfig:
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = _f("delayed", "Transformer Engine FP8 scaling recipe")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f("auto", "layer implementation; auto = transformer_engine with a GPU, local without")
     moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "Megatron MoE token dispatcher")
-    moe_grouped_gemm: bool = _f(False, "grouped GEMM for the experts (GPU; TE or grouped_gemm)")
     moe_aux_loss_coeff: float = _f(0.0, "load-balancing auxiliary loss coefficient (0 = off)")
     recompute: bool = _f(False, "full activation recomputation (store only each layer's input)")
-    max_seq_len: int = _f(64, "max prompt + response tokens of one sequence")
+    max_seq_len: int = _f(64, "max prompt + response tokens of one sequence: must cover data.max_prompt_len + rollout.max_new_tokens and fit the model's max_position_embeddings; the memory planner sizes activations and KV cache with it")
 
 
 @dataclass
@@ -115,7 +116,7 @@ class GSPOConfig:
     adv_eps: float = _f(1e-6, "eps in A = (r - mean) / (std + eps)")
     tis_cap: float | None = _f(None, "truncated importance sampling cap on pi_trainer_old / pi_engine; null = off")
     mini_batches: int = _f(2, "optimizer steps per rollout batch (>= 1)")
-    loss_agg: Literal["seq-mean-token-mean", "token-mean", "token-sum"] = _f("seq-mean-token-mean", "loss aggregation; token-mean / token-sum only with mode grpo")
+    loss_agg: Literal["seq-mean-token-mean", "token-mean"] = _f("seq-mean-token-mean", "loss aggregation: seq-mean-token-mean (each sequence's token mean, averaged over the mini-batch's sequences) or token-mean (sum over the mini-batch's response tokens / their global count; mode grpo only)")
 
 
 @dataclass
@@ -136,7 +137,7 @@ class OptimizerConfig:
 @dataclass
 class TrainConfig:
     steps: int = _f(20, "rollout steps")
-    log_interval: int = _f(1, "steps between console log lines")
+    log_interval: int = _f(1, "steps between console log lines when the console shows plain lines (logging.progress=false, or no terminal)")
 
 
 @dataclass
@@ -156,6 +157,7 @@ class RewardConfig:
     function: str = _f("last_digit", "'math', 'exact_match', a built-in task name, or 'path/to/file.py:fn'")
     timeout_s: float = _f(10.0, "seconds allowed per reward call")
     num_workers: int = _f(0, "reward worker processes; 0 = score in the calling process")
+    max_failure_share: float = _f(1.0, "stop the run when at least this share of one scoring round's reward calls fail (raise, time out, return a non-number or NaN); 1.0 = only when every call fails; partial failures score 0 and are counted (reward/errors, ...)")
 
 
 @dataclass
@@ -341,11 +343,14 @@ def load_config(path: str | None, overrides: list[str] | None = None, *, check_f
     return cfg
 
 
-def save_config(cfg: Config, path: str) -> None:
-    """Write the resolved config as YAML (loadable by :func:`load_config`); rank 0 calls it."""
+def save_config(cfg: Config, path: str, header: str | None = None) -> None:
+    """Write the resolved config as YAML (loadable by :func:`load_config`), ``header`` as a leading
+    comment; rank 0 calls it."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as fh:
+        if header:
+            fh.write("".join(f"# {line}\n" for line in header.splitlines()))
         yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False, default_flow_style=False)
     os.replace(tmp, path)
 
@@ -488,7 +493,7 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     need(g.mini_batches >= 1, f"gspo.mini_batches must be >= 1, got {g.mini_batches}")
     need(g.mode == "grpo" or g.loss_agg == "seq-mean-token-mean",
          f"gspo.loss_agg={g.loss_agg} is not allowed with gspo.mode={g.mode}: GSPO weighs every sequence "
-         "equally, use seq-mean-token-mean (token-mean / token-sum are for mode grpo)")
+         "equally, use seq-mean-token-mean (token-mean is for mode grpo)")
     step = cfg.step_batch_size
     if g.mini_batches >= 1 and p.micro_batch_size >= 1:
         need(step % (g.mini_batches * p.micro_batch_size) == 0, _batch_rule(cfg, dp=1))
@@ -534,6 +539,8 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
              f"{', '.join(BUILTIN_REWARDS + tuple(tasks))} or 'path/to/file.py:fn'")
     positive("reward.timeout_s", cfg.reward.timeout_s)
     non_negative("reward.num_workers", cfg.reward.num_workers)
+    need(0 < cfg.reward.max_failure_share <= 1,
+         f"reward.max_failure_share must be in (0, 1], got {cfg.reward.max_failure_share}")
 
     c = cfg.checkpoint
     non_negative("checkpoint.interval", c.interval)
@@ -625,7 +632,11 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
     divides("parallel.tp", p.tp, "num_attention_heads", d.num_heads)
     divides("parallel.tp", p.tp, "num_key_value_heads", d.num_kv_heads,
             " (Megatron needs num_query_groups % tp == 0)")
-    divides("parallel.tp", p.tp, "vocab_size", d.vocab_size)
+    padded = -(-d.vocab_size // p.tp) * p.tp
+    divides("parallel.tp", p.tp, "vocab_size", d.vocab_size,
+            f" (the output layer is split over the TP ranks); pad the vocabulary to {padded} rows: with "
+            f"transformers, model.resize_token_embeddings({padded}); model.save_pretrained(DIR); then "
+            "model.hf_path=DIR; or choose a parallel.tp that divides it")
     if d.num_dense_layers:
         divides("parallel.tp", p.tp, "intermediate_size", d.ffn_hidden)
     if d.num_experts:

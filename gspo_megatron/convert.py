@@ -26,13 +26,15 @@ import torch
 from gspo_megatron.checkpoint import (ASSETS_SUBDIR, HF_ASSET_FILES, CheckpointError, load_checkpoint,
                                       read_meta, resolve_checkpoint, write_checkpoint_dir)
 
+from gspo_megatron.errors import UserInputError, agree, stop_all  # noqa: E402
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-class UsageError(ValueError):
+class UsageError(UserInputError):
     """Bad command-line input (message names the argument / file)."""
 
 
@@ -314,19 +316,20 @@ def megatron_to_hf(checkpoint: str, output: str, tp: int = 1, pp: int = 1, ep: i
 EXPECTED_ERRORS = (UsageError, ValueError, FileNotFoundError, KeyError, CheckpointError)
 
 
-def one_line(e: BaseException) -> str:
-    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    return " ".join(str(msg).split()) or type(e).__name__
-
-
 @contextmanager
 def cli_errors(prog: str) -> Iterator[None]:
-    """Turn expected errors into ``prog: error: <one line>`` on stderr and exit status 2."""
+    """Turn expected errors into ``prog: error: <one line>`` on stderr (global rank 0 only) and exit
+    status 2. Under torchrun, a rank failing its checks before :func:`run_distributed` agrees with
+    the others (which call :func:`~gspo_megatron.errors.agree` at its start), so every rank stops
+    and the line is printed once."""
+    import torch.distributed as dist
+
     try:
         yield
     except EXPECTED_ERRORS as e:
-        print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        if not dist.is_initialized():
+            e = agree(e)
+        raise SystemExit(stop_all(prog, e, debug=False)) from None
 
 
 def add_layout_args(parser, with_cp: bool = False) -> None:
@@ -344,6 +347,9 @@ def run_distributed(fn: Callable[[], object], tp: int, pp: int, ep: int, etp: in
     """init_distributed, run ``fn``, tear down (also on errors)."""
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
 
+    error = agree(None)  # the ranks whose checks failed are in cli_errors' agree()
+    if error is not None:
+        raise error
     init_distributed(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp), seed=seed)
     try:
         return fn()

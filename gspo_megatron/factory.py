@@ -100,8 +100,8 @@ def build_rewards(cfg: Config):
 
     if cfg.reward.num_workers > 0:
         return RewardRunner(cfg.reward.function, num_workers=cfg.reward.num_workers,
-                            timeout_s=cfg.reward.timeout_s)
-    return InlineRewardScorer(cfg.reward.function)
+                            timeout_s=cfg.reward.timeout_s, max_failure_share=cfg.reward.max_failure_share)
+    return InlineRewardScorer(cfg.reward.function, max_failure_share=cfg.reward.max_failure_share)
 
 
 @dataclass

@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 
 from gspo_megatron.config import (Config, ConfigError, data_parallel_size, engine_count, load_config,
                                   micro_batches_per_rank, validate, validate_model_layout)
+from gspo_megatron.errors import UserInputError
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD_GIB = 4.0
 
 
-class PlanError(ValueError):
+class PlanError(UserInputError):
     """The model or cluster cannot be planned (unknown architecture, not enough GPUs)."""
 
 
@@ -530,14 +531,18 @@ def add_cluster_args(ap: argparse.ArgumentParser) -> None:
 
 
 def run_plan(config: str | None, overrides: list[str], nodes: int, gpus_per_node: int,
-             gpu_memory_gb: float, out=None) -> int:
-    """Load (without checking that files exist), plan, print; return the exit code (0/1/2)."""
+             gpu_memory_gb: float, out=None, prog: str = "plan.py") -> int:
+    """Load (without checking that files exist), plan, print; return the exit code (0/1/2). A bad
+    config is one line ``<prog>: error: ...`` (on stderr, or on ``out`` when given)."""
+    from gspo_megatron.errors import one_line
+
+    err = out or sys.stderr
     out = out or sys.stdout
     try:
         cfg = load_config(config, overrides, check_files=False)
         plan = make_plan(cfg, nodes, gpus_per_node, gpu_memory_gb)
     except (ConfigError, PlanError) as e:
-        print(f"error: {e}", file=out)
+        print(f"{prog}: error: {one_line(e)}", file=err)
         return 2
     print(format_plan(plan), file=out)
     return 0 if plan.fits else 1

@@ -2,7 +2,7 @@
 
     gspo-train --config configs/demo_cpu.yaml [dotted.key=value ...]
     torchrun --nproc-per-node 8 -m gspo_megatron.train --config configs/qwen3_30b_a3b_gspo.yaml
-    gspo-train --config X --check                      # validate and exit
+    gspo-train --config X --check                      # check the config, files, data, reward; exit
     gspo-train --config X --dry-run --nodes 2 --gpus-per-node 8 --gpu-memory-gb 80   # plan only
 
 The loop, per step: rollout (rank 0: prompts -> G responses -> rewards -> advantages) -> every rank
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.config import Config, config_help, load_config, save_config, validate
+from gspo_megatron.config import Config, config_help, load_config, save_config
 from gspo_megatron.runtime.distributed import any_rank, broadcast_object
 
 
@@ -41,20 +41,17 @@ class _Stop:
 
 
 def check_before_start(cfg: Config) -> None:
-    """The checks that need no model (world size, layout vs. the model's dims, files): they fail in
-    seconds, naming the field. Raises ConfigError / ValueError."""
-    from gspo_megatron.config import validate_model_layout
-    from gspo_megatron.planner import model_hf_config
+    """Every start-up check of the user's input (config, output_dir, model files, tokenizer, data,
+    reward, checkpoints; see gspo_megatron/preflight.py): fails in seconds, before any model is
+    built, with one line naming the field or file:line. Raises errors.UserInputError."""
+    from gspo_megatron import preflight
 
-    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    validate_model_layout(cfg, model_hf_config(cfg)[0])
-    if cfg.parallel.cp > 1 and not torch.cuda.is_available():
-        raise ValueError("parallel.cp > 1 needs Transformer Engine's context-parallel attention (a CUDA "
-                         "GPU); this machine has none")
+    preflight.run_all(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def train(cfg: Config) -> dict:
-    """Run (or resume) a training job. Every rank calls it. Returns the last step's metrics."""
+def train(cfg: Config, *, checked: bool = False) -> dict:
+    """Run (or resume) a training job. Every rank calls it. Returns the last step's metrics.
+    ``checked``: the caller already ran :func:`check_before_start` (main() does)."""
     from gspo_megatron import factory
     from gspo_megatron.checkpoint import load_checkpoint, save_checkpoint
     from gspo_megatron.models.build import load_hf_config
@@ -65,14 +62,15 @@ def train(cfg: Config) -> dict:
     from gspo_megatron.train_step import train_on_batch
     from gspo_megatron.weight_sync.sync import WeightSyncer
 
-    check_before_start(cfg)
+    if not checked:
+        check_before_start(cfg)
     p = cfg.parallel
     init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
     rank = dist.get_rank()
     _Stop.install()
     os.makedirs(cfg.output_dir, exist_ok=True)
     if rank == 0:
-        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"))
+        save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"), header=record_model_source(cfg))
 
     # -- model, optimizer, starting weights --------------------------------------------------------
     hf_dir = factory.hf_init_dir(cfg)
@@ -85,7 +83,7 @@ def train(cfg: Config) -> dict:
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
         lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_decay_style, total_steps=steps_total,
         use_distributed_optimizer=p.use_distributed_optimizer,
-        grad_reduce_in_fp32=getattr(p, "grad_reduce_in_fp32", True),
+        grad_reduce_in_fp32=p.grad_reduce_in_fp32,
         cpu_offload_fraction=o.cpu_offload_fraction))
     ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
     # resume: the newest loadable checkpoint (a corrupt newest one falls back to the previous)
@@ -94,6 +92,9 @@ def train(cfg: Config) -> dict:
     loaded = load_checkpoint(resume_from, model, optimizer, scheduler) if os.path.isdir(resume_from) else None
     if loaded is not None:
         start_step, extra = loaded[0], loaded[1] or {}
+        if rank == 0:
+            print(f"[gspo-train] resuming from step {start_step} (checkpoint in {os.path.abspath(resume_from)}); "
+                  f"training steps {start_step + 1}..{cfg.train.steps}", flush=True)
     elif cfg.model.checkpoint:
         if load_checkpoint(cfg.model.checkpoint, model, restore_rng=False) is None:
             raise FileNotFoundError(f"model.checkpoint {cfg.model.checkpoint!r} holds no checkpoint")
@@ -123,6 +124,7 @@ def train(cfg: Config) -> dict:
         logger = MetricsLogger(cfg.output_dir, rank=rank, resume_step=start_step if loaded is not None else None,
                                total_steps=cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                                console="auto" if cfg.logging.progress else "plain",
+                               console_every=cfg.train.log_interval,
                                wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
     # -- every rank: the engines (colocated ones start on the nodes that share their GPUs) and this
     #    rank's part of the weight sync
@@ -222,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="GSPO training of MoE models on Megatron-Core (CPU demo by default).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (default: built-in CPU demo settings)")
-    parser.add_argument("--check", action="store_true", help="validate the config and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="check the config, model files, tokenizer, data, reward function and checkpoints; exit")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     parser.add_argument("--dry-run", action="store_true", help="plan the layout and memory for a cluster, and exit")
     parser.add_argument("-h", "--help", action="store_true", help="show this help and every config field")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.steps=10")
@@ -246,24 +250,48 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from gspo_megatron.planner import run_plan
 
-        return run_plan(args.config, args.overrides, args.nodes, args.gpus_per_node, args.gpu_memory_gb)
-    from gspo_megatron.config import ConfigError
+        return run_plan(args.config, args.overrides, args.nodes, args.gpus_per_node, args.gpu_memory_gb,
+                        prog="gspo-train")
+    from gspo_megatron.errors import UserInputError, agree, stop_all
 
+    error = None
     try:
         cfg = load_config(args.config, args.overrides)
         check_before_start(cfg)
-        if args.check:
-            print(f"config OK: {args.config or '(defaults)'}")
-            return 0
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"gspo-train: error: {e}", file=sys.stderr)
-        return 2
-    train(cfg)
-    if dist.is_initialized():
-        from gspo_megatron.runtime.distributed import destroy_distributed
+    except (UserInputError, FileNotFoundError, ValueError) as e:  # nothing started yet
+        error = e
+    error = agree(error)  # under torchrun: every rank learns whether any rank's checks failed
+    if error is not None:
+        return stop_all("gspo-train", error, args.debug)
+    if args.check:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"config OK: {args.config or '(defaults)'} (config, output_dir, model, tokenizer, data, "
+                  "reward function, checkpoints)")
+        return 0
+    from gspo_megatron.runtime.distributed import destroy_distributed
 
+    try:
+        train(cfg, checked=True)
+    except UserInputError as e:  # met during the run on every rank (e.g. a reward failing on every call)
+        e._gspo_agreed = True  # raised on every rank together (RolloutSession broadcasts it)
+        return stop_all("gspo-train", e, args.debug)
+    if dist.is_initialized():
         destroy_distributed()
     return 0
+
+
+def record_model_source(cfg: Config) -> str:
+    """Where the model came from, for the saved config.yaml: model.arch is cleared (set to null) when
+    model.hf_path's config.json defines the model, since then the arch table is not used.
+    Returns a one-line description (the planner's)."""
+    from gspo_megatron.planner import model_hf_config
+
+    _, where = model_hf_config(cfg)
+    if cfg.model.hf_path and os.path.isfile(os.path.join(cfg.model.hf_path, "config.json")):
+        cfg.model.arch = None
+    weights = {"pretrained": f"weights from {cfg.model.hf_path}", "random": f"random weights (seed {cfg.seed})"}
+    start = f"; starting weights from model.checkpoint {cfg.model.checkpoint}" if cfg.model.checkpoint else ""
+    return f"model: architecture from {where}, {weights[cfg.model.init]}{start}"
 
 
 if __name__ == "__main__":

@@ -29,8 +29,7 @@ _MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref
 
 def loss_config(cfg: Config) -> PolicyLossConfig:
     g = cfg.gspo
-    agg = "token-mean" if g.loss_agg == "token-mean" else "seq-mean-token-mean"
-    return PolicyLossConfig(mode=g.mode, clip_low=g.clip_low, clip_high=g.clip_high, aggregation=agg,
+    return PolicyLossConfig(mode=g.mode, clip_low=g.clip_low, clip_high=g.clip_high, aggregation=g.loss_agg,
                             kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, entropy_coef=g.entropy_coef,
                             tis_cap=g.tis_cap)
 

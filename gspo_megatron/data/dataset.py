@@ -13,12 +13,15 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
+from gspo_megatron.errors import UserInputError
+
 if TYPE_CHECKING:
     from gspo_megatron.rollout.base import RolloutSample
 
 
-class DatasetError(ValueError):
-    """A malformed dataset row or file; the message names the file and line/row."""
+class DatasetError(UserInputError):
+    """A malformed dataset row or file; the message names the file and line/row (and the config
+    field involved: data.prompt_key, data.label_key, data.max_prompt_len)."""
 
 
 @dataclass
@@ -57,7 +60,7 @@ def decode_response(tokenizer, sample: "RolloutSample") -> str:
 
 def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
     """Yield (location, record or an error message) per non-blank line."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -70,7 +73,11 @@ def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
 def _read_parquet(path: str) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq  # imported lazily: only parquet users need it
 
-    for row_no, record in enumerate(pq.read_table(path).to_pylist(), start=1):
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises its own error types
+        raise DatasetError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+    for row_no, record in enumerate(table.to_pylist(), start=1):
         yield f"row {row_no}", record
 
 
@@ -159,8 +166,11 @@ class PromptDataset(Sequence[PromptRow]):
                 if not skip_bad_rows:
                     raise
                 skipped.append(str(e))
+        if not rows and not skipped:
+            raise DatasetError(f"{name}: the data file is empty (no rows)")
         if not rows:
-            raise DatasetError(f"{name}: no usable rows ({len(skipped)} malformed rows skipped)")
+            raise DatasetError(f"{name}: no usable rows ({len(skipped)} malformed rows skipped; "
+                               f"the first: {skipped[0]})")
         return cls(rows, skipped_rows=len(skipped), skip_reasons=skipped)
 
 
@@ -170,20 +180,28 @@ def _validate_row(where, record, tokenizer, prompt_key, label_key, max_prompt_to
     if not isinstance(record, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if prompt_key not in record:
-        raise DatasetError(f"{where}: missing key {prompt_key!r} (prompt_key)")
+        raise DatasetError(f"{where}: missing key {prompt_key!r} (data.prompt_key); the row has "
+                           f"{_keys(record)}")
     prompt = record[prompt_key]
     if not isinstance(prompt, str):
         raise DatasetError(f"{where}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
     if not prompt.strip():
         raise DatasetError(f"{where}: {prompt_key!r} is empty")
     if label_key is not None and label_key not in record:
-        raise DatasetError(f"{where}: missing key {label_key!r} (label_key)")
+        raise DatasetError(f"{where}: missing key {label_key!r} (data.label_key); the row has "
+                           f"{_keys(record)}")
     text = format_prompt(tokenizer, prompt, templated)
     ids = encode_prompt(tokenizer, text, templated)
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-        raise DatasetError(f"{where}: prompt has {len(ids)} tokens, more than max_prompt_tokens={max_prompt_tokens}")
+        raise DatasetError(f"{where}: prompt has {len(ids)} tokens{' with the chat template' if templated else ''}, "
+                           f"more than data.max_prompt_len={max_prompt_tokens}")
     label = record[label_key] if label_key is not None else None
     return PromptRow(prompt=prompt, text=text, prompt_ids=ids, label=label, source=where)
+
+
+def _keys(record: dict) -> str:
+    keys = [str(k) for k in record][:8]
+    return ("keys " + ", ".join(repr(k) for k in keys) + (", ..." if len(record) > 8 else "")) if keys else "no keys"
 
 
 class PromptSampler:

@@ -52,12 +52,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gspo_megatron.config import DEFAULT_CLIP
 from gspo_megatron.losses.reductions import all_reduce_sum, all_reduce_sum_, segment_sum
 
 MODES = ("gspo", "gspo_token", "grpo")
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-_DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.2)}
+
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class PolicyLossConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        low, high = _DEFAULT_CLIP[self.mode]
+        low, high = DEFAULT_CLIP[self.mode]
         object.__setattr__(self, "clip_low", low if self.clip_low is None else float(self.clip_low))
         object.__setattr__(self, "clip_high", high if self.clip_high is None else float(self.clip_high))
         for name in ("clip_low", "clip_high"):

@@ -5,7 +5,9 @@ function from its spec *inside the worker* (user files are loaded by path there)
 call at a time. A call that exceeds ``timeout_s`` gets its worker killed and replaced (threads cannot
 be killed, processes can), so a hanging reward never blocks the loop. An exception, a worker crash,
 a non-numeric or non-finite value, or a timeout scores 0.0 and is counted in the returned stats:
-``reward/errors``, ``reward/timeouts``, ``reward/nonfinite``.
+``reward/errors``, ``reward/timeouts``, ``reward/nonfinite``. When at least ``max_failure_share`` of
+one ``score()`` call's items fail (default 1.0: all of them), ``score`` raises :class:`RewardFailure`
+(a user error: the reward function is broken, training on all-zero rewards would be meaningless).
 """
 
 from __future__ import annotations
@@ -18,9 +20,34 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
+from gspo_megatron.errors import UserInputError
 from gspo_megatron.runtime.children import run_dying_with_parent
 
 logger = logging.getLogger(__name__)
+
+
+class RewardFailure(UserInputError):
+    """Too many calls of one scoring round failed; names the reward spec and the last error."""
+
+
+def as_reward(value: Any) -> float:
+    """A reward function's return value as a float; TypeError naming the value when it is not a number."""
+    if isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"returned {type(value).__name__} {value!r:.40}, expected a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"returned {type(value).__name__} {value!r:.40}, expected a number") from None
+
+
+def check_failure_share(spec: str, stats: dict[str, float], n: int, last_error: str | None,
+                        max_failure_share: float) -> None:
+    """Raise RewardFailure when (errors + timeouts + non-finite) / n >= max_failure_share."""
+    failed = stats["reward/errors"] + stats["reward/timeouts"] + stats["reward/nonfinite"]
+    if n and failed / n >= max_failure_share:
+        raise RewardFailure(
+            f"reward.function {spec!r} failed on {int(failed)} of {n} calls in one scoring round "
+            f"(reward.max_failure_share={max_failure_share:g}); last error: {last_error}")
 
 
 def _worker_main(conn: Connection, spec: str) -> None:
@@ -42,7 +69,7 @@ def _worker_main(conn: Connection, spec: str) -> None:
             return
         index, prompt, response, label = msg
         try:
-            value = float(fn(prompt, response, label))
+            value = as_reward(fn(prompt, response, label))
             conn.send((index, "ok", value))
         except BaseException as e:  # the user's code may raise anything, even SystemExit
             conn.send((index, "error", f"{type(e).__name__}: {e}"))
@@ -62,10 +89,11 @@ def tally_results(results: Sequence[tuple[str, Any]], spec: str) -> tuple[list[f
         rewards.append(0.0)
         if status == "ok":
             stats["reward/nonfinite"] += 1
+            last_error = f"returned {value}"
         else:
             stats["reward/timeouts" if status == "timeout" else "reward/errors"] += 1
             last_error = value
-    if stats["reward/errors"] or stats["reward/timeouts"]:
+    if stats["reward/errors"] or stats["reward/timeouts"] or stats["reward/nonfinite"]:
         logger.warning("reward %r: %s (last: %s)", spec, stats, last_error)
     return rewards, {k: float(v) for k, v in stats.items()}, last_error
 
@@ -74,21 +102,23 @@ class InlineRewardScorer:
     """``reward.num_workers=0``: scores in the calling process, for fast trusted rewards. Same
     interface and failure accounting as RewardRunner, but no isolation and no timeout."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, max_failure_share: float = 1.0):
         from gspo_megatron.rewards.registry import get_reward_fn
 
         self.spec, self.fn, self.last_error = spec, get_reward_fn(spec), None
+        self.max_failure_share = max_failure_share
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any]
               ) -> tuple[list[float], dict[str, float]]:
         results: list[tuple[str, Any]] = []
         for p, r, lab in zip(prompts, responses, labels):
             try:
-                results.append(("ok", float(self.fn(p, r, lab))))
+                results.append(("ok", as_reward(self.fn(p, r, lab))))
             except Exception as e:  # noqa: BLE001 - a failing reward scores 0 and is counted
                 results.append(("error", f"{type(e).__name__}: {e}"))
         rewards, stats, last_error = tally_results(results, self.spec)
         self.last_error = last_error or self.last_error
+        check_failure_share(self.spec, stats, len(results), last_error, self.max_failure_share)
         return rewards, stats
 
     def close(self) -> None:
@@ -122,12 +152,14 @@ class RewardRunner:
     with the worker's traceback). Use as a context manager or call ``close()``.
     """
 
-    def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0):
+    def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0,
+                 max_failure_share: float = 1.0):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.spec, self.timeout_s, self.start_timeout_s = spec, timeout_s, start_timeout_s
+        self.max_failure_share = max_failure_share
         self._ctx = mp.get_context("spawn")
         self._workers = [_Worker(self._ctx, spec) for _ in range(num_workers)]
         self.restarts = 0
@@ -233,6 +265,7 @@ class RewardRunner:
     def _collect(self, results: dict[int, tuple[str, Any]], n: int) -> tuple[list[float], dict[str, float]]:
         rewards, stats, last_error = tally_results([results[i] for i in range(n)], self.spec)
         self.last_error = last_error or self.last_error
+        check_failure_share(self.spec, stats, n, last_error, self.max_failure_share)
         return rewards, stats
 
     def close(self) -> None:

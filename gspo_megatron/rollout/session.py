@@ -6,7 +6,9 @@ stop with an error (so no rank is ever left waiting in a collective). An engine 
 recognized by a failing call plus a failed health check; a failure with every engine healthy is a
 real error. Restarting is collective (``restart(dead)`` on every rank: colocated engines are started
 by the ranks that share their GPUs), then the weight-update groups are rebuilt and the weights
-pushed again, and the same prompts retried.
+pushed again, and the same prompts retried. A user-input error met on rank 0 (e.g. a reward function
+failing on every call: ``errors.UserInputError``) is re-raised as such on every rank, so that
+``gspo-train`` ends with one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from gspo_megatron.errors import UserInputError
 from gspo_megatron.runtime.distributed import broadcast_object as broadcast
 
 
@@ -84,6 +87,8 @@ class RolloutSession:
             return True
         if status[0] == "fatal":
             raise RuntimeError(status[1])
+        if status[0] == "user_error":
+            raise UserInputError(status[1])
         try:
             self.restart(status[1])
         except Exception as e:  # noqa: BLE001 - the same message on every rank
@@ -143,6 +148,8 @@ class RolloutSession:
                 try:
                     batch = self.collect(step)
                     msg = ("ok", batch.records)
+                except UserInputError as e:  # not an engine fault: every rank stops with it
+                    msg = ("user_error", str(e))
                 except Exception as e:  # noqa: BLE001 - classified by _failed, never swallowed
                     self.sampler.load_state_dict(position)
                     msg = self._failed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")

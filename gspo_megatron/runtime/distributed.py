@@ -68,6 +68,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_process_group(timeout_minutes: int = 30) -> None:
+    """The default torch.distributed group only (idempotent): NCCL with a GPU, else gloo; a world
+    of one under plain ``python``. Every rank calls it."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python`: a world of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
 def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 30) -> None:
     """Initialize torch.distributed (idempotent), Megatron's parallel state, and all RNGs.
 
@@ -75,15 +90,7 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
     """
     cpu_compat.activate()
     cpu_compat.patch_missing_te()
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `python`: a world of one
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    init_process_group(timeout_minutes)
     world = dist.get_world_size()
     layout.check(world)
 

@@ -60,7 +60,11 @@ SGLANG = ["rollout.engine=sglang", "rollout.sync_mode=colocated"]
     (["gspo.adv_eps=0"], "gspo.adv_eps must be > 0"),
     (["gspo.tis_cap=0"], "gspo.tis_cap must be > 0"),
     (["gspo.mini_batches=0"], "gspo.mini_batches must be >= 1"),
-    (["gspo.loss_agg=token-sum"], "gspo.loss_agg=token-sum is not allowed with gspo.mode=gspo"),
+    (["gspo.loss_agg=token-mean"], "gspo.loss_agg=token-mean is not allowed with gspo.mode=gspo"),
+    # token-sum is refused (it used to be accepted and silently trained as seq-mean-token-mean)
+    (["gspo.mode=grpo", "gspo.loss_agg=token-sum"], "gspo.loss_agg must be one of 'seq-mean-token-mean', 'token-mean'"),
+    (["reward.max_failure_share=0"], "reward.max_failure_share must be in (0, 1]"),
+    (["reward.max_failure_share=1.5"], "reward.max_failure_share must be in (0, 1]"),
     (["gspo.mode=gspo_token", "gspo.loss_agg=token-mean"], "gspo.loss_agg=token-mean is not allowed with gspo.mode=gspo_token"),
     (["optimizer.lr=0"], "optimizer.lr must be > 0"),
     (["optimizer.min_lr=1"], "optimizer.min_lr must be in [0, optimizer.lr=0.001]"),
@@ -100,9 +104,6 @@ def test_static_errors_name_the_field(overrides, expected):
 
 
 @pytest.mark.parametrize("overrides", [
-    # NOT RUNNABLE YET (issue 15): the trainer has no token-sum loss (train_step.loss_config maps it to
-    # seq-mean-token-mean); helper "first-day" decides whether token-sum is implemented or refused.
-    ["gspo.mode=grpo", "gspo.loss_agg=token-sum"],
     ["gspo.mode=grpo", "gspo.loss_agg=token-mean"],
     ["reward.function=exact_match"], ["reward.function=math"], ["reward.function=add_digits"],
     ["rollout.engine=sglang", "rollout.sync_mode=disaggregated", "rollout.engine_urls=[http://a:1, http://b:1]"],

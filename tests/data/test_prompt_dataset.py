@@ -47,7 +47,7 @@ def test_jsonl_rows_are_templated_and_tokenized(tmp_path, tok):
         (json.dumps({"prompt": "   ", "label": "4"}), r"line 2: 'prompt' is empty"),
         (json.dumps({"prompt": 5, "label": "4"}), r"line 2: 'prompt' must be a string, got int"),
         # 100 bytes + 19 tokens of chat template
-        (json.dumps({"prompt": "x" * 100, "label": "4"}), r"line 2: prompt has 119 tokens, more than max_prompt_tokens=64"),
+        (json.dumps({"prompt": "x" * 100, "label": "4"}), r"line 2: prompt has 119 tokens with the chat template, more than data.max_prompt_len=64"),
     ],
 )
 def test_bad_rows_name_file_and_line_or_are_skipped(tmp_path, tok, bad_line, message):

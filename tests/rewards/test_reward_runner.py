@@ -77,3 +77,43 @@ def test_builtin_math_in_worker():
     with RewardRunner("math", num_workers=1) as r:
         rewards, stats = r.score(["q"] * 2, ["\\boxed{\\frac{2}{4}}", "0.3"], ["0.5", "1/2"])
     assert rewards == [1.0, 0.0] and stats["reward/errors"] == 0.0
+
+
+def test_a_round_where_every_call_fails_stops_with_the_last_error(runner):
+    from gspo_megatron.errors import UserInputError
+    from gspo_megatron.rewards.runner import RewardFailure
+
+    with pytest.raises(RewardFailure, match=r"user_reward\.py:score.*failed on 3 of 3 calls.*last error: "
+                                            r"ValueError: bad response") as e:
+        runner.score(["p"] * 3, ["nan", "raise", "raise"], [0, 0, 0])
+    assert isinstance(e.value, UserInputError)
+    # partial failures keep scoring 0 and are counted (default share 1.0)
+    rewards, stats = runner.score(["p"] * 3, ["raise", "a", "text"], [0, 0, 0])
+    assert rewards == [0.0, 1.0, 0.0] and stats["reward/errors"] == 2.0
+
+
+@pytest.mark.parametrize("share,responses,fails", [
+    (0.5, ["raise", "a"], True), (0.5, ["raise", "a", "b"], False), (1.0, ["nan", "nan"], True),
+    (0.25, ["a", "b", "c", "text"], True), (0.3, ["a", "b", "c", "text"], False),
+])
+def test_inline_scorer_failure_share(tmp_path, share, responses, fails):
+    from gspo_megatron.rewards.runner import InlineRewardScorer, RewardFailure
+
+    path = tmp_path / "user_reward.py"
+    path.write_text(USER_FN)
+    scorer = InlineRewardScorer(f"{path}:score", max_failure_share=share)
+    n = len(responses)
+    if fails:
+        with pytest.raises(RewardFailure, match=f"failed on {sum(r in ('raise', 'nan', 'text') for r in responses)} of {n}"):
+            scorer.score(["p"] * n, responses, [0] * n)
+    else:
+        rewards, stats = scorer.score(["p"] * n, responses, [0] * n)
+        assert stats["reward/errors"] + stats["reward/nonfinite"] == sum(r in ("raise", "nan", "text") for r in responses)
+
+
+def test_returning_none_is_named():
+    from gspo_megatron.rewards.runner import as_reward
+
+    with pytest.raises(TypeError, match="returned NoneType None, expected a number"):
+        as_reward(None)
+    assert as_reward(True) == 1.0 and as_reward(3) == 3.0

@@ -114,3 +114,23 @@ def test_real_exit_status_and_single_line(tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         f"hf_to_megatron: error: HF directory {tmp_path / 'missing'} does not exist"]
+
+
+def test_bad_input_under_torchrun_is_printed_once(tmp_path):
+    """Every rank finds the mistake; rank 0 prints it once, every rank exits with 2 (torchrun adds its
+    own failure report and exits 1)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
+         os.path.join(repo, "tools", "score.py"), "--checkpoint", str(tmp_path / "nope"), "--input", "x",
+         "--output", "y"], capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [ln for ln in proc.stderr.splitlines() if "score: error:" in ln]
+    assert lines == [f"score: error: --checkpoint {tmp_path / 'nope'} does not exist"], proc.stderr[-3000:]
+    assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr and "exitcode  : 1 " not in proc.stderr

@@ -42,7 +42,7 @@ def test_user_data_and_reward_function(tmp_path, monkeypatch):
     metrics = read_metrics(str(out))
     assert [m["step"] for m in metrics] == [1, 2]
     calls = log.read_text().splitlines()
-    assert len(calls) == 2 * 4 * 4  # steps * prompts * group size
+    assert len(calls) == 1 + 2 * 4 * 4  # the start-up check's one call + steps * prompts * group size
     prompts = {json.loads(c)[0] for c in calls}
     assert prompts == {r["question"] for r in rows}
     assert sum(json.loads(c)[2] == "hang" for c in calls) == 4  # the hanging row's group, every call made

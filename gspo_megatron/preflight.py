@@ -1,0 +1,272 @@
+"""Start-up checks of everything the user gave us, before any model is built (``gspo-train`` and
+``gspo-train --check`` run them; every rank runs them, no collectives, so every rank reaches the same
+verdict and only rank 0 needs to print it).
+
+In order (each raises :class:`~gspo_megatron.errors.UserInputError` with one line naming the field,
+or the file and line):
+
+1. the config: world size, layout against the model's dims (:func:`check_config`);
+2. ``output_dir``: a directory we can create and write (:func:`check_output_dir`);
+3. the model files: with ``model.init=pretrained``, ``model.hf_path`` holds config.json, readable
+   safetensors (single file or index + shards) of a supported family (:func:`check_hf_dir`);
+4. the tokenizer the run will use: present, non-empty, its ids inside the model's vocabulary, a chat
+   template when ``data.apply_chat_template`` (:func:`load_checked_tokenizer`);
+5. the data: every row parsed, keys present, prompt lengths within ``data.max_prompt_len``, not empty
+   (the very dataset the trainer builds, :func:`check_data`);
+6. the reward function: imported (a syntax error is named with file:line), its signature bound to
+   ``(prompt, response, label)`` and one call on the first data row returning a finite number
+   (:func:`check_reward`);
+7. checkpoints to resume from (``checkpoint.load`` or ``output_dir/checkpoints``) and
+   ``model.checkpoint``: the model config stored with them equals this model's, and a resume uses
+   the layout the optimizer state was written in (:func:`check_checkpoints`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import traceback
+from dataclasses import fields
+
+from gspo_megatron.config import Config
+from gspo_megatron.errors import UserInputError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def run_all(cfg: Config, world_size: int | None = None) -> None:
+    """Every start-up check (see the module docstring). Raises UserInputError."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    hf = check_config(cfg, world_size)
+    check_output_dir(cfg.output_dir)
+    if cfg.model.init == "pretrained":
+        check_hf_dir(cfg.model.hf_path, "model.hf_path")
+    tokenizer = load_checked_tokenizer(cfg, hf)
+    dataset = check_data(cfg, tokenizer)
+    check_reward(cfg.reward.function, dataset[0])
+    check_checkpoints(cfg, hf)
+
+
+# ---------------------------------------------------------------------------------------------
+def check_config(cfg: Config, world_size: int) -> dict:
+    """World size and layout vs. the model's dims; returns the model's HF config (a dict)."""
+    import torch
+
+    from gspo_megatron.config import validate, validate_model_layout
+    from gspo_megatron.planner import model_hf_config
+
+    validate(cfg, world_size=world_size)
+    hf, where = model_hf_config(cfg)
+    try:
+        validate_model_layout(cfg, hf)
+    except UserInputError:
+        raise
+    except ValueError as e:  # the planner's PlanError: a config.json it cannot read
+        raise UserInputError(f"{where}: {e}") from None
+    if cfg.parallel.cp > 1 and not torch.cuda.is_available():
+        raise UserInputError("parallel.cp > 1 needs Transformer Engine's context-parallel attention (a CUDA "
+                             "GPU); this machine has none")
+    return hf
+
+
+def check_output_dir(path: str) -> None:
+    """``output_dir`` is a directory (or can be created as one) that we can write in."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserInputError(f"output_dir {path!r} is a file, not a directory; choose another output_dir")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UserInputError(f"output_dir {path!r} cannot be created: {probe!r} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserInputError(f"output_dir {path!r}: no permission to write in {probe!r}")
+
+
+def check_hf_dir(path: str | None, field: str) -> dict:
+    """config.json + safetensors (index and shards) of a supported family; returns config.json."""
+    from gspo_megatron.convert import check_hf_dir as _check
+
+    if not path:
+        raise UserInputError(f"{field} must name a Hugging Face model directory")
+    try:
+        return _check(path)
+    except (ValueError, FileNotFoundError, KeyError) as e:  # UsageError (a UserInputError) included
+        raise UserInputError(f"{field}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+def tokenizer_dir(cfg: Config) -> str | None:
+    """Where the run's tokenizer comes from (mirrors factory.hf_init_dir): model.hf_path for
+    pretrained; for random init an existing ``output_dir/hf_init``, else model.hf_path when it has
+    tokenizer files, else None (the built-in demo tokenizer)."""
+    if cfg.model.init == "pretrained":
+        return cfg.model.hf_path
+    init = os.path.join(cfg.output_dir, "hf_init")
+    if os.path.exists(os.path.join(init, "model.safetensors")):
+        return init
+    hf_path = cfg.model.hf_path
+    if hf_path and os.path.exists(os.path.join(hf_path, "tokenizer_config.json")):
+        return hf_path
+    return None
+
+
+def load_checked_tokenizer(cfg: Config, hf: dict):
+    """The tokenizer the run will use, checked against the model's vocabulary and the data options."""
+    from gspo_megatron.data.tokenizer import build_demo_tokenizer, load_tokenizer
+
+    src = tokenizer_dir(cfg)
+    if src is None:
+        tok, where = build_demo_tokenizer(), "the built-in demo tokenizer"
+    else:
+        field = "model.hf_path" if src == cfg.model.hf_path else "output_dir"
+        present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
+        if not present:
+            raise UserInputError(
+                f"{field}: {src} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save the "
+                "model's tokenizer there (tokenizer.save_pretrained(dir))")
+        try:
+            tok = load_tokenizer(src)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad tokenizer
+            raise UserInputError(f"{field}: cannot load the tokenizer in {src}: {type(e).__name__}: "
+                                 f"{' '.join(str(e).split())[:300]}") from None
+        where = f"the tokenizer in {src}"
+    n = len(tok)
+    if n == 0 or not tok.encode("hello", add_special_tokens=False):
+        raise UserInputError(f"{where} is empty (it encodes text to no tokens)")
+    vocab = int(hf.get("vocab_size") or 0)
+    if vocab and n > vocab:
+        raise UserInputError(
+            f"{where} has {n} tokens but the model's vocab_size is {vocab}: token ids would fall outside the "
+            "embedding table (a tokenizer of another model?)")
+    if cfg.data.apply_chat_template and not getattr(tok, "chat_template", None):
+        raise UserInputError(
+            f"data.apply_chat_template=true but {where} has no chat template; add one "
+            "(chat_template.jinja) or set data.apply_chat_template=false to feed prompts as plain text")
+    return tok
+
+
+def check_data(cfg: Config, tokenizer):
+    """The trainer's dataset, built exactly as rank 0 builds it (every row parsed and tokenized)."""
+    from gspo_megatron.factory import build_dataset
+
+    try:
+        return build_dataset(cfg, tokenizer)
+    except UserInputError:
+        raise
+    except (OSError, ValueError) as e:
+        raise UserInputError(f"data.path: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+def _user_frame(tb, path: str | None) -> str:
+    """``file:line`` of the innermost traceback frame in the user's file (or the innermost frame)."""
+    frames = traceback.extract_tb(tb)
+    if not frames:
+        return ""
+    mine = [f for f in frames if path and os.path.abspath(f.filename) == path]
+    f = (mine or frames)[-1]
+    return f" at {f.filename}:{f.lineno}"
+
+
+def check_reward(spec: str, row) -> None:
+    """Import the reward function, bind its signature, call it once on ``row`` (a PromptRow) with the
+    label as the response; the result must be a finite number."""
+    from gspo_megatron.rewards.registry import get_reward_fn
+    from gspo_megatron.rewards.runner import as_reward
+
+    user_file = os.path.abspath(spec.rpartition(":")[0]) if spec.rpartition(":")[0].endswith(".py") else None
+    try:
+        fn = get_reward_fn(spec)
+    except SyntaxError as e:
+        raise UserInputError(f"reward.function {spec!r}: syntax error at {e.filename}:{e.lineno}: {e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module may raise anything while importing
+        raise UserInputError(f"reward.function {spec!r}: {type(e).__name__}: {e}"
+                             f"{_user_frame(e.__traceback__, user_file) if user_file else ''}") from None
+    name = getattr(fn, "__name__", spec)
+    try:
+        sig = inspect.signature(fn)
+        sig.bind(row.prompt, str(row.label), row.label)
+    except TypeError as e:
+        raise UserInputError(f"reward.function {spec!r}: {name}{sig} cannot be called as "
+                             f"{name}(prompt, response, label): {e}") from None
+    except ValueError:  # no signature (a builtin): the call below checks it
+        pass
+    try:
+        value = as_reward(fn(row.prompt, str(row.label), row.label))
+    except Exception as e:  # noqa: BLE001
+        raise UserInputError(
+            f"reward.function {spec!r} failed when called on {row.source} (response = its label): "
+            f"{type(e).__name__}: {e}{_user_frame(e.__traceback__, user_file)}") from None
+    if not math.isfinite(value):
+        raise UserInputError(f"reward.function {spec!r} returned {value} on {row.source} (response = its label)")
+
+
+# ---------------------------------------------------------------------------------------------
+def _dims(hf: dict):
+    from gspo_megatron.planner import ModelDims
+
+    try:
+        return ModelDims.from_hf_config(hf)
+    except ValueError:
+        return None
+
+
+def model_config_difference(stored: dict, current: dict) -> list[str]:
+    """The architecture dims that differ between two HF configs (``name stored -> current``)."""
+    a, b = _dims(stored), _dims(current)
+    if a is None or b is None:
+        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "num_experts",
+                "num_local_experts")
+        return [f"{k} {stored.get(k)} vs {current.get(k)}" for k in keys if stored.get(k) != current.get(k)]
+    return [f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}" for f in fields(a)
+            if getattr(a, f.name) != getattr(b, f.name)]
+
+
+def _newest_checkpoint(root: str, field: str, required: bool) -> tuple[str, dict] | None:
+    from gspo_megatron.checkpoint import CheckpointError, list_checkpoints, read_meta, resolve_checkpoint
+
+    if not os.path.exists(root):
+        if required:
+            raise UserInputError(f"{field}: {root} does not exist")
+        return None
+    if not required and not list_checkpoints(root):
+        return None
+    try:
+        path = resolve_checkpoint(root)[0]
+        return path, read_meta(path)
+    except CheckpointError as e:
+        if not required:
+            return None  # incomplete ones only: the trainer warns and starts fresh / falls back
+        raise UserInputError(f"{field}: {e}") from None
+
+
+def check_checkpoints(cfg: Config, hf: dict) -> None:
+    """The newest checkpoint a run would resume from (and model.checkpoint) fits this model; the
+    resumed optimizer state needs the layout it was written in."""
+    p = cfg.parallel
+    here = dict(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, cp=p.cp)
+    resume_field = "checkpoint.load" if cfg.checkpoint.load else "output_dir"
+    root = cfg.checkpoint.load or os.path.join(cfg.output_dir, "checkpoints")
+    found = _newest_checkpoint(root, resume_field, required=bool(cfg.checkpoint.load))
+    if found is not None:
+        path, meta = found
+        diff = model_config_difference(meta.get("hf_config") or {}, hf)
+        if diff:
+            raise UserInputError(
+                f"{resume_field}: the checkpoints in {root} belong to another model ({'; '.join(diff)} "
+                f"in {path} vs this config's model); use a new output_dir, or the model they were trained with")
+        stored = {k: meta.get("layout", {}).get(k) for k in here}
+        if meta.get("has_optimizer") and stored != here:
+            raise UserInputError(
+                f"{resume_field}: {path} was written with layout {stored}, this run uses {here}; resuming "
+                "the optimizer needs the same layout (to change it, start a new output_dir with "
+                f"model.checkpoint={path}: the weights load into any layout)")
+    if cfg.model.checkpoint:
+        found = _newest_checkpoint(cfg.model.checkpoint, "model.checkpoint", required=True)
+        path, meta = found
+        diff = model_config_difference(meta.get("hf_config") or {}, hf)
+        if diff:
+            raise UserInputError(f"model.checkpoint: {path} holds another model than the config's "
+                                 f"({'; '.join(diff)})")
