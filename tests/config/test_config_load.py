@@ -135,7 +135,8 @@ def test_save_and_reload_round_trip(tmp_path):
 def test_recipes_load_without_their_placeholder_files():
     import glob
 
-    paths = [p for p in glob.glob("configs/*.yaml") if not p.endswith("demo_cpu.yaml")]
+    # the GPU recipes (demo_cpu and the tiny topology configs run on CPU as they are)
+    paths = [p for p in glob.glob("configs/*.yaml") if not p.endswith(("demo_cpu.yaml", "_tiny.yaml"))]
     assert {"configs/qwen3_30b_a3b_gspo.yaml", "configs/qwen3_235b_a22b_gspo.yaml"} <= set(paths)
     for p in paths:
         cfg = load_config(p, [], check_files=False)
@@ -162,3 +163,19 @@ def test_help_documents_every_field_with_type_default_and_description():
         assert f.metadata["help"] in text
     assert "model.dtype: 'float32'|'bfloat16'|'float16' = float32" in text
     assert "gspo.clip_low: float | null = null" in text
+
+
+def test_tiny_topology_configs_keep_the_recipes_keys():
+    """configs/topology_*_tiny.yaml: the recipes' rollout / parallel keys at tiny scale (run by
+    tests/topology/test_multinode.py), loadable as they are."""
+    import yaml
+
+    for tiny, recipe in (("configs/topology_30b_tiny.yaml", "configs/qwen3_30b_a3b_gspo.yaml"),
+                         ("configs/topology_235b_tiny.yaml", "configs/qwen3_235b_a22b_gspo.yaml")):
+        t, r = (yaml.safe_load(open(p)) for p in (tiny, recipe))
+        cfg = load_config(tiny, [])
+        assert cfg.rollout.engine == "sglang" and cfg.rollout.engine_server == "cpu"
+        assert cfg.rollout.sync_mode == r["rollout"]["sync_mode"] == "colocated"
+        assert cfg.rollout.offload_train == r["rollout"]["offload_train"]
+        for key in ("tp", "pp", "ep", "etp"):
+            assert key in t["parallel"] and key in r["parallel"]

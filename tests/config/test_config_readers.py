@@ -40,7 +40,7 @@ READERS = {
     "parallel.use_distributed_optimizer": "train.py",
     "parallel.grad_reduce_in_fp32": "train.py",
     "rollout.engine": "factory.py",
-    "rollout.engine_server": "factory.py",  # wired by the integrator's merge (issue 14 brief)
+    "rollout.engine_server": "rollout/engine_fleet.py",
     "rollout.group_size": "rollout_step.py",
     "rollout.prompts_per_step": "rollout_step.py",
     "rollout.temperature": "rollout_step.py",
@@ -51,13 +51,17 @@ READERS = {
     "rollout.sync_mode": "train.py",
     "rollout.sync_bucket_mb": "train.py",
     "rollout.sync_verify": "train.py",
-    "rollout.sync_fp8": "factory.py",
-    "rollout.offload_train": "train.py",  # wired by the integrator's merge (issue 14 brief)
-    "rollout.engine_tp": "factory.py",
-    "rollout.num_engines": "factory.py",
-    "rollout.engine_mem_fraction": "factory.py",
-    "rollout.engine_urls": "factory.py",
-    "rollout.router_url": "factory.py",
+    "rollout.sync_fp8": "weight_sync/topology.py",
+    "rollout.sync_verify_tol": "train.py",
+    "rollout.offload_train": "train.py",
+    "rollout.engine_tp": "rollout/engine_fleet.py",
+    "rollout.engine_ep": "rollout/engine_model.py",
+    "rollout.num_engines": "planner.py",
+    "rollout.engine_mem_fraction": "rollout/engine_fleet.py",
+    "rollout.engine_urls": "rollout/engine_fleet.py",
+    "rollout.router_url": "rollout/engine_fleet.py",
+    "rollout.engine_launch_timeout_s": "rollout/engine_fleet.py",
+    "rollout.engine_deterministic": "rollout/engine_fleet.py",
     "rollout.engine_timeout_s": "factory.py",
     "rollout.max_engine_restarts": "train.py",
     "rollout.engine_process": "factory.py",
@@ -109,7 +113,7 @@ READERS = {
 }
 # Read once the integrator merges the branches that wire them; remove from here then (strict xfail
 # turns into a failure as soon as they are read, so this list cannot go stale).
-PENDING = {"rollout.engine_server", "rollout.offload_train"}
+PENDING: set[str] = set()
 
 
 def all_fields(cls=Config, prefix=""):
