@@ -1,0 +1,106 @@
+"""``python -m gspo_megatron.rollout.cpu_server <sglang.launch_server flags>``: start one engine.
+
+This process starts the node's TP ranks (``worker.run_worker``, spawned; ranks
+``node_rank * tp/nnodes ...``), and on node rank 0 serves HTTP once every rank has loaded its
+shards. SIGTERM / SIGINT stop every TP process; the workers die with this process even when it is
+killed with SIGKILL (PR_SET_PDEATHSIG and a parent-pid watchdog). If a TP process dies, the server
+exits (code 1), as an SGLang server does when a scheduler dies.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Sequence
+
+from gspo_megatron.rollout.cpu_server.args import ServerArgs, free_port, parse_args
+
+
+def _stop(procs: list, grace_s: float = 5.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args: ServerArgs = parse_args(argv)
+    from gspo_megatron.rollout.cpu_server.http_front import Front, make_server
+    from gspo_megatron.rollout.cpu_server.worker import run_worker
+
+    print(f"[cpu_server] CPU stand-in for sglang.launch_server (not an inference server): {vars(args)}", flush=True)
+    init_addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
+    stopping = threading.Event()
+    signalled = []
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        signalled.append(signum)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    server = None
+    if args.node_rank == 0:
+        try:
+            server = make_server(None, args.host, args.port)  # bind now: a busy port fails at once
+        except OSError as e:
+            print(f"[cpu_server] cannot listen on {args.host}:{args.port}: {e}", flush=True)
+            return 1
+    ctx = mp.get_context("spawn")
+    front_conn, worker_conn = ctx.Pipe() if args.node_rank == 0 else (None, None)
+    procs = []
+    for r in args.local_tp_ranks():
+        p = ctx.Process(target=run_worker, name=f"cpu_server_tp{r}",
+                        args=(args, r, init_addr, worker_conn if r == 0 else None, os.getpid()))
+        p.start()
+        procs.append(p)
+    print(f"[cpu_server] node {args.node_rank}/{args.nnodes}: TP ranks {args.local_tp_ranks()} "
+          f"(pids {[p.pid for p in procs]}), rendezvous {init_addr}", flush=True)
+
+    code = 0
+    if server is not None:
+        ready = None
+        while ready is None and not stopping.is_set():
+            if front_conn.poll(0.5):
+                try:
+                    ready = front_conn.recv()
+                except EOFError:
+                    ready = {"success": False, "message": "TP rank 0 exited during start-up"}
+            elif not all(p.is_alive() for p in procs):
+                ready = {"success": False, "message": "a TP rank exited during start-up"}
+        if ready is None or not ready["success"]:
+            print(f"[cpu_server] start-up failed: {ready and ready['message']}", flush=True)
+            server.server_close()
+            _stop(procs)
+            return 1
+        front = Front(args, front_conn, on_worker_death=stopping.set)
+        server.front_holder[0] = front
+        threading.Thread(target=server.serve_forever, daemon=True, name="http").start()
+        print(f"[cpu_server] The server is fired up and ready to roll! http://{args.host}:{args.port}", flush=True)
+
+    while not stopping.is_set():
+        if not all(p.is_alive() for p in procs):
+            print("[cpu_server] a TP process exited; shutting down", flush=True)
+            code = 1
+            break
+        stopping.wait(0.5)
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+    _stop(procs)
+    print(f"[cpu_server] stopped ({'signal ' + str(signalled[0]) if signalled else 'exit'})", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

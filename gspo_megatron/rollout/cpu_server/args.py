@@ -1,0 +1,106 @@
+"""Command line of the CPU server: the subset of ``python -m sglang.launch_server``'s flags that the
+project passes (``rollout.sglang_engine.launch`` / ``server_args_to_cli``), same names and
+meanings. Unknown flags are refused by argparse (exit code 2, one line naming the flag), as
+sglang's own parser does. GPU-only flags are accepted and recorded (``--base-gpu-id``,
+``--mem-fraction-static``) so that the same command line starts either server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from dataclasses import dataclass
+from typing import Sequence
+
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass
+class ServerArgs:
+    """Parsed flags (field names as sglang's ``ServerArgs``)."""
+
+    model_path: str
+    host: str
+    port: int
+    tp_size: int
+    ep_size: int
+    base_gpu_id: int
+    nnodes: int
+    node_rank: int
+    dist_init_addr: str | None
+    enable_memory_saver: bool
+    skip_server_warmup: bool
+    mem_fraction_static: float | None
+    random_seed: int
+    enable_deterministic_inference: bool
+    dtype: str
+    load_format: str
+    log_level: str
+
+    @property
+    def tp_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    def local_tp_ranks(self) -> list[int]:
+        """The TP ranks this node starts: ``[node_rank * tp/nnodes, (node_rank + 1) * tp/nnodes)``."""
+        k = self.tp_per_node
+        return list(range(self.node_rank * k, (self.node_rank + 1) * k))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gspo_megatron.rollout.cpu_server",
+        description="CPU stand-in for `python -m sglang.launch_server` (SGLang 0.5.23 HTTP API) that lets CI "
+                    "run the GPU wiring; not an inference server.")
+    p.add_argument("--model-path", "--model", dest="model_path", required=True,
+                   help="HF model directory (config.json; *.safetensors unless --load-format dummy)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    p.add_argument("--ep-size", "--expert-parallel-size", dest="ep_size", type=int, default=1)
+    p.add_argument("--base-gpu-id", type=int, default=0, help="accepted, ignored on CPU")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--dist-init-addr", default=None,
+                   help="host:port of the engine's TP rendezvous (required with --nnodes > 1)")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="release/resume_memory_occupation free and restore weights (without it they are no-ops)")
+    p.add_argument("--skip-server-warmup", action="store_true")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted and recorded")
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="honour per-request sampling_seed (sglang ignores it otherwise)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: random weights (they come by a weight update)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
+    """Parse and check; errors exit with argparse's one-line message (code 2)."""
+    p = build_parser()
+    ns = p.parse_args(argv)
+    if ns.tp_size < 1:
+        p.error(f"--tp-size must be >= 1, got {ns.tp_size}")
+    if ns.ep_size < 1 or ns.tp_size % ns.ep_size:
+        p.error(f"--ep-size {ns.ep_size} must divide --tp-size {ns.tp_size}")
+    if ns.nnodes < 1 or ns.tp_size % ns.nnodes:
+        p.error(f"--nnodes {ns.nnodes} must divide --tp-size {ns.tp_size}")
+    if not 0 <= ns.node_rank < ns.nnodes:
+        p.error(f"--node-rank {ns.node_rank} must be in [0, {ns.nnodes})")
+    if ns.nnodes > 1 and not ns.dist_init_addr:
+        p.error("--dist-init-addr host:port is required with --nnodes > 1")
+    if ns.dist_init_addr and ":" not in ns.dist_init_addr:
+        p.error(f"--dist-init-addr must be host:port, got {ns.dist_init_addr!r}")
+    if ns.random_seed is None:
+        ns.random_seed = 0
+    return ServerArgs(**vars(ns))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (for the single-node TP rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,181 @@
+"""Which slice of an HF-named tensor SGLang 0.5.23's model runner puts on each engine TP rank.
+
+Read from sglang's ``layers/linear.py`` (``ColumnParallelLinear``, ``QKVParallelLinear``,
+``RowParallelLinear``), ``layers/vocab_parallel_embedding.py`` and
+``layers/moe/fused_moe_triton/layer.py`` + ``distributed/parallel_state.py`` (MoE groups):
+
+- column parallel (``q_proj``, ``k_proj``, ``v_proj``, dense ``gate_proj`` / ``up_proj``, their
+  biases): dim 0 cut in ``tp`` equal parts, part ``tp_rank``. K/V with ``tp >= num_kv_heads``: each
+  rank holds one KV head, head ``tp_rank // (tp // num_kv_heads)`` (replicated over
+  ``tp // num_kv_heads`` ranks); ``num_heads % tp`` and ``num_kv_heads % tp`` (or
+  ``tp % num_kv_heads``) must be 0 (sglang's ``divide`` asserts it).
+- row parallel (``o_proj``, dense ``down_proj``): dim 1 cut in ``tp`` parts.
+- vocab parallel (``embed_tokens``, ``lm_head``): the vocabulary is padded to a multiple of 64
+  (``pad_vocab_size``), each rank owns ``padded / tp`` rows; rows past the real vocabulary are 0.
+  A tied ``lm_head`` is the embedding (``lm_head.weight`` is skipped on load, as sglang does).
+- MoE experts (``{block}.experts.{e}.{gate|up|down}``): ``moe_tp = tp / ep``; rank r has
+  ``moe_tp_rank = r % moe_tp`` and ``moe_ep_rank = r // moe_tp``; it holds experts
+  ``[moe_ep_rank * E/ep, (moe_ep_rank + 1) * E/ep)`` and of each the intermediate slice
+  ``moe_tp_rank`` (gate / up: dim 0, down: dim 1). Other experts are not on the rank (None).
+- everything else (norms, ``q_norm`` / ``k_norm``, the router ``gate``): replicated.
+
+Full tensors have the HF checkpoint shape; a shard has the shape the rank stores.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+VOCAB_PADDING = 64  # sglang DEFAULT_VOCAB_PADDING_SIZE
+
+_EXPERT_RE = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The engine's parallel sizes and the model dimensions sharding needs."""
+
+    tp_size: int
+    ep_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_experts: int
+
+    @classmethod
+    def from_config(cls, hf_config: Any, tp_size: int, ep_size: int = 1) -> "Layout":
+        get = (lambda k, d=None: hf_config.get(k, d)) if isinstance(hf_config, Mapping) else \
+            (lambda k, d=None: getattr(hf_config, k, d))
+        heads = int(get("num_attention_heads"))
+        head_dim = get("head_dim") or int(get("hidden_size")) // heads
+        experts = get("num_experts") or get("num_local_experts") or 0
+        return cls(int(tp_size), int(ep_size), heads, int(get("num_key_value_heads") or heads), int(head_dim),
+                   int(get("vocab_size")), int(experts))
+
+    def check(self) -> None:
+        """Refuse what sglang's ``divide`` asserts would refuse (one clear line)."""
+        tp, ep = self.tp_size, self.ep_size
+        if tp < 1 or ep < 1 or tp % ep:
+            raise ValueError(f"--ep-size {ep} must divide --tp-size {tp}")
+        if self.num_heads % tp:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not divisible by --tp-size {tp}")
+        kv = self.num_kv_heads
+        if (tp >= kv and tp % kv) or (tp < kv and kv % tp):
+            raise ValueError(f"num_key_value_heads {kv} and --tp-size {tp}: one must divide the other")
+        if self.num_experts and self.num_experts % ep:
+            raise ValueError(f"num_experts {self.num_experts} is not divisible by --ep-size {ep}")
+
+    @property
+    def moe_tp_size(self) -> int:
+        return self.tp_size // self.ep_size
+
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+
+
+def kind_of(name: str) -> str:
+    """``"expert" | "column" | "kv" | "row" | "vocab" | "replicated"`` for an HF weight name."""
+    if _EXPERT_RE.search(name):
+        return "expert"
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return "vocab"
+    parts = name.split(".")
+    proj = parts[-2] if len(parts) >= 2 else ""
+    if proj in ("k_proj", "v_proj"):
+        return "kv"
+    if proj in _COLUMN:
+        return "column"
+    if proj in _ROW:
+        return "row"
+    return "replicated"
+
+
+def expert_of(name: str) -> tuple[int, str] | None:
+    """(expert id, projection) for an expert weight name, else None."""
+    m = _EXPERT_RE.search(name)
+    return (int(m.group("e")), m.group("proj")) if m else None
+
+
+def _chunk(t: torch.Tensor, dim: int, parts: int, idx: int) -> torch.Tensor:
+    if t.shape[dim] % parts:
+        raise ValueError(f"dim {dim} of size {t.shape[dim]} is not divisible by {parts}")
+    size = t.shape[dim] // parts
+    return t.narrow(dim, idx * size, size)
+
+
+def shard_for_rank(name: str, full: torch.Tensor, tp_rank: int, layout: Layout) -> torch.Tensor | None:
+    """What ``tp_rank`` stores of HF tensor ``name`` (a new contiguous tensor), or None when the
+    tensor has no part on that rank (an expert of another EP rank)."""
+    tp = layout.tp_size
+    kind = kind_of(name)
+    if kind == "replicated" or tp == 1 and kind != "expert" and kind != "vocab":
+        return full.clone()
+    if kind == "column":
+        return _chunk(full, 0, tp, tp_rank).clone()
+    if kind == "row":
+        return _chunk(full, 1, tp, tp_rank).clone()
+    if kind == "kv":
+        kv = layout.num_kv_heads
+        if tp >= kv:
+            head = tp_rank // (tp // kv)
+            return _chunk(full, 0, kv, head).clone()
+        return _chunk(full, 0, tp, tp_rank).clone()
+    if kind == "vocab":
+        per = layout.padded_vocab() // tp
+        out = full.new_zeros((per, *full.shape[1:]))
+        start = tp_rank * per
+        end = min(start + per, full.shape[0])
+        if end > start:
+            out[: end - start] = full[start:end]
+        return out
+    expert, proj = expert_of(name)  # type: ignore[misc]
+    moe_tp = layout.moe_tp_size
+    ep_rank, moe_tp_rank = tp_rank // moe_tp, tp_rank % moe_tp
+    per_ep = layout.num_experts // layout.ep_size
+    if not ep_rank * per_ep <= expert < (ep_rank + 1) * per_ep:
+        return None
+    dim = 1 if proj in ("down_proj", "w2") else 0
+    return _chunk(full, dim, moe_tp, moe_tp_rank).clone()
+
+
+def owner_ranks(name: str, layout: Layout) -> list[int]:
+    """The TP ranks whose shards together make the full tensor, in order (one per distinct part)."""
+    tp = layout.tp_size
+    kind = kind_of(name)
+    if kind == "replicated" or (tp == 1 and kind != "expert"):
+        return [0]
+    if kind == "kv" and tp >= layout.num_kv_heads:
+        return list(range(0, tp, tp // layout.num_kv_heads))
+    if kind == "expert":
+        expert, _ = expert_of(name)  # type: ignore[misc]
+        ep_rank = expert // (layout.num_experts // layout.ep_size)
+        return [ep_rank * layout.moe_tp_size + i for i in range(layout.moe_tp_size)]
+    return list(range(tp))
+
+
+def assemble(name: str, shards: Sequence[torch.Tensor], layout: Layout, full_shape: Sequence[int]) -> torch.Tensor:
+    """Inverse of :func:`shard_for_rank`: the full tensor from the shards of ``owner_ranks(name)``."""
+    kind = kind_of(name)
+    if len(shards) == 1 and kind != "vocab":
+        return shards[0]
+    if kind == "vocab":
+        return torch.cat(list(shards), 0)[: full_shape[0]]
+    if kind == "row" or (kind == "expert" and expert_of(name)[1] in ("down_proj", "w2")):  # type: ignore[index]
+        return torch.cat(list(shards), 1)
+    return torch.cat(list(shards), 0)
+
+
+def expected_shard(name: str, full_tensor: torch.Tensor, tp_rank: int, tp_size: int, ep_size: int,
+                   hf_config: Any) -> torch.Tensor | None:
+    """What SGLang's sharding puts on engine TP rank ``tp_rank`` of HF tensor ``name`` (full
+    checkpoint shape), or None when the rank holds no part of it (an expert of another EP rank).
+    ``hf_config``: the model's config (object or dict). Tests compare this with the server's shards."""
+    layout = Layout.from_config(hf_config, tp_size, ep_size)
+    return shard_for_rank(name, full_tensor, tp_rank, layout)

@@ -1,0 +1,347 @@
+"""One engine TP rank of the CPU server (a process; the engine's ranks form a gloo world).
+
+Ranks: TP rank 0 receives each command from the HTTP front (a pipe), broadcasts it to every TP rank
+(``broadcast_object_list`` over the engine's gloo world, which spans nodes with ``--nnodes``), every
+rank runs it on its own shards, and ``gather_object`` brings the per-rank answers back to rank 0,
+which merges them (all must succeed, as sglang's ``FanOutCommunicator.merge_results``). Commands
+run one at a time, like sglang's scheduler loop.
+
+Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` and
+``model_executor/model_runner_components/weight_updater.py``):
+- ``update_tensor``: refused outside a begin/end session; TP rank i deserializes
+  ``serialized_named_tensors[i]`` (sglang's serializer, CPU tensors by file_system shared memory)
+  and loads it (``flattened_bucket`` or a plain list); barrier.
+- ``init_group`` / ``destroy_group``: join / leave a custom process group at rank
+  ``rank_offset + tp_rank`` (sglang's ``init_custom_process_group``).
+- ``update_distributed``: refused outside a session; receive each tensor (or one flattened bucket)
+  by broadcast from group rank 0 in the given order, then load.
+- ``generate``: when the shards changed since the last generation, every rank sends its shards
+  to rank 0 (gather), which assembles the full tensors into its transformers model; rank 0 samples.
+- ``release`` / ``resume``: memory tags; with ``--enable-memory-saver`` the ``weights`` tag frees
+  and restores the shards' storage (contents lost, as without CPU backup) and rank 0's assembled
+  model; without it only the tags are recorded (sglang's no-op memory saver).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.rollout.cpu_server.args import ServerArgs
+from gspo_megatron.rollout.cpu_server.generation import Sampler, eos_token_ids, normalize
+from gspo_megatron.rollout.cpu_server.sharding import Layout, assemble, owner_ranks
+from gspo_megatron.rollout.cpu_server.weights import ShardStore, iter_checkpoint, load_config, resolve_dtype
+from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+from gspo_megatron.rollout.sglang_compat import (flattened_bucket_class, multiprocessing_serializer,
+                                                 use_cpu_shared_memory)
+
+ALL_TAGS = ("kv_cache", "weights", "cuda_graph")  # sglang GPU_MEMORY_ALL_TYPES
+IDLE_TIMEOUT = timedelta(days=30)  # ranks > 0 wait in a broadcast between commands
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG), plus a watchdog thread
+    for the window before prctl and for platforms without it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
+
+
+def log(rank: int, msg: str) -> None:
+    print(f"[cpu_server TP{rank}] {msg}", flush=True)
+
+
+class TPWorker:
+    """State of one TP rank; ``handle`` runs one command on it and returns this rank's answer."""
+
+    def __init__(self, args: ServerArgs, tp_rank: int):
+        self.args, self.tp_rank = args, tp_rank
+        self.config = load_config(args.model_path)
+        self.layout = Layout.from_config(self.config, args.tp_size, args.ep_size)
+        self.layout.check()
+        self.dtype = resolve_dtype(args.dtype, self.config)
+        self.store = ShardStore(self.config, self.layout, tp_rank, self.dtype)
+        if args.load_format == "dummy":
+            self.store.load_dummy(args.random_seed)
+        else:
+            self.store.load(iter_checkpoint(args.model_path))
+        self.groups: dict[str, Any] = {}
+        self.session: dict | None = None
+        self.offload_tags: set[str] = set()
+        self.dirty = True  # rank 0's assembled model is out of date
+        self.sampler: Sampler | None = None
+        self.eos_ids = eos_token_ids(args.model_path, self.config)
+
+    # -- the full model on rank 0 ----------------------------------------------------------------
+    def _refresh_full_model(self) -> None:
+        """Collective: rank 0 rebuilds its transformers model from every rank's shards."""
+        gathered = [None] * self.args.tp_size if self.tp_rank == 0 else None
+        dist.gather_object(self.store.shards, gathered, dst=0)
+        if self.tp_rank == 0:
+            if self.sampler is None:
+                engine = HFRolloutEngine(self.config, None, dtype=self.dtype, seed=self.args.random_seed)
+                self.sampler = Sampler(engine, self.args.random_seed)
+            bucket = []
+            for name, shape in self.store.full_shapes.items():
+                parts = [gathered[r][name] for r in owner_ranks(name, self.layout)]
+                bucket.append((name, assemble(name, parts, self.layout, shape)))
+            self.sampler.engine.update_weights(bucket)
+        self.dirty = False
+
+    # -- commands --------------------------------------------------------------------------------
+    def handle(self, op: str, kw: dict) -> dict:
+        fn = getattr(self, f"op_{op}", None)
+        if fn is None:
+            return {"success": False, "message": f"unknown command {op!r}"}
+        return fn(**kw)
+
+    def op_ready(self) -> dict:
+        return {"success": True, "message": "ready"}
+
+    def op_generate(self, requests: list[dict]) -> dict:
+        if self.store.released:
+            return {"success": False, "message": "weights are released (release_memory_occupation); "
+                                                 "resume_memory_occupation first"}
+        if self.dirty:
+            self._refresh_full_model()
+        if self.tp_rank != 0:
+            return {"success": True}
+        try:
+            reqs = [normalize(r["input_ids"], r["sampling_params"], self.eos_ids,
+                              self.args.enable_deterministic_inference) for r in requests]
+        except ValueError as e:
+            return {"success": False, "message": str(e), "bad_request": True}
+        return {"success": True, "outputs": self.sampler.run(reqs)}
+
+    def op_begin(self) -> dict:
+        if self.session is not None:
+            return {"success": False, "message": "a weight-update session is already open; "
+                                                 "call end_weight_update() first"}
+        self.session = {"loaded": False}
+        dist.barrier()
+        return {"success": True, "message": "Success"}
+
+    def op_end(self) -> dict:
+        if self.session is None:
+            return {"success": False,
+                    "message": "no weight-update session is open; call begin_weight_update() first"}
+        self.session = None
+        dist.barrier()
+        return {"success": True, "message": "Success"}
+
+    def _load(self, named) -> None:
+        self.store.load(named)
+        self.dirty = True
+        self.session["loaded"] = True  # type: ignore[index]
+
+    def op_update_tensor(self, serialized_named_tensors: list, load_format: str | None) -> dict:
+        if self.session is None:
+            return {"success": False, "message": "update_weights_from_tensor must run between "
+                                                 "begin_weight_update() and end_weight_update()"}
+        try:
+            if self.tp_rank >= len(serialized_named_tensors):
+                raise IndexError(f"serialized_named_tensors has {len(serialized_named_tensors)} payload(s); "
+                                 f"TP rank {self.tp_rank} reads item {self.tp_rank} (one per TP rank)")
+            use_cpu_shared_memory()
+            obj = multiprocessing_serializer().deserialize(serialized_named_tensors[self.tp_rank])
+            if load_format == "flattened_bucket":
+                named = flattened_bucket_class()(flattened_tensor=obj["flattened_tensor"],
+                                                 metadata=obj["metadata"]).reconstruct_tensors()
+            elif load_format is None:
+                named = list(obj)
+            else:
+                raise NotImplementedError(f"Unknown load_format={load_format}")
+            self._load(named)
+            del obj, named
+            result = {"success": True, "message": "Success"}
+        except Exception as e:  # sglang's scheduler would raise; answer instead (see docs)
+            result = {"success": False, "message": f"{type(e).__name__}: {e}"}
+        dist.barrier()
+        return result
+
+    def op_init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                      group_name: str, backend: str = "nccl") -> dict:
+        from gspo_megatron.weight_sync.nccl_broadcast import init_external_process_group
+
+        rank = rank_offset + self.tp_rank
+        log(self.tp_rank, f"init custom process group: master_address={master_address}, master_port={master_port}, "
+                          f"rank_offset={rank_offset}, rank={rank}, world_size={world_size}, "
+                          f"group_name={group_name}, backend={backend}")
+        try:
+            self.groups[group_name] = init_external_process_group(
+                backend, f"tcp://{master_address}:{master_port}", world_size, rank, group_name, prefer_sglang=True)
+            return {"success": True, "message": "Succeeded to initialize custom process group."}
+        except Exception as e:
+            return {"success": False, "message": f"Failed to initialize custom process group: {e}."}
+
+    def op_destroy_group(self, group_name: str) -> dict:
+        if group_name not in self.groups:
+            return {"success": False, "message": "The group to be destroyed does not exist."}
+        try:
+            dist.destroy_process_group(self.groups.pop(group_name))
+            return {"success": True, "message": "Succeeded to destroy custom process group."}
+        except Exception as e:
+            return {"success": False, "message": f"Failed to destroy custom process group: {e}."}
+
+    def op_update_distributed(self, names: list, dtypes: list, shapes: list, group_name: str,
+                              load_format: str | None = None) -> dict:
+        if self.session is None:
+            return {"success": False, "message": "update_weights_from_distributed must run between "
+                                                 "begin_weight_update() and end_weight_update()"}
+        try:
+            if group_name not in self.groups:
+                raise AssertionError(f"Group {group_name} not in {list(self.groups)}. "
+                                     "Please call `init_weights_update_group` first.")
+            group = self.groups[group_name]
+            if load_format == "flattened_bucket":
+                bucket = flattened_bucket_class().empty(names, dtypes, shapes, "cpu")
+                dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+                weights = bucket.reconstruct_tensors()
+            else:
+                weights, handles = [], []
+                for name, dtype, shape in zip(names, dtypes, shapes):
+                    t = torch.empty(shape, dtype=getattr(torch, dtype))
+                    handles.append(dist.broadcast(t, src=0, group=group, async_op=True))
+                    weights.append((name, t))
+                for h in handles:
+                    h.wait()
+        except Exception as e:
+            return {"success": False, "message": f"Failed to receive weights: {e}"}
+        try:
+            self._load(weights)
+        except Exception as e:
+            return {"success": False, "message": f"Failed to update parameter online: {e}. The full weights of "
+                                                 "the ModelRunner are partially updated. Please discard the whole weights."}
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def op_get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
+        # sglang: model.get_weights_by_name exists for Llama-style models only; for qwen2, qwen3,
+        # qwen3_moe and mixtral the AttributeError is logged and the route answers an error.
+        return {"success": False, "message": "Get parameter by name failed"}
+
+    def op_flush_cache(self) -> dict:
+        return {"success": True, "message": ""}
+
+    def op_release(self, tags: list | None) -> dict:
+        tags = list(tags) if tags else list(ALL_TAGS)
+        self.offload_tags.update(tags)
+        if "weights" in tags and self.args.enable_memory_saver and not self.store.released:
+            self.store.release()
+            if self.sampler is not None:  # rank 0's assembled copy goes too
+                self.sampler = None
+            self.dirty = True
+        dist.barrier()
+        return {"success": True}
+
+    def op_resume(self, tags: list | None) -> dict:
+        tags = list(tags) if tags else list(ALL_TAGS)
+        try:
+            for tag in tags:
+                self.offload_tags.remove(tag)
+        except KeyError as e:
+            return {"success": False, "message": str(e)}
+        if "weights" in tags and self.args.enable_memory_saver and self.store.released:
+            self.store.resume()
+            self.dirty = True
+        dist.barrier()
+        return {"success": True}
+
+    def op_shards(self, names: list) -> dict:
+        return {"success": True, "shards": {n: self.store.shards[n].clone() for n in names if n in self.store.shards}}
+
+    def op_memory(self) -> dict:
+        assembled = 0
+        if self.sampler is not None:
+            assembled = sum(p.untyped_storage().nbytes() for p in self.sampler.engine.model.parameters())
+        return {"success": True, "weights_bytes": self.store.resident_bytes(), "assembled_model_bytes": assembled,
+                "offload_tags": sorted(self.offload_tags)}
+
+    def op_shutdown(self) -> dict:
+        return {"success": True}
+
+
+def merge(results: list[dict]) -> dict:
+    """All ranks' answers -> one: success only if every rank succeeded (messages of failures)."""
+    ok = all(r.get("success", True) for r in results)
+    out = dict(results[0])
+    out["success"] = ok
+    if not ok:
+        msgs = [r.get("message", "") for r in results if not r.get("success", True)]
+        out["message"] = msgs[0] if len(set(msgs)) == 1 else "; ".join(f"{m}" for m in msgs)
+        out["bad_request"] = any(r.get("bad_request") for r in results)
+    out["ranks"] = results
+    return out
+
+
+def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent_pid: int) -> None:
+    """Process entry: join the engine's gloo world, load the shards, serve commands until shutdown.
+    ``conn`` (rank 0 only) is the pipe to the HTTP front."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", world_size=args.tp_size, rank=tp_rank,
+                                timeout=IDLE_TIMEOUT)
+        t0 = time.monotonic()
+        worker = TPWorker(args, tp_rank)
+        dist.barrier()
+        log(tp_rank, f"weights loaded ({worker.store.resident_bytes()} bytes of shards) in "
+                     f"{time.monotonic() - t0:.1f}s")
+    except Exception as e:
+        log(tp_rank, f"start-up failed: {type(e).__name__}: {e}")
+        if conn is not None:
+            conn.send({"success": False, "message": f"{type(e).__name__}: {e}"})
+        sys.exit(1)
+    if conn is not None:
+        conn.send({"success": True, "message": "ready"})
+    while True:
+        box = [None]
+        if tp_rank == 0:
+            try:
+                box = [conn.recv()]
+            except EOFError:
+                box = [("shutdown", {})]
+        dist.broadcast_object_list(box, src=0)
+        op, kw = box[0]
+        try:
+            result = worker.handle(op, kw)
+        except Exception as e:
+            traceback.print_exc()
+            result = {"success": False, "message": f"{type(e).__name__}: {e}"}
+        gathered = [None] * args.tp_size if tp_rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        if tp_rank == 0:
+            try:
+                conn.send(merge(gathered))
+            except (BrokenPipeError, OSError):
+                op = "shutdown"
+        if op == "shutdown":
+            break
+    for g in list(worker.groups.values()):
+        try:
+            dist.destroy_process_group(g)
+        except Exception:
+            pass
+    dist.destroy_process_group()
