@@ -7,8 +7,8 @@ SGLang's per-request result.
 
 SGLang rules mirrored (``sampling/sampling_params.py``, ``sampling/sampling_batch_info.py``,
 ``layers/sampler.py``):
-- ``temperature < 1e-6`` becomes ``temperature = 1, top_k = 1``; ``top_k = -1`` means the whole
-  vocabulary; defaults ``max_new_tokens = 128``, ``temperature = top_p = 1``;
+- ``temperature < 1e-6`` becomes ``temperature = 1, top_k = 1``; ``top_k = -1`` becomes
+  ``TOP_K_ALL`` (the whole vocabulary); defaults ``max_new_tokens = 128``, ``temperature = top_p = 1``;
 - log-probs are ``log_softmax(logits / T)`` of the unfiltered distribution, except in a batch where
   every request has ``top_k <= 1`` (``is_all_greedy``): then ``log_softmax(logits)`` and argmax;
   the batch here is one ``/generate`` call (the CPU server runs one call at a time);
@@ -29,6 +29,7 @@ from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
 SAMPLING_EPS = 1e-6
+TOP_K_ALL = 1 << 30  # sglang's "whole vocabulary"
 DEFAULT_SEED = 42  # sglang's sampling_seed when deterministic inference is on and none is given
 
 # SamplingParams fields of sglang 0.5.23 (an unknown key is refused, as msgspec does there).
@@ -52,7 +53,7 @@ class Request:
     input_ids: tuple[int, ...]
     temperature: float
     top_p: float
-    top_k: int  # -1: whole vocabulary
+    top_k: int  # TOP_K_ALL: whole vocabulary
     max_new_tokens: int
     stop_ids: frozenset[int]
     seed: int | None  # only with deterministic inference
@@ -80,6 +81,8 @@ def normalize(input_ids: Sequence[int], sp: dict[str, Any], eos_ids: Sequence[in
         raise ValueError(f"max_new_tokens must be at least 0, got {max_new}.")
     if 0 <= t < SAMPLING_EPS:
         t, top_k = 1.0, 1
+    if top_k == -1:
+        top_k = TOP_K_ALL
     stop = {int(x) for x in (sp.get("stop_token_ids") or []) if x is not None}
     if not sp.get("ignore_eos"):
         stop |= set(eos_ids)
@@ -132,7 +135,8 @@ class Sampler:
         for key, idx in groups.items():
             r = requests[idx[0]]
             params = SamplingParams(
-                temperature=0.0 if all_greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+                temperature=0.0 if all_greedy else r.temperature, top_p=r.top_p,
+                top_k=-1 if r.top_k == TOP_K_ALL else r.top_k,
                 max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(sorted(r.stop_ids)))
             gen = self.generator if r.seed is None else torch.Generator(device="cpu").manual_seed(r.seed)
             prompts = [list(requests[i].input_ids) for i in idx]
