@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cpu_server_util import CpuServer, alive, free_port
-from distributed_harness import run_ranks
 from gspo_megatron.models.tiny import save_tiny_hf_model
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.cpu_server import expected_shard, read_weight_shards
@@ -125,9 +124,10 @@ def test_generate_logprobs_equal_transformers(tp2, model_dir, saved, config):
     assert torch.allclose(torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]]), ref, atol=1e-5)
 
 
-def _cuda_ipc_rank(rank, world, url, state, names):
+def _cuda_ipc_rank(rank, world, port, url, state, names):
     """A trainer rank colocated with engine TP rank ``rank``: the real CudaIpcTransport, CPU tensors."""
-    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.new_group([0, 1], backend="gloo")
     client = SGLangHttpClient(url) if rank == 0 else None
     transport = CudaIpcTransport(client, gather_group=group, gather_src=0)
@@ -135,12 +135,26 @@ def _cuda_ipc_rank(rank, world, url, state, names):
     for chunk in (names[: len(names) // 2], names[len(names) // 2:]):
         transport.send_bucket([(n, state[n].clone()) for n in chunk])
     transport.end()
-    return True
+    dist.destroy_process_group()
+
+
+def run_trainer_ranks(fn, world, *args):
+    """Spawn ``world`` ranks and wait with ``join()`` (waitpid). Not ``distributed_harness``: its
+    sentinel-based join never returns here, because the torch_shm_manager daemons that CPU tensor
+    sharing starts inherit the children's sentinel pipes and live as long as the server's ranks."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    assert [p.exitcode for p in procs] == [0] * world
 
 
 def test_update_through_cuda_ipc_transport_one_payload_per_tp_rank(tp2, model_dir, saved, config):
     state = perturbed(saved, 1)
-    run_ranks(_cuda_ipc_rank, 2, tp2.url, state, sorted(state))
+    run_trainer_ranks(_cuda_ipc_rank, 2, tp2.url, state, sorted(state))
     check_shards(tp2.url, config, state, 2)
     check_generation(tp2.url, model_dir, state)
 
