@@ -140,6 +140,13 @@ class Front:
     def health_generate(self, body: dict) -> tuple[int, Any]:
         if not self._wait_unpaused(HEALTH_CHECK_TIMEOUT):
             return 503, ""
+        if self.lock.locked():
+            # sglang: "If the server is running something, this request will be ignored": any
+            # answer from the scheduler within the timeout counts as healthy
+            if not self.lock.acquire(timeout=HEALTH_CHECK_TIMEOUT):
+                return 503, ""
+            self.lock.release()
+            return 200, ""
         result = self.command("generate", requests=[{"input_ids": [0], "sampling_params":
                                                      {"max_new_tokens": 1, "temperature": 0.0}}])
         if not result["success"] and "released" not in result.get("message", ""):
@@ -304,7 +311,10 @@ def make_server(front: Front | None, host: str, port: int) -> ThreadingHTTPServe
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up waiting
+                pass
 
         def do_GET(self) -> None:
             self._serve("GET")

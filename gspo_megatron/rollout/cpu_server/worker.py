@@ -306,6 +306,7 @@ def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent
                                 timeout=IDLE_TIMEOUT)
         t0 = time.monotonic()
         worker = TPWorker(args, tp_rank)
+        worker._refresh_full_model()  # rank 0's model ready before the first health check
         dist.barrier()
         log(tp_rank, f"weights loaded ({worker.store.resident_bytes()} bytes of shards) in "
                      f"{time.monotonic() - t0:.1f}s")
