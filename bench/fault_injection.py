@@ -27,12 +27,12 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import shutil
 import time
 import uuid
 

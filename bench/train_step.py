@@ -284,7 +284,7 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str, s
         from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
-        raise SystemExit(f"bench/train_step.py needs TRL for the baseline ({e}); install it with `pip install trl`")
+        raise SystemExit(f"bench/train_step.py needs TRL for the baseline ({e}); install it with `pip install trl`") from e
     from gspo_megatron.data.tasks import TASKS
     from gspo_megatron.data.tokenizer import load_tokenizer
 

@@ -23,9 +23,15 @@ from typing import Callable, Iterator
 
 import torch
 
-from gspo_megatron.checkpoint import (ASSETS_SUBDIR, HF_ASSET_FILES, CheckpointError, load_checkpoint,
-                                      read_meta, resolve_checkpoint, write_checkpoint_dir)
-
+from gspo_megatron.checkpoint import (
+    ASSETS_SUBDIR,
+    HF_ASSET_FILES,
+    CheckpointError,
+    load_checkpoint,
+    read_meta,
+    resolve_checkpoint,
+    write_checkpoint_dir,
+)
 from gspo_megatron.errors import UserInputError, agree, stop_all  # noqa: E402
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")

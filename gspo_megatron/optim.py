@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-
 @dataclass
 class OptimOptions:
     lr: float = 1e-6
@@ -33,9 +32,7 @@ def setup_training(model, opts: OptimOptions):
     Returns (ddp_model, optimizer, scheduler). Gradient reduction over DP (and CP) happens in
     ``finalize_model_grads`` at the end of the forward-backward schedule (no overlap: simple and
     exact; overlap is a GPU-only speed option)."""
-    from megatron.core.distributed import (DistributedDataParallel,
-                                           DistributedDataParallelConfig,
-                                           finalize_model_grads)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

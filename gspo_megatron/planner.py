@@ -32,8 +32,16 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from gspo_megatron.config import (Config, ConfigError, data_parallel_size, engine_count, load_config,
-                                  micro_batches_per_rank, validate, validate_model_layout)
+from gspo_megatron.config import (
+    Config,
+    ConfigError,
+    data_parallel_size,
+    engine_count,
+    load_config,
+    micro_batches_per_rank,
+    validate,
+    validate_model_layout,
+)
 from gspo_megatron.errors import UserInputError
 
 GIB = 1 << 30

@@ -75,8 +75,14 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
     per-row lists (input order) on global rank 0, None elsewhere."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.pipeline import (collate, compute_logprobs, gather_context_parallel, response_values,
-                                        sequence_multiple, split_for_context_parallel)
+    from gspo_megatron.pipeline import (
+        collate,
+        compute_logprobs,
+        gather_context_parallel,
+        response_values,
+        sequence_multiple,
+        split_for_context_parallel,
+    )
 
     if micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")

@@ -18,7 +18,6 @@ import signal
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 from gspo_megatron.config import Config, config_help, load_config, save_config

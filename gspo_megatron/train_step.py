@@ -19,8 +19,14 @@ from gspo_megatron.config import Config
 from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
 from gspo_megatron.losses.policy_loss import PolicyLossConfig
 from gspo_megatron.optim import optimizer_step, zero_grads
-from gspo_megatron.pipeline import (collate, compute_logprobs, run_schedule, sequence_multiple,
-                                    split_for_context_parallel, to_device)
+from gspo_megatron.pipeline import (
+    collate,
+    compute_logprobs,
+    run_schedule,
+    sequence_multiple,
+    split_for_context_parallel,
+    to_device,
+)
 from gspo_megatron.runtime.distributed import device
 
 _MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref",

@@ -32,11 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-import torch
-
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
-from gspo_megatron.rollout.sglang_client import (SGLangError, SGLangHttpClient, close_weight_update,
-                                                 open_weight_update)
+from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient, close_weight_update, open_weight_update
 
 MEMORY_TAGS = ("weights", "kv_cache")
 

@@ -24,8 +24,11 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.rollout.sglang_client import close_weight_update, open_weight_update
-from gspo_megatron.rollout.sglang_compat import (flattened_bucket_class, multiprocessing_serializer,
-                                                 patch_torch_reductions)
+from gspo_megatron.rollout.sglang_compat import (
+    flattened_bucket_class,
+    multiprocessing_serializer,
+    patch_torch_reductions,
+)
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 from gspo_megatron.weight_sync.sync_stats import SyncStats, bucket_nbytes
 from gspo_megatron.weight_sync.transport import WeightTransport

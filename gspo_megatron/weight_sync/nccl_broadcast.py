@@ -95,8 +95,13 @@ def _outside_torchelastic():
 
 def _torch_external_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
                           timeout: timedelta | None) -> Any:
-    from torch.distributed.distributed_c10d import (PrefixStore, _new_process_group_helper, _world,
-                                                    default_pg_timeout, rendezvous)
+    from torch.distributed.distributed_c10d import (
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        default_pg_timeout,
+        rendezvous,
+    )
 
     timeout = timeout or default_pg_timeout
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))

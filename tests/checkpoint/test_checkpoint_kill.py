@@ -11,7 +11,6 @@ import sys
 import time
 import uuid
 
-
 from distributed_harness import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -6,7 +6,7 @@ import typing
 import pytest
 import yaml
 
-from gspo_megatron.config import (Config, ConfigError, config_help, load_config, save_config)
+from gspo_megatron.config import Config, ConfigError, config_help, load_config, save_config
 
 
 def write(tmp_path, data, name="c.yaml"):

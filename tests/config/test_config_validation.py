@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from gspo_megatron.config import (ConfigError, load_config, micro_batches_per_rank, validate,
-                                  validate_model_layout)
+from gspo_megatron.config import ConfigError, load_config, micro_batches_per_rank, validate, validate_model_layout
 from gspo_megatron.planner import KNOWN_ARCHS
 
 SGLANG = ["rollout.engine=sglang", "rollout.sync_mode=colocated"]

@@ -8,8 +8,16 @@ import torch
 import transformers
 
 from gspo_megatron.config import ConfigError, load_config
-from gspo_megatron.planner import (GIB, KNOWN_ARCHS, ModelDims, PlanError, detect_arch, make_plan,
-                                   model_hf_config, param_counts)
+from gspo_megatron.planner import (
+    GIB,
+    KNOWN_ARCHS,
+    ModelDims,
+    PlanError,
+    detect_arch,
+    make_plan,
+    model_hf_config,
+    param_counts,
+)
 
 TINY = KNOWN_ARCHS["tiny-qwen3-moe"]
 HF_CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),

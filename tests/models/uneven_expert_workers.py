@@ -75,10 +75,12 @@ def uneven_collectives(rank: int, world: int, sizes: list[int]) -> dict:
     the CPU layer), forward and backward. Rank r holds ``sizes[r]`` rows of r-dependent values.
     Returns rank's gathered rows, its input gradient, and its reduce-scatter output."""
     import torch
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_sequence_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    )
 
     from gspo_megatron.runtime.cpu_compat import activate
-    from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
-                                                        reduce_scatter_to_sequence_parallel_region)
 
     activate()
     dist.init_process_group("gloo")

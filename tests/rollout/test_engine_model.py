@@ -10,8 +10,8 @@ by name (``ast``) and run here with stubs for logging / env flags: ``Fp8Config._
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import importlib.util
 import json
@@ -23,8 +23,7 @@ import torch
 
 from gspo_megatron.config import ConfigError, load_config, validate_model_layout
 from gspo_megatron.planner import KNOWN_ARCHS, ModelDims
-from gspo_megatron.rollout.engine_model import (FP8_QUANTIZATION_CONFIG, engine_layout_errors,
-                                                prepare_engine_model_dir)
+from gspo_megatron.rollout.engine_model import FP8_QUANTIZATION_CONFIG, engine_layout_errors, prepare_engine_model_dir
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 
 _SPEC = importlib.util.find_spec("sglang")

@@ -24,11 +24,8 @@ Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` a
 
 from __future__ import annotations
 
-import ctypes
-import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from datetime import timedelta
@@ -42,31 +39,15 @@ from gspo_megatron.rollout.cpu_server.generation import Sampler, eos_token_ids, 
 from gspo_megatron.rollout.cpu_server.sharding import Layout, assemble, owner_ranks
 from gspo_megatron.rollout.cpu_server.weights import ShardStore, iter_checkpoint, load_config, resolve_dtype
 from gspo_megatron.rollout.hf_engine import HFRolloutEngine
-from gspo_megatron.rollout.sglang_compat import (flattened_bucket_class, multiprocessing_serializer,
-                                                 use_cpu_shared_memory)
+from gspo_megatron.rollout.sglang_compat import (
+    flattened_bucket_class,
+    multiprocessing_serializer,
+    use_cpu_shared_memory,
+)
+from gspo_megatron.runtime import children
 
 ALL_TAGS = ("kv_cache", "weights", "cuda_graph")  # sglang GPU_MEMORY_ALL_TYPES
 IDLE_TIMEOUT = timedelta(days=30)  # ranks > 0 wait in a broadcast between commands
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG), plus a watchdog thread
-    for the window before prctl and for platforms without it."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
 
 
 def log(rank: int, msg: str) -> None:
@@ -298,7 +279,7 @@ def merge(results: list[dict]) -> dict:
 def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent_pid: int) -> None:
     """Process entry: join the engine's gloo world, load the shards, serve commands until shutdown.
     ``conn`` (rank 0 only) is the pipe to the HTTP front."""
-    die_with_parent(parent_pid)
+    children.die_with_parent(parent_pid)  # the kernel kills this rank when the server process dies
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     torch.set_num_threads(1)
     try:
