@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.models.family import get_family
+from gspo_megatron.models.registry import get_family
 from gspo_megatron.models.mapping import Rule
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
