@@ -1,7 +1,7 @@
 """HF -> Megatron -> (score, HF) against transformers itself, on 4 gloo ranks.
 
-Tiny random models written by transformers' own classes (qwen3_moe, mixtral, qwen2 with tied
-embeddings, qwen3 in bfloat16) are converted to Megatron checkpoints in one layout (TP2 x DP2)
+Tiny random models written by transformers' own classes (qwen3_moe, mixtral, qwen2_moe with its
+gated shared expert and a dense layer, qwen2 with tied embeddings, qwen3 in bfloat16) are converted to Megatron checkpoints in one layout (TP2 x DP2)
 and read back in others (TP2, PP2, EP2, TP2 x EP2 with ETP1, DP4). In each layout:
 - the scorer's log-probs (vocab-parallel, pipelined, data-parallel split) match transformers'
   forward within 1e-4 (fp32);
@@ -22,6 +22,7 @@ from hf_reference import hf_logprobs, make_rows, max_abs_diff
 MOE_LAYOUTS = [dict(tp=2), dict(pp=2), dict(ep=2), dict(tp=2, ep=2, etp=1), dict()]
 DENSE_LAYOUTS = [dict(tp=2), dict(pp=2), dict(tp=2, pp=2)]
 CASES = [("qwen3_moe", torch.float32, MOE_LAYOUTS), ("mixtral", torch.float32, MOE_LAYOUTS),
+         ("qwen2_moe", torch.float32, MOE_LAYOUTS),
          ("qwen2", torch.float32, DENSE_LAYOUTS), ("qwen3", torch.bfloat16, [dict(pp=2)])]
 ROWS = make_rows(seed=3, n=7)
 
