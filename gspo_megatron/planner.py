@@ -119,16 +119,31 @@ class LayerParams:
 def layer_params(d: ModelDims, layer: int) -> LayerParams:
     """GQA attention (+ biases, QK-norm); a SwiGLU MLP (3 matrices) per dense layer, per routed expert
     and for the shared expert (TP-sharded like a dense MLP; its sigmoid gate [1, hidden] replicated)."""
-    q, kv = d.q_size, d.kv_size
-    attn = d.hidden * q + 2 * d.hidden * kv + q * d.hidden
-    attn += (q + 2 * kv) * d.qkv_bias + d.hidden * d.o_bias
-    norms = 2 * d.hidden + 2 * d.head_dim * d.qk_norm
+    if d.mla:
+        attn, norms = _mla_params(d)
+    else:
+        q, kv = d.q_size, d.kv_size
+        attn = d.hidden * q + 2 * d.hidden * kv + q * d.hidden
+        attn += (q + 2 * kv) * d.qkv_bias + d.hidden * d.o_bias
+        norms = 2 * d.hidden + 2 * d.head_dim * d.qk_norm
     if layer in d.moe_layers:
         one_expert = 3 * d.hidden * d.moe_ffn_hidden
         shared = 3 * d.hidden * d.shared_expert_ffn
         router = d.hidden * d.num_experts + d.hidden * d.shared_expert_gate
         return LayerParams(attn + shared, norms + router, d.num_experts * one_expert, d.topk * one_expert)
     return LayerParams(attn + 3 * d.hidden * d.ffn_hidden, norms, 0, 0)
+
+
+def _mla_params(d: ModelDims) -> tuple[int, int]:
+    """Multi-latent attention: (TP-sharded weights, replicated norms) of one layer. q: hidden ->
+    q_lora (+ its norm) -> heads * (nope + rope), or hidden -> heads * (nope + rope) directly;
+    kv: hidden -> kv_lora + rope (+ norm over kv_lora) -> heads * (nope + v); out: heads * v -> hidden.
+    The down projections count as sharded (the local spec splits them over TP too)."""
+    qk = d.qk_nope_head_dim + d.qk_rope_head_dim
+    q = d.hidden * d.q_lora_rank + d.q_lora_rank * d.num_heads * qk if d.q_lora_rank else d.hidden * d.num_heads * qk
+    kv = d.hidden * (d.kv_lora_rank + d.qk_rope_head_dim) + d.kv_lora_rank * d.num_heads * (d.qk_nope_head_dim + d.v_head_dim)
+    out = d.num_heads * d.v_head_dim * d.hidden
+    return q + kv + out, 2 * d.hidden + d.q_lora_rank + d.kv_lora_rank
 
 
 @dataclass(frozen=True)
@@ -213,7 +228,7 @@ def _activation_bytes_per_layer(d: ModelDims, cfg: Config, layer: int, tokens: f
     """Stored activations of one layer for one micro-batch on one GPU (tokens = full micro-batch / cp)."""
     p, act = cfg.parallel, DTYPE_BYTES[cfg.model.dtype]
     sp = p.tp if p.sequence_parallel else 1  # sequence-parallel regions split tokens over tp
-    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    q, kv = d.q_size, d.kv_size
     per_token = 2 * d.hidden / sp  # attention: norm input + output
     per_token += (q + 2 * kv + q + (q + kv) * d.qk_norm) / p.tp  # q, k, v, core-attention out, q/k norms
     per_token += 2 * d.hidden / sp  # MLP: norm input + output
@@ -319,8 +334,11 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
     if r.sync_mode == "disaggregated" and not r.engine_urls:
         engine_gpu = StageMemory(-1, (0, 0), 0)
         _engine_rows(args, engine_gpu, 0.0, "training states (none on engine GPUs)")
-    kv_heads = max(1, dims.num_kv_heads // r.engine_tp)  # SGLang replicates KV heads when tp > kv heads
-    kv_per_token = 2 * dims.num_layers * kv_heads * dims.head_dim * 2  # K and V, bf16
+    if dims.mla:  # SGLang caches MLA's latent (kv_lora + rope) per layer, on every TP rank
+        kv_per_token = dims.num_layers * (dims.kv_lora_rank + dims.qk_rope_head_dim) * 2
+    else:
+        kv_heads = max(1, dims.num_kv_heads // r.engine_tp)  # SGLang replicates KV heads when tp > kv heads
+        kv_per_token = 2 * dims.num_layers * kv_heads * dims.head_dim * 2  # K and V, bf16
     notes = _notes(cfg, dims, args, train_world)
     kv_min = min((s.kv_cache for s in stages + [engine_gpu] if s is not None and s.rollout_items), default=None)
     if kv_min is not None and 0 < kv_min < r.group_size * cfg.model.max_seq_len * kv_per_token:

@@ -61,6 +61,7 @@ def check_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None = None) ->
     ]
     if d.num_dense_layers:
         checks.append(("intermediate_size", d.ffn_hidden, tp, "parallel.tp"))
+    checks += [(what, n, tp, "parallel.tp") for what, n in family.tp_divisible(hf)]
     if d.num_experts:
         checks.append(("number of experts", d.num_experts, ep, "parallel.ep"))
         checks.append(("expert intermediate size", d.moe_ffn_hidden, etp or tp, "parallel.etp"))
@@ -81,6 +82,7 @@ def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp:
     dtype = _DTYPES[opts.dtype]
     is_moe = "num_moe_experts" in fields
     te = use_transformer_engine(opts.transformer_impl)
+    family.check_transformer_impl(te)
     sp = opts.sequence_parallel
     if sp is None:
         # MoE with TP requires it; for QK-norm models it also makes Megatron all-reduce the q/k norm
@@ -131,6 +133,8 @@ def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
     config = transformer_config(hf, tp, pp, ep, etp, cp, opts)
     te = use_transformer_engine(opts.transformer_impl)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    family = get_family(hf)
+    family.adapt_layer_spec(spec, te)
     model = GPTModel(
         config,
         spec,
@@ -140,7 +144,7 @@ def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
         post_process=ps.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        **get_family(hf).rotary_kwargs(hf),
+        **family.rotary_kwargs(hf),
     )
     model.hf_config = hf  # the mapping and export read it back
     return model

@@ -30,6 +30,16 @@ class ModelDims:
     rope_type: str = "default"
     shared_expert_ffn: int = 0  # intermediate size of the shared expert(s) of an MoE layer, summed
     shared_expert_gate: bool = False  # a sigmoid gate [1, hidden] on the shared expert
+    # multi-latent attention (DeepSeek); kv_lora_rank == 0 means grouped-query attention
+    q_lora_rank: int = 0  # 0: queries projected directly (no low-rank q)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def num_dense_layers(self) -> int:
@@ -37,10 +47,16 @@ class ModelDims:
 
     @property
     def q_size(self) -> int:
+        """Query width: heads * head_dim (MLA: heads * (nope + rope))."""
+        if self.mla:
+            return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
         return self.num_heads * self.head_dim
 
     @property
     def kv_size(self) -> int:
+        """Key (= value for GQA) width: kv heads * head_dim (MLA: the up-projected keys)."""
+        if self.mla:
+            return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
         return self.num_kv_heads * self.head_dim
 
     @classmethod

@@ -67,6 +67,16 @@ class ModelFamily:
         """``TransformerConfig`` kwargs that come from the model (not the layout or the run)."""
         raise NotImplementedError
 
+    def check_transformer_impl(self, te: bool) -> None:
+        """Raise ValueError when the family cannot run on the chosen layer spec (te: Transformer Engine)."""
+
+    def adapt_layer_spec(self, block_spec, te: bool) -> None:
+        """Adjust Megatron's decoder block spec in place (a module Megatron-Core lacks on a spec)."""
+
+    def tp_divisible(self, hf: dict) -> list[tuple[str, int]]:
+        """(what, size) of further dims that tensor parallelism splits (besides heads, vocab, FFN)."""
+        return []
+
     def megatron_config_class(self):
         """The Megatron-Core config class ``config_fields`` are for."""
         from megatron.core.transformer.transformer_config import TransformerConfig

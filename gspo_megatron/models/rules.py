@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gspo_megatron.models import hf_config
-from gspo_megatron.models.mapping import (AttentionDims, ColumnParallel, FusedQKV, GatedFC1, Replicated,
-                                          RowParallel, Rule)
+import torch
+
+from gspo_megatron.models.mapping import (AttentionDims, ColumnParallel, FusedQKV, GatedFC1, PermutedRows,
+                                          Replicated, RowParallel, Rule)
 
 L = "decoder.layers.*"  # Megatron layer prefix
 H = "model.layers.*"  # HF layer prefix
@@ -113,3 +115,47 @@ def shared_expert_rules(block: str, gate_weight: str | None = None) -> list[Rule
     if gate_weight:
         rules.append(Replicated(f"{L}.mlp.shared_experts.gate_weight", f"{H}.{gate_weight}"))
     return rules
+
+
+def _interleave(rope: int) -> list[int]:
+    """HF rows (x0, ..., x_{d/2-1}, y0, ..., y_{d/2-1}) -> (x0, y0, x1, y1, ...). Megatron's MLA RoPE
+    first de-interleaves (even rows, then odd rows: DeepSeek's native layout) then applies
+    rotate-half RoPE; a checkpoint with ``rope_interleave=false`` is stored interleaved so that this
+    de-interleave gives back its rows."""
+    half = rope // 2
+    return [j for i in range(half) for j in (i, half + i)]
+
+
+def mla_attention_rules(hf: dict) -> list[Rule]:
+    """Multi-latent attention (DeepSeek-V2/V3): Megatron's MLASelfAttention on the local spec.
+    q: ``q_proj`` or ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``; kv: ``kv_a_proj_with_mqa``
+    ([kv_lora | rope] rows) -> ``kv_a_layernorm`` -> ``kv_b_proj`` (per head [nope | v]); ``o_proj``.
+    The local spec splits the down projections' rows over TP (gathered before the norms). Megatron's
+    MLA RoPE treats the rope rows as interleaved pairs, as transformers does with ``rope_interleave``
+    (the default): the rows map as they are; with ``rope_interleave=false`` the rope rows of q (per
+    head) and of kv_a are interleaved on load and restored on export (``PermutedRows``)."""
+    heads, nope, rope = (hf_config.get_int(hf, k) for k in ("num_attention_heads", "qk_nope_head_dim",
+                                                              "qk_rope_head_dim"))
+    kv_lora = hf_config.get_int(hf, "kv_lora_rank")
+    order = list(range(rope)) if hf.get("rope_interleave", True) else _interleave(rope)
+    q_perm = torch.tensor([h * (nope + rope) + i for h in range(heads)
+                           for i in list(range(nope)) + [nope + j for j in order]])
+    kv_perm = torch.tensor(list(range(kv_lora)) + [kv_lora + j for j in order])
+    a = f"{L}.self_attention"
+    rules: list[Rule] = [
+        Replicated(f"{L}.input_layernorm.weight", f"{H}.input_layernorm.weight"),
+        PermutedRows(f"{a}.linear_q_proj.weight", f"{H}.self_attn.q_proj.weight", q_perm),
+        ColumnParallel(f"{a}.linear_q_down_proj.weight", f"{H}.self_attn.q_a_proj.weight", "tp"),
+        Replicated(f"{a}.q_layernorm.weight", f"{H}.self_attn.q_a_layernorm.weight"),
+        PermutedRows(f"{a}.linear_q_up_proj.weight", f"{H}.self_attn.q_b_proj.weight", q_perm),
+        PermutedRows(f"{a}.linear_kv_down_proj.weight", f"{H}.self_attn.kv_a_proj_with_mqa.weight", kv_perm),
+        Replicated(f"{a}.kv_layernorm.weight", f"{H}.self_attn.kv_a_layernorm.weight"),
+        ColumnParallel(f"{a}.linear_kv_up_proj.weight", f"{H}.self_attn.kv_b_proj.weight", "tp"),
+        RowParallel(f"{a}.linear_proj.weight", f"{H}.self_attn.o_proj.weight", "tp"),
+    ]
+    return rules
+
+
+def router_bias_rule(hf_name: str) -> Rule:
+    """The router's expert-score correction bias (Megatron buffer ``mlp.router.expert_bias``)."""
+    return Replicated(f"{L}.mlp.router.expert_bias", f"{H}.{hf_name}")

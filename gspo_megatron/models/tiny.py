@@ -34,7 +34,8 @@ def hf_model_from_config(cfg: dict, dtype: torch.dtype = torch.float32):
 def save_tiny_hf_model(kind: str, out_dir: str, seed: int = 0, dtype=torch.float32,
                        max_shard_size: str | int | None = None, **overrides):
     """Build a tiny random ``kind`` model (a family name) and ``save_pretrained`` it. Router, gate
-    and norm weights are randomized too, so routing, gates and norms are exercised."""
+    norm weights and expert-score correction biases are randomized too, so routing, gates and norms are
+exercised."""
     family = family_for_model_type(kind)
     if family is None or not family.tiny:
         raise ValueError(f"no tiny config for {kind!r}; known: {', '.join(TINY_CONFIGS)}")
@@ -46,8 +47,9 @@ def save_tiny_hf_model(kind: str, out_dir: str, seed: int = 0, dtype=torch.float
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or ".gate." in name or name.endswith("gate.weight"):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer: it changes the expert choice
+                b.copy_(torch.randn_like(b) * 0.5)
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
     model.save_pretrained(out_dir, **kwargs)
     return model

@@ -32,6 +32,9 @@ class HFCheckpointLayout:
     def __init__(self, model: torch.nn.Module):
         self.model_type: str = model.config.model_type
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        # persistent buffers are checkpoint tensors too (DeepSeek's router e_score_correction_bias)
+        persistent = set(model.state_dict(keep_vars=True))
+        self.params.update((n, b) for n, b in model.named_buffers() if n in persistent)
         has_fused = any(n.endswith(_FUSED_SUFFIXES) for n in self.params)
         self.naming = expert_naming(self.model_type)  # the family's checkpoint naming of experts
         if has_fused and self.naming is None:
