@@ -9,4 +9,4 @@ from gspo_megatron.models.registry import (families, get_family, register_family
                                            supported_model_types)
 
 # Registration (import order = listing order in messages and the planner's built-in table).
-from gspo_megatron.models import qwen3_moe, qwen2_moe, deepseek_v3, mixtral, qwen3, qwen2  # noqa: F401,E402  isort: skip
+from gspo_megatron.models import qwen3_moe, qwen2_moe, deepseek_v3, glm4_moe, mixtral, qwen3, qwen2  # noqa: F401,E402  isort: skip

@@ -120,11 +120,15 @@ class GQAFamily(ModelFamily):
 
     qk_norm: bool = False
     qkv_bias: bool | None = None  # None: from config.json attention_bias (default False)
+    attention_bias_on_o_proj: bool = True  # Llama/Qwen3 semantics of attention_bias (refused)
     shared_expert_block: str | None = None  # HF name of the shared expert MLP under the layer
     shared_expert_gate: str | None = None  # HF name of its sigmoid gate weight, if any
     fp8_modules = GQA_FP8_MODULES
 
     # -- config -----------------------------------------------------------------------------------
+    def has_qk_norm(self, hf: dict) -> bool:
+        return self.qk_norm
+
     def has_qkv_bias(self, hf: dict) -> bool:
         if self.qkv_bias is not None:
             return self.qkv_bias
@@ -135,7 +139,7 @@ class GQAFamily(ModelFamily):
         if kind != "default":
             raise ValueError(f"config.json rope type {kind!r} (rope_scaling / rope_parameters) is not "
                              f"supported for {self.name} yet (default RoPE only)")
-        if self.qkv_bias is None and hf.get("attention_bias"):
+        if self.qkv_bias is None and self.attention_bias_on_o_proj and hf.get("attention_bias"):
             raise ValueError(f"config.json attention_bias=true (a bias on q/k/v and o_proj) is not supported "
                              f"for {self.name}")
         act = hf.get("hidden_act", "silu")
@@ -158,7 +162,7 @@ class GQAFamily(ModelFamily):
             activation_func=F.silu,
             add_bias_linear=False,
             add_qkv_bias=self.has_qkv_bias(hf),
-            qk_layernorm=self.qk_norm,
+            qk_layernorm=self.has_qk_norm(hf),
             hidden_dropout=0.0,
             attention_dropout=0.0,
         )
@@ -190,7 +194,7 @@ class GQAFamily(ModelFamily):
 
     # -- weights ----------------------------------------------------------------------------------
     def mapping(self, hf: dict) -> MappingRegistry:
-        rules: list[Rule] = embedding_rules(hf) + gqa_attention_rules(hf, self.qk_norm)
+        rules: list[Rule] = embedding_rules(hf) + gqa_attention_rules(hf, self.has_qk_norm(hf))
         rules += pre_mlp_norm_rules() + dense_mlp_rules()
         if self.expert_naming is not None:
             rules += routed_expert_rules(self.expert_naming)
@@ -212,10 +216,43 @@ class GQAFamily(ModelFamily):
             num_kv_heads=hf_config.num_kv_heads(hf), head_dim=hf_config.head_dim(hf),
             ffn_hidden=g(hf, "intermediate_size"), moe_ffn_hidden=self.moe_ffn_hidden(hf) if experts else 0,
             num_experts=experts, topk=g(hf, "num_experts_per_tok") if experts else 0, moe_layers=moe_layers,
-            qk_norm=self.qk_norm, qkv_bias=bias, o_bias=False,
+            qk_norm=self.has_qk_norm(hf), qkv_bias=bias, o_bias=False,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings") or 1 << 30),
             rope_type=hf_config.rope_type(hf),
             shared_expert_ffn=self.shared_ffn_hidden(hf) if experts and self.shared_expert_block else 0,
             shared_expert_gate=bool(experts and self.shared_expert_gate),
         )
+
+
+# -- the sigmoid router of DeepSeek-V3 / GLM-4.5 (shared by those families) --------------------------
+
+def sigmoid_router_check(hf: dict, family: str) -> None:
+    """Refuse (one line) what Megatron-Core's sigmoid top-k computes differently from transformers'
+    DeepSeek-style router: ``norm_topk_prob=false`` with top-k > 1 (Megatron always renormalizes),
+    group-limited routing with ``num_experts_per_tok // topk_group != 2`` (Megatron scores a group by
+    its top-(topk/topk_group) experts, transformers by its top-2)."""
+    topk = hf_config.get_int(hf, "num_experts_per_tok")
+    if topk > 1 and not hf.get("norm_topk_prob", True):
+        raise ValueError(f"config.json norm_topk_prob=false with num_experts_per_tok > 1 is not supported for "
+                         f"{family} (Megatron renormalizes sigmoid top-k)")
+    groups, gtopk = router_groups(hf)
+    if groups and topk // gtopk != 2:
+        raise ValueError(f"config.json num_experts_per_tok={topk} // topk_group={gtopk} != 2 is not supported "
+                         f"for {family} (group scores: top-2 per group)")
+
+
+def router_groups(hf: dict) -> tuple[int | None, int | None]:
+    """(n_group, topk_group) when group-limited routing keeps fewer than all groups, else (None, None)."""
+    n, k = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    return (n, k) if 1 < n and k < n else (None, None)
+
+
+def sigmoid_router_fields(hf: dict) -> dict:
+    """TransformerConfig fields: sigmoid scores, the correction bias as the router's ``expert_bias``
+    buffer, frozen (``moe_router_bias_update_rate=0``: not trained by the policy loss, exported and
+    synced as loaded), group-limited top-k, ``routed_scaling_factor``."""
+    groups, gtopk = router_groups(hf)
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.0, moe_router_num_groups=groups, moe_router_group_topk=gtopk,
+                moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0))

@@ -4,7 +4,8 @@ Tiny random models written by transformers' own classes (qwen3_moe, mixtral, qwe
 gated shared expert and a dense layer, deepseek_v3 (MLA with q_lora_rank, YaRN with mscale,
 interleaved RoPE, sigmoid router with a random e_score_correction_bias, group-limited top-k, routed
 scaling, a shared expert, a dense first layer) and its variant without q_lora_rank, with default RoPE
-and rope_interleave=false, qwen2 with tied embeddings, qwen3 in bfloat16) are converted to Megatron checkpoints in one layout (TP2 x DP2)
+and rope_interleave=false, glm4_moe (q/k/v bias, QK-norm, partial rotary, the same router, shared
+expert, dense first layer) and its plain variant, qwen2 with tied embeddings, qwen3 in bfloat16) are converted to Megatron checkpoints in one layout (TP2 x DP2)
 and read back in others (TP2, PP2, EP2, TP2 x EP2 with ETP1, DP4). In each layout:
 - the scorer's log-probs (vocab-parallel, pipelined, data-parallel split) match transformers'
   forward within 1e-4 (fp32);
@@ -27,9 +28,12 @@ DENSE_LAYOUTS = [dict(tp=2), dict(pp=2), dict(tp=2, pp=2)]
 CASES = [("qwen3_moe", torch.float32, MOE_LAYOUTS), ("mixtral", torch.float32, MOE_LAYOUTS),
          ("qwen2_moe", torch.float32, MOE_LAYOUTS), ("deepseek_v3", torch.float32, MOE_LAYOUTS),
          ("deepseek_v3_plain", torch.float32, [dict(tp=2), dict(ep=2)]),
+         ("glm4_moe", torch.float32, MOE_LAYOUTS), ("glm4_moe_plain", torch.float32, [dict(tp=2)]),
          ("qwen2", torch.float32, DENSE_LAYOUTS), ("qwen3", torch.bfloat16, [dict(pp=2)])]
 # case name -> (family, overrides of its tiny config)
-VARIANTS = {"deepseek_v3_plain": ("deepseek_v3", dict(q_lora_rank=None, rope_scaling=None, rope_interleave=False))}
+VARIANTS = {"deepseek_v3_plain": ("deepseek_v3", dict(q_lora_rank=None, rope_scaling=None, rope_interleave=False)),
+            "glm4_moe_plain": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0,
+                                                n_group=1, topk_group=1, n_shared_experts=0))}
 ROWS = make_rows(seed=3, n=7)
 
 

@@ -77,6 +77,18 @@ def test_family_reads_the_5x_config_as_the_4x_one(saved_v5, name):
     assert family.rotary_kwargs(v5) == family.rotary_kwargs(v4)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_planner_counts_equal_transformers_parameters(saved_v5, name):
+    """The planner's counts, from the family's dims, equal the parameters of transformers' model."""
+    from gspo_megatron.planner import param_counts
+
+    hf_dir, model = saved_v5[name]
+    c = param_counts(ModelDims.from_hf_config(hf_config.load_hf_config(hf_dir)))
+    named = dict(model.named_parameters())
+    assert c.total == sum(p.numel() for p in named.values())
+    assert c.expert == sum(p.numel() for n, p in named.items() if ".experts." in n and "shared" not in n)
+
+
 def test_qwen3_moe_5x_spelling_is_the_one_that_blocked_users(saved_v5):
     v5 = hf_config.load_hf_config(saved_v5["qwen3_moe"][0])
     assert "num_local_experts" in v5 and "num_experts" not in v5
@@ -141,7 +153,8 @@ def test_conversion_tools_round_trip_a_sharded_5x_checkpoint(saved_v5, tmp_path)
     assert hf_config.load_hf_config(out)["num_experts"] == 4
 
 
-@pytest.mark.parametrize("kind,cls", [("qwen2_moe", "Qwen2MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM")])
+@pytest.mark.parametrize("kind,cls", [("qwen2_moe", "Qwen2MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"),
+                                      ("glm4_moe", "Glm4MoeForCausalLM")])
 def test_trainer_runs_from_a_sharded_5x_directory(tmp_path, kind, cls):
     """gspo-train from a transformers-5.23-saved directory (qwen2_moe: shared expert with a gate;
     deepseek_v3: MLA, YaRN, sigmoid router with a correction bias): two GSPO steps, the CPU engine
@@ -169,4 +182,4 @@ def test_trainer_runs_from_a_sharded_5x_directory(tmp_path, kind, cls):
     assert sorted(before) == sorted(after)
     assert any(not torch.equal(before[k], after[k]) for k in before)  # it trained
     bias = [k for k in before if k.endswith("e_score_correction_bias")]
-    assert all(torch.equal(before[k], after[k]) for k in bias) and len(bias) == (3 if kind == "deepseek_v3" else 0)
+    assert all(torch.equal(before[k], after[k]) for k in bias) and len(bias) == (0 if kind == "qwen2_moe" else 3)

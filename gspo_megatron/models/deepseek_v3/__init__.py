@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.dims import ModelDims
-from gspo_megatron.models.family import ModelFamily, moe_layer_pattern
+from gspo_megatron.models.family import ModelFamily, moe_layer_pattern, sigmoid_router_check, sigmoid_router_fields
 from gspo_megatron.models.mapping import MappingRegistry
 from gspo_megatron.models.registry import register_family
 from gspo_megatron.models.rules import (ExpertNaming, dense_mlp_rules, embedding_rules, mla_attention_rules,
@@ -66,17 +66,7 @@ class DeepseekV3(ModelFamily):
         if rope["rope_type"] == "yarn":
             no(rope.get("attention_factor") is not None, "rope attention_factor (YaRN)")
             no(rope.get("truncate", True) is False, "rope truncate=false (YaRN)")
-        topk = hf_config.get_int(hf, "num_experts_per_tok")
-        no(topk > 1 and not hf.get("norm_topk_prob", True),
-           "norm_topk_prob=false with num_experts_per_tok > 1 (Megatron renormalizes sigmoid top-k)")
-        groups, gtopk = self._groups(hf)
-        no(groups and topk // gtopk != 2,
-           f"num_experts_per_tok={topk} // topk_group={gtopk} != 2 (group scores: top-2 per group)")
-
-    def _groups(self, hf: dict) -> tuple[int | None, int | None]:
-        """(n_group, topk_group) when group-limited routing selects fewer than all groups."""
-        n, k = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
-        return (n, k) if 1 < n and k < n else (None, None)
+        sigmoid_router_check(hf, self.name)
 
     def check_transformer_impl(self, te: bool) -> None:
         if te:
@@ -126,7 +116,6 @@ class DeepseekV3(ModelFamily):
         g = hf_config.get_int
         heads = g(hf, "num_attention_heads")
         pattern = moe_layer_pattern(hf)
-        groups, gtopk = self._groups(hf)
         fields = dict(
             num_layers=g(hf, "num_hidden_layers"), hidden_size=g(hf, "hidden_size"),
             num_attention_heads=heads, num_query_groups=heads, ffn_hidden_size=g(hf, "intermediate_size"),
@@ -142,11 +131,8 @@ class DeepseekV3(ModelFamily):
             moe_shared_expert_intermediate_size=(g(hf, "moe_intermediate_size") * int(hf.get("n_shared_experts") or 0)
                                                  or None),
             moe_layer_freq=1 if all(pattern) else pattern,
-            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0,  # frozen: the correction bias is the checkpoint's
-            moe_router_num_groups=groups, moe_router_group_topk=gtopk,
-            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
         )
+        fields.update(sigmoid_router_fields(hf))
         fields.update(self.rope_fields(hf))
         return fields
 
