@@ -33,7 +33,7 @@ CASES = [("qwen3_moe", torch.float32, MOE_LAYOUTS), ("mixtral", torch.float32, M
 # case name -> (family, overrides of its tiny config)
 VARIANTS = {"deepseek_v3_plain": ("deepseek_v3", dict(q_lora_rank=None, rope_scaling=None, rope_interleave=False)),
             "glm4_moe_plain": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0,
-                                                n_group=1, topk_group=1, n_shared_experts=0))}
+                                                n_group=1, topk_group=1))}
 ROWS = make_rows(seed=3, n=7)
 
 
