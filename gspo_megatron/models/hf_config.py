@@ -12,8 +12,8 @@ Spellings handled (first present wins):
   merges them into one dict whose ``rope_type`` is always set ("default" when unscaled);
 - ``partial_rotary_factor`` at the top level (4.x) or inside ``rope_parameters`` (5.x);
 - ``head_dim`` absent or null -> hidden_size / num_attention_heads; ``num_key_value_heads`` absent
-  or null -> num_attention_heads;
-- dtype: ``torch_dtype`` (4.x) or ``dtype`` (5.x).
+  or null -> num_attention_heads.
+(The checkpoint dtype, ``torch_dtype`` (4.x) or ``dtype`` (5.x), is read by ``convert.hf_dtype``.)
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ _MISSING = object()
 #: canonical name -> the spellings transformers writes, in lookup order
 SPELLINGS: dict[str, tuple[str, ...]] = {
     "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
-    "dtype": ("dtype", "torch_dtype"),
 }
 
 
@@ -129,11 +128,3 @@ def rope_type(hf: dict) -> str:
 
 def partial_rotary_factor(hf: dict) -> float:
     return float(rope_parameters(hf).get("partial_rotary_factor", 1.0))
-
-
-def dtype_name(hf: dict, default: str = "float32") -> str:
-    return str(get(hf, "dtype", default)).replace("torch.", "")
-
-
-def model_type(hf: dict) -> str | None:
-    return hf.get("model_type")
