@@ -647,7 +647,7 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
     elif p.ep > 1:
         e.append(f"parallel.ep={p.ep} needs an MoE model; {d.model_type} has no experts")
     divides("parallel.pp", p.pp, "num_hidden_layers", d.num_layers)
-    if cfg.model.max_seq_len > d.max_position_embeddings and not hf_config.get("rope_scaling"):
+    if cfg.model.max_seq_len > d.max_position_embeddings and d.rope_type == "default":
         e.append(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                  f"= {d.max_position_embeddings}")
     if r.engine == "sglang":

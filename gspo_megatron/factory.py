@@ -5,7 +5,6 @@ each function.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -57,13 +56,8 @@ def _write_random_hf_model(cfg: Config, out: str) -> None:
                 shutil.copy(os.path.join(tok_src, name), tmp)
     else:
         build_demo_tokenizer(tmp)
-    with open(os.path.join(tmp, "config.json")) as f:
-        saved = json.load(f)
-    for key in ("num_experts",):  # keep the names real Qwen3-MoE checkpoints use
-        if key in hf:
-            saved[key] = hf[key]
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(saved, f, indent=2)
+    # config.json stays as transformers wrote it (5.x spellings such as num_local_experts and
+    # rope_parameters): every reader goes through gspo_megatron.models.hf_config.
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 

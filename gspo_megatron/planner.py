@@ -26,7 +26,6 @@ The memory model (per GPU, GiB = 2**30 bytes; an estimate, see docs/planner.md):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -43,6 +42,7 @@ from gspo_megatron.config import (
     validate_model_layout,
 )
 from gspo_megatron.errors import UserInputError
+from gspo_megatron.models.dims import ModelDims as _ModelDims
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD_GIB = 4.0
@@ -52,48 +52,20 @@ class PlanError(UserInputError):
     """The model or cluster cannot be planned (unknown architecture, not enough GPUs)."""
 
 
-def _qwen3_moe(hidden: int, ffn: int, moe_ffn: int, heads: int, layers: int) -> dict:
-    # Published config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B (they differ only in these).
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
-        "hidden_act": "silu", "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": ffn,
-        "max_position_embeddings": 40960, "max_window_layers": layers, "mlp_only_layers": [],
-        "model_type": "qwen3_moe", "moe_intermediate_size": moe_ffn, "norm_topk_prob": True,
-        "num_attention_heads": heads, "num_experts": 128, "num_experts_per_tok": 8,
-        "num_hidden_layers": layers, "num_key_value_heads": 4, "output_router_logits": False,
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
-        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-        "use_sliding_window": False, "vocab_size": 151936,
-    }
+def _known_archs() -> dict[str, dict]:
+    from gspo_megatron.models.registry import published_configs
+
+    return published_configs()
 
 
-KNOWN_ARCHS: dict[str, dict] = {
-    "qwen3-30b-a3b": _qwen3_moe(hidden=2048, ffn=6144, moe_ffn=768, heads=32, layers=48),
-    "qwen3-235b-a22b": _qwen3_moe(hidden=4096, ffn=12288, moe_ffn=1536, heads=64, layers=94),
-    "mixtral-8x7b": {  # mistralai/Mixtral-8x7B-v0.1
-        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
-        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
-        "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
-        "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
-        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
-        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "use_cache": True, "vocab_size": 32000,
-    },
-    "tiny-qwen3-moe": {  # the CPU demo: byte tokenizer (259 ids) padded to 320
-        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1,
-        "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
-        "intermediate_size": 128, "max_position_embeddings": 512, "mlp_only_layers": [],
-        "model_type": "qwen3_moe", "moe_intermediate_size": 64, "norm_topk_prob": True,
-        "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
-        "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
-        "router_aux_loss_coef": 0.0, "tie_word_embeddings": False, "vocab_size": 320,
-        "pad_token_id": 256, "eos_token_id": 258,
-    },
-}
+#: built-in config.json dicts by short name (each family's ``published`` configs)
+KNOWN_ARCHS: dict[str, dict] = _known_archs()
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3", "llama", "mistral", "qwen2")
+
+def supported_model_types() -> list[str]:
+    from gspo_megatron.models.registry import supported_model_types as types
+
+    return types()
 
 
 def _norm_name(s: str) -> str:
@@ -113,11 +85,15 @@ def detect_arch(path: str) -> str | None:
 def model_hf_config(cfg: Config) -> tuple[dict, str]:
     """The model's HF config.json as a dict, and where it came from. Order: model.hf_path/config.json
     if it exists; else model.arch; else the architecture detected from model.hf_path's name."""
+    from gspo_megatron.models.hf_config import load_hf_config
+
     m = cfg.model
     if m.hf_path and os.path.isfile(os.path.join(m.hf_path, "config.json")):
         path = os.path.join(m.hf_path, "config.json")
-        with open(path) as fh:
-            return json.load(fh), path
+        try:
+            return load_hf_config(path), path
+        except ValueError as e:
+            raise ConfigError(f"model.hf_path: {e}") from None
     if m.arch:
         if m.arch not in KNOWN_ARCHS:
             raise ConfigError(f"model.arch {m.arch!r} is not built in; known: {', '.join(KNOWN_ARCHS)}")
@@ -128,62 +104,15 @@ def model_hf_config(cfg: Config) -> tuple[dict, str]:
                       f"architecture; set model.arch to one of {', '.join(KNOWN_ARCHS)}")
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    """The dims of a decoder-only (MoE) transformer, normalized across HF families."""
-
-    model_type: str
-    vocab_size: int
-    hidden: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden: int  # dense MLP intermediate size (layers without experts)
-    moe_ffn_hidden: int  # one expert's intermediate size (0 without experts)
-    num_experts: int
-    topk: int
-    moe_layers: tuple[int, ...]
-    qk_norm: bool
-    qkv_bias: bool
-    o_bias: bool
-    tie_embeddings: bool
-    max_position_embeddings: int
-
-    @property
-    def num_dense_layers(self) -> int:
-        return self.num_layers - len(self.moe_layers)
+class ModelDims(_ModelDims):
+    """The family's dims (``gspo_megatron.models.dims.ModelDims``); errors become PlanError."""
 
     @classmethod
-    def from_hf_config(cls, c: dict) -> "ModelDims":
-        mt = c.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise PlanError(f"config.json model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-
-        def req(key: str) -> int:
-            if key not in c:
-                raise PlanError(f"config.json of model_type {mt} lacks {key!r}")
-            return int(c[key])
-
-        hidden, layers, heads = req("hidden_size"), req("num_hidden_layers"), req("num_attention_heads")
-        experts, moe_ffn, ffn, moe_layers = 0, 0, req("intermediate_size"), ()
-        if mt == "qwen3_moe":
-            experts, moe_ffn = req("num_experts"), req("moe_intermediate_size")
-            step, dense = int(c.get("decoder_sparse_step", 1)), set(c.get("mlp_only_layers") or [])
-            moe_layers = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
-        elif mt == "mixtral":
-            experts, moe_ffn = req("num_local_experts"), ffn
-            moe_layers = tuple(range(layers))
-        bias = bool(c.get("attention_bias", False))
-        return cls(
-            model_type=mt, vocab_size=req("vocab_size"), hidden=hidden, num_layers=layers, num_heads=heads,
-            num_kv_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or hidden // heads), ffn_hidden=ffn, moe_ffn_hidden=moe_ffn,
-            num_experts=experts, topk=req("num_experts_per_tok") if experts else 0, moe_layers=moe_layers,
-            qk_norm=mt in ("qwen3", "qwen3_moe"), qkv_bias=bias or mt == "qwen2", o_bias=bias and mt != "qwen2",
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(c.get("max_position_embeddings", 1 << 30)),
-        )
+    def from_hf_config(cls, c: dict) -> _ModelDims:
+        try:
+            return _ModelDims.from_hf_config(c)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -197,14 +126,33 @@ class LayerParams:
 
 
 def layer_params(d: ModelDims, layer: int) -> LayerParams:
-    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-    attn = d.hidden * q + 2 * d.hidden * kv + q * d.hidden
-    attn += (q + 2 * kv) * d.qkv_bias + d.hidden * d.o_bias
-    norms = 2 * d.hidden + 2 * d.head_dim * d.qk_norm
+    """GQA attention (+ biases, QK-norm); a SwiGLU MLP (3 matrices) per dense layer, per routed expert
+    and for the shared expert (TP-sharded like a dense MLP; its sigmoid gate [1, hidden] replicated)."""
+    if d.mla:
+        attn, norms = _mla_params(d)
+    else:
+        q, kv = d.q_size, d.kv_size
+        attn = d.hidden * q + 2 * d.hidden * kv + q * d.hidden
+        attn += (q + 2 * kv) * d.qkv_bias + d.hidden * d.o_bias
+        norms = 2 * d.hidden + 2 * d.head_dim * d.qk_norm
     if layer in d.moe_layers:
         one_expert = 3 * d.hidden * d.moe_ffn_hidden
-        return LayerParams(attn, norms + d.hidden * d.num_experts, d.num_experts * one_expert, d.topk * one_expert)
+        shared = 3 * d.hidden * d.shared_expert_ffn
+        router = d.hidden * d.num_experts + d.hidden * d.shared_expert_gate
+        return LayerParams(attn + shared, norms + router, d.num_experts * one_expert, d.topk * one_expert)
     return LayerParams(attn + 3 * d.hidden * d.ffn_hidden, norms, 0, 0)
+
+
+def _mla_params(d: ModelDims) -> tuple[int, int]:
+    """Multi-latent attention: (TP-sharded weights, replicated norms) of one layer. q: hidden ->
+    q_lora (+ its norm) -> heads * (nope + rope), or hidden -> heads * (nope + rope) directly;
+    kv: hidden -> kv_lora + rope (+ norm over kv_lora) -> heads * (nope + v); out: heads * v -> hidden.
+    The down projections count as sharded (the local spec splits them over TP too)."""
+    qk = d.qk_nope_head_dim + d.qk_rope_head_dim
+    q = d.hidden * d.q_lora_rank + d.q_lora_rank * d.num_heads * qk if d.q_lora_rank else d.hidden * d.num_heads * qk
+    kv = d.hidden * (d.kv_lora_rank + d.qk_rope_head_dim) + d.kv_lora_rank * d.num_heads * (d.qk_nope_head_dim + d.v_head_dim)
+    out = d.num_heads * d.v_head_dim * d.hidden
+    return q + kv + out, 2 * d.hidden + d.q_lora_rank + d.kv_lora_rank
 
 
 @dataclass(frozen=True)
@@ -289,7 +237,7 @@ def _activation_bytes_per_layer(d: ModelDims, cfg: Config, layer: int, tokens: f
     """Stored activations of one layer for one micro-batch on one GPU (tokens = full micro-batch / cp)."""
     p, act = cfg.parallel, DTYPE_BYTES[cfg.model.dtype]
     sp = p.tp if p.sequence_parallel else 1  # sequence-parallel regions split tokens over tp
-    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    q, kv = d.q_size, d.kv_size
     per_token = 2 * d.hidden / sp  # attention: norm input + output
     per_token += (q + 2 * kv + q + (q + kv) * d.qk_norm) / p.tp  # q, k, v, core-attention out, q/k norms
     per_token += 2 * d.hidden / sp  # MLP: norm input + output
@@ -297,6 +245,7 @@ def _activation_bytes_per_layer(d: ModelDims, cfg: Config, layer: int, tokens: f
         per_token += 2 * d.num_experts / sp  # fp32 router probabilities
         # dispatched tokens, fc1 out (gate+up), activation out, fc2 out; expert-TP gathers the tokens
         per_token += d.topk * (2 * d.hidden * p.etp + 3 * d.moe_ffn_hidden) / sp
+        per_token += 3 * d.shared_expert_ffn / p.tp  # shared expert: fc1 out (gate+up), activation out
     else:
         per_token += 3 * d.ffn_hidden / p.tp
     return per_token * tokens * act
@@ -394,8 +343,11 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
     if r.sync_mode == "disaggregated" and not r.engine_urls:
         engine_gpu = StageMemory(-1, (0, 0), 0)
         _engine_rows(args, engine_gpu, 0.0, "training states (none on engine GPUs)")
-    kv_heads = max(1, dims.num_kv_heads // r.engine_tp)  # SGLang replicates KV heads when tp > kv heads
-    kv_per_token = 2 * dims.num_layers * kv_heads * dims.head_dim * 2  # K and V, bf16
+    if dims.mla:  # SGLang caches MLA's latent (kv_lora + rope) per layer, on every TP rank
+        kv_per_token = dims.num_layers * (dims.kv_lora_rank + dims.qk_rope_head_dim) * 2
+    else:
+        kv_heads = max(1, dims.num_kv_heads // r.engine_tp)  # SGLang replicates KV heads when tp > kv heads
+        kv_per_token = 2 * dims.num_layers * kv_heads * dims.head_dim * 2  # K and V, bf16
     notes = _notes(cfg, dims, args, train_world)
     kv_min = min((s.kv_cache for s in stages + [engine_gpu] if s is not None and s.rollout_items), default=None)
     if kv_min is not None and 0 < kv_min < r.group_size * cfg.model.max_seq_len * kv_per_token:

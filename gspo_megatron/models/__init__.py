@@ -1,0 +1,11 @@
+"""Models: the HF <-> Megatron-Core machinery and one folder per architecture family.
+
+Importing this package registers every family (their folders use ``@register_family`` from
+``registry.py``, which imports none of them). To add a family: docs/adding_a_model.md.
+"""
+
+from gspo_megatron.models.hf_config import load_hf_config  # noqa: F401
+from gspo_megatron.models.registry import families, get_family, register_family, supported_model_types  # noqa: F401
+
+# Registration (import order = listing order in messages and the planner's built-in table).
+from gspo_megatron.models import qwen3_moe, qwen2_moe, deepseek_v3, glm4_moe, mixtral, qwen3, qwen2  # noqa: F401,E402  isort: skip

@@ -6,13 +6,13 @@ used on GPU when TE imports (FP8 options come from ``fp8_fields``); Megatron's l
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.models.family import get_family, rope_theta
+from gspo_megatron.models import hf_config
+from gspo_megatron.models.hf_config import load_hf_config  # noqa: F401  (public here too)
+from gspo_megatron.models.registry import get_family
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,18 +33,6 @@ class ModelOptions:
     perform_initialization: bool = True
 
 
-def load_hf_config(path: str) -> dict:
-    """config.json of an HF directory (or the file itself) as a dict; clear errors on bad input."""
-    cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"no config.json at {cfg_path}")
-    try:
-        with open(cfg_path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from None
-
-
 def use_transformer_engine(impl: str) -> bool:
     if impl == "local":
         return False
@@ -62,22 +50,23 @@ def use_transformer_engine(impl: str) -> bool:
 
 def check_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None = None) -> None:
     """Raise ValueError naming the dimension a layout does not divide (before building anything)."""
-    heads = hf["num_attention_heads"]
-    groups = hf.get("num_key_value_heads") or heads
-    checks = [
-        ("num_attention_heads", heads, tp, "parallel.tp"),
-        ("num_key_value_heads", groups, tp, "parallel.tp"),
-        ("vocab_size", hf["vocab_size"], tp, "parallel.tp"),
-        ("num_hidden_layers", hf["num_hidden_layers"], pp, "parallel.pp"),
-    ]
-    if hf.get("intermediate_size"):
-        checks.append(("intermediate_size", hf["intermediate_size"], tp, "parallel.tp"))
     family = get_family(hf)
-    if family.is_moe(hf):
-        n_exp = hf.get("num_experts") or hf.get("num_local_experts")
-        checks.append(("number of experts", n_exp, ep, "parallel.ep"))
-        ffn = hf.get("moe_intermediate_size") or hf["intermediate_size"]
-        checks.append(("expert intermediate size", ffn, etp or tp, "parallel.etp"))
+    family.check(hf)
+    d = family.dims(hf)
+    checks = [
+        ("num_attention_heads", d.num_heads, tp, "parallel.tp"),
+        ("num_key_value_heads", d.num_kv_heads, tp, "parallel.tp"),
+        ("vocab_size", d.vocab_size, tp, "parallel.tp"),
+        ("num_hidden_layers", d.num_layers, pp, "parallel.pp"),
+    ]
+    if d.num_dense_layers:
+        checks.append(("intermediate_size", d.ffn_hidden, tp, "parallel.tp"))
+    checks += [(what, n, tp, "parallel.tp") for what, n in family.tp_divisible(hf)]
+    if d.num_experts:
+        checks.append(("number of experts", d.num_experts, ep, "parallel.ep"))
+        checks.append(("expert intermediate size", d.moe_ffn_hidden, etp or tp, "parallel.etp"))
+        if d.shared_expert_ffn:
+            checks.append(("shared expert intermediate size", d.shared_expert_ffn, tp, "parallel.tp"))
     elif ep > 1:
         raise ValueError(f"parallel.ep={ep} but {family.name} is a dense model (no experts)")
     for what, value, size, field in checks:
@@ -87,14 +76,13 @@ def check_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None = None) ->
 
 def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int,
                        opts: ModelOptions):
-    """The Megatron TransformerConfig for an HF config and a parallel layout."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+    """The Megatron config (the family's class, e.g. TransformerConfig) for an HF config and a layout."""
     family = get_family(hf)
     fields = family.config_fields(hf)
     dtype = _DTYPES[opts.dtype]
     is_moe = "num_moe_experts" in fields
     te = use_transformer_engine(opts.transformer_impl)
+    family.check_transformer_impl(te)
     sp = opts.sequence_parallel
     if sp is None:
         # MoE with TP requires it; for QK-norm models it also makes Megatron all-reduce the q/k norm
@@ -113,7 +101,7 @@ def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp:
         pipeline_dtype=dtype,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=opts.perform_initialization,
-        init_method_std=hf.get("initializer_range", 0.02),
+        init_method_std=float(hf.get("initializer_range", 0.02)),
         # PP micro-batches of different lengths; Megatron allows it with the alltoall dispatcher only
         variable_seq_lengths=opts.moe_token_dispatcher == "alltoall",
         moe_token_dispatcher_type=opts.moe_token_dispatcher,
@@ -130,7 +118,7 @@ def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if opts.fp8_fields:
         fields.update(opts.fp8_fields)
-    return TransformerConfig(**fields)
+    return family.megatron_config_class()(**fields)
 
 
 def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
@@ -145,17 +133,18 @@ def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
     config = transformer_config(hf, tp, pp, ep, etp, cp, opts)
     te = use_transformer_engine(opts.transformer_impl)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    family = get_family(hf)
+    family.adapt_layer_spec(spec, te)
     model = GPTModel(
         config,
         spec,
-        vocab_size=hf["vocab_size"],
-        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        vocab_size=hf_config.get_int(hf, "vocab_size"),
+        max_sequence_length=int(hf.get("max_position_embeddings") or 4096),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        position_embedding_type="rope",
-        rotary_base=rope_theta(hf),
+        **family.rotary_kwargs(hf),
     )
     model.hf_config = hf  # the mapping and export read it back
     return model

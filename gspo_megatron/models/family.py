@@ -1,178 +1,265 @@
-"""Model families: what each HF architecture means for Megatron-Core, and the family registry.
+"""What a model family is: everything the code needs to know about one HF architecture.
 
-A family turns an HF ``config.json`` (as a dict) into Megatron ``TransformerConfig`` fields and a
-weight mapping. The per-family folders (``qwen3_moe/``, ``mixtral/``, ``qwen2/``, ``qwen3/``) hold
-only what differs; the decoder layout shared by these Llama-style families is written once here.
+A family is one folder under ``models/`` (``qwen3_moe/``, ``mixtral/``, ...) holding one
+``ModelFamily`` subclass registered with ``@register_family``. It owns
+- the HF ``model_type``s and model classes it accepts, and the features it refuses (``check``);
+- HF config -> Megatron-Core config (``config_fields``: ``TransformerConfig`` kwargs that come from
+  the model; ``rotary_kwargs``: GPTModel's position-embedding arguments);
+- the declarative weight mapping (``mapping``), assembled from the helpers in ``rules.py``;
+- the dimensions the planner needs (``dims``);
+- the checkpoint naming of routed experts the CPU engine needs (``expert_naming``);
+- the HF tensors an FP8 weight sync quantizes (``fp8_modules`` / ``fp8_excluded``);
+- a tiny test config (``tiny``: kwargs of transformers' config class) and published configs the
+  planner knows by name (``published``).
+Every other module asks the family (``gspo_megatron.models.get_family(hf)``) and names no architecture.
+
+``GQAFamily`` implements all of it for the Llama-style decoders (grouped-query attention, RMSNorm,
+SwiGLU dense MLP or routed experts with an optional shared expert); a family sets class attributes
+and overrides ``config_fields`` / ``check`` for what differs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+import re
 
 import torch.nn.functional as F
 
-from gspo_megatron.models.mapping import (
-    AttentionDims,
-    ColumnParallel,
-    FusedQKV,
-    GatedFC1,
-    MappingRegistry,
-    Replicated,
-    RowParallel,
-    Rule,
+from gspo_megatron.models import hf_config
+from gspo_megatron.models.dims import ModelDims
+from gspo_megatron.models.mapping import MappingRegistry, Rule
+from gspo_megatron.models.registry import get_family  # noqa: F401  (kept for existing callers)
+from gspo_megatron.models.rules import (
+    ExpertNaming,
+    attention_dims,
+    dense_mlp_rules,
+    embedding_rules,
+    gqa_attention_rules,
+    pre_mlp_norm_rules,
+    routed_expert_rules,
+    shared_expert_rules,
 )
 
-L = "decoder.layers.*"  # Megatron layer prefix
-H = "model.layers.*"  # HF layer prefix
+# The big projections of the published FP8 checkpoints (DeepSeek-V3, Qwen3-FP8): quantized on sync.
+GQA_FP8_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_EXCLUDED = ("embed_tokens", "lm_head", "norm")
 
 
-@dataclass
 class ModelFamily:
-    """One HF architecture family.
+    """Base class of a family; see the module docstring. Subclasses set the class attributes."""
 
-    config_fields(hf) -> dict of TransformerConfig kwargs specific to the family (MoE routing, norms).
-    moe_block / expert names: HF names of the router and the per-expert gate/up/down projections.
-    """
+    name: str = ""
+    model_types: tuple[str, ...] = ()  # default: (name,)
+    architectures: tuple[str, ...] = ()
+    expert_naming: ExpertNaming | None = None
+    fp8_modules: tuple[str, ...] = ()
+    fp8_excluded: tuple[str, ...] = FP8_EXCLUDED
+    tiny: dict = {}
+    published: dict[str, dict] = {}
 
-    name: str
-    architectures: tuple[str, ...]
-    config_fields: Callable[[dict], dict]
-    router_hf: str | None = None  # e.g. "mlp.gate.weight"
-    expert_hf: tuple[str, str, str] | None = None  # gate, up, down with "*" for the expert
-    qk_norm: bool = False
-    extra_rules: Callable[[dict], list[Rule]] = field(default=lambda hf: [])
+    def __init__(self):
+        if not self.model_types:
+            self.model_types = (self.name,)
+        self._fp8 = re.compile(r"\.(" + "|".join(map(re.escape, self.fp8_modules)) + r")\.weight$") \
+            if self.fp8_modules else None
+        self._fp8_no = re.compile("|".join(map(re.escape, self.fp8_excluded))) if self.fp8_excluded else None
 
-    def is_moe(self, hf: dict) -> bool:
-        return self.expert_hf is not None
+    def __repr__(self) -> str:
+        return f"<family {self.name}>"
+
+    # -- what subclasses provide ------------------------------------------------------------------
+    def check(self, hf: dict) -> None:
+        """Raise ValueError naming a config.json field whose value this family cannot run."""
+
+    def config_fields(self, hf: dict) -> dict:
+        """``TransformerConfig`` kwargs that come from the model (not the layout or the run)."""
+        raise NotImplementedError
+
+    def check_transformer_impl(self, te: bool) -> None:
+        """Raise ValueError when the family cannot run on the chosen layer spec (te: Transformer Engine)."""
+
+    def adapt_layer_spec(self, block_spec, te: bool) -> None:
+        """Adjust Megatron's decoder block spec in place (a module Megatron-Core lacks on a spec)."""
+
+    def tp_divisible(self, hf: dict) -> list[tuple[str, int]]:
+        """(what, size) of further dims that tensor parallelism splits (besides heads, vocab, FFN)."""
+        return []
+
+    def megatron_config_class(self):
+        """The Megatron-Core config class ``config_fields`` are for."""
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return TransformerConfig
+
+    def rotary_kwargs(self, hf: dict) -> dict:
+        """GPTModel's position-embedding arguments."""
+        return dict(position_embedding_type="rope", rotary_base=hf_config.rope_theta(hf),
+                    rotary_percent=hf_config.partial_rotary_factor(hf))
 
     def mapping(self, hf: dict) -> MappingRegistry:
-        """All rules for this family given the HF config (head dims, tying)."""
+        raise NotImplementedError
+
+    def dims(self, hf: dict) -> ModelDims:
+        raise NotImplementedError
+
+    # -- derived ----------------------------------------------------------------------------------
+    def is_moe(self, hf: dict) -> bool:
+        return hf_config.num_experts(hf) > 0
+
+    def fp8_quantizes(self, name: str) -> bool:
+        """Whether an FP8 weight sync quantizes HF tensor ``name`` (a 2-D weight; the caller checks)."""
+        return (self._fp8 is not None and self._fp8.search(name) is not None
+                and not (self._fp8_no is not None and self._fp8_no.search(name)))
+
+
+def moe_layer_pattern(hf: dict) -> list[int]:
+    """1 for each layer with routed experts, from ``decoder_sparse_step`` / ``mlp_only_layers``
+    (Qwen-MoE) and ``first_k_dense_replace`` (DeepSeek / GLM-MoE)."""
+    n = hf_config.get_int(hf, "num_hidden_layers")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    first_dense = int(hf.get("first_k_dense_replace") or 0)
+    return [int(i >= first_dense and i not in dense and (i + 1) % step == 0) for i in range(n)]
+
+
+class GQAFamily(ModelFamily):
+    """Llama-style decoder: GQA attention (optional q/k/v bias, optional QK-norm), RMSNorm, SwiGLU
+    dense MLP, or routed experts (``expert_naming``) with an optional shared expert."""
+
+    qk_norm: bool = False
+    qkv_bias: bool | None = None  # None: from config.json attention_bias (default False)
+    attention_bias_on_o_proj: bool = True  # Llama/Qwen3 semantics of attention_bias (refused)
+    shared_expert_block: str | None = None  # HF name of the shared expert MLP under the layer
+    shared_expert_gate: str | None = None  # HF name of its sigmoid gate weight, if any
+    fp8_modules = GQA_FP8_MODULES
+
+    # -- config -----------------------------------------------------------------------------------
+    def has_qk_norm(self, hf: dict) -> bool:
+        return self.qk_norm
+
+    def has_qkv_bias(self, hf: dict) -> bool:
+        if self.qkv_bias is not None:
+            return self.qkv_bias
+        return bool(hf.get("attention_bias", False))
+
+    def check(self, hf: dict) -> None:
+        kind = hf_config.rope_type(hf)
+        if kind != "default":
+            raise ValueError(f"config.json rope type {kind!r} (rope_scaling / rope_parameters) is not "
+                             f"supported for {self.name} yet (default RoPE only)")
+        if self.qkv_bias is None and self.attention_bias_on_o_proj and hf.get("attention_bias"):
+            raise ValueError(f"config.json attention_bias=true (a bias on q/k/v and o_proj) is not supported "
+                             f"for {self.name}")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json hidden_act {act!r} is not supported (silu only)")
+
+    def config_fields(self, hf: dict) -> dict:
+        self.check(hf)
         dims = attention_dims(hf)
-        rules: list[Rule] = [
-            ColumnParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight", "tp"),
-            Replicated("decoder.final_layernorm.weight", "model.norm.weight"),
-        ]
-        if hf.get("tie_word_embeddings", False):
-            # The last pipeline stage keeps its own copy of the tied embedding: load, never export.
-            rules.append(ColumnParallel("output_layer.weight", "model.embed_tokens.weight", "tp",
-                                        export=False))
-        else:
-            rules.append(ColumnParallel("output_layer.weight", "lm_head.weight", "tp"))
-        qkv_hf = [f"{H}.self_attn.{p}_proj.weight" for p in "qkv"]
-        rules += [
-            # local spec (separate norm module) and Transformer Engine spec (norm fused into linear)
-            Replicated(f"{L}.input_layernorm.weight", f"{H}.input_layernorm.weight"),
-            Replicated(f"{L}.self_attention.linear_qkv.layer_norm_weight",
-                       f"{H}.input_layernorm.weight"),
-            FusedQKV(f"{L}.self_attention.linear_qkv.weight", qkv_hf, dims),
-            RowParallel(f"{L}.self_attention.linear_proj.weight", f"{H}.self_attn.o_proj.weight", "tp"),
-        ]
-        # matches only when the model has a q/k/v bias (Qwen2, attention_bias=true)
-        rules.append(FusedQKV(f"{L}.self_attention.linear_qkv.bias",
-                              [f"{H}.self_attn.{p}_proj.bias" for p in "qkv"], dims))
-        if self.qk_norm:
-            rules += [
-                Replicated(f"{L}.self_attention.q_layernorm.weight", f"{H}.self_attn.q_norm.weight"),
-                Replicated(f"{L}.self_attention.k_layernorm.weight", f"{H}.self_attn.k_norm.weight"),
-            ]
-        rules += [
-            Replicated(f"{L}.pre_mlp_layernorm.weight", f"{H}.post_attention_layernorm.weight"),
-            Replicated(f"{L}.mlp.linear_fc1.layer_norm_weight", f"{H}.post_attention_layernorm.weight"),
-            GatedFC1(f"{L}.mlp.linear_fc1.weight",
-                     [f"{H}.mlp.gate_proj.weight", f"{H}.mlp.up_proj.weight"], "tp"),
-            RowParallel(f"{L}.mlp.linear_fc2.weight", f"{H}.mlp.down_proj.weight", "tp"),
-        ]
-        if self.expert_hf is not None:
-            gate, up, down = (f"{H}.{p}" for p in self.expert_hf)
-            rules.append(Replicated(f"{L}.mlp.router.weight", f"{H}.{self.router_hf}"))
-            for fc1, fc2 in (
-                (f"{L}.mlp.experts.local_experts.*.linear_fc1.weight",
-                 f"{L}.mlp.experts.local_experts.*.linear_fc2.weight"),  # SequentialMLP (local)
-                (f"{L}.mlp.experts.linear_fc1.weight*", f"{L}.mlp.experts.linear_fc2.weight*"),  # TE grouped
-            ):
-                rules += [GatedFC1(fc1, [gate, up], "etp"), RowParallel(fc2, down, "etp")]
-        rules += self.extra_rules(hf)
+        fields = dict(
+            num_layers=hf_config.get_int(hf, "num_hidden_layers"),
+            hidden_size=hf_config.get_int(hf, "hidden_size"),
+            num_attention_heads=dims.num_heads,
+            num_query_groups=dims.num_query_groups,
+            kv_channels=dims.head_dim,
+            ffn_hidden_size=hf.get("intermediate_size"),
+            normalization="RMSNorm",
+            layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=self.has_qkv_bias(hf),
+            qk_layernorm=self.has_qk_norm(hf),
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+        if self.is_moe(hf):
+            fields.update(self.moe_fields(hf))
+        return fields
+
+    def moe_ffn_hidden(self, hf: dict) -> int:
+        return hf_config.get_int(hf, "moe_intermediate_size")
+
+    def moe_fields(self, hf: dict) -> dict:
+        """Routing: softmax over all experts then top-k; with ``norm_topk_prob`` the top-k weights
+        are renormalized, which equals Megatron's top-k of the logits then softmax (pre_softmax off)."""
+        pattern = moe_layer_pattern(hf)
+        fields = dict(
+            num_moe_experts=hf_config.num_experts(hf),
+            moe_router_topk=hf_config.get_int(hf, "num_experts_per_tok"),
+            moe_ffn_hidden_size=self.moe_ffn_hidden(hf),
+            moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+            moe_layer_freq=1 if all(pattern) else pattern,
+        )
+        if self.shared_expert_block:
+            fields.update(moe_shared_expert_intermediate_size=self.shared_ffn_hidden(hf),
+                          moe_shared_expert_gate=self.shared_expert_gate is not None)
+        return fields
+
+    def shared_ffn_hidden(self, hf: dict) -> int:
+        return hf_config.get_int(hf, "shared_expert_intermediate_size")
+
+    # -- weights ----------------------------------------------------------------------------------
+    def mapping(self, hf: dict) -> MappingRegistry:
+        rules: list[Rule] = embedding_rules(hf) + gqa_attention_rules(hf, self.has_qk_norm(hf))
+        rules += pre_mlp_norm_rules() + dense_mlp_rules()
+        if self.expert_naming is not None:
+            rules += routed_expert_rules(self.expert_naming)
+        if self.shared_expert_block:
+            rules += shared_expert_rules(self.shared_expert_block, self.shared_expert_gate)
         return MappingRegistry(rules)
 
-
-def attention_dims(hf: dict) -> AttentionDims:
-    heads = hf["num_attention_heads"]
-    return AttentionDims(
-        num_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-    )
-
-
-def common_config_fields(hf: dict) -> dict:
-    """TransformerConfig kwargs shared by the Llama-style families."""
-    rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
-    if isinstance(rope_scaling, dict):
-        kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-        if kind not in (None, "default"):
-            raise ValueError(f"config.json rope_scaling type {kind!r} is not supported yet")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json hidden_act {hf.get('hidden_act')!r} is not supported (silu only)")
-    dims = attention_dims(hf)
-    return dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=dims.num_heads,
-        num_query_groups=dims.num_query_groups,
-        kv_channels=dims.head_dim,
-        ffn_hidden_size=hf.get("intermediate_size"),
-        normalization="RMSNorm",
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    # -- planner ----------------------------------------------------------------------------------
+    def dims(self, hf: dict) -> ModelDims:
+        g = hf_config.get_int
+        experts = hf_config.num_experts(hf) if self.expert_naming is not None else 0
+        if self.expert_naming is not None and not experts:
+            hf_config.get(hf, "num_experts")  # raises, naming every spelling
+        moe_layers = tuple(i for i, m in enumerate(moe_layer_pattern(hf)) if m) if experts else ()
+        bias = self.has_qkv_bias(hf)
+        return ModelDims(
+            model_type=self.name, vocab_size=g(hf, "vocab_size"), hidden=g(hf, "hidden_size"),
+            num_layers=g(hf, "num_hidden_layers"), num_heads=hf_config.num_heads(hf),
+            num_kv_heads=hf_config.num_kv_heads(hf), head_dim=hf_config.head_dim(hf),
+            ffn_hidden=g(hf, "intermediate_size"), moe_ffn_hidden=self.moe_ffn_hidden(hf) if experts else 0,
+            num_experts=experts, topk=g(hf, "num_experts_per_tok") if experts else 0, moe_layers=moe_layers,
+            qk_norm=self.has_qk_norm(hf), qkv_bias=bias, o_bias=False,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings") or 1 << 30),
+            rope_type=hf_config.rope_type(hf),
+            shared_expert_ffn=self.shared_ffn_hidden(hf) if experts and self.shared_expert_block else 0,
+            shared_expert_gate=bool(experts and self.shared_expert_gate),
+        )
 
 
-def rope_theta(hf: dict) -> float:
-    if "rope_theta" in hf:
-        return float(hf["rope_theta"])
-    params = hf.get("rope_parameters") or {}
-    return float(params.get("rope_theta", 10000.0))
+# -- the sigmoid router of DeepSeek-V3 / GLM-4.5 (shared by those families) --------------------------
+
+def sigmoid_router_check(hf: dict, family: str) -> None:
+    """Refuse (one line) what Megatron-Core's sigmoid top-k computes differently from transformers'
+    DeepSeek-style router: ``norm_topk_prob=false`` with top-k > 1 (Megatron always renormalizes),
+    group-limited routing with ``num_experts_per_tok // topk_group != 2`` (Megatron scores a group by
+    its top-(topk/topk_group) experts, transformers by its top-2)."""
+    topk = hf_config.get_int(hf, "num_experts_per_tok")
+    if topk > 1 and not hf.get("norm_topk_prob", True):
+        raise ValueError(f"config.json norm_topk_prob=false with num_experts_per_tok > 1 is not supported for "
+                         f"{family} (Megatron renormalizes sigmoid top-k)")
+    groups, gtopk = router_groups(hf)
+    if groups and topk // gtopk != 2:
+        raise ValueError(f"config.json num_experts_per_tok={topk} // topk_group={gtopk} != 2 is not supported "
+                         f"for {family} (group scores: top-2 per group)")
 
 
-def moe_layer_pattern(hf: dict) -> list[int] | int:
-    """Megatron's moe_layer_freq from HF's decoder_sparse_step / mlp_only_layers."""
-    n = hf["num_hidden_layers"]
-    step = hf.get("decoder_sparse_step", 1) or 1
-    dense = set(hf.get("mlp_only_layers") or [])
-    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
-    return 1 if all(pattern) else pattern
+def router_groups(hf: dict) -> tuple[int | None, int | None]:
+    """(n_group, topk_group) when group-limited routing keeps fewer than all groups, else (None, None)."""
+    n, k = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    return (n, k) if 1 < n and k < n else (None, None)
 
 
-_FAMILIES: dict[str, ModelFamily] = {}
-
-
-def register(family: ModelFamily) -> ModelFamily:
-    for arch in family.architectures:
-        _FAMILIES[arch] = family
-    return family
-
-
-def get_family(hf: dict) -> ModelFamily:
-    """The family for config.json's ``architectures`` (or ``model_type``). Raises ValueError naming
-    the architecture and the supported ones."""
-    import gspo_megatron.models.mixtral  # noqa: F401  (registration side effects)
-    import gspo_megatron.models.qwen2  # noqa: F401
-    import gspo_megatron.models.qwen3  # noqa: F401
-    import gspo_megatron.models.qwen3_moe  # noqa: F401
-
-    archs = list(hf.get("architectures") or [])
-    for arch in archs:
-        if arch in _FAMILIES:
-            return _FAMILIES[arch]
-    by_type = {f.name: f for f in _FAMILIES.values()}
-    if hf.get("model_type") in by_type:
-        return by_type[hf["model_type"]]
-    supported = ", ".join(sorted(_FAMILIES))
-    raise ValueError(
-        f"unsupported architecture {archs or hf.get('model_type')!r} in config.json; "
-        f"supported: {supported}")
+def sigmoid_router_fields(hf: dict) -> dict:
+    """TransformerConfig fields: sigmoid scores, the correction bias as the router's ``expert_bias``
+    buffer, frozen (``moe_router_bias_update_rate=0``: not trained by the policy loss, exported and
+    synced as loaded), group-limited top-k, ``routed_scaling_factor``."""
+    groups, gtopk = router_groups(hf)
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.0, moe_router_num_groups=groups, moe_router_group_topk=gtopk,
+                moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0))

@@ -97,6 +97,28 @@ class RowParallel(Rule):
     split_dim = 1
 
 
+class PermutedRows(ColumnParallel):
+    """A column-parallel weight whose HF rows are permuted into Megatron's order (``perm``: the HF row
+    index of each Megatron row, over the full tensor) before the TP split; the export inverts it.
+    Used for the rope rows of DeepSeek checkpoints with ``rope_interleave=false`` (Megatron's MLA
+    expects interleaved rope rows): the same dot products, exactly."""
+
+    def __init__(self, megatron, hf, perm: torch.Tensor, parallel="tp"):
+        super().__init__(megatron, hf, parallel)
+        self.perm = perm
+        self.inverse = torch.argsort(perm)
+
+    def to_local(self, hf, rank, size):
+        (t,) = hf
+        return super().to_local([t[self.perm]], rank, size)
+
+    def from_shards(self, shards):
+        (full,) = super().from_shards(shards)
+        if full.device.type == "meta":
+            return [full]
+        return [full[self.inverse.to(full.device)].contiguous()]
+
+
 class GatedFC1(Rule):
     """Megatron's fused [gate; up] fc1. Each rank holds [gate_r; up_r] (its slice of each half)."""
 
@@ -150,10 +172,17 @@ class MappingRegistry:
     def __init__(self, rules: Sequence[Rule]):
         self.rules = list(rules)
 
-    def resolve(self, megatron_name: str) -> tuple[Rule, tuple[str, ...]]:
-        """Return the rule for a global Megatron parameter name and the HF names it maps to."""
+    def find(self, megatron_name: str) -> tuple[Rule, tuple[str, ...]] | None:
+        """The rule for a global Megatron name and the HF names it maps to; None when no rule matches."""
         for rule in self.rules:
             idx = rule.match(megatron_name)
             if idx is not None:
                 return rule, rule.hf_names(idx)
-        raise KeyError(f"no weight mapping for Megatron parameter {megatron_name!r}")
+        return None
+
+    def resolve(self, megatron_name: str) -> tuple[Rule, tuple[str, ...]]:
+        """Like ``find``; raises KeyError naming a parameter that no rule maps."""
+        found = self.find(megatron_name)
+        if found is None:
+            raise KeyError(f"no weight mapping for Megatron parameter {megatron_name!r}")
+        return found

@@ -1,6 +1,9 @@
 """Moving weights between this rank's Megatron model and the Hugging Face layout.
 
-- ``global_names(model)``: local parameter name -> global name (layer and expert indices over the
+Parameters, and the buffers a family maps (the MoE router's ``expert_bias``: DeepSeek's
+``e_score_correction_bias``, not trained by the policy loss), travel alike.
+
+- ``global_names(model)``: local parameter (and buffer) name -> global name (layer and expert indices over the
   whole model, independent of the pipeline stage and expert-parallel rank).
 - ``load_hf_weights(model, hf_dir)``: every rank fills its own shards from HF safetensors, reading
   one tensor at a time (bounded memory).
@@ -22,8 +25,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.models.family import get_family
 from gspo_megatron.models.mapping import Rule
+from gspo_megatron.models.registry import get_family
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -34,7 +37,7 @@ def global_names(model) -> dict[str, str]:
     """Map each local parameter name of ``model`` (one GPTModel chunk) to its global name."""
     out = {}
     layers = model.decoder.layers if hasattr(model, "decoder") else []
-    for name, _ in model.named_parameters():
+    for name, _ in _named_tensors(model):
         g = name
         m = _LAYER.match(name)
         if m:
@@ -46,6 +49,23 @@ def global_names(model) -> dict[str, str]:
                 g = _GROUPED_EXPERT.sub(lambda e: f"{e.group(1)}{experts[int(e.group(2))]}", g)
         out[name] = g
     return out
+
+
+def _named_tensors(model):
+    """named_parameters, then named_buffers (a buffer is moved only when a mapping rule names it)."""
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _mapped(model, mapping):
+    """(local name, global name, rule, hf names, tensor) of every parameter (each must have a rule)
+    and of every buffer that has one."""
+    names = global_names(model)
+    params = {n for n, _ in model.named_parameters()}
+    for local, t in _named_tensors(model):
+        found = mapping.resolve(names[local]) if local in params else mapping.find(names[local])
+        if found is not None:
+            yield local, names[local], found[0], found[1], t
 
 
 def _group(parallel: str | None):
@@ -108,15 +128,13 @@ def load_hf_weights(model, hf_dir: str, progress: Callable[[int], object] | None
     ``progress(1)`` is called after each parameter (a progress bar's update)."""
     mapping = get_family(model.hf_config).mapping(model.hf_config)
     reader = SafetensorsReader(hf_dir)
-    names = global_names(model)
     n = 0
-    for local, param in model.named_parameters():
-        rule, hf_names = mapping.resolve(names[local])
+    for _, gname, rule, hf_names, param in _mapped(model, mapping):
         rank, size = _rank_size(rule.parallel)
         shard = rule.to_local([reader.get(h) for h in hf_names], rank, size)
         if shard.shape != param.shape:
             raise ValueError(f"{hf_names} give a shard of shape {tuple(shard.shape)} for Megatron "
-                             f"parameter {names[local]} of shape {tuple(param.shape)}")
+                             f"parameter {gname} of shape {tuple(param.shape)}")
         param.copy_(shard)
         n += 1
         if progress is not None:
@@ -170,13 +188,10 @@ def _is_dp_first(parallel: str | None) -> bool:
 def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.nn.Parameter]]]:
     """The global, ordered export plan (collective: one all_gather_object) and this rank's part."""
     mapping = get_family(model.hf_config).mapping(model.hf_config)
-    names = global_names(model)
     mine: dict[str, tuple[Rule, torch.nn.Parameter]] = {}
     declared = []
     me = dist.get_rank() if dist.is_initialized() else 0
-    for local, param in model.named_parameters():
-        g = names[local]
-        rule, hf_names = mapping.resolve(g)
+    for _, g, rule, hf_names, param in _mapped(model, mapping):
         if not rule.export or not _is_dp_first(rule.parallel):
             continue
         mine[g] = (rule, param)

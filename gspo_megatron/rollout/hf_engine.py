@@ -14,33 +14,15 @@ from __future__ import annotations
 import glob
 import os
 import re
-from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
+from gspo_megatron.models.registry import expert_naming, supported_model_types
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 
-
-@dataclass(frozen=True)
-class ExpertNaming:
-    """How one family names per-expert weights on disk: ``{prefix}.{block}.experts.{e}.{gate|up|down}.weight``."""
-
-    block: str
-    gate: str
-    up: str
-    down: str
-
-
-# Families whose in-memory experts are fused (gate_up_proj / down_proj); checkpoints keep one tensor
-# per expert. Mixtral's checkpoint block is "block_sparse_moe", renamed to "mlp" in memory.
-FUSED_EXPERT_NAMING: dict[str, ExpertNaming] = {
-    "qwen3_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
-    "qwen2_moe": ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj"),
-    "mixtral": ExpertNaming("block_sparse_moe", "w1", "w3", "w2"),
-}
 _FUSED_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
 
 
@@ -50,12 +32,15 @@ class HFCheckpointLayout:
     def __init__(self, model: torch.nn.Module):
         self.model_type: str = model.config.model_type
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        # persistent buffers are checkpoint tensors too (DeepSeek's router e_score_correction_bias)
+        persistent = set(model.state_dict(keep_vars=True))
+        self.params.update((n, b) for n, b in model.named_buffers() if n in persistent)
         has_fused = any(n.endswith(_FUSED_SUFFIXES) for n in self.params)
-        self.naming = FUSED_EXPERT_NAMING.get(self.model_type)
+        self.naming = expert_naming(self.model_type)  # the family's checkpoint naming of experts
         if has_fused and self.naming is None:
             raise NotImplementedError(
                 f"model_type {self.model_type!r} keeps fused experts in memory but has no checkpoint "
-                f"naming rule; known: {sorted(FUSED_EXPERT_NAMING)}"
+                f"naming rule; supported model_types: {', '.join(supported_model_types())}"
             )
         self._expert_re = None
         if self.naming is not None:

@@ -38,10 +38,12 @@ _PROXIED_MODULES = (
     "megatron.core.tensor_parallel.utils",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",  # MLA (DeepSeek) YaRN
     "megatron.core.models.common.embeddings.language_model_embedding",
     "megatron.core.models.common.language_module.language_module",
     "megatron.core.transformer.utils",
     "megatron.core.transformer.attention",
+    "megatron.core.transformer.multi_latent_attention",
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.transformer_block",

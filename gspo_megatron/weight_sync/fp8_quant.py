@@ -6,10 +6,11 @@ and ``Q_b = cast_e4m3(W_b / scale_inv[b])``. The engine dequantizes as ``W_b ~= 
 Names: ``<module>.weight`` carries ``Q`` (torch.float8_e4m3fn, [out, in]) and
 ``<module>.weight_scale_inv`` carries the scales (float32, [ceil(out/128), ceil(in/128)]).
 
-Only the big projections are quantized (attention q/k/v/o, dense and expert gate/up/down, MLA
-projections); norms, embeddings, the MoE router gate and lm_head stay in their training dtype, as in
-the published FP8 checkpoints. Pure torch: runs on CPU (float8_e4m3fn casts work there). The engine
-must be launched from an FP8 checkpoint config so that its loader has parameters for these names:
+Only the big projections are quantized, as in the published FP8 checkpoints; which ones is each model
+family's rule (``ModelFamily.fp8_modules`` / ``fp8_excluded`` in ``gspo_megatron/models``): attention
+and MLP / expert projections are, norms, embeddings, routers, gates and lm_head are not. Pure torch:
+runs on CPU (float8_e4m3fn casts work there). The engine must be launched from an FP8 checkpoint
+config so that its loader has parameters for these names:
 ``rollout.engine_model.prepare_engine_model_dir`` writes it (``quant_method: fp8``,
 ``weight_block_size: [128, 128]``, ``activation_scheme: dynamic``). The names and scale shapes are
 those sglang 0.5.23 creates for block FP8 (``Fp8LinearMethod`` / ``Fp8MoEMethod``; checked in
@@ -18,7 +19,6 @@ tests/rollout/test_engine_model.py).
 
 from __future__ import annotations
 
-import re
 from typing import Callable, Sequence
 
 import torch
@@ -29,23 +29,15 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
 
-# Last module name before ".weight" that is a large GEMM in HF Qwen3/Qwen3-MoE/DeepSeek/Llama layouts.
-_QUANTIZED_MODULES = re.compile(
-    r"\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj|"
-    r"q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|w1|w2|w3)\.weight$"
-)
-# Never quantized even if a pattern above matched (defensive: router gates, heads, norms, embeddings).
-_EXCLUDED = re.compile(r"(embed_tokens|lm_head|norm|\.mlp\.gate\.weight$|shared_expert_gate)")
-
-
 def is_fp8_quantizable(name: str, tensor: torch.Tensor) -> bool:
-    """True for 2-D floating weights of the big linear projections (see module docstring)."""
+    """True for 2-D floating weights that a model family quantizes on sync (see module docstring)."""
+    from gspo_megatron.models.registry import fp8_quantizes
+
     return (
         tensor.dim() == 2
         and tensor.is_floating_point()
         and tensor.dtype != FP8_DTYPE
-        and _QUANTIZED_MODULES.search(name) is not None
-        and _EXCLUDED.search(name) is None
+        and fp8_quantizes(name)
     )
 
 

@@ -21,8 +21,8 @@ from gspo_megatron.planner import (
 
 TINY = KNOWN_ARCHS["tiny-qwen3-moe"]
 HF_CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
-              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=48, max_position_embeddings=64)
 
@@ -40,9 +40,10 @@ VARIANTS = {
                                     "moe_intermediate_size": 16, "decoder_sparse_step": 2, "mlp_only_layers": [3], "head_dim": 8},
     "mixtral": {**SMALL, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3 dense, tied": {**SMALL, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},
-    "llama with attention bias": {**SMALL, "model_type": "llama", "attention_bias": True},
     "qwen2 (qkv bias)": {**SMALL, "model_type": "qwen2"},
-    "mistral": {**SMALL, "model_type": "mistral"},
+    "qwen2_moe (shared expert with gate, dense layers)": {
+        **SMALL, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24, "mlp_only_layers": [2]},
 }
 
 

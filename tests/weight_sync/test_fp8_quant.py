@@ -81,7 +81,6 @@ def test_selection_of_linear_weights():
         "model.layers.1.mlp.experts.3.gate_proj.weight",
         "model.layers.1.mlp.experts.3.down_proj.weight",
         "model.layers.1.mlp.shared_expert.up_proj.weight",
-        "model.layers.0.self_attn.kv_b_proj.weight",
     ]
     no = [
         "model.embed_tokens.weight",

@@ -1,17 +1,21 @@
 """Qwen3 dense: GQA with QK-norm (RMSNorm over each head before RoPE), no q/k/v bias."""
 
-from gspo_megatron.models.family import ModelFamily, common_config_fields, register
+from gspo_megatron.models.family import GQAFamily
+from gspo_megatron.models.registry import register_family
 
 
-def config_fields(hf: dict) -> dict:
-    fields = common_config_fields(hf)
-    fields.update(qk_layernorm=True, add_qkv_bias=bool(hf.get("attention_bias", False)))
-    return fields
+@register_family
+class Qwen3(GQAFamily):
+    name = "qwen3"
+    architectures = ("Qwen3ForCausalLM",)
+    qk_norm = True
+    tiny = dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
+        tie_word_embeddings=False)
 
-
-QWEN3 = register(ModelFamily(
-    name="qwen3",
-    architectures=("Qwen3ForCausalLM",),
-    config_fields=config_fields,
-    qk_norm=True,
-))
+    def check(self, hf: dict) -> None:
+        super().check(hf)
+        if hf.get("use_sliding_window"):
+            raise ValueError("config.json use_sliding_window is true; sliding-window attention is not supported")

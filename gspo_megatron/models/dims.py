@@ -1,0 +1,70 @@
+"""The dimensions of a decoder-only (MoE) transformer that the planner and the layout checks need,
+normalized across families. Each family fills one from its HF config (``ModelFamily.dims``); the
+planner's formulas read only these fields, never an architecture name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    model_type: str
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden: int  # dense MLP intermediate size (layers without experts)
+    moe_ffn_hidden: int  # one routed expert's intermediate size (0 without experts)
+    num_experts: int
+    topk: int
+    moe_layers: tuple[int, ...]
+    qk_norm: bool
+    qkv_bias: bool
+    o_bias: bool
+    tie_embeddings: bool
+    max_position_embeddings: int
+    rope_type: str = "default"
+    shared_expert_ffn: int = 0  # intermediate size of the shared expert(s) of an MoE layer, summed
+    shared_expert_gate: bool = False  # a sigmoid gate [1, hidden] on the shared expert
+    # multi-latent attention (DeepSeek); kv_lora_rank == 0 means grouped-query attention
+    q_lora_rank: int = 0  # 0: queries projected directly (no low-rank q)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - len(self.moe_layers)
+
+    @property
+    def q_size(self) -> int:
+        """Query width: heads * head_dim (MLA: heads * (nope + rope))."""
+        if self.mla:
+            return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Key (= value for GQA) width: kv heads * head_dim (MLA: the up-projected keys)."""
+        if self.mla:
+            return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "ModelDims":
+        """The family's dims for a config.json dict, after the family's own checks (ValueError naming
+        the field, or the model_type and the supported ones)."""
+        from gspo_megatron.models.registry import get_family
+
+        family = get_family(hf)
+        family.check(hf)
+        return family.dims(hf)

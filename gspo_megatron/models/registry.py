@@ -1,0 +1,84 @@
+"""The family registry. Families register with ``@register_family`` (each family folder's
+``__init__.py``); ``gspo_megatron/models/__init__.py`` imports every family folder, so importing
+anything under ``gspo_megatron.models`` fills the registry first. This module imports no family.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from gspo_megatron.models.family import ModelFamily
+
+_BY_TYPE: dict[str, "ModelFamily"] = {}
+_BY_ARCH: dict[str, "ModelFamily"] = {}
+
+
+class UnsupportedModelError(ValueError):
+    """config.json names an architecture no family accepts (the message lists the supported ones)."""
+
+
+def register_family(cls):
+    """Class decorator: instantiate a ``ModelFamily`` subclass and register it under its
+    ``model_types`` and ``architectures``. Returns the class unchanged."""
+    family = cls()
+    for mt in family.model_types:
+        if mt in _BY_TYPE:
+            raise ValueError(f"model_type {mt!r} registered twice ({_BY_TYPE[mt].name}, {family.name})")
+        _BY_TYPE[mt] = family
+    for arch in family.architectures:
+        _BY_ARCH[arch] = family
+    cls.instance = family
+    return cls
+
+
+def families() -> Iterator["ModelFamily"]:
+    """Every registered family, once each, in registration order."""
+    seen = []
+    for f in _BY_TYPE.values():
+        if f not in seen:
+            seen.append(f)
+    return iter(seen)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_BY_TYPE)
+
+
+def family_for_model_type(model_type: str | None) -> "ModelFamily | None":
+    return _BY_TYPE.get(model_type)
+
+
+def get_family(hf: dict) -> "ModelFamily":
+    """The family for config.json's ``model_type`` (or, without one, its ``architectures``).
+    Raises UnsupportedModelError naming the model_type and the supported ones."""
+    mt = hf.get("model_type")
+    if mt in _BY_TYPE:
+        return _BY_TYPE[mt]
+    if mt is None:
+        for arch in hf.get("architectures") or []:
+            if arch in _BY_ARCH:
+                return _BY_ARCH[arch]
+    archs = f" (architectures {hf['architectures']!r})" if hf.get("architectures") else ""
+    raise UnsupportedModelError(f"unsupported architecture: config.json model_type {mt!r}{archs} is not "
+                                f"supported; supported model_types: {', '.join(supported_model_types())}")
+
+
+def expert_naming(model_type: str | None):
+    """The checkpoint naming of routed experts for ``model_type`` (None: no family or no experts)."""
+    f = _BY_TYPE.get(model_type)
+    return None if f is None else f.expert_naming
+
+
+def fp8_quantizes(name: str) -> bool:
+    """True when some family quantizes the HF tensor ``name`` on an FP8 weight sync
+    (``ModelFamily.fp8_quantizes``)."""
+    return any(f.fp8_quantizes(name) for f in families())
+
+
+def published_configs() -> dict[str, dict]:
+    """Built-in config.json dicts of published checkpoints (and the CPU demo), by short name."""
+    out: dict[str, dict] = {}
+    for f in families():
+        out.update(f.published)
+    return out

@@ -1,0 +1,169 @@
+"""Shared building blocks of the declarative weight mappings (one helper per layer part).
+
+A family's ``mapping(hf)`` is a concatenation of these. Megatron names are the *global* names of the
+GPTModel (``decoder.layers.<layer>...``; ``weights.py`` translates local ones); ``*`` is the layer,
+the second ``*`` the expert. Each part lists the names of both Megatron layer specs: the local spec
+(separate norm modules, SequentialMLP experts ``local_experts.<e>``) and Transformer Engine's (norm
+fused into the next linear as ``layer_norm_weight``, grouped experts ``linear_fc1.weight<e>``); a rule
+whose Megatron name does not occur in the built model is never resolved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gspo_megatron.models import hf_config
+from gspo_megatron.models.mapping import (
+    AttentionDims,
+    ColumnParallel,
+    FusedQKV,
+    GatedFC1,
+    PermutedRows,
+    Replicated,
+    RowParallel,
+    Rule,
+)
+
+L = "decoder.layers.*"  # Megatron layer prefix
+H = "model.layers.*"  # HF layer prefix
+
+
+@dataclass(frozen=True)
+class ExpertNaming:
+    """How a family names one routed expert's weights in the HF *checkpoint*:
+    ``model.layers.<l>.{block}.experts.<e>.{gate|up|down}.weight``, and its router ``{block}.{router}``.
+    transformers 5.x keeps these experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``mlp.experts.down_proj`` [E, H, I]); the CPU engine (rollout/hf_engine.py) maps between the two."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+    router: str = "gate.weight"
+
+
+def attention_dims(hf: dict) -> AttentionDims:
+    return AttentionDims(num_heads=hf_config.num_heads(hf), num_query_groups=hf_config.num_kv_heads(hf),
+                         head_dim=hf_config.head_dim(hf))
+
+
+def embedding_rules(hf: dict) -> list[Rule]:
+    """Input embedding (vocab-parallel), final norm, output layer (tied: loaded, never exported)."""
+    rules: list[Rule] = [
+        ColumnParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight", "tp"),
+        Replicated("decoder.final_layernorm.weight", "model.norm.weight"),
+    ]
+    if hf.get("tie_word_embeddings", False):
+        # The last pipeline stage keeps its own copy of the tied embedding: load, never export.
+        rules.append(ColumnParallel("output_layer.weight", "model.embed_tokens.weight", "tp", export=False))
+    else:
+        rules.append(ColumnParallel("output_layer.weight", "lm_head.weight", "tp"))
+    return rules
+
+
+def gqa_attention_rules(hf: dict, qk_norm: bool = False) -> list[Rule]:
+    """Grouped-query attention: input norm, fused QKV (weight, and bias when the checkpoint has one),
+    output projection, optional per-head q/k RMSNorm (Qwen3)."""
+    dims = attention_dims(hf)
+    rules: list[Rule] = [
+        Replicated(f"{L}.input_layernorm.weight", f"{H}.input_layernorm.weight"),
+        Replicated(f"{L}.self_attention.linear_qkv.layer_norm_weight", f"{H}.input_layernorm.weight"),
+        FusedQKV(f"{L}.self_attention.linear_qkv.weight", [f"{H}.self_attn.{p}_proj.weight" for p in "qkv"], dims),
+        FusedQKV(f"{L}.self_attention.linear_qkv.bias", [f"{H}.self_attn.{p}_proj.bias" for p in "qkv"], dims),
+        RowParallel(f"{L}.self_attention.linear_proj.weight", f"{H}.self_attn.o_proj.weight", "tp"),
+    ]
+    if qk_norm:
+        rules += [
+            Replicated(f"{L}.self_attention.q_layernorm.weight", f"{H}.self_attn.q_norm.weight"),
+            Replicated(f"{L}.self_attention.k_layernorm.weight", f"{H}.self_attn.k_norm.weight"),
+        ]
+    return rules
+
+
+def pre_mlp_norm_rules(hf_norm: str = "post_attention_layernorm") -> list[Rule]:
+    """The norm before the MLP / MoE block (local spec: its own module; TE dense spec: fused into fc1)."""
+    return [
+        Replicated(f"{L}.pre_mlp_layernorm.weight", f"{H}.{hf_norm}.weight"),
+        Replicated(f"{L}.mlp.linear_fc1.layer_norm_weight", f"{H}.{hf_norm}.weight"),
+    ]
+
+
+def dense_mlp_rules(block: str = "mlp", gate: str = "gate_proj", up: str = "up_proj",
+                    down: str = "down_proj") -> list[Rule]:
+    """A gated (SwiGLU) dense MLP: fc1 = [gate; up] column-parallel, fc2 row-parallel over TP."""
+    return [
+        GatedFC1(f"{L}.mlp.linear_fc1.weight", [f"{H}.{block}.{gate}.weight", f"{H}.{block}.{up}.weight"], "tp"),
+        RowParallel(f"{L}.mlp.linear_fc2.weight", f"{H}.{block}.{down}.weight", "tp"),
+    ]
+
+
+def routed_expert_rules(naming: ExpertNaming) -> list[Rule]:
+    """The router (replicated) and the routed experts (expert-tensor-parallel), per-expert HF tensors."""
+    gate, up, down = (f"{H}.{naming.block}.experts.*.{p}.weight" for p in (naming.gate, naming.up, naming.down))
+    rules: list[Rule] = [Replicated(f"{L}.mlp.router.weight", f"{H}.{naming.block}.{naming.router}")]
+    for fc1, fc2 in (
+        (f"{L}.mlp.experts.local_experts.*.linear_fc1.weight",
+         f"{L}.mlp.experts.local_experts.*.linear_fc2.weight"),  # SequentialMLP (local spec)
+        (f"{L}.mlp.experts.linear_fc1.weight*", f"{L}.mlp.experts.linear_fc2.weight*"),  # TE grouped GEMM
+    ):
+        rules += [GatedFC1(fc1, [gate, up], "etp"), RowParallel(fc2, down, "etp")]
+    return rules
+
+
+def shared_expert_rules(block: str, gate_weight: str | None = None) -> list[Rule]:
+    """Megatron's SharedExpertMLP (TP-sharded like a dense MLP) from ``{block}.{gate,up,down}_proj``;
+    ``gate_weight``: HF name (under the layer) of its sigmoid gate [1, hidden], when it has one."""
+    rules: list[Rule] = [
+        GatedFC1(f"{L}.mlp.shared_experts.linear_fc1.weight",
+                 [f"{H}.{block}.gate_proj.weight", f"{H}.{block}.up_proj.weight"], "tp"),
+        RowParallel(f"{L}.mlp.shared_experts.linear_fc2.weight", f"{H}.{block}.down_proj.weight", "tp"),
+    ]
+    if gate_weight:
+        rules.append(Replicated(f"{L}.mlp.shared_experts.gate_weight", f"{H}.{gate_weight}"))
+    return rules
+
+
+def _interleave(rope: int) -> list[int]:
+    """HF rows (x0, ..., x_{d/2-1}, y0, ..., y_{d/2-1}) -> (x0, y0, x1, y1, ...). Megatron's MLA RoPE
+    first de-interleaves (even rows, then odd rows: DeepSeek's native layout) then applies
+    rotate-half RoPE; a checkpoint with ``rope_interleave=false`` is stored interleaved so that this
+    de-interleave gives back its rows."""
+    half = rope // 2
+    return [j for i in range(half) for j in (i, half + i)]
+
+
+def mla_attention_rules(hf: dict) -> list[Rule]:
+    """Multi-latent attention (DeepSeek-V2/V3): Megatron's MLASelfAttention on the local spec.
+    q: ``q_proj`` or ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``; kv: ``kv_a_proj_with_mqa``
+    ([kv_lora | rope] rows) -> ``kv_a_layernorm`` -> ``kv_b_proj`` (per head [nope | v]); ``o_proj``.
+    The local spec splits the down projections' rows over TP (gathered before the norms). Megatron's
+    MLA RoPE treats the rope rows as interleaved pairs, as transformers does with ``rope_interleave``
+    (the default): the rows map as they are; with ``rope_interleave=false`` the rope rows of q (per
+    head) and of kv_a are interleaved on load and restored on export (``PermutedRows``)."""
+    heads, nope, rope = (hf_config.get_int(hf, k) for k in ("num_attention_heads", "qk_nope_head_dim",
+                                                              "qk_rope_head_dim"))
+    kv_lora = hf_config.get_int(hf, "kv_lora_rank")
+    order = list(range(rope)) if hf.get("rope_interleave", True) else _interleave(rope)
+    q_perm = torch.tensor([h * (nope + rope) + i for h in range(heads)
+                           for i in list(range(nope)) + [nope + j for j in order]])
+    kv_perm = torch.tensor(list(range(kv_lora)) + [kv_lora + j for j in order])
+    a = f"{L}.self_attention"
+    rules: list[Rule] = [
+        Replicated(f"{L}.input_layernorm.weight", f"{H}.input_layernorm.weight"),
+        PermutedRows(f"{a}.linear_q_proj.weight", f"{H}.self_attn.q_proj.weight", q_perm),
+        ColumnParallel(f"{a}.linear_q_down_proj.weight", f"{H}.self_attn.q_a_proj.weight", "tp"),
+        Replicated(f"{a}.q_layernorm.weight", f"{H}.self_attn.q_a_layernorm.weight"),
+        PermutedRows(f"{a}.linear_q_up_proj.weight", f"{H}.self_attn.q_b_proj.weight", q_perm),
+        PermutedRows(f"{a}.linear_kv_down_proj.weight", f"{H}.self_attn.kv_a_proj_with_mqa.weight", kv_perm),
+        Replicated(f"{a}.kv_layernorm.weight", f"{H}.self_attn.kv_a_layernorm.weight"),
+        ColumnParallel(f"{a}.linear_kv_up_proj.weight", f"{H}.self_attn.kv_b_proj.weight", "tp"),
+        RowParallel(f"{a}.linear_proj.weight", f"{H}.self_attn.o_proj.weight", "tp"),
+    ]
+    return rules
+
+
+def router_bias_rule(hf_name: str) -> Rule:
+    """The router's expert-score correction bias (Megatron buffer ``mlp.router.expert_bias``)."""
+    return Replicated(f"{L}.mlp.router.expert_bias", f"{H}.{hf_name}")
