@@ -32,6 +32,7 @@ from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine, kill_server
 
 logger = logging.getLogger(__name__)
 
+HEALTH_TIMEOUT_S = 60.0
 SERVER_MODULES = {"sglang": "sglang.launch_server", "cpu": "gspo_megatron.rollout.cpu_server"}
 
 
@@ -186,7 +187,8 @@ class EngineFleet:
 
     def dead_engines(self) -> list[int]:
         """Rank 0: the engines that do not answer ``/health_generate``."""
-        return [e for e, c in enumerate(self.engine.clients) if not c.health()]
+        # a busy engine answers /health_generate only after its running request: give it time
+        return [e for e, c in enumerate(self.engine.clients) if not c.health(timeout_s=HEALTH_TIMEOUT_S)]
 
     def shutdown(self) -> None:
         """Every rank: stop the server processes this rank launched."""
