@@ -21,7 +21,7 @@ from gspo_megatron.models.tiny import save_tiny_hf_model
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.cpu_server import expected_shard, read_weight_shards
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
-from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine, payload_format
+from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport, serialize_bucket
 from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport
 
@@ -184,7 +184,7 @@ def test_refusals_as_sglang(tp2, saved, config):
 
     with pytest.raises(SGLangError, match="must run between begin_weight_update"):
         client.update_weights_from_tensor(per_rank([(name, torch.zeros_like(saved[name]))]),
-                                          load_format=payload_format())
+                                          load_format="flattened_bucket")
     with pytest.raises(SGLangError, match="must run between begin_weight_update"):
         client.update_weights_from_distributed([name], ["float32"], [[64, 64]], "nope")
     with pytest.raises(SGLangError, match="no weight-update session is open"):
@@ -197,11 +197,11 @@ def test_refusals_as_sglang(tp2, saved, config):
             client.begin_weight_update()
         # sglang's load_weights skips names the model does not have: accepted, nothing changes
         client.update_weights_from_tensor(per_rank([("model.layers.0.no_such.weight", torch.ones(3))]),
-                                          load_format=payload_format())
+                                          load_format="flattened_bucket")
         with pytest.raises(SGLangError, match="Failed to receive weights"):
             client.update_weights_from_distributed([name], ["float32"], [[64, 64]], "no_group")
         with pytest.raises(SGLangError, match="shape"):
-            client.update_weights_from_tensor(per_rank([(name, torch.zeros(3, 3))]), load_format=payload_format())
+            client.update_weights_from_tensor(per_rank([(name, torch.zeros(3, 3))]), load_format="flattened_bucket")
     finally:
         client.end_weight_update()
     after = read_weight_shards(tp2.url, [name])
@@ -224,7 +224,7 @@ def test_two_node_ep_engine_memory_and_seeds(model_dir, saved, config, tmp_path)
         assert expert not in shards[0] and not torch.equal(shards[1][expert], saved[expert])  # dummy init
         # sync the checkpoint (one payload per TP rank, as the colocated transport sends)
         engine = SGLangRolloutEngine([client])
-        fmt = payload_format()
+        fmt = "flattened_bucket"
 
         def sync():
             engine.begin_weight_update()
