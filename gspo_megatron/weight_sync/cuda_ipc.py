@@ -30,7 +30,6 @@ from gspo_megatron.rollout.sglang_compat import (
     patch_torch_reductions,
 )
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
-from gspo_megatron.weight_sync.sync_stats import SyncStats, bucket_nbytes
 from gspo_megatron.weight_sync.transport import WeightTransport
 
 
@@ -109,7 +108,6 @@ class CudaIpcTransport(WeightTransport):
         self.fp8 = fp8
         self.manage_session = manage_session
         self.load_format = "flattened_bucket" if flattened_bucket_class() is not None else None
-        self.stats = SyncStats()
         self.failed: BaseException | None = None
         self.weight_version = "0"
 
@@ -130,31 +128,29 @@ class CudaIpcTransport(WeightTransport):
     def begin(self, version: str) -> None:
         self.weight_version = version
         self.failed: BaseException | None = None
-        self.stats.start()
         if self.is_src and self.manage_session:
             self._engine_call(open_weight_update, self.client)
 
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.fp8:
             bucket = quantize_bucket_fp8(bucket)
-        with self.stats.bucket(bucket_nbytes(bucket)):
-            payloads = serialize_bucket(bucket)
-            if self.group is not None:
-                gathered = [None] * self.group_size if self.is_src else None
-                dist.gather_object(payloads, gathered, dst=self.src, group=self.group)
-            else:
-                gathered = [payloads]
-            if self.is_src:
-                counts = {len(p) for p in gathered}
-                if len(counts) != 1:
-                    raise RuntimeError(f"CudaIpcTransport: ranks produced different payload counts {counts}: "
-                                       "every colocated rank must send the same bucket")
-                for i in range(len(payloads)):
-                    self._engine_call(self.client.update_weights_from_tensor, [p[i] for p in gathered],
-                                      load_format=self.load_format, flush_cache=False,
-                                      weight_version=self.weight_version)
-            if self.group is not None:
-                dist.barrier(group=self.group)  # producers keep their buffers until the engine loaded
+        payloads = serialize_bucket(bucket)
+        if self.group is not None:
+            gathered = [None] * self.group_size if self.is_src else None
+            dist.gather_object(payloads, gathered, dst=self.src, group=self.group)
+        else:
+            gathered = [payloads]
+        if self.is_src:
+            counts = {len(p) for p in gathered}
+            if len(counts) != 1:
+                raise RuntimeError(f"CudaIpcTransport: ranks produced different payload counts {counts}: "
+                                   "every colocated rank must send the same bucket")
+            for i in range(len(payloads)):
+                self._engine_call(self.client.update_weights_from_tensor, [p[i] for p in gathered],
+                                  load_format=self.load_format, flush_cache=False,
+                                  weight_version=self.weight_version)
+        if self.group is not None:
+            dist.barrier(group=self.group)  # producers keep their buffers until the engine loaded
         del payloads, bucket
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
@@ -162,10 +158,5 @@ class CudaIpcTransport(WeightTransport):
     def end(self) -> None:
         if self.is_src and self.manage_session:
             self._engine_call(close_weight_update, self.client)
-        self.stats.stop()
         if self.failed is not None:
             raise self.failed
-
-    def metrics(self) -> dict[str, float]:
-        """``sync/bucket_s_mean``, ``sync/bucket_s_max``, ``sync/total_s``, ``sync/bytes`` of the last sync."""
-        return self.stats.metrics()

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from gspo_megatron.rollout.sglang_client import close_weight_update, dtype_name, open_weight_update
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
-from gspo_megatron.weight_sync.sync_stats import SyncStats, bucket_nbytes
 from gspo_megatron.weight_sync.transport import WeightTransport
 
 
@@ -162,7 +161,6 @@ class NcclBroadcastTransport(WeightTransport):
         self.timeout = timedelta(seconds=timeout_s)
         self.prefer_sglang = prefer_sglang_group_helper
         self.group: Any = None
-        self.stats = SyncStats()
         self.failed: BaseException | None = None
         self.weight_version = "0"
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
@@ -228,7 +226,6 @@ class NcclBroadcastTransport(WeightTransport):
         self.failed: BaseException | None = None
         self._guarded(self.connect)
         self.weight_version = version
-        self.stats.start()
         if self.manage_session:
             for c in self.clients:
                 self._guarded(open_weight_update, c)
@@ -242,12 +239,11 @@ class NcclBroadcastTransport(WeightTransport):
             return
         tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
         names, dtypes, shapes = bucket_metadata(bucket)
-        with self.stats.bucket(bucket_nbytes(bucket)):
-            if self.lock is not None:
-                with self.lock:
-                    self._guarded(self._broadcast, names, dtypes, shapes, tensors)
-            else:
+        if self.lock is not None:
+            with self.lock:
                 self._guarded(self._broadcast, names, dtypes, shapes, tensors)
+        else:
+            self._guarded(self._broadcast, names, dtypes, shapes, tensors)
 
     def _broadcast(self, names, dtypes, shapes, tensors) -> None:
         futures = [self._pool.submit(c.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
@@ -264,10 +260,5 @@ class NcclBroadcastTransport(WeightTransport):
         if self.manage_session:
             for c in self.clients:
                 self._guarded(close_weight_update, c)
-        self.stats.stop()
         if self.failed is not None:
             raise self.failed
-
-    def metrics(self) -> dict[str, float]:
-        """``sync/bucket_s_mean``, ``sync/bucket_s_max``, ``sync/total_s``, ``sync/bytes`` of the last sync."""
-        return self.stats.metrics()

@@ -20,12 +20,11 @@ import torch.distributed as dist
 
 from gspo_megatron.models.weights import build_export_plan, export_hf_weights
 from gspo_megatron.runtime.distributed import any_rank
-from gspo_megatron.weight_sync.sync_stats import bucket_nbytes
 
 
 class WeightSyncer:
     """Caches the export plan (one all_gather_object), numbers the syncs (the weight version the
-    engines report) and times each sync."""
+    engines report) and times each sync (the one timing path: the transports do not time)."""
 
     def __init__(self, model, topology, bucket_mb: float = 512.0):
         self.model = model
@@ -75,6 +74,11 @@ class WeightSyncer:
         return {"sync/total_s": time.perf_counter() - t0, "sync/bytes": float(nbytes),
                 "sync/bytes_max_rank": most, "sync/bytes_total": total, "sync/buckets": float(nbuckets),
                 "sync/bucket_s_max": max(bucket_times, default=0.0), "sync/version": float(self.version)}
+
+
+def bucket_nbytes(bucket) -> int:
+    """Payload bytes of a bucket of (name, tensor): numel * element size, summed."""
+    return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
 def _gather_to_rank0(obj) -> list:

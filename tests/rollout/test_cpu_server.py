@@ -131,7 +131,7 @@ def _cuda_ipc_rank(rank, world, port, url, state, names):
     group = dist.new_group([0, 1], backend="gloo")
     client = SGLangHttpClient(url) if rank == 0 else None
     transport = CudaIpcTransport(client, gather_group=group, gather_src=0)
-    transport.begin()
+    transport.begin("1")
     for chunk in (names[: len(names) // 2], names[len(names) // 2:]):
         transport.send_bucket([(n, state[n].clone()) for n in chunk])
     transport.end()
@@ -166,7 +166,7 @@ def test_update_through_broadcast_transport_gloo(tp2, model_dir, saved, config):
                                        master_port=free_port(), backend="gloo", device="cpu",
                                        prefer_sglang_group_helper=False, timeout_s=300)
     names = sorted(state)
-    transport.begin()
+    transport.begin("1")
     for chunk in (names[:10], names[10:]):
         transport.send_bucket([(n, state[n]) for n in chunk])
     transport.end()
@@ -276,7 +276,7 @@ def test_tp1_cuda_ipc_and_kill9_leaves_no_process(model_dir, saved, config, tmp_
         client = SGLangHttpClient(server.url)
         state = perturbed(saved, 3)
         transport = CudaIpcTransport(client)
-        transport.begin()
+        transport.begin("1")
         transport.send_bucket(list(state.items()))
         transport.end()
         check_shards(server.url, config, state, 1)

@@ -103,8 +103,13 @@ def run_two_nodes(tmp_path, config: str, overrides: list[str], timeout_s: float 
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        time.sleep(1.0)
+        # torch's shared-memory manager (CPU tensors shared by file_system) exits by itself once its
+        # last client is gone: give the run's processes a grace period, then everything must be gone
+        deadline = time.monotonic() + 30.0
         left = _marked(marker)
+        while left and time.monotonic() < deadline:
+            time.sleep(1.0)
+            left = _marked(marker)
         for p in left:
             p.kill()
     assert not left, f"processes outlived the run: {[p.pid for p in left]}"
