@@ -76,9 +76,9 @@ class RolloutSession:
             return ("fatal", f"rollout failed with a healthy engine: {why}")
         self.restarts += 1
         if self.restarts > self.max_restarts:
-            return ("fatal", f"rollout engine(s) {dead} failed {self.restarts} times (rollout.max_engine_restarts="
+            return ("fatal", f"rollout engine failed {self.restarts} times (rollout.max_engine_restarts="
                              f"{self.max_restarts}); last error: {why}")
-        print(f"[gspo-train] rollout engine(s) {dead} died ({why.splitlines()[0]}); restarting", flush=True)
+        print(f"[gspo-train] rollout engine died (engines {dead}: {why.splitlines()[0]}); restarting", flush=True)
         return ("restart", dead)
 
     def _act(self, status: tuple) -> bool:
