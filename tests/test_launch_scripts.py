@@ -81,10 +81,13 @@ def _fake_slurm(tmp_path: Path, nodes: list[str]) -> dict:
     bin_dir.mkdir()
     _exe(bin_dir / "scontrol", 'if [[ "$1 $2" == "show hostnames" ]]; then printf "%s\\n" ' + " ".join(nodes)
          + '; else echo "scontrol $*" >> "$SRUN_LOG"; fi\n')
-    # ignores TERM: the script stops the background SGLang step once training ends, possibly before
-    # this fake has logged its call
+    # ignores TERM: the script stops the background SGLang step once training ends. Like a real
+    # training step, the fake one lasts until the SGLang step has started (it logs first), so the
+    # TERM never reaches a fake that has not yet logged its call.
     _exe(bin_dir / "srun", 'trap "" TERM\necho "srun $* NNODES=${NNODES:-} MASTER_ADDR=${MASTER_ADDR:-} '
-         'URLS=${GSPO_SGLANG_URLS:-}" >> "$SRUN_LOG"\n')
+         'URLS=${GSPO_SGLANG_URLS:-}" >> "$SRUN_LOG"\n'
+         'if [[ -n "${GSPO_SGLANG_URLS:-}" && "$*" == *torchrun.sh* ]]; then\n'
+         '  for _ in $(seq 200); do grep -q sglang_node.sh "$SRUN_LOG" && break; sleep 0.05; done\nfi\n')
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[1-3]",
             "SLURM_JOB_ID": "42", "SLURM_GPUS_PER_NODE": "h100:4", "SRUN_LOG": str(tmp_path / "srun.log"),
             "GSPO_ROOT": str(ROOT), "LOG_DIR": str(tmp_path / "logs")}

@@ -81,9 +81,12 @@ def wait_for(cond, proc, what: str, timeout: float = 300, poll: float = 0.05):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def reward_calls(tmp_path) -> int:
+def reward_calls(tmp_path, trainer_pid: int) -> int:
+    """Calls made by the reward workers (the trainer's own pre-flight call, which checks the
+    function before the model is built, is left out)."""
     path = tmp_path / "reward_calls.log"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    pids = path.read_text().split() if path.exists() else []
+    return sum(pid != str(trainer_pid) for pid in pids)
 
 
 def complete_steps(out) -> list[int]:
@@ -124,14 +127,33 @@ def assert_no_orphans(result, proc, log_path):
 
 
 def test_sigkill_during_generation(tmp_path, marker):
+    """The engine is held (SIGSTOP) while step 1 checkpoints, so step 2's generation request is
+    pending in it when the trainer is killed; it is released (SIGCONT) just before the kill, so it
+    is generating, not stopped, when its parent dies. Without the hold, a fast generation could end
+    before the poll sees the checkpoint (CI saw the kill land in step 2's scoring)."""
     proc, out, log = start_trainer(tmp_path, marker, {}, max_new_tokens=200)
+    engines: list[int] = []
     try:
-        wait_for(lambda: complete_steps(out), proc, "the first checkpoint", poll=0.01)
-        calls = reward_calls(tmp_path)
+        step1_save = lambda: glob.glob(str(out / "checkpoints" / "step_000001*"))  # noqa: E731 (tmp dir or final)
+        wait_for(step1_save, proc, "step 1's checkpoint save", poll=0.002)
+        engines = fault_injection.find_targets(proc.pid)["engine"]
+        assert engines, "no engine process found"
+        for pid in engines:
+            os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: complete_steps(out), proc, "the first checkpoint")
+        time.sleep(1.0)  # the trainer moves on to step 2 and waits on the held engine
+        calls = reward_calls(tmp_path, proc.pid)
+        for pid in engines:
+            os.kill(pid, signal.SIGCONT)
         result = kill_and_check(proc, marker, tmp_path)
         # killed after step 1's checkpoint and before step 2's first reward call: in generation
-        assert complete_steps(out) == [1] and calls == reward_calls(tmp_path) == PROMPTS * GROUP
+        assert complete_steps(out) == [1] and calls == reward_calls(tmp_path, proc.pid) == PROMPTS * GROUP
     finally:
+        for pid in engines:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         log.close()
         if proc.poll() is None:
             proc.kill()
