@@ -133,11 +133,21 @@ class _Client:
             q.put(msg)
         return self._wait()
 
-    def pause_generation(self): pass  # noqa: E704 - the session calls carry no weights
-    def continue_generation(self): pass  # noqa: E704
-    def flush_cache(self): pass  # noqa: E704
-    def begin_weight_update(self): pass  # noqa: E704
-    def end_weight_update(self): pass  # noqa: E704
+    # the session calls carry no weights
+    def pause_generation(self):
+        pass
+
+    def continue_generation(self):
+        pass
+
+    def flush_cache(self):
+        pass
+
+    def begin_weight_update(self):
+        pass
+
+    def end_weight_update(self):
+        pass
 
     def update_weights_from_tensor(self, serialized_named_tensors, load_format=None, flush_cache=False,
                                    weight_version=None):
