@@ -98,10 +98,16 @@ def kill_and_check(proc, marker: str, tmp_path, grace_s: float = 30.0) -> dict:
     """SIGKILL the trainer; return the descendants seen just before and the marked processes
     still alive after a grace period (PR_SET_PDEATHSIG is immediate; the resource tracker exits at
     EOF of its pipe)."""
+    before = {}
     try:
-        before = {p.pid: " ".join(p.cmdline())[:160] for p in psutil.Process(proc.pid).children(recursive=True)}
+        children = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
-        before = {}
+        children = []
+    for child in children:  # a short-lived child (a checkpoint writer) may end while it is listed
+        try:
+            before[child.pid] = " ".join(child.cmdline())[:160]
+        except psutil.Error:
+            before[child.pid] = "(ended while listed)"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     deadline = time.time() + grace_s
