@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, Sequence
 
-from gspo_megatron.rewards.grouping import expand_results, make_calls
-from gspo_megatron.rewards.outcomes import as_group_rewards, as_reward, check_failure_share, tally_results
+from gspo_megatron.rewards.grouping import as_group_rewards, expand_results, make_calls
+from gspo_megatron.rewards.outcomes import as_reward, check_failure_share, tally_results
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
 
