@@ -105,24 +105,27 @@ class Evaluator:
 
     def due(self, step: int) -> bool:
         """True when ``step`` is an evaluation step not evaluated yet (same answer on every rank)."""
-        return is_due(step, self.cfg.eval.interval, self.cfg.train.steps) and step > self.last_step
+        cfg = self.cfg
+        return is_due(step, cfg.eval.interval, cfg.train.steps) and step > self.last_step
 
     def sampling_params(self, step: int, chunk: int):
         from gspo_megatron.rollout_step import sampling_params
 
-        params = sampling_params(self.cfg, self.tokenizer, seed=(self.cfg.seed * 1_000_003 + 500_009 + step * 1009
-                                                                 + chunk) % (2**31))
-        if self.cfg.eval.greedy:
+        cfg = self.cfg
+        params = sampling_params(cfg, self.tokenizer, seed=(cfg.seed * 1_000_003 + 500_009 + step * 1009 + chunk)
+                                 % (2**31))
+        if cfg.eval.greedy:
             params.temperature, params.top_p, params.top_k = 1.0, 1.0, 1
         else:
-            params.temperature = self.cfg.eval.temperature
+            params.temperature = cfg.eval.temperature
         return params
 
     def evaluate_set(self, eval_set: EvalSet, step: int) -> dict:
         """Rank 0: generate eval.n samples per prompt, score them, reduce to the set's metrics."""
-        v, name = self.cfg.eval, eval_set.name
+        cfg, name = self.cfg, eval_set.name
+        v = cfg.eval
         rows = eval_set.dataset.rows
-        chunk = max(1, self.cfg.rollout.prompts_per_step)
+        chunk = max(1, cfg.rollout.prompts_per_step)
         rewards, lens, truncated, failures, correct = [], [], 0, 0.0, []
         for ci, start in enumerate(range(0, len(rows), chunk)):
             part = rows[start:start + chunk]
