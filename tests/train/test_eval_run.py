@@ -58,7 +58,8 @@ def test_eval_metrics_tensorboard_and_resume_without_repeats(tmp_path):
 
 
 def test_training_goes_on_past_a_hanging_erroring_dropping_reward_server(serve, tmp_path):  # noqa: F811
-    # 16 samples per step in 4 requests of 4, one at a time, reward.retries=2.
+    # 16 samples per step (one sampling round: no dynamic sampling) in 4 requests of 4, one at a time,
+    # reward.retries=2.
     # step 1: request 2 hangs: the round's 3 s pass, its batch and the 2 not yet sent time out (12);
     # step 2: requests 3-5 answer HTTP 500 (one batch, 3 attempts), 7-9 drop the connection (another): 8 errors;
     # step 3: all answered.
@@ -66,7 +67,7 @@ def test_training_goes_on_past_a_hanging_erroring_dropping_reward_server(serve, 
                                             7: "drop", 8: "drop", 9: "drop"})
     out = tmp_path / "remote"
     run_train(str(out), [f"reward.url={url}", "reward.batch_size=4", "reward.max_in_flight=1",
-                         "reward.timeout_s=3", "reward.retries=2"])
+                         "reward.timeout_s=3", "reward.retries=2", "rollout.dynamic_sampling=false"])
     rows = read_metrics(str(out))
     assert [r["step"] for r in rows] == [1, 2, 3]
     got = [(r["reward/timeouts"], r["reward/errors"], r["reward/remote_retries"]) for r in rows]
