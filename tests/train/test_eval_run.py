@@ -74,3 +74,15 @@ def test_training_goes_on_past_a_hanging_erroring_dropping_reward_server(serve, 
     assert got == [(12.0, 0.0, 0.0), (0.0, 8.0, 4.0), (0.0, 0.0, 0.0)]
     assert [r["reward/remote_requests"] for r in rows] == [2.0, 8.0, 4.0] and faults.count == 14
     assert rows[-1]["loss/policy"] == rows[-1]["loss/policy"]  # a finite step after the faults
+
+
+def test_eval_with_offload_train_keeps_the_engine_synced(tmp_path):
+    # rollout.offload_train: each evaluation offloads the training state, the engine takes its KV
+    # cache, then the engine is released, the state reloaded and the weights pushed again
+    out = tmp_path / "offload"
+    run_train(str(out), ["train.steps=2", "eval.interval=1", "eval.datasets=[task:last_digit]",
+                         "eval.max_prompts=4", "rollout.offload_train=true", "rollout.sync_verify=true"])
+    rows = read_metrics(str(out))
+    assert _eval_steps(rows, "eval/last_digit/pass@1") == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["rollout/logprob_abs_diff"] < 1e-3 for r in rows if r["step"] > 0)
