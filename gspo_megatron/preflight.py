@@ -14,8 +14,10 @@ or the file and line):
 5. the data: every row parsed, keys present, prompt lengths within ``data.max_prompt_len``, not empty
    (the very dataset the trainer builds, :func:`check_data`);
 6. the reward function: imported (a syntax error is named with file:line), its signature bound to
-   ``(prompt, response, label)`` and one call on the first data row returning a finite number
-   (:func:`check_reward`);
+   ``(prompt, response, label)`` (with ``reward.group``: ``(prompt, responses, label)``) and one call
+   on the first data row returning a finite number (a list of them) (:func:`check_reward`); not with
+   ``reward.url`` (a server is judged by its answers, counted during the run); the eval sets
+   (``eval.datasets``, read and tokenized like the data: :func:`check_eval_data`);
 7. checkpoints to resume from (``checkpoint.load`` or ``output_dir/checkpoints``) and
    ``model.checkpoint``: the model config stored with them equals this model's, and a resume uses
    the layout the optimizer state was written in (:func:`check_checkpoints`).
