@@ -158,6 +158,25 @@ class RewardConfig:
     timeout_s: float = _f(10.0, "seconds allowed per reward call")
     num_workers: int = _f(0, "reward worker processes; 0 = score in the calling process")
     max_failure_share: float = _f(1.0, "stop the run when at least this share of one scoring round's reward calls fail (raise, time out, return a non-number or NaN); 1.0 = only when every call fails; partial failures score 0 and are counted (reward/errors, ...)")
+    # -- group and remote rewards (gspo_megatron/rewards/grouping.py, remote.py; docs/training.md "Rewards")
+    group: bool = _f(False, "score a prompt's responses together: reward.function (or the server at reward.url) is called as fn(prompt, responses: list[str], label) -> list[float], one value per response")
+    url: str | None = _f(None, "http(s) URL of a reward server (reward model / judge) that scores batches by POST (schema: gspo_megatron/rewards/remote.py); replaces reward.function; null = score locally")
+    batch_size: int = _f(16, "reward.url: items per request (samples; groups with reward.group)")
+    max_in_flight: int = _f(4, "reward.url: requests in flight at once")
+    retries: int = _f(2, "reward.url: extra attempts of a request that failed fast (connection refused or reset, HTTP 5xx / 429), with backoff, within the round's reward.timeout_s")
+
+
+@dataclass
+class EvalConfig:
+    # -- evaluation during training (gspo_megatron/evaluation.py; docs/training.md "Evaluation")
+    interval: int = _f(0, "steps between evaluations; also evaluated before the first step (step 0) and after the last; 0 = no evaluation")
+    datasets: list[str] = _f([], "eval sets, each 'name=path.jsonl|.parquet', 'path' (name = file stem) or 'task:NAME' (rows of a built-in task); same formats and keys as data.*")
+    n: int = _f(1, "samples per eval prompt")
+    greedy: bool = _f(True, "greedy decoding (top_k=1); false = sample with eval.temperature and rollout.top_p / top_k")
+    temperature: float = _f(1.0, "sampling temperature when eval.greedy=false")
+    pass_k: list[int] = _f([1], "k's of eval/<name>/pass@k (unbiased estimator over eval.n samples; each k <= eval.n)")
+    pass_threshold: float = _f(1.0, "a sample counts as correct for pass@k when its reward >= this")
+    max_prompts: int = _f(0, "prompts per eval set (the first ones); 0 = all rows (a built-in task: 64)")
 
 
 @dataclass
@@ -187,6 +206,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -542,11 +562,83 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     need(0 < cfg.reward.max_failure_share <= 1,
          f"reward.max_failure_share must be in (0, 1], got {cfg.reward.max_failure_share}")
 
+    e.extend(_reward_errors(cfg))
+    e.extend(_eval_errors(cfg, check_files))
+
     c = cfg.checkpoint
     non_negative("checkpoint.interval", c.interval)
     non_negative("checkpoint.keep_last", c.keep_last)
     exists("checkpoint.load", c.load, "dir")
     need(cfg.logging.wandb_project is None or bool(cfg.logging.wandb_project), "logging.wandb_project must be non-empty or null")
+    return e
+
+
+def _reward_errors(cfg: Config) -> list[str]:
+    """reward.group / url / batch_size / max_in_flight / retries."""
+    from urllib.parse import urlparse
+
+    r, e = cfg.reward, []
+    if r.url is not None:
+        u = urlparse(r.url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            e.append(f"reward.url must be an http:// or https:// URL with a host, got {r.url!r}")
+        else:
+            try:
+                u.port  # noqa: B018 - raises ValueError on a bad port
+            except ValueError:
+                e.append(f"reward.url has a bad port: {r.url!r}")
+    if r.batch_size < 1:
+        e.append(f"reward.batch_size must be >= 1, got {r.batch_size}")
+    if r.max_in_flight < 1:
+        e.append(f"reward.max_in_flight must be >= 1, got {r.max_in_flight}")
+    if r.retries < 0:
+        e.append(f"reward.retries must be >= 0, got {r.retries}")
+    return e
+
+
+def parse_eval_dataset(entry: str) -> tuple[str, str]:
+    """An eval.datasets entry -> (name, source): 'name=path', 'path' (name: the file stem), or
+    'task:NAME' / 'name=task:NAME' (source 'task:NAME')."""
+    name, sep, source = entry.partition("=")
+    if not sep:
+        source = entry
+        name = entry[len("task:"):] if entry.startswith("task:") else os.path.splitext(os.path.basename(entry))[0]
+    return name.strip(), source.strip()
+
+
+def _eval_errors(cfg: Config, check_files: bool) -> list[str]:
+    v, e = cfg.eval, []
+    if v.interval < 0:
+        e.append(f"eval.interval must be >= 0 (0 = no evaluation), got {v.interval}")
+    if v.interval > 0 and not v.datasets:
+        e.append(f"eval.interval={v.interval} needs eval.datasets (one or more eval sets)")
+    if v.n < 1:
+        e.append(f"eval.n must be >= 1, got {v.n}")
+    if v.temperature <= 0:
+        e.append(f"eval.temperature must be > 0, got {v.temperature}")
+    if v.max_prompts < 0:
+        e.append(f"eval.max_prompts must be >= 0 (0 = all rows), got {v.max_prompts}")
+    for i, k in enumerate(v.pass_k):
+        if not 1 <= k <= v.n:
+            e.append(f"eval.pass_k[{i}]={k} must be in [1, eval.n={v.n}] (pass@k draws k of the n samples)")
+    names: set[str] = set()
+    tasks = _builtin_tasks()
+    for i, entry in enumerate(v.datasets):
+        name, source = parse_eval_dataset(entry)
+        where = f"eval.datasets[{i}] {entry!r}"
+        if not name or not source or "/" in name or any(c.isspace() for c in name):
+            e.append(f"{where} must be 'name=path', 'path' or 'task:NAME' (a name without '/' or spaces)")
+            continue
+        if name in names:
+            e.append(f"{where}: the name {name!r} is used twice (metrics eval/{name}/...); use 'name=path'")
+        names.add(name)
+        if source.startswith("task:"):
+            if source[5:] not in tasks:
+                e.append(f"{where}: {source[5:]!r} is not a built-in task; built-in: {', '.join(tasks)}")
+        elif not source.endswith((".jsonl", ".parquet")):
+            e.append(f"{where}: the file must end in .jsonl or .parquet")
+        elif check_files and not os.path.isfile(source):
+            e.append(f"{where}: file {source!r} does not exist")
     return e
 
 

@@ -89,13 +89,22 @@ def build_dataset(cfg: Config, tokenizer):
 
 
 def build_rewards(cfg: Config):
-    """Rank 0: the reward scorer (a process pool with timeouts when reward.num_workers > 0)."""
+    """Rank 0: the reward scorer: the server at reward.url (batched POSTs, rewards/remote.py), or
+    reward.function in a process pool with timeouts (reward.num_workers > 0) or inline; per sample,
+    or per group with reward.group. ``score(prompts, responses, labels, group_size)``."""
     from gspo_megatron.rewards.runner import InlineRewardScorer, RewardRunner
 
-    if cfg.reward.num_workers > 0:
-        return RewardRunner(cfg.reward.function, num_workers=cfg.reward.num_workers,
-                            timeout_s=cfg.reward.timeout_s, max_failure_share=cfg.reward.max_failure_share)
-    return InlineRewardScorer(cfg.reward.function, max_failure_share=cfg.reward.max_failure_share)
+    r = cfg.reward
+    if r.url:
+        from gspo_megatron.rewards.remote import RemoteRewardScorer
+
+        return RemoteRewardScorer(r.url, timeout_s=r.timeout_s, batch_size=r.batch_size,
+                                  max_in_flight=r.max_in_flight, retries=r.retries, group=r.group,
+                                  max_failure_share=r.max_failure_share)
+    if r.num_workers > 0:
+        return RewardRunner(r.function, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                            max_failure_share=r.max_failure_share, group=r.group)
+    return InlineRewardScorer(r.function, max_failure_share=r.max_failure_share, group=r.group)
 
 
 @dataclass

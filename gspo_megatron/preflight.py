@@ -14,8 +14,10 @@ or the file and line):
 5. the data: every row parsed, keys present, prompt lengths within ``data.max_prompt_len``, not empty
    (the very dataset the trainer builds, :func:`check_data`);
 6. the reward function: imported (a syntax error is named with file:line), its signature bound to
-   ``(prompt, response, label)`` and one call on the first data row returning a finite number
-   (:func:`check_reward`);
+   ``(prompt, response, label)`` (with ``reward.group``: ``(prompt, responses, label)``) and one call
+   on the first data row returning a finite number (a list of them) (:func:`check_reward`); not with
+   ``reward.url`` (a server is judged by its answers, counted during the run); the eval sets
+   (``eval.datasets``, read and tokenized like the data: :func:`check_eval_data`);
 7. checkpoints to resume from (``checkpoint.load`` or ``output_dir/checkpoints``) and
    ``model.checkpoint``: the model config stored with them equals this model's, and a resume uses
    the layout the optimizer state was written in (:func:`check_checkpoints`).
@@ -44,7 +46,9 @@ def run_all(cfg: Config, world_size: int | None = None) -> None:
         check_hf_dir(cfg.model.hf_path, "model.hf_path")
     tokenizer = load_checked_tokenizer(cfg, hf)
     dataset = check_data(cfg, tokenizer)
-    check_reward(cfg.reward.function, dataset[0])
+    if cfg.reward.url is None:  # a reward server is checked by its answers (counted failures)
+        check_reward(cfg.reward.function, dataset[0], group=cfg.reward.group)
+    check_eval_data(cfg, tokenizer)
     check_checkpoints(cfg, hf)
 
 
@@ -169,9 +173,19 @@ def _user_frame(tb, path: str | None) -> str:
     return f" at {f.filename}:{f.lineno}"
 
 
-def check_reward(spec: str, row) -> None:
+def check_eval_data(cfg: Config, tokenizer) -> None:
+    """Every eval.datasets entry, built as rank 0 builds it (every row parsed and tokenized)."""
+    from gspo_megatron.evaluation import build_eval_sets
+
+    if cfg.eval.interval > 0:
+        build_eval_sets(cfg, tokenizer)
+
+
+def check_reward(spec: str, row, group: bool = False) -> None:
     """Import the reward function, bind its signature, call it once on ``row`` (a PromptRow) with the
-    label as the response; the result must be a finite number."""
+    label as the response; the result must be a finite number. ``group`` (reward.group): called as
+    fn(prompt, [label, label], label), the result must be two finite numbers."""
+    from gspo_megatron.rewards.grouping import as_group_rewards
     from gspo_megatron.rewards.registry import get_reward_fn
     from gspo_megatron.rewards.runner import as_reward
 
@@ -184,21 +198,25 @@ def check_reward(spec: str, row) -> None:
         raise UserInputError(f"reward.function {spec!r}: {type(e).__name__}: {e}"
                              f"{_user_frame(e.__traceback__, user_file) if user_file else ''}") from None
     name = getattr(fn, "__name__", spec)
+    response = [str(row.label)] * 2 if group else str(row.label)
+    shown = "responses" if group else "response"
     try:
         sig = inspect.signature(fn)
-        sig.bind(row.prompt, str(row.label), row.label)
+        sig.bind(row.prompt, response, row.label)
     except TypeError as e:
         raise UserInputError(f"reward.function {spec!r}: {name}{sig} cannot be called as "
-                             f"{name}(prompt, response, label): {e}") from None
+                             f"{name}(prompt, {shown}, label): {e}") from None
     except ValueError:  # no signature (a builtin): the call below checks it
         pass
     try:
-        value = as_reward(fn(row.prompt, str(row.label), row.label))
+        value = fn(row.prompt, response, row.label)
+        values = as_group_rewards(value, 2) if group else [as_reward(value)]
     except Exception as e:  # noqa: BLE001
+        what = "responses = [label, label], reward.group=true" if group else "response = its label"
         raise UserInputError(
-            f"reward.function {spec!r} failed when called on {row.source} (response = its label): "
+            f"reward.function {spec!r} failed when called on {row.source} ({what}): "
             f"{type(e).__name__}: {e}{_user_frame(e.__traceback__, user_file)}") from None
-    if not math.isfinite(value):
+    if not all(math.isfinite(v) for v in values):
         raise UserInputError(f"reward.function {spec!r} returned {value} on {row.source} (response = its label)")
 
 

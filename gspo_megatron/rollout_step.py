@@ -51,7 +51,7 @@ def _generate_groups(cfg, engine, dataset, indices, tokenizer, rewards, seed):
             prompts.append(row.prompt)
             responses.append(decode_response(tokenizer, s))
             labels.append(row.label)
-    scores, stats = rewards.score(prompts, responses, labels)
+    scores, stats = rewards.score(prompts, responses, labels, group_size=cfg.rollout.group_size)
     groups, k = [], 0
     for row, group in zip(rows, samples):
         recs = []

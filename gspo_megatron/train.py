@@ -155,6 +155,13 @@ def train(cfg: Config, *, checked: bool = False) -> dict:
     offloader = TrainStateOffloader(ddp, optimizer) if cfg.rollout.offload_train else None
     if offloader is not None:  # a re-sync inside the rollout (engine restarted) needs the weights back
         session.sync = offloader.loaded_call(session.sync)
+    from gspo_megatron.evaluation import Evaluator  # eval.*: step 0, every eval.interval, the last step
+
+    evaluator = Evaluator(cfg, tokenizer, engine, rewards, last_step=int(extra.get("eval_last_step", -1)))
+    if evaluator.due(start_step):  # (a resume evaluates its start step only if that was not done)
+        eval_metrics = evaluator.run(session, start_step, offloader)
+        if rank == 0:
+            logger.log(start_step, eval_metrics)
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
         if offloader is not None:  # (after the previous step's sync and checkpoint)
@@ -176,6 +183,8 @@ def train(cfg: Config, *, checked: bool = False) -> dict:
         metrics.update(gpu_monitor.sample())
         metrics.update({"step": step, "perf/step_time_s": step_time, "perf/tokens_per_s": n_tokens / step_time,
                         "train/bad_streak": float(bad_streak), "rollout/engine_restarts": float(session.restarts)})
+        if evaluator.due(step):  # on this step's weights (after its sync); every rank
+            metrics.update(evaluator.run(session, step, offloader))
         if rank == 0:
             metrics.update(rollout_metrics)
             served = engine.take_served()
@@ -188,7 +197,8 @@ def train(cfg: Config, *, checked: bool = False) -> dict:
         if (interval and step % interval == 0) or step == cfg.train.steps or too_bad or \
                 (stop_signal and cfg.checkpoint.save_on_signal):
             # (skipped updates leave the weights untouched: with too_bad this is the last good state)
-            state = {"sampler": sampler.state_dict() if rank == 0 else None, "bad_streak": bad_streak}
+            state = {"sampler": sampler.state_dict() if rank == 0 else None, "bad_streak": bad_streak,
+                     "eval_last_step": evaluator.last_step}
             save_checkpoint(ckpt_root, step, model, optimizer, scheduler, extra_state=broadcast_object(state),
                             keep_last=cfg.checkpoint.keep_last, hf_assets_dir=hf_dir)
         if too_bad:

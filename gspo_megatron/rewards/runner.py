@@ -12,46 +12,21 @@ one ``score()`` call's items fail (default 1.0: all of them), ``score`` raises :
 
 from __future__ import annotations
 
-import logging
-import math
 import multiprocessing as mp
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
-from gspo_megatron.errors import UserInputError
+from gspo_megatron.rewards.grouping import call_reward, expand_results, make_calls
+from gspo_megatron.rewards.outcomes import (  # noqa: F401 - RewardFailure, as_reward: re-exported
+    RewardFailure, as_reward, check_failure_share, tally_results)
 from gspo_megatron.runtime.children import run_dying_with_parent
 
-logger = logging.getLogger(__name__)
 
-
-class RewardFailure(UserInputError):
-    """Too many calls of one scoring round failed; names the reward spec and the last error."""
-
-
-def as_reward(value: Any) -> float:
-    """A reward function's return value as a float; TypeError naming the value when it is not a number."""
-    if isinstance(value, (str, bytes)) or value is None:
-        raise TypeError(f"returned {type(value).__name__} {value!r:.40}, expected a number")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"returned {type(value).__name__} {value!r:.40}, expected a number") from None
-
-
-def check_failure_share(spec: str, stats: dict[str, float], n: int, last_error: str | None,
-                        max_failure_share: float) -> None:
-    """Raise RewardFailure when (errors + timeouts + non-finite) / n >= max_failure_share."""
-    failed = stats["reward/errors"] + stats["reward/timeouts"] + stats["reward/nonfinite"]
-    if n and failed / n >= max_failure_share:
-        raise RewardFailure(
-            f"reward.function {spec!r} failed on {int(failed)} of {n} calls in one scoring round "
-            f"(reward.max_failure_share={max_failure_share:g}); last error: {last_error}")
-
-
-def _worker_main(conn: Connection, spec: str) -> None:
-    """Worker loop: load the reward fn, then answer (index, prompt, response, label) requests."""
+def _worker_main(conn: Connection, spec: str, group: bool = False) -> None:
+    """Worker loop: load the reward fn, then answer (index, prompt, response(s), label) requests
+    (``group``: the response is a list and the answer a list of floats, see rewards/grouping.py)."""
     try:
         from gspo_megatron.rewards.registry import get_reward_fn
 
@@ -69,53 +44,33 @@ def _worker_main(conn: Connection, spec: str) -> None:
             return
         index, prompt, response, label = msg
         try:
-            value = as_reward(fn(prompt, response, label))
-            conn.send((index, "ok", value))
+            conn.send((index, "ok", call_reward(fn, (prompt, response, label), group)))
         except BaseException as e:  # the user's code may raise anything, even SystemExit
             conn.send((index, "error", f"{type(e).__name__}: {e}"))
 
 
-def tally_results(results: Sequence[tuple[str, Any]], spec: str) -> tuple[list[float], dict[str, float], str | None]:
-    """(status, value) per call, status "ok" / "error" / "timeout" -> (rewards with 0.0 for every
-    failure or non-finite value, counts reward/errors, reward/timeouts, reward/nonfinite, the last
-    failure's text). Logs a warning when calls failed."""
-    rewards: list[float] = []
-    stats = {"reward/errors": 0, "reward/timeouts": 0, "reward/nonfinite": 0}
-    last_error = None
-    for status, value in results:
-        if status == "ok" and math.isfinite(value):
-            rewards.append(value)
-            continue
-        rewards.append(0.0)
-        if status == "ok":
-            stats["reward/nonfinite"] += 1
-            last_error = f"returned {value}"
-        else:
-            stats["reward/timeouts" if status == "timeout" else "reward/errors"] += 1
-            last_error = value
-    if stats["reward/errors"] or stats["reward/timeouts"] or stats["reward/nonfinite"]:
-        logger.warning("reward %r: %s (last: %s)", spec, stats, last_error)
-    return rewards, {k: float(v) for k, v in stats.items()}, last_error
-
-
 class InlineRewardScorer:
     """``reward.num_workers=0``: scores in the calling process, for fast trusted rewards. Same
-    interface and failure accounting as RewardRunner, but no isolation and no timeout."""
+    interface and failure accounting as RewardRunner, but no isolation and no timeout.
+    ``group``: the function scores a prompt's responses together (rewards/grouping.py)."""
 
-    def __init__(self, spec: str, max_failure_share: float = 1.0):
+    def __init__(self, spec: str, max_failure_share: float = 1.0, group: bool = False):
         from gspo_megatron.rewards.registry import get_reward_fn
 
         self.spec, self.fn, self.last_error = spec, get_reward_fn(spec), None
-        self.max_failure_share = max_failure_share
+        self.max_failure_share, self.group = max_failure_share, group
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any]
-              ) -> tuple[list[float], dict[str, float]]:
+    def score(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any],
+              group_size: int = 1) -> tuple[list[float], dict[str, float]]:
+        """Rewards of n group-contiguous samples (``group_size`` responses per prompt; used with
+        ``group``) and the failure counts."""
         results: list[tuple[str, Any]] = []
-        for p, r, lab in zip(prompts, responses, labels):
+        for call in make_calls(prompts, responses, labels, group_size, self.group):
             try:
-                results.append(("ok", as_reward(self.fn(p, r, lab))))
+                results.append(("ok", call_reward(self.fn, call, self.group)))
             except Exception as e:  # noqa: BLE001 - a failing reward scores 0 and is counted
                 results.append(("error", f"{type(e).__name__}: {e}"))
+        results = expand_results(results, group_size, self.group)
         rewards, stats, last_error = tally_results(results, self.spec)
         self.last_error = last_error or self.last_error
         check_failure_share(self.spec, stats, len(results), last_error, self.max_failure_share)
@@ -126,10 +81,10 @@ class InlineRewardScorer:
 
 
 class _Worker:
-    def __init__(self, ctx, spec: str):
+    def __init__(self, ctx, spec: str, group: bool = False):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         # the worker dies with the trainer, also when the trainer is SIGKILLed
-        self.proc = ctx.Process(target=run_dying_with_parent, args=(_worker_main, child_conn, spec), daemon=True)
+        self.proc = ctx.Process(target=run_dying_with_parent, args=(_worker_main, child_conn, spec, group), daemon=True)
         self.proc.start()
         child_conn.close()
         self.ready = False
@@ -153,15 +108,15 @@ class RewardRunner:
     """
 
     def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0,
-                 max_failure_share: float = 1.0):
+                 max_failure_share: float = 1.0, group: bool = False):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.spec, self.timeout_s, self.start_timeout_s = spec, timeout_s, start_timeout_s
-        self.max_failure_share = max_failure_share
+        self.max_failure_share, self.group = max_failure_share, group
         self._ctx = mp.get_context("spawn")
-        self._workers = [_Worker(self._ctx, spec) for _ in range(num_workers)]
+        self._workers = [_Worker(self._ctx, spec, group) for _ in range(num_workers)]
         self.restarts = 0
         self.last_error: str | None = None
         for w in self._workers:
@@ -200,19 +155,20 @@ class RewardRunner:
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
-        self._workers[i] = _Worker(self._ctx, self.spec)
+        self._workers[i] = _Worker(self._ctx, self.spec, self.group)
         self.restarts += 1
 
     def score(
-        self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any]
+        self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any], group_size: int = 1
     ) -> tuple[list[float], dict[str, float]]:
-        """Score every (prompt, response, label); never blocks longer than about
-        ``timeout_s`` per call beyond the pool's throughput."""
-        if not len(prompts) == len(responses) == len(labels):
-            raise ValueError(
-                f"prompts, responses and labels differ in length: {len(prompts)}, {len(responses)}, {len(labels)}"
-            )
-        n = len(prompts)
+        """Score every (prompt, response, label) (with ``group``: every group of ``group_size``
+        consecutive samples in one call); never blocks longer than about ``timeout_s`` per call
+        beyond the pool's throughput."""
+        calls = make_calls(prompts, responses, labels, group_size, self.group)
+        prompts = [c[0] for c in calls]
+        responses = [c[1] for c in calls]
+        labels = [c[2] for c in calls]
+        n = len(calls)
         results: dict[int, tuple[str, Any]] = {}
         pending = list(range(n - 1, -1, -1))  # a stack, popped from the end
         while len(results) < n:
@@ -260,12 +216,10 @@ class RewardRunner:
                 elif not w.ready and (dead or now >= w.started_at + self.start_timeout_s):
                     self.close()
                     raise RuntimeError(f"a replacement reward worker for {self.spec!r} failed to start")
-        return self._collect(results, n)
-
-    def _collect(self, results: dict[int, tuple[str, Any]], n: int) -> tuple[list[float], dict[str, float]]:
-        rewards, stats, last_error = tally_results([results[i] for i in range(n)], self.spec)
+        per_sample = expand_results([results[i] for i in range(n)], group_size, self.group)
+        rewards, stats, last_error = tally_results(per_sample, self.spec)
         self.last_error = last_error or self.last_error
-        check_failure_share(self.spec, stats, n, last_error, self.max_failure_share)
+        check_failure_share(self.spec, stats, len(per_sample), last_error, self.max_failure_share)
         return rewards, stats
 
     def close(self) -> None:

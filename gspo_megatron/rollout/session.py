@@ -138,15 +138,17 @@ class RolloutSession:
             getattr(importlib.import_module(module), name)(self.syncer)
         return metrics
 
-    def rollout(self, step: int):
+    def rollout(self, step: int, collect: Callable | None = None):
         """(records on every rank, rank 0's rollout metrics or None). A dead engine is restarted,
-        re-synced, and the same prompts are retried."""
+        re-synced, and the same prompts are retried. ``collect``: instead of the session's own
+        (e.g. evaluation's, which returns no records)."""
+        collect = collect or self.collect
         while True:
             msg, batch = None, None
             if self.rank == 0:
                 position = self.sampler.state_dict()
                 try:
-                    batch = self.collect(step)
+                    batch = collect(step)
                     msg = ("ok", batch.records)
                 except UserInputError as e:  # not an engine fault: every rank stops with it
                     msg = ("user_error", str(e))
