@@ -5,6 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from reward_server_faults import serve  # noqa: E402,F401 - the fault-injecting reward server fixture
+
 
 def pytest_collection_modifyitems(config, items):
     try:

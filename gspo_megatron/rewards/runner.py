@@ -20,7 +20,11 @@ from typing import Any, Sequence
 
 from gspo_megatron.rewards.grouping import call_reward, expand_results, make_calls
 from gspo_megatron.rewards.outcomes import (  # noqa: F401 - RewardFailure, as_reward: re-exported
-    RewardFailure, as_reward, check_failure_share, tally_results)
+    RewardFailure,
+    as_reward,
+    check_failure_share,
+    tally_results,
+)
 from gspo_megatron.runtime.children import run_dying_with_parent
 
 

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from reward_server_faults import serve  # noqa: F401 - the fixture
 from gspo_megatron.rewards.remote import RemoteRewardScorer
 from gspo_megatron.rewards.runner import InlineRewardScorer, RewardFailure, RewardRunner
 

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 
-from reward_server_faults import serve  # noqa: F401 - the fixture
-from train_utils import read_metrics, run_train
-
 from gspo_megatron.data.tasks import get_task
+from train_utils import read_metrics, run_train
 
 
 def _eval_steps(rows, key):
@@ -57,7 +55,7 @@ def test_eval_metrics_tensorboard_and_resume_without_repeats(tmp_path):
     assert _tb_scalars(out, "eval/held/pass@3") == [0, 2, 4, 6]
 
 
-def test_training_goes_on_past_a_hanging_erroring_dropping_reward_server(serve, tmp_path):  # noqa: F811
+def test_training_goes_on_past_a_hanging_erroring_dropping_reward_server(serve, tmp_path):
     # 16 samples per step (one sampling round: no dynamic sampling) in 4 requests of 4, one at a time,
     # reward.retries=2.
     # step 1: request 2 hangs: the round's 3 s pass, its batch and the 2 not yet sent time out (12);
