@@ -81,6 +81,7 @@ def packed_vs_padded(rank: int, world: int, layouts: list[dict], hf_dir: str, bu
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
+    from gspo_megatron.score import score_rows
 
     records = make_records()
     results = []
@@ -98,6 +99,30 @@ def packed_vs_padded(rank: int, world: int, layouts: list[dict], hf_dir: str, bu
         entry["grad_diff"] = max(float((grads["packed"][n] - grads["padded"][n]).abs().max()) for n in grads["padded"])
         entry["grad_max"] = max(float(g.abs().max()) for g in grads["padded"].values())
         entry["finite"] = all(math.isfinite(float(g.abs().sum())) for g in grads["packed"].values())
+        # the scorer (tools/score.py's library side), padded rows vs packed rows
+        rows = [r["tokens"] for r in records]
+        padded_scores = score_rows(ddp, rows, micro_batch_size=mbs)
+        packed_scores = score_rows(ddp, rows, max_tokens_per_micro_batch=budget)
+        if padded_scores is not None:
+            entry["score"] = (padded_scores, packed_scores)
         results.append(entry)
     destroy_distributed()
     return results
+
+
+def cp_round_trip(rank: int, world: int) -> tuple:
+    """Context parallel on a packed micro-batch: this rank's share and the gathered row."""
+    import torch.distributed as dist
+
+    from gspo_megatron.packing import collate_packed, gather_packed_context_parallel
+    from gspo_megatron.pipeline import sequence_multiple, split_for_context_parallel
+
+    dist.init_process_group("gloo")
+    recs = make_records()[:5]
+    for r in recs:
+        r["old_logprobs"] = [float(j) for j in range(len(r["tokens"]) - r["prompt_len"])]
+    batch = collate_packed(recs, seg_multiple=2 * world, row_multiple=sequence_multiple(1, world))
+    local = split_for_context_parallel(batch, dist.group.WORLD)
+    back = {k: gather_packed_context_parallel(local[k], batch["cu_seqlens"], dist.group.WORLD)
+            for k in ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "old_logprobs")}
+    return batch, local, back

@@ -1,6 +1,6 @@
 """Sequence packing (gspo_megatron/packing.py): the plan's balance and budget, the packed layout, and
 packed == padded through the real model and trainer code (per-token log-probs, loss, gradients
-within 1e-5 in fp32) on one rank and in tp2, pp2, ep2, dp2, on sequences whose lengths differ 15x."""
+within 1e-5 in fp32; the scorer's log-probs too) on one rank and in tp2, pp2, ep2, dp2, on sequences whose lengths differ 15x."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
-from packing_workers import make_records, packed_vs_padded
-
 from gspo_megatron.packing import (
     balance_over_ranks,
     collate_packed,
@@ -18,6 +16,7 @@ from gspo_megatron.packing import (
     plan_micro_batches,
 )
 from gspo_megatron.pipeline import collate
+from packing_workers import make_records, packed_vs_padded
 
 
 def test_dp_balance_on_a_skewed_batch():
@@ -104,6 +103,11 @@ def _check(results, layout_name):
     (c_pad, r_pad), (c_pack, r_pack) = ([sum(x) for x in zip(*(e[m]["pad"] for e in results))]
                                         for m in ("padded", "packed"))
     assert r_pad == r_pack and c_pack < c_pad
+    scored = [e["score"] for e in results if "score" in e]
+    assert len(scored) == 1  # global rank 0
+    for a, b in zip(*scored[0]):
+        assert len(a) == len(b) > 0
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), atol=1e-5, rtol=0, msg=layout_name)
     n = len(make_records())
     assert sorted(merged["padded"]) == sorted(merged["packed"]) == list(range(n)), layout_name
     for sid in range(n):
@@ -127,3 +131,20 @@ def test_packed_equals_padded_tp2_pp2_ep2_dp2(hf_dir):
     assert dp_runs[0]["num_micro"] == dp_runs[1]["num_micro"]
     loads = [sum(d["real_per_micro"]) for d in dp_runs]
     assert abs(loads[0] - loads[1]) <= max(len(r["tokens"]) for r in make_records())
+
+
+def test_context_parallel_split_of_a_packed_row():
+    from packing_workers import cp_round_trip
+
+    ranks = run_ranks(cp_round_trip, 2)
+    batch = ranks[0][0]
+    cu = batch["cu_seqlens"].tolist()
+    assert all((b - a) % 4 == 0 for a, b in zip(cu[:-1], cu[1:]))  # every segment: 2*cp chunks
+    for rank, (_, local, back) in enumerate(ranks):
+        want = context_parallel_index(batch["cu_seqlens"], 2, rank)
+        assert local["tokens"].shape[1] == batch["tokens"].shape[1] // 2
+        for k, v in back.items():
+            assert torch.equal(local[k], batch[k][:, want]), k
+            assert torch.equal(v, batch[k]), k  # the gather puts every chunk back
+        # positions are per sequence: each local chunk continues its own sequence's positions
+        assert local["position_ids"][0, :2].tolist() == [rank * (cu[1] // 4), rank * (cu[1] // 4) + 1]
