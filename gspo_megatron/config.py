@@ -445,12 +445,12 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     for k in ("tp", "pp", "ep", "etp", "cp", "micro_batch_size"):
         need(getattr(p, k) >= 1, f"parallel.{k} must be >= 1, got {getattr(p, k)}")
     budget = p.max_tokens_per_micro_batch
-    if budget:
+    if budget is not None and budget < 0:
+        need(False, f"parallel.max_tokens_per_micro_batch must be >= 0 (0/null = off), got {budget}")
+    elif budget:
         seq = -(-m.max_seq_len // (2 * p.cp)) * (2 * p.cp) if p.cp > 1 else m.max_seq_len
         need(budget >= seq, f"parallel.max_tokens_per_micro_batch={budget} must be >= model.max_seq_len"
              f"{' rounded up to a multiple of 2*parallel.cp' if p.cp > 1 else ''} = {seq} (a sequence is never split)")
-    else:
-        need(budget in (None, 0), f"parallel.max_tokens_per_micro_batch must be >= 0 (0/null = off), got {budget}")
     need(p.cp == 1 or m.transformer_impl != "local",
          "parallel.cp > 1 needs Transformer Engine attention: model.transformer_impl must be auto or transformer_engine")
 
