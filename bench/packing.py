@@ -22,7 +22,7 @@ non-parameter tensors autograd saves for backward during its forward, via saved_
 since a process-wide CPU high-water mark cannot be reset between passes. Then packed / padded ratios.
 
 The model: the tiny Qwen3-MoE family config (4 experts, top-2) with ``--hidden`` / ``--layers``;
-fp32, one rank; Transformer Engine's THD attention on GPU, the local spec (segment-by-segment
+one rank; fp32 on CPU, bf16 on GPU; Transformer Engine's THD attention on GPU, the local spec (segment-by-segment
 causal attention) on CPU.
 
 Usage: python bench/packing.py [--prompts 8] [--group-size 8] [--max-seq-len 512]
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     if not gpu:
         torch.set_num_threads(1)  # CPU time of one thread measures the work, whatever the machine's load
     n = args.prompts * args.group_size
-    common = ["model.dtype=float32", f"model.max_seq_len={args.max_seq_len}", "gspo.mini_batches=1",
+    common = [f"model.dtype={'bfloat16' if gpu else 'float32'}", f"model.max_seq_len={args.max_seq_len}", "gspo.mini_batches=1",
               f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
               f"parallel.micro_batch_size={args.micro_batch_size}", "optimizer.lr=1e-5"]
     if n % args.micro_batch_size:
@@ -160,7 +160,8 @@ def main(argv=None) -> int:
                            intermediate_size=args.hidden * 2)
         init_distributed(ParallelLayout(), seed=0)
         hf = load_hf_config(hf_dir)
-        model = build_model(hf, opts=ModelOptions(transformer_impl="auto"))
+        # GPU: bf16 (Transformer Engine's THD attention kernels are fp16/bf16 ones); CPU: fp32
+        model = build_model(hf, opts=ModelOptions(transformer_impl="auto", dtype="bfloat16" if gpu else "float32"))
         load_hf_weights(model, hf_dir)
         ddp, optimizer, scheduler = setup_training(model, OptimOptions(lr=1e-5, use_distributed_optimizer=False))
         meter = ActivationMeter(ddp.module)
