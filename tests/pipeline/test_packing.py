@@ -121,6 +121,15 @@ def test_packed_equals_padded_one_rank(hf_dir):
     _check([res[0]], "single rank")
 
 
+def test_packed_equals_padded_mla(tmp_path):
+    """DeepSeek-V3's multi-latent attention (its own local core attention and rotary path)."""
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    save_tiny_hf_model("deepseek_v3", str(tmp_path / "hf"), seed=5)
+    (res,) = run_ranks(packed_vs_padded, 1, [dict()], str(tmp_path / "hf"), 64)
+    _check([res[0]], "deepseek_v3")
+
+
 def test_packed_equals_padded_tp2_pp2_ep2_dp2(hf_dir):
     layouts = [dict(tp=2), dict(pp=2), dict(ep=2), dict()]  # the last: dp2
     ranks = run_ranks(packed_vs_padded, 2, layouts, hf_dir, 64)
