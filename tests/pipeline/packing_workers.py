@@ -72,7 +72,8 @@ def run_pass(ddp, cfg, records: list[dict], ps) -> dict:
             "real_per_micro": [int(b["num_real_tokens"]) for b in micro]}
 
 
-def packed_vs_padded(rank: int, world: int, layouts: list[dict], hf_dir: str, budget: int, mbs: int = 4) -> list:
+def packed_vs_padded(rank: int, world: int, layouts: list[dict], hf_dir: str, budget: int, mbs: int = 4,
+                     impl: str = "local", dtype: str = "float32") -> list:
     """For each layout: padded and packed passes; returns per layout {"padded": ..., "packed": ...,
     "grad_diff": max |g_packed - g_padded| over this rank's parameters, "grad_max": max |g_padded|}."""
     from megatron.core import parallel_state as ps
@@ -89,7 +90,7 @@ def packed_vs_padded(rank: int, world: int, layouts: list[dict], hf_dir: str, bu
         init_distributed(ParallelLayout(**layout, sequence_parallel=layout.get("tp", 1) > 1), seed=0)
         hf = load_hf_config(hf_dir)
         model = build_model(hf, layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1),
-                            opts=ModelOptions(transformer_impl="local"))
+                            opts=ModelOptions(transformer_impl=impl, dtype=dtype))
         load_hf_weights(model, hf_dir)
         ddp, _, _ = setup_training(model, OptimOptions(use_distributed_optimizer=False))
         entry, grads = {}, {}
