@@ -56,14 +56,16 @@ def run_pass(ddp, cfg, records: list[dict], ps) -> dict:
                 logprobs[sid] = vals
         # old log-probs: the model's own, shifted by a deterministic function of (sequence, position)
         # so that sequence ratios differ from 1 and both sides of the clip occur
-        shift = 4e-4 * torch.cos(torch.tensor([float(s) for s in b["seq_ids"]] or [0.0])[b["seq_index"]] * 1.7
-                                 + b["position_ids"] * 0.3)
+        dev = b["seq_index"].device
+        sids = torch.tensor([float(s) for s in b["seq_ids"]] or [0.0], device=dev)
+        shift = 4e-4 * torch.cos(sids[b["seq_index"]] * 1.7 + b["position_ids"] * 0.3)
         b["old_logprobs"] = lp + shift * b["loss_mask"]
     ddp.zero_grad_buffer()
     res = run_schedule(ddp, micro, lambda b: make_megatron_loss_func(
         b, loss_config(cfg), tp_group=ps.get_tensor_model_parallel_group(), cp_group=None,
         num_microbatches=len(micro), data_parallel_size=dp, compute_entropy=True), forward_only=False)
-    loss = torch.tensor([sum(m["loss"] for m in res) if (reporter and res) else 0.0], dtype=torch.float64)
+    loss = torch.tensor([sum(m["loss"] for m in res) if (reporter and res) else 0.0], dtype=torch.float64,
+                        device=micro[0]["tokens"].device)  # NCCL's device on GPU
     dist.all_reduce(loss)
     computed = sum(int(b["tokens"].numel()) for b in micro)
     real = sum(int(b["num_real_tokens"]) for b in micro)
