@@ -67,7 +67,8 @@ class ParallelConfig:
     etp: int | None = _f(None, "expert tensor parallel size; null = same as tp (resolved on load)")
     cp: int = _f(1, "context parallel size (needs Transformer Engine)")
     sequence_parallel: bool | None = _f(None, "null = auto (on when tp > 1); required for MoE with tp > 1")
-    micro_batch_size: int = _f(4, "sequences per micro-batch")
+    micro_batch_size: int = _f(4, "sequences per micro-batch (padded rows; used when max_tokens_per_micro_batch is off)")
+    max_tokens_per_micro_batch: int | None = _f(None, "sequence packing: micro-batches of whole sequences concatenated up to this many tokens, balanced over data-parallel ranks by tokens (THD with Transformer Engine; an exact block-diagonal mask on the local spec); 0/null = off (padded rows of micro_batch_size); must be >= model.max_seq_len")
     use_distributed_optimizer: bool = _f(True, "shard optimizer states over data-parallel ranks (ZeRO-1)")
     grad_reduce_in_fp32: bool = _f(True, "fp32 main-grad buffer and gradient all-reduce")
 
@@ -463,6 +464,13 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     p = cfg.parallel
     for k in ("tp", "pp", "ep", "etp", "cp", "micro_batch_size"):
         need(getattr(p, k) >= 1, f"parallel.{k} must be >= 1, got {getattr(p, k)}")
+    budget = p.max_tokens_per_micro_batch
+    if budget is not None and budget < 0:
+        need(False, f"parallel.max_tokens_per_micro_batch must be >= 0 (0/null = off), got {budget}")
+    elif budget:
+        seq = -(-m.max_seq_len // (2 * p.cp)) * (2 * p.cp) if p.cp > 1 else m.max_seq_len
+        need(budget >= seq, f"parallel.max_tokens_per_micro_batch={budget} must be >= model.max_seq_len"
+             f"{' rounded up to a multiple of 2*parallel.cp' if p.cp > 1 else ''} = {seq} (a sequence is never split)")
     need(p.cp == 1 or m.transformer_impl != "local",
          "parallel.cp > 1 needs Transformer Engine attention: model.transformer_impl must be auto or transformer_engine")
 
@@ -515,7 +523,7 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
          f"gspo.loss_agg={g.loss_agg} is not allowed with gspo.mode={g.mode}: GSPO weighs every sequence "
          "equally, use seq-mean-token-mean (token-mean is for mode grpo)")
     step = cfg.step_batch_size
-    if g.mini_batches >= 1 and p.micro_batch_size >= 1:
+    if g.mini_batches >= 1 and p.micro_batch_size >= 1 and not budget:
         need(step % (g.mini_batches * p.micro_batch_size) == 0, _batch_rule(cfg, dp=1))
 
     o = cfg.optimizer
@@ -696,7 +704,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                  f"world size {world_size}")
     if not e:
         dp = data_parallel_size(cfg, world_size)
-        if cfg.step_batch_size % (cfg.gspo.mini_batches * dp * p.micro_batch_size):
+        if not p.max_tokens_per_micro_batch and \
+                cfg.step_batch_size % (cfg.gspo.mini_batches * dp * p.micro_batch_size):
             e.append(_batch_rule(cfg, dp))
     if r.sync_mode == "colocated":
         if world_size % r.engine_tp:

@@ -3,7 +3,9 @@
 Every rank of a data-parallel replica receives the same micro-batches (the first stage reads the
 tokens, the last stage the labels and loss inputs). Layout: right-padded rows [b, s] with causal
 attention (padding sits after every real token, so it never influences them); ``s`` is rounded up
-to a multiple of the tensor-parallel size for sequence parallelism.
+to a multiple of the tensor-parallel size for sequence parallelism. Or packed: whole sequences
+concatenated in one row with per-sequence positions and attention (``gspo_megatron.packing``); the
+forward step passes such a micro-batch's ``PackedSeqParams`` to the model.
 
 Sequence record (one per sequence): ``tokens`` (prompt + response ids), ``prompt_len``, and optional
 per-response-token lists ``old_logprobs``, ``engine_logprobs``, ``ref_logprobs`` and a scalar
@@ -21,11 +23,13 @@ import torch
 PAD_LABEL = -100  # ignored by the log-prob function (log-prob 0, no gradient)
 
 
-def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1) -> dict:
+def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1, seq_ids: Sequence | None = None) -> dict:
     """Build one right-padded micro-batch from sequence records (see module docstring).
 
     Returns tokens/position_ids/labels [b, s] long, loss_mask [b, s] float, seq_index [b, s] long, and
-    old_logprobs / engine_logprobs / ref_logprobs [b, s] float and advantages [b] when present.
+    old_logprobs / engine_logprobs / ref_logprobs [b, s] float and advantages [b] when present;
+    num_seqs (b), num_real_tokens (sum of the sequence lengths) and seq_ids (the caller's id of
+    each row; default 0..b-1).
     """
     if not seqs:
         raise ValueError("collate needs at least one sequence")
@@ -57,6 +61,9 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1) -> dict:
         loss_mask=mask,
         seq_index=torch.arange(b).unsqueeze(1).expand(b, width).contiguous(),
         **per_token,
+        num_seqs=b,
+        num_real_tokens=sum(len(s["tokens"]) for s in seqs),
+        seq_ids=list(seq_ids) if seq_ids is not None else list(range(b)),
     )
     if "advantage" in seqs[0]:
         batch["advantages"] = torch.tensor([float(s["advantage"]) for s in seqs])
@@ -76,8 +83,19 @@ def sequence_multiple(tp: int, cp: int) -> int:
 def split_for_context_parallel(batch: dict, cp_group=None) -> dict:
     """This context-parallel rank's share of every [b, s] tensor: the row cut into 2*cp chunks, rank
     r keeping chunks r and 2*cp-1-r (Megatron's get_batch_on_this_cp_rank, the layout its CP
-    attention expects). Other keys (advantages, normalizer) are kept whole."""
+    attention expects). Other keys (advantages, normalizer) are kept whole. A packed micro-batch is
+    cut per segment instead (``packing.split_packed_for_context_parallel``, TE's THD layout)."""
+    import torch.distributed as dist
     from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from gspo_megatron.packing import is_packed, split_packed_for_context_parallel
+
+    if is_packed(batch):
+        if cp_group is None:
+            from megatron.core import parallel_state as ps
+
+            cp_group = ps.get_context_parallel_group()
+        return split_packed_for_context_parallel(batch, dist.get_world_size(cp_group), dist.get_rank(cp_group))
 
     local = get_batch_on_this_cp_rank({k: batch[k] for k in TOKEN_KEYS if k in batch}, cp_group)
     return {**batch, **local}
@@ -99,9 +117,11 @@ def gather_context_parallel(local: torch.Tensor, cp_group) -> torch.Tensor:
 
 
 def response_values(batch: dict, values: torch.Tensor) -> list[list[float]]:
-    """Per-sequence lists of ``values`` [b, s] at the response positions (loss_mask == 1)."""
-    mask = batch["loss_mask"].to(values.device).bool()
-    return [row[m].tolist() for row, m in zip(values, mask)]
+    """Per-sequence lists (seq_ids order) of ``values`` [b, s] at the response positions
+    (loss_mask == 1), for padded and packed micro-batches."""
+    from gspo_megatron.packing import sequence_values
+
+    return sequence_values(batch, values)
 
 
 def to_device(batch: dict) -> dict:
@@ -113,8 +133,11 @@ def to_device(batch: dict) -> dict:
 
 
 def _forward_step(loss_func_factory: Callable[[dict], Callable], data_iterator, model):
+    from gspo_megatron.packing import packed_seq_params
+
     batch = to_device(next(data_iterator))
-    logits = model(batch["tokens"], batch["position_ids"], attention_mask=None)
+    logits = model(batch["tokens"], batch["position_ids"], attention_mask=None,
+                   packed_seq_params=packed_seq_params(batch))
     return logits, loss_func_factory(batch)
 
 

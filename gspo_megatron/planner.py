@@ -13,7 +13,7 @@ The memory model (per GPU, GiB = 2**30 bytes; an estimate, see docs/planner.md):
 - optimizer: Adam fp32 master (not with float32 params) + 2 fp32 moments = 12 (or 8) bytes/param,
   divided over DP (expert params over expert-DP = world / (ep * etp * pp)) with the distributed
   optimizer; the optimizer.cpu_offload_fraction part lives in host memory.
-- activations: per micro-batch of micro_batch_size * max_seq_len / cp tokens, stored tensors of each
+- activations: per micro-batch of micro_batch_size * max_seq_len / cp tokens (max_tokens_per_micro_batch / cp when packing), stored tensors of each
   layer (sequence-parallel, flash attention; full recompute keeps only layer inputs plus one layer),
   times the micro-batches in flight on the stage (1F1B: min(pp - stage, micro-batches)), plus the
   vocab-parallel logits and their gradient on the last stage.
@@ -280,7 +280,8 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
               (f"optimizer ({precision}, {shard}{offl})", opt_gpu)]
     if cfg.gspo.kl_coef > 0:
         static.append(("reference model (frozen copy)", params * wb))
-    tokens = p.micro_batch_size * m.max_seq_len / p.cp
+    # tokens of one micro-batch: the packing budget, or micro_batch_size padded rows
+    tokens = (p.max_tokens_per_micro_batch or p.micro_batch_size * m.max_seq_len) / p.cp
     in_flight = min(p.pp - stage, plan_args["micro_batches"])
     if m.recompute:
         sp = p.tp if p.sequence_parallel else 1

@@ -5,7 +5,10 @@ with log p(token_t | tokens_<t) for t = 1..n-1 (n - 1 values; none for a single 
 
 Data parallel: with world size = tp*pp*cp*dp, each chunk of rows is split over the DP replicas
 (row i goes to replica i % dp; replicas are padded to the same number of rows, since expert
-parallel spans replicas and every replica must run the same number of micro-batches). The last
+parallel spans replicas and every replica must run the same number of micro-batches). With a token
+budget (``max_tokens_per_micro_batch`` > 0) rows are instead balanced over the replicas by tokens
+and packed into micro-batches of whole rows (``gspo_megatron.packing``; replicas with fewer get
+empty micro-batches). The last
 pipeline stage's TP-rank-0 of each replica sends its results to global rank 0, which writes them
 in input order.
 """
@@ -70,7 +73,8 @@ def _is_reporter() -> bool:
 
 @torch.no_grad()
 def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
-               temperature: float = 1.0, pad_id: int = 0) -> list[list[float]] | None:
+               temperature: float = 1.0, pad_id: int = 0,
+               max_tokens_per_micro_batch: int = 0) -> list[list[float]] | None:
     """Log-probs of every row (collective: every rank passes the same ``rows``). Returns the
     per-row lists (input order) on global rank 0, None elsewhere."""
     from megatron.core import parallel_state as ps
@@ -86,25 +90,40 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
 
     if micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+    from gspo_megatron.packing import (
+        collate_packed,
+        gather_packed_context_parallel,
+        is_packed,
+        plan_micro_batches,
+    )
+
     dp_rank, dp = _dp_info()
-    per_replica = math.ceil(len(rows) / dp) if rows else 0
-    mine = [i for i in range(len(rows)) if i % dp == dp_rank]
-    # pad with a copy of row 0 (result dropped) so that every replica runs the same micro-batches
-    slots = mine + [None] * (per_replica - len(mine))
     cp = ps.get_context_parallel_world_size()
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
     multiple = sequence_multiple(ps.get_tensor_model_parallel_world_size(), cp)
-    chunks = [slots[s:s + micro_batch_size] for s in range(0, len(slots), micro_batch_size)]
-    batches = [collate([{"tokens": list(rows[i if i is not None else 0]), "prompt_len": 1}
-                        for i in chunk], pad_id=pad_id, multiple=multiple) for chunk in chunks]
+    if max_tokens_per_micro_batch:
+        seg = 2 * cp if cp > 1 else 1
+        plan = plan_micro_batches([len(r) for r in rows], dp, max_tokens_per_micro_batch, seg)[dp_rank]
+        batches = [collate_packed([{"tokens": list(rows[i]), "prompt_len": 1} for i in idx], pad_id=pad_id,
+                                  seg_multiple=seg, row_multiple=multiple, seq_ids=idx) for idx in plan]
+    else:
+        per_replica = math.ceil(len(rows) / dp) if rows else 0
+        mine = [i for i in range(len(rows)) if i % dp == dp_rank]
+        # pad with a copy of row 0 (result dropped) so that every replica runs the same micro-batches
+        slots = mine + [None] * (per_replica - len(mine))
+        chunks = [slots[s:s + micro_batch_size] for s in range(0, len(slots), micro_batch_size)]
+        batches = [collate([{"tokens": list(rows[i if i is not None else 0]), "prompt_len": 1}
+                            for i in chunk], pad_id=pad_id, multiple=multiple, seq_ids=chunk) for chunk in chunks]
     local = batches if cp_group is None else [split_for_context_parallel(b, cp_group) for b in batches]
     out = compute_logprobs(model, local, temperature=temperature)  # one pipelined schedule
     if out is not None and cp_group is not None:  # whole rows again on every CP rank
-        out = [{"logprobs": gather_context_parallel(o["logprobs"], cp_group)} for o in out]
+        out = [{"logprobs": gather_packed_context_parallel(o["logprobs"], b["cu_seqlens"], cp_group)
+                if is_packed(b) else gather_context_parallel(o["logprobs"], cp_group)}
+               for o, b in zip(out, batches)]
     results: list[tuple[int, list[float]]] = []
     if out is not None and _is_reporter():
-        for chunk, batch, res in zip(chunks, batches, out):
-            for i, lp in zip(chunk, response_values(batch, res["logprobs"])):
+        for batch, res in zip(batches, out):
+            for i, lp in zip(batch["seq_ids"], response_values(batch, res["logprobs"])):
                 if i is not None:
                     results.append((i, lp))
     gathered: list = [results]
@@ -121,16 +140,17 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
 
 
 def score_to_file(model, rows: Sequence[Sequence[int]], output_path: str, micro_batch_size: int = 4,
-                  temperature: float = 1.0, chunk_rows: int = 1024) -> int:
+                  temperature: float = 1.0, chunk_rows: int = 1024, max_tokens_per_micro_batch: int = 0) -> int:
     """Score ``rows`` (from ``read_rows``) into the JSONL ``output_path`` (collective; rank 0
     writes, atomically), ``chunk_rows`` rows at a time so that memory stays bounded.
-    Returns the number of rows."""
+    ``max_tokens_per_micro_batch`` > 0 packs rows (see :func:`score_rows`). Returns the number of rows."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = f"{output_path}.tmp"
     f = open(tmp, "w") if rank0 else None
     try:
         for start in range(0, len(rows), chunk_rows):
-            res = score_rows(model, rows[start:start + chunk_rows], micro_batch_size, temperature)
+            res = score_rows(model, rows[start:start + chunk_rows], micro_batch_size, temperature,
+                             max_tokens_per_micro_batch=max_tokens_per_micro_batch)
             if f is not None:
                 for lp in res:
                     f.write(json.dumps({"logprobs": lp}) + "\n")

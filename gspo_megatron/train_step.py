@@ -1,10 +1,13 @@
 """The training half of a step, on every rank: split the rollout batch, recompute old log-probs,
 then one optimizer step per mini-batch through Megatron's forward-backward schedule.
 
-Batch layout: the N sequences are cut into ``gspo.mini_batches`` contiguous mini-batches; in each,
-data-parallel rank r takes sequences r, r+dp, ...; those are cut into micro-batches of
-``parallel.micro_batch_size``. Each mini-batch's loss is normalized by its global sequence count
-(token count for token-mean), so the reduced gradient is exactly that of the mini-batch mean.
+Batch layout: the N sequences are cut into ``gspo.mini_batches`` contiguous mini-batches. Padded
+(``parallel.max_tokens_per_micro_batch`` 0): in each, data-parallel rank r takes sequences r, r+dp,
+...; those are cut into right-padded micro-batches of ``parallel.micro_batch_size``. Packed (budget
+> 0): sequences go to DP ranks balancing token counts and are packed into micro-batches of at most
+the budget (``gspo_megatron.packing``), every rank running the same number of micro-batches. Either
+way each mini-batch's loss is normalized by its global sequence count (token count for token-mean),
+so the reduced gradient is exactly that of the mini-batch mean whatever the grouping.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from gspo_megatron.config import Config
 from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
 from gspo_megatron.losses.policy_loss import PolicyLossConfig
 from gspo_megatron.optim import optimizer_step, zero_grads
+from gspo_megatron.packing import collate_packed, plan_micro_batches
 from gspo_megatron.pipeline import (
     collate,
     compute_logprobs,
@@ -43,21 +47,34 @@ def loss_config(cfg: Config) -> PolicyLossConfig:
 def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id: int, multiple: int,
                 cp_group=None):
     """Mini-batches (lists of this rank's micro-batch dicts, each carrying its mini-batch's global
-    normalizer). With context parallelism (``cp_group``) every [b, s] tensor is this CP rank's slice."""
+    normalizer). ``multiple``: what a row's length must divide (``pipeline.sequence_multiple``).
+    With context parallelism (``cp_group``) every per-token tensor is this CP rank's slice.
+    Every rank of a DP replica gets the same micro-batches; ``seq_ids`` index ``records``."""
     M = cfg.gspo.mini_batches
     n = len(records)
     token_mean = cfg.gspo.loss_agg == "token-mean"
+    budget = cfg.parallel.max_tokens_per_micro_batch or 0
+    cp = dist.get_world_size(cp_group) if cp_group is not None else 1
     out = []
     for m in range(M):
-        mb = records[m * n // M : (m + 1) * n // M]
+        lo = m * n // M
+        mb = records[lo : (m + 1) * n // M]
         norm = sum((len(r["tokens"]) - r["prompt_len"]) if token_mean else
                    int(len(r["tokens"]) > r["prompt_len"]) for r in mb)
-        mine = [r for i, r in enumerate(mb) if i % dp == dp_rank]
-        size = cfg.parallel.micro_batch_size
-        micro = [to_device(collate(mine[i : i + size], pad_id=pad_id, multiple=multiple))
-                 for i in range(0, len(mine), size)]
+        if budget:
+            plan = plan_micro_batches([len(r["tokens"]) for r in mb], dp, budget,
+                                      seg_multiple=2 * cp if cp > 1 else 1)[dp_rank]
+            micro = [collate_packed([mb[i] for i in idx], pad_id=pad_id, seg_multiple=2 * cp if cp > 1 else 1,
+                                    row_multiple=multiple, seq_ids=[lo + i for i in idx]) for idx in plan]
+        else:
+            mine = [i for i in range(len(mb)) if i % dp == dp_rank]
+            size = cfg.parallel.micro_batch_size
+            micro = [collate([mb[i] for i in mine[j : j + size]], pad_id=pad_id, multiple=multiple,
+                             seq_ids=[lo + i for i in mine[j : j + size]]) for j in range(0, len(mine), size)]
+        micro = [to_device(b) for b in micro]
         for b in micro:
             b["normalizer"] = float(max(norm, 1))
+            b["num_computed_tokens"] = int(b["tokens"].numel())  # the whole row, before any CP split
         if cp_group is not None:
             micro = [split_for_context_parallel(b, cp_group) for b in micro]
         out.append(micro)
@@ -91,11 +108,15 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
     # the engine gap is summed over every CP rank's tokens; the loss metrics are exact over CP
     gap_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     reporter = gap_reporter and ps.get_context_parallel_rank() == 0
-    gap = torch.zeros(2, dtype=torch.float64, device=device())  # collectives need NCCL's device
+    # [engine gap sum, its token count, computed tokens, real tokens]; one collective for both
+    gap = torch.zeros(4, dtype=torch.float64, device=device())  # collectives need NCCL's device
     if gap_reporter:
         for b in flat:
             gap[0] += ((b["old_logprobs"] - b["engine_logprobs"]).abs() * b["loss_mask"]).sum().double()
             gap[1] += b["loss_mask"].sum().double()
+    if reporter:  # one rank per DP replica counts its rows (whole rows, before the CP split)
+        gap[2] += float(sum(b["num_computed_tokens"] for b in flat))
+        gap[3] += float(sum(b["num_real_tokens"] for b in flat))
     t_old = time.perf_counter() - t0
 
     lcfg = loss_config(cfg)
@@ -115,6 +136,8 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
     dist.all_reduce(torch_gap)
     metrics.update({
         "rollout/logprob_abs_diff": float(torch_gap[0] / max(torch_gap[1], 1.0)),
+        # fraction of the tokens the model computes (per pass) that are padding
+        "perf/padding_frac": float(1.0 - torch_gap[3] / max(torch_gap[2], 1.0)),
         "train/skipped_updates": float(sum(not a for a in applied)),
         "train/grad_norm": _mean_finite(grad_norms),
         "train/lr": float(optimizer.param_groups[0]["lr"]),

@@ -1,12 +1,15 @@
 """Per-token log-probs of token sequences under a Megatron checkpoint or an HF model.
 
     torchrun --nproc-per-node N tools/score.py --checkpoint PATH --input IN.jsonl --output OUT.jsonl \
-        [--tp T --pp P --ep E --etp X] [--micro-batch-size 4] [--temperature 1.0]
+        [--tp T --pp P --ep E --etp X] [--micro-batch-size 4] [--max-tokens-per-micro-batch N]
+        [--temperature 1.0]
 
 PATH is a Megatron checkpoint (converted, training step or training root) or an HF directory.
 Each input row is {"input_ids": [ints]}; each output row, in the same order, is
 {"logprobs": [floats]}: log p(token_t | tokens_<t) for t = 1..n-1. N > tp*pp means data parallel
 (rows are spread over the replicas). Log-probs are computed vocab-parallel (no vocab gather).
+--max-tokens-per-micro-batch N > 0 packs whole rows into micro-batches of at most N tokens (no
+padding between rows; rows balanced over the replicas by tokens) instead of --micro-batch-size rows.
 Exit status: 0 done, 2 bad input (one-line message naming the argument, file or line).
 """
 
@@ -28,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input", required=True, help='JSONL with {"input_ids": [...]} per line')
     p.add_argument("--output", required=True, help='JSONL to write {"logprobs": [...]} per line')
     p.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward pass")
+    p.add_argument("--max-tokens-per-micro-batch", type=int, default=0,
+                   help="pack whole rows into micro-batches of at most this many tokens (0 = off)")
     p.add_argument("--temperature", type=float, default=1.0, help="logits are divided by it")
     p.add_argument("--dtype", default=None, help="override the checkpoint's dtype")
     add_layout_args(p, with_cp=True)
@@ -64,6 +69,14 @@ def main(argv=None) -> int:
         hf = _model_config(args.checkpoint)
         convert.check_world_layout(hf, args.tp, args.pp, args.ep, args.etp, args.cp)
         rows = score.read_rows(args.input, hf["vocab_size"])
+        budget = args.max_tokens_per_micro_batch
+        if budget < 0:
+            raise convert.UsageError(f"--max-tokens-per-micro-batch must be >= 0 (0 = off), got {budget}")
+        seg = 2 * args.cp if args.cp > 1 else 1
+        longest = max((-(-len(r) // seg) * seg for r in rows), default=0)
+        if budget and longest > budget:
+            raise convert.UsageError(f"--max-tokens-per-micro-batch={budget} is below the longest row of "
+                                     f"{args.input} ({longest} tokens); rows are never split")
         out_dir = os.path.dirname(os.path.abspath(args.output))
         if not os.path.isdir(out_dir):
             raise convert.UsageError(f"--output directory {out_dir} does not exist")
@@ -72,7 +85,7 @@ def main(argv=None) -> int:
             model, _ = convert.load_model(args.checkpoint, args.tp, args.pp, args.ep, args.etp,
                                           args.cp, args.dtype)
             return score.score_to_file(model, rows, args.output, args.micro_batch_size,
-                                       args.temperature)
+                                       args.temperature, max_tokens_per_micro_batch=budget)
 
         n = convert.run_distributed(run, args.tp, args.pp, args.ep, args.etp, args.cp)
         if int(os.environ.get("RANK", "0")) == 0:

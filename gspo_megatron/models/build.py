@@ -135,6 +135,10 @@ def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     family = get_family(hf)
     family.adapt_layer_spec(spec, te)
+    if not te:  # packed (THD) micro-batches through the local attention (models/packed_attention.py)
+        from gspo_megatron.models.packed_attention import use_packed_local_attention
+
+        use_packed_local_attention(spec)
     model = GPTModel(
         config,
         spec,

@@ -37,6 +37,7 @@ READERS = {
     "parallel.cp": "train.py",
     "parallel.sequence_parallel": "train.py",
     "parallel.micro_batch_size": "train_step.py",
+    "parallel.max_tokens_per_micro_batch": "train_step.py",
     "parallel.use_distributed_optimizer": "train.py",
     "parallel.grad_reduce_in_fp32": "train.py",
     "rollout.engine": "factory.py",

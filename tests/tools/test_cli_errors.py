@@ -134,3 +134,14 @@ def test_bad_input_under_torchrun_is_printed_once(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if "score: error:" in ln]
     assert lines == [f"score: error: --checkpoint {tmp_path / 'nope'} does not exist"], proc.stderr[-3000:]
     assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr and "exitcode  : 1 " not in proc.stderr
+
+
+@pytest.mark.parametrize("budget,expected", [
+    ("-1", "--max-tokens-per-micro-batch must be >= 0"),
+    ("4", "--max-tokens-per-micro-batch=4 is below the longest row of"),
+])
+def test_score_packing_budget(capsys, tmp_path, hf_dir, budget, expected):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2, 3, 4, 5, 6]}\n')
+    fails(capsys, "score", ["--checkpoint", hf_dir, "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
+                            "--max-tokens-per-micro-batch", budget], expected)

@@ -82,10 +82,15 @@ def _read_logprobs(path):
     return [json.loads(line)["logprobs"] for line in open(path)]
 
 
-@pytest.mark.parametrize("source,nproc,layout", [("hf_dir", 1, []), ("ckpt", 2, ["--ep", "2"])])
+@pytest.mark.parametrize("source,nproc,layout", [
+    ("hf_dir", 1, []), ("ckpt", 2, ["--ep", "2"]),
+    # sequence packing: whole rows in micro-batches of at most 64 tokens, balanced over 2 replicas
+    ("ckpt", 2, ["--ep", "2", "--max-tokens-per-micro-batch", "64"]),
+], ids=["hf_dir", "ckpt-ep2", "ckpt-ep2-packed"])
 def test_score_cli_matches_transformers(converted, source, nproc, layout):
     rows = make_rows(seed=9, n=9)
-    inp, outp = converted["root"] / f"in_{source}.jsonl", converted["root"] / f"out_{source}.jsonl"
+    tag = f"{source}{len(layout)}"
+    inp, outp = converted["root"] / f"in_{tag}.jsonl", converted["root"] / f"out_{tag}.jsonl"
     _write_rows(inp, rows)
     res = run_tool("score", ["--checkpoint", converted[source], "--input", str(inp), "--output",
                              str(outp), "--micro-batch-size", "2", *layout], nproc=nproc)
