@@ -1,30 +1,46 @@
-"""Peak memory and time: chunked vocab-parallel log-prob + entropy vs log_softmax over the full logits.
+"""Peak memory and time of the log-prob head: fused vs chunked vocab-parallel vs full log_softmax.
 
-Both paths compute per-token log-probs of the targets and entropies from logits [N, V] (one TP rank
-holding the whole vocab), a weighted sum of the two as the loss, and its backward into the logits.
-Measured in the same process, one after the other:
+All three paths start from the hidden states [N, H] and the output weight [V, H] (one TP rank holding
+the whole vocab, the weight and hidden states in ``--dtype``), compute per-token log-probs of the
+targets and entropies, a weighted sum of the two as the loss, and its backward into hidden states and
+weight (the output layer's GEMMs included in every path):
 
-- peak memory: the process's peak resident set size (VmHWM, reset through /proc/self/clear_refs before
-  each run) minus the resident size before the run. Tensors this large are mmap'd by the allocator and
-  unmapped when freed, so RSS tracks the live tensors; the inputs and the logits' gradient buffer are
-  counted the same way for both paths. Linux only.
-- time: wall-clock of forward + backward, best of ``--repeats``.
+- full:    logits = h @ W^T, then log_softmax over the whole [N, V] in fp32 (autograd keeps it);
+- chunked: logits = h @ W^T, then ``vocab_parallel_logprobs`` (today's unfused path: the [N, V]
+           logits and their gradient exist, the fp32 softmax is chunked);
+- fused:   ``fused_vocab_parallel_logprobs(h, W, ...)``: no [N, V] tensor at all.
 
-Usage: python bench/logprobs.py [--tokens 2048] [--vocab 151936] [--dtype bf16] [--repeats 1]
-Runs in well under 2 minutes on 2 CPU cores at the defaults (about 3 GiB of memory at the peak).
+Measured in the same process, one path after the other, per token count:
+- peak memory: on CUDA ``torch.cuda.max_memory_allocated`` minus the allocation before the run; on
+  CPU the process's peak resident set size (VmHWM, reset through /proc/self/clear_refs) minus the
+  resident size before the run (tensors this large are mmap'd and unmapped when freed, so RSS tracks
+  the live tensors). Inputs (h, W, targets) are allocated before and not counted; their gradients are.
+- time: wall-clock of forward + backward (synchronized on CUDA), best of ``--repeats``.
+A path whose estimated peak exceeds ``--max-gib`` is skipped (printed as such).
+
+Usage: python bench/logprobs.py [--tokens 2048,8192,32768] [--vocab 151936] [--hidden 2048]
+    [--dtype bf16] [--device auto] [--paths full,chunked,fused] [--max-gib 8] [--json out.json]
+CPU defaults are sized for the 2-core CI machine (see docs/bench.md for the command used there).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import sys
 import time
 
 import torch
 
-from gspo_megatron.losses import vocab_parallel_logprobs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from gspo_megatron.losses import vocab_parallel_logprobs  # noqa: E402
+from gspo_megatron.losses.fused_logprobs import fused_vocab_parallel_logprobs  # noqa: E402
 
 TEMPERATURE = 0.8
+PATHS = ("full", "chunked", "fused")
 
 
 def _rss_bytes(field: str) -> int:
@@ -35,70 +51,146 @@ def _rss_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS to the current RSS
-        f.write("5")
-
-
-def full_log_softmax(logits: torch.Tensor, targets: torch.Tensor):
+def full_log_softmax(h, w, targets):
     """The baseline: the whole [N, V] fp32 log-softmax, kept by autograd for backward."""
-    logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
+    logp = torch.log_softmax((h @ w.t()).float() / TEMPERATURE, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
-def chunked(logits: torch.Tensor, targets: torch.Tensor, chunk_size: int | None):
-    return vocab_parallel_logprobs(logits, targets, temperature=TEMPERATURE, chunk_size=chunk_size)
+def chunked(h, w, targets):
+    return vocab_parallel_logprobs(h @ w.t(), targets, temperature=TEMPERATURE)
 
 
-def measure(fn, logits: torch.Tensor, targets: torch.Tensor, w: torch.Tensor, repeats: int):
-    """(peak extra bytes, best seconds, logprobs, entropy, grad) of forward + backward."""
+def fused(h, w, targets):
+    return fused_vocab_parallel_logprobs(h, w, targets, temperature=TEMPERATURE)
+
+
+FNS = {"full": full_log_softmax, "chunked": chunked, "fused": fused}
+
+
+def estimate_bytes(path: str, n: int, v: int, hdim: int, elt: int) -> int:
+    """A rough upper estimate of a path's extra peak (to skip what cannot fit)."""
+    grads = (n + v) * hdim * (elt + 4)
+    if path == "full":
+        return n * v * (elt + 4 * 3) + grads
+    if path == "chunked":
+        return n * v * elt * 2 + 3 * 256 * 2**20 + grads
+    return 3 * 256 * 2**20 + v * hdim * 4 + grads
+
+
+def measure(fn, h, w, targets, wl, repeats: int, cuda: bool):
+    """(peak extra bytes, best seconds, logprobs, entropy, grad_h, grad_w) of forward + backward."""
     best, peak = float("inf"), 0
     for _ in range(repeats):
-        logits.grad = None
+        h.grad = w.grad = None
         gc.collect()
-        base = _rss_bytes("VmRSS")
-        _reset_peak()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            base = _rss_bytes("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS to the current RSS
+                f.write("5")
         t0 = time.perf_counter()
-        lp, ent = fn(logits, targets)
-        ((lp * w).sum() + (ent * w.flip(0)).sum()).backward()
+        lp, ent = fn(h, w, targets)
+        ((lp * wl).sum() + (ent * wl.flip(0)).sum()).backward()
+        if cuda:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-        peak = max(peak, _rss_bytes("VmHWM") - base)
+        now = torch.cuda.max_memory_allocated() - base if cuda else _rss_bytes("VmHWM") - base
+        peak = max(peak, now)
         lp, ent = lp.detach(), ent.detach()
-    return peak, best, lp, ent, logits.grad
+    return peak, best, lp, ent, h.grad, w.grad
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default: ~256 MiB fp32)")
-    ap.add_argument("--repeats", type=int, default=1)
-    args = ap.parse_args()
-
+def run(tokens: int, args, dev: torch.device) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(args.tokens, args.vocab, generator=g) * 3).to(dtype).requires_grad_(True)
-    targets = torch.randint(0, args.vocab, (args.tokens,), generator=g)
-    w = torch.randn(args.tokens, generator=g)
-    mib = 2**20
-    print(f"tokens={args.tokens} vocab={args.vocab} logits={args.dtype} "
-          f"({logits.numel() * logits.element_size() / mib:.0f} MiB) threads={torch.get_num_threads()}")
+    cuda = dev.type == "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = (torch.randn(tokens, args.hidden, generator=g, device=dev) / args.hidden ** 0.25).to(dtype).requires_grad_(True)
+    w = (torch.randn(args.vocab, args.hidden, generator=g, device=dev) * 3 / args.hidden ** 0.25).to(dtype)
+    w.requires_grad_(True)
+    targets = torch.randint(0, args.vocab, (tokens,), generator=g, device=dev)
+    wl = torch.randn(tokens, generator=g, device=dev)
+    elt = h.element_size()
+    res = {"tokens": tokens, "vocab": args.vocab, "hidden": args.hidden, "dtype": args.dtype,
+           "device": str(dev), "paths": {}}
+    outs = {}
+    for path in args.paths:
+        need = estimate_bytes(path, tokens, args.vocab, args.hidden, elt)
+        if need > args.max_gib * 2**30:
+            res["paths"][path] = {"skipped": f"needs ~{need / 2**30:.1f} GiB > --max-gib {args.max_gib:g}"}
+            continue
+        peak, sec, lp, ent, gh, gw = measure(FNS[path], h, w, targets, wl, args.repeats, cuda)
+        outs[path] = (lp, ent, gh.float().clone(), gw.float().clone())
+        res["paths"][path] = {"peak_mib": peak / 2**20, "seconds": sec}
+        h.grad = w.grad = None
+    ref = next((p for p in ("full", "chunked") if p in outs), None)
+    if ref and "fused" in outs:
+        a, b = outs["fused"], outs[ref]
+        res["max_abs_diff_vs_" + ref] = {k: (x - y).abs().max().item() for k, x, y in
+                                         zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), a, b)}
+    del h, w, outs
+    gc.collect()
+    return res
 
-    c_peak, c_time, c_lp, c_ent, c_grad = measure(
-        lambda x, y: chunked(x, y, args.chunk_size), logits, targets, w, args.repeats)
-    c_grad = c_grad.clone()
-    f_peak, f_time, f_lp, f_ent, f_grad = measure(full_log_softmax, logits, targets, w, args.repeats)
 
+def print_result(res: dict) -> None:
+    mib = res["paths"]
+    print(f"\ntokens={res['tokens']} vocab={res['vocab']} hidden={res['hidden']} {res['dtype']} on {res['device']}"
+          f" (logits alone: {res['tokens'] * res['vocab'] * (2 if res['dtype'] == 'bf16' else 4) / 2**20:.0f} MiB)")
     print(f"{'':28s}{'peak extra MiB':>16s}{'fwd+bwd s':>12s}")
-    print(f"{'full log_softmax':28s}{f_peak / mib:16.0f}{f_time:12.3f}")
-    print(f"{'chunked vocab-parallel':28s}{c_peak / mib:16.0f}{c_time:12.3f}")
-    print(f"memory ratio (full / chunked): {f_peak / max(c_peak, 1):.2f}x")
-    print(f"time ratio   (full / chunked): {f_time / c_time:.2f}x")
-    print(f"max |diff|: logprobs {(c_lp - f_lp).abs().max().item():.2e}, "
-          f"entropy {(c_ent - f_ent).abs().max().item():.2e}, "
-          f"grad {(c_grad.float() - f_grad.float()).abs().max().item():.2e}")
+    for path, r in mib.items():
+        if "skipped" in r:
+            print(f"{path:28s}  skipped: {r['skipped']}")
+        else:
+            print(f"{path:28s}{r['peak_mib']:16.0f}{r['seconds']:12.3f}")
+    f = mib.get("fused", {})
+    for base in ("full", "chunked"):
+        b = mib.get(base, {})
+        if "peak_mib" in f and "peak_mib" in b:
+            print(f"{base} / fused: memory {b['peak_mib'] / max(f['peak_mib'], 1e-9):.2f}x, "
+                  f"time {b['seconds'] / f['seconds']:.2f}x")
+    for k, v in res.items():
+        if k.startswith("max_abs_diff"):
+            print(f"{k}: " + ", ".join(f"{n} {x:.2e}" for n, x in v.items()))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="2048,8192,32768", help="comma-separated token counts")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--max-gib", type=float, default=None,
+                    help="skip a path whose estimated peak exceeds this (default: 90%% of free GPU memory; 8 on CPU)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    args.paths = [p for p in args.paths.split(",") if p]
+    bad = [p for p in args.paths if p not in FNS]
+    if bad:
+        ap.error(f"--paths: unknown {bad}; choose from {list(FNS)}")
+    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if args.device == "auto" else args.device))
+    if args.max_gib is None:
+        args.max_gib = torch.cuda.mem_get_info()[0] * 0.9 / 2**30 if dev.type == "cuda" else 8.0
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__}")
+    results = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        res = run(tokens, args, dev)
+        print_result(res)
+        results.append(res)
+    out = {"bench": "logprobs", "results": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ class ModelConfig:
     moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "Megatron MoE token dispatcher")
     moe_aux_loss_coeff: float = _f(0.0, "load-balancing auxiliary loss coefficient (0 = off)")
     recompute: bool = _f(False, "full activation recomputation (store only each layer's input)")
+    fused_logprobs: bool = _f(True, "log-probs / entropy straight from the last hidden states, the output layer fused in and recomputed per token chunk in backward (no [tokens, V/tp] logits; gspo_megatron/losses/fused_logprobs.py); false: the output layer's logits, then the chunked vocab-parallel log-probs")
     max_seq_len: int = _f(64, "max prompt + response tokens of one sequence: must cover data.max_prompt_len + rollout.max_new_tokens and fit the model's max_position_embeddings; the memory planner sizes activations and KV cache with it")
 
 

@@ -132,20 +132,25 @@ def to_device(batch: dict) -> dict:
     return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def _forward_step(loss_func_factory: Callable[[dict], Callable], data_iterator, model):
+def _forward_step(loss_func_factory: Callable[[dict], Callable], fused_logprobs: bool, data_iterator, model):
+    from gspo_megatron.models.lm_head import lm_forward
     from gspo_megatron.packing import packed_seq_params
 
     batch = to_device(next(data_iterator))
-    logits = model(batch["tokens"], batch["position_ids"], attention_mask=None,
-                   packed_seq_params=packed_seq_params(batch))
-    return logits, loss_func_factory(batch)
+    # fused: hidden states [b, s, H] + the output weight shard, bound to the loss function
+    output, weight = lm_forward(model, batch["tokens"], batch["position_ids"], fused=fused_logprobs,
+                                attention_mask=None, packed_seq_params=packed_seq_params(batch))
+    loss_func = loss_func_factory(batch)
+    return output, (loss_func if weight is None else partial(loss_func, output_weight=weight))
 
 
 def run_schedule(model, batches: list[dict], loss_func_factory: Callable[[dict], Callable],
-                 forward_only: bool) -> list:
+                 forward_only: bool, fused_logprobs: bool = True) -> list:
     """Run Megatron's forward-backward schedule (1F1B with PP>1) over ``batches``. Every rank of the
     model-parallel group calls it with the same batches. Returns what the loss functions reported
-    (non-empty on the last pipeline stage only)."""
+    (non-empty on the last pipeline stage only). ``fused_logprobs`` (config ``model.fused_logprobs``):
+    the last stage hands the loss function hidden states and the output weight instead of logits
+    (``gspo_megatron.models.lm_head``); the loss functions of ``losses.megatron_loss`` take either."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not batches:
@@ -154,7 +159,7 @@ def run_schedule(model, batches: list[dict], loss_func_factory: Callable[[dict],
     mbs = max(b["tokens"].shape[0] for b in batches)
     fb = get_forward_backward_func()
     return fb(
-        forward_step_func=partial(_forward_step, loss_func_factory),
+        forward_step_func=partial(_forward_step, loss_func_factory, fused_logprobs),
         data_iterator=iter(batches),
         model=[model],
         num_microbatches=len(batches),
@@ -166,9 +171,10 @@ def run_schedule(model, batches: list[dict], loss_func_factory: Callable[[dict],
 
 @torch.no_grad()
 def compute_logprobs(model, batches: list[dict], temperature: float = 1.0,
-                     with_entropy: bool = False) -> list[dict] | None:
-    """Per-token log-probs [b, s] of each batch's labels (vocab-parallel, no vocab gather). Returns
-    the list of {"logprobs", ("entropy")} per batch on the last pipeline stage, None elsewhere."""
+                     with_entropy: bool = False, fused_logprobs: bool = True) -> list[dict] | None:
+    """Per-token log-probs [b, s] of each batch's labels (vocab-parallel, no vocab gather; with
+    ``fused_logprobs`` no logits either). Returns the list of {"logprobs", ("entropy")} per batch on
+    the last pipeline stage, None elsewhere."""
     from megatron.core import parallel_state as ps
 
     from gspo_megatron.losses.megatron_loss import make_megatron_logprob_func
@@ -181,7 +187,7 @@ def compute_logprobs(model, batches: list[dict], temperature: float = 1.0,
             lambda b: make_megatron_logprob_func(
                 b, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature,
                 with_entropy=with_entropy),
-            forward_only=True)
+            forward_only=True, fused_logprobs=fused_logprobs)
     finally:
         model.train(was_training)
     return out if ps.is_pipeline_last_stage() else None

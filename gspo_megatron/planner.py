@@ -15,8 +15,10 @@ The memory model (per GPU, GiB = 2**30 bytes; an estimate, see docs/planner.md):
   optimizer; the optimizer.cpu_offload_fraction part lives in host memory.
 - activations: per micro-batch of micro_batch_size * max_seq_len / cp tokens (max_tokens_per_micro_batch / cp when packing), stored tensors of each
   layer (sequence-parallel, flash attention; full recompute keeps only layer inputs plus one layer),
-  times the micro-batches in flight on the stage (1F1B: min(pp - stage, micro-batches)), plus the
-  vocab-parallel logits and their gradient on the last stage.
+  times the micro-batches in flight on the stage (1F1B: min(pp - stage, micro-batches)), plus on the
+  last stage the log-prob head: with model.fused_logprobs a few [chunk, V/tp] fp32 temporaries, the
+  fp32 [V/tp, H] grad_W accumulator and the hidden states' gradient; without, the vocab-parallel
+  logits and their gradient.
 - runtime overhead: a fixed RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers, fragmentation.
 - engines (SGLang semantics): an engine fills engine_mem_fraction of the GPU with its weights
   (bf16, fp8 with sync_fp8, / engine_tp) and the KV cache. Colocated engines release their memory
@@ -46,6 +48,7 @@ from gspo_megatron.models.dims import ModelDims as _ModelDims
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD_GIB = 4.0
+FUSED_CHUNK_BYTES = 256 * 2**20  # losses.vocab_parallel.DEFAULT_CHUNK_BYTES: one [chunk, V/tp] fp32 temporary
 
 
 class PlanError(UserInputError):
@@ -293,7 +296,10 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
         how = "no recompute"
     s.in_flight = in_flight
     s.train_items = static + [(f"activations ({how}; pp - stage micro-batches in flight)", acts)]
-    if stage == p.pp - 1:
+    if stage == p.pp - 1 and m.fused_logprobs:  # losses/fused_logprobs.py: no [tokens, V/tp] tensor
+        s.train_items.append(("fused log-prob head (chunks + fp32 grad_W)", FUSED_CHUNK_BYTES * 3
+                               + d.vocab_size / p.tp * d.hidden * 4 + tokens * d.hidden * wb))
+    elif stage == p.pp - 1:
         s.train_items.append(("logits + grad (vocab-parallel)", tokens * d.vocab_size / p.tp * 2 * wb))
     s.train_items.append(("runtime overhead (CUDA context, NCCL, allocator)", RUNTIME_OVERHEAD_GIB * GIB))
     if r.sync_mode == "colocated":

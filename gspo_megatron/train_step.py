@@ -81,9 +81,9 @@ def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id:
     return out
 
 
-def _attach_logprobs(model, batches, key, temperature, ps) -> None:
+def _attach_logprobs(model, batches, key, temperature, ps, fused: bool = True) -> None:
     """batch[key] = the model's log-probs of the labels (last stage; zeros elsewhere, unused)."""
-    out = compute_logprobs(model, batches, temperature=temperature)
+    out = compute_logprobs(model, batches, temperature=temperature, fused_logprobs=fused)
     for i, b in enumerate(batches):
         b[key] = out[i]["logprobs"].float() if out is not None else torch.zeros_like(b["loss_mask"])
 
@@ -102,9 +102,10 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
                         cp_group=cp_group)
     flat = [b for mb in minis for b in mb]
     temp = cfg.rollout.temperature
-    _attach_logprobs(ddp, flat, "old_logprobs", temp, ps)
+    fused = cfg.model.fused_logprobs
+    _attach_logprobs(ddp, flat, "old_logprobs", temp, ps, fused)
     if ref_model is not None:
-        _attach_logprobs(ref_model, flat, "ref_logprobs", temp, ps)
+        _attach_logprobs(ref_model, flat, "ref_logprobs", temp, ps, fused)
     # the engine gap is summed over every CP rank's tokens; the loss metrics are exact over CP
     gap_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     reporter = gap_reporter and ps.get_context_parallel_rank() == 0
@@ -126,7 +127,8 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
         zero_grads(ddp, optimizer)
         out = run_schedule(ddp, micro, lambda b, n=len(micro): make_megatron_loss_func(
             b, lcfg, tp_group=tp_group, cp_group=cp_group, num_microbatches=n, data_parallel_size=dp,
-            temperature=temp, compute_entropy=True, check_finite=False), forward_only=False)
+            temperature=temp, compute_entropy=True, check_finite=False), forward_only=False,
+            fused_logprobs=fused)
         ok, gn = optimizer_step(optimizer, scheduler)
         applied.append(ok)
         grad_norms.append(gn)

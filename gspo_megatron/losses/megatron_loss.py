@@ -3,6 +3,10 @@
 The trainer's ``forward_step_func(data_iterator, model)`` runs the model on one micro-batch and
 returns ``(logits, make_megatron_loss_func(batch, cfg, ...))``. ``logits`` is GPTModel's output with
 ``labels=None``: [b, s, V/tp] (vocab-parallel, already transposed from [s, b, V/tp]).
+With the fused output layer (``model.fused_logprobs``, :func:`gspo_megatron.models.lm_head.lm_forward`)
+the forward step returns the hidden states [b, s, H] instead and binds the output weight shard
+[V/tp, H] as the loss function's ``output_weight`` keyword: the log-probs then come from
+:func:`~gspo_megatron.losses.fused_logprobs.fused_vocab_parallel_logprobs` and no logits exist.
 
 Micro-batch dict (tensors on the model's device; for context parallel, the [b, s] tensors are this
 CP rank's slice of the tokens, cut exactly like the model's input):
@@ -48,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gspo_megatron.losses.fused_logprobs import fused_vocab_parallel_logprobs
 from gspo_megatron.losses.policy_loss import PolicyLossConfig, policy_loss_flat
 from gspo_megatron.losses.vocab_parallel import vocab_parallel_logprobs
 
@@ -69,12 +74,21 @@ def _check_batch(batch: dict[str, Any], logits: Tensor) -> tuple[int, int]:
     if missing:
         raise KeyError(f"micro-batch is missing {missing} (needed by the GSPO loss function)")
     if logits.dim() != 3:
-        raise ValueError(f"output_tensor must be logits [b, s, V/tp], got shape {tuple(logits.shape)}")
+        raise ValueError(f"output_tensor must be logits [b, s, V/tp] or hidden states [b, s, H], "
+                         f"got shape {tuple(logits.shape)}")
     b, s = logits.shape[:2]
     for k in TOKEN_KEYS:
         if batch.get(k) is not None and tuple(batch[k].shape) != (b, s):
-            raise ValueError(f"batch[{k!r}] must be [b, s] = [{b}, {s}] like the logits, got {tuple(batch[k].shape)}")
+            raise ValueError(f"batch[{k!r}] must be [b, s] = [{b}, {s}] like the model output, got {tuple(batch[k].shape)}")
     return b, s
+
+
+def token_logprobs(output_tensor: Tensor, labels: Tensor, output_weight: Tensor | None, **kwargs):
+    """(logprobs, entropy) [b, s] of ``labels`` from the logits [b, s, V/tp] (``output_weight`` None)
+    or from the hidden states [b, s, H] and the output weight shard [V/tp, H] (fused)."""
+    if output_weight is None:
+        return vocab_parallel_logprobs(output_tensor, labels, **kwargs)
+    return fused_vocab_parallel_logprobs(output_tensor, output_weight, labels, **kwargs)
 
 
 def make_megatron_loss_func(
@@ -104,7 +118,8 @@ def make_megatron_loss_func(
             non-finite loss then yields a non-finite gradient norm and the update is skipped.
         vocab_size: the tokenizer/HF vocab size when Megatron padded the output layer (padded
             columns are left out of the softmax, as in the rollout engine).
-    The returned function maps logits [b, s, V/tp] to ``(scaled loss, metrics)``; it runs TP and CP
+    The returned function maps logits [b, s, V/tp] (or hidden states [b, s, H] with the keyword
+    ``output_weight`` [V/tp, H]: the fused path) to ``(scaled loss, metrics)``; it runs TP and CP
     collectives, so every rank of those groups calls it.
     """
     if num_microbatches < 1 or data_parallel_size < 1:
@@ -114,10 +129,10 @@ def make_megatron_loss_func(
     with_entropy = compute_entropy or cfg.entropy_coef != 0
     scale = float(num_microbatches * data_parallel_size)
 
-    def loss_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, float]]:
+    def loss_func(output_tensor: Tensor, output_weight: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         b, s = _check_batch(batch, output_tensor)
-        logprobs, entropy = vocab_parallel_logprobs(
-            output_tensor, batch["labels"], tp_group=tp_group, temperature=temperature,
+        logprobs, entropy = token_logprobs(
+            output_tensor, batch["labels"], output_weight, tp_group=tp_group, temperature=temperature,
             chunk_size=chunk_size, with_entropy=with_entropy, vocab_size=vocab_size,
         )
         adv = batch["advantages"]
@@ -156,15 +171,16 @@ def make_megatron_logprob_func(
 
     Run the schedule with ``forward_only=True``; each micro-batch appends
     ``{"logprobs": [b, s], "entropy": [b, s] (if asked)}`` (detached fp32) to the returned list.
-    Uses only ``batch["labels"]`` [b, s]. Every TP rank calls it.
+    Uses only ``batch["labels"]`` [b, s]. Every TP rank calls it. Takes logits [b, s, V/tp], or hidden
+    states [b, s, H] with the keyword ``output_weight`` [V/tp, H] (fused path).
     """
 
-    def logprob_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def logprob_func(output_tensor: Tensor, output_weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         if "labels" not in batch:
             raise KeyError("micro-batch is missing 'labels' (needed to compute log-probs)")
         with torch.no_grad():
-            logprobs, entropy = vocab_parallel_logprobs(
-                output_tensor, batch["labels"], tp_group=tp_group, temperature=temperature,
+            logprobs, entropy = token_logprobs(
+                output_tensor, batch["labels"], output_weight, tp_group=tp_group, temperature=temperature,
                 chunk_size=chunk_size, with_entropy=with_entropy, vocab_size=vocab_size,
             )
         out = {"logprobs": logprobs}

@@ -29,6 +29,7 @@ READERS = {
     "model.moe_token_dispatcher": "factory.py",
     "model.moe_aux_loss_coeff": "factory.py",
     "model.recompute": "factory.py",
+    "model.fused_logprobs": "train_step.py",
     "model.max_seq_len": "planner.py",  # activation and KV-cache sizes (and the config's own checks)
     "parallel.tp": "train.py",
     "parallel.pp": "train.py",

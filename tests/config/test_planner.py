@@ -137,7 +137,9 @@ def test_pipeline_stages_split_the_model():
     first, last = plan.stages
     assert first.layers == (0, 1) and last.layers == (1, 2)
     assert first.params + last.params == param_counts(ModelDims.from_hf_config(TINY)).total
-    assert "logits + grad" in rows(last) and "logits + grad" not in rows(first)
+    assert "fused log-prob head" in rows(last) and "fused log-prob head" not in rows(first)
+    unfused = tiny_plan("parallel.pp=2", "model.fused_logprobs=false").stages[1]
+    assert "logits + grad" in rows(unfused) and "fused log-prob head" not in rows(unfused)
     # 1F1B: the first stage holds pp micro-batches, the last one
     assert (first.in_flight, last.in_flight) == (2, 1)
     assert tiny_plan("parallel.pp=2", "rollout.prompts_per_step=4", "parallel.micro_batch_size=2").stages[0].in_flight == 1

@@ -31,3 +31,15 @@ def test_parallel_layout_matches_single_rank(tmp_path, single, layout):
         assert a["reward/mean"] == b["reward/mean"]  # identical rollouts
         for k in ("loss/total", "gspo/ratio_mean", "train/grad_norm"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a["step"])
+
+
+def test_unfused_logprob_head_matches_fused(tmp_path, single):
+    """model.fused_logprobs=false (GPTModel's logits, chunked softmax) trains to the same metrics as
+    the default fused head (hidden states + output weight)."""
+    run_train(str(tmp_path), ["model.fused_logprobs=false"])
+    plain = read_metrics(str(tmp_path))
+    assert len(plain) == len(single)
+    for a, b in zip(single, plain):
+        assert a["reward/mean"] == b["reward/mean"]
+        for k in ("loss/total", "gspo/ratio_mean", "train/grad_norm", "policy/entropy"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (k, a["step"])

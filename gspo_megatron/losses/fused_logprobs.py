@@ -1,0 +1,200 @@
+"""Log-probs and entropy of target tokens straight from hidden states and the vocab-parallel output
+weight: the output layer fused with the softmax statistics, chunked over tokens, so that no
+[N, V/tp] logits tensor (nor its gradient) ever exists; only one chunk's [c, V/tp] at a time.
+
+Every tensor-parallel rank calls :func:`fused_vocab_parallel_logprobs` with the same hidden states
+[N, H] (the full sequence: after sequence-parallel gather), its shard of the output weight
+[V/tp, H] (rank r holds rows [r * V/tp, (r + 1) * V/tp): Megatron's ColumnParallelLinear layout, also
+the tied embedding's), and the same targets [N]. Forward, per chunk of c tokens:
+
+    z = (h @ W_r^T).float() / temperature                  [c, V/tp], the GEMM in the weight's dtype
+    m_r = max_v z,  S_r = sum_v exp(z - m_r),  E_r = sum_v exp(z - m_r) * (z - m_r),  z_y (if local)
+
+then, once for all N tokens (two collectives: a max, then the three sums in one):
+
+    m = allreduce_max(m_r),  a_r = exp(m_r - m)
+    S = allreduce_sum(a_r S_r),   E = allreduce_sum(a_r (E_r + (m_r - m) S_r)),   zy = allreduce_sum(z_y - m)
+    logp = zy - log S,   entropy = log S - E / S
+
+Backward recomputes each chunk's logits from the saved h, W and the [N] statistics (no collective):
+
+    p = exp(z - m - log S),   dlogp/dz = 1[v = y] - p,   dH/dz = -p (log p + H),   dz/dlogits = 1/T
+    grad_h[chunk] = g @ W_r   (this rank's partial: the caller's Megatron region op sums it over TP)
+    grad_W_r     += g^T @ h   (accumulated in fp32, cast to W's dtype at the end)
+
+Memory: one [c, V/tp] fp32 chunk (plus its GEMM output in the weight's dtype) in forward and backward,
+the [N] statistics, and in backward one fp32 [V/tp, H] accumulator for grad_W (param-sized, not T-sized)
+and grad_h [N, H]. Nothing scales with N x V.
+
+Gradient of the hidden states: like ColumnParallelLinear's input gradient, each TP rank's grad_h is the
+contribution of its vocab shard only; the caller must route h through Megatron's
+``copy_to_tensor_model_parallel_region`` (or, with sequence parallelism,
+``gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=True)``) whose backward sums
+(reduce-scatters) it over the TP group -- exactly what the output layer itself does.
+:func:`gspo_megatron.models.lm_head.lm_hidden_states` does that.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gspo_megatron.losses.reductions import group_rank, group_size
+from gspo_megatron.losses.vocab_parallel import DEFAULT_CHUNK_BYTES, _local_targets
+
+
+def _chunk_tokens(chunk_size: int | None, vocab_local: int) -> int:
+    if chunk_size is None:
+        return max(1, DEFAULT_CHUNK_BYTES // (4 * max(vocab_local, 1)))
+    return chunk_size
+
+
+class _FusedVocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, tp_group, temperature: float, chunk: int,
+                with_entropy: bool, vocab_size: int | None):
+        n = hidden.shape[0]
+        vocab_local = weight.shape[0]
+        vocab_start = group_rank(tp_group) * vocab_local
+        multi = group_size(tp_group) > 1
+        cdt = torch.promote_types(weight.dtype, torch.float32)  # fp32 softmax math (fp64 stays fp64)
+        if vocab_size is None:
+            vocab_size = vocab_local * group_size(tp_group)
+        valid_cols = max(0, min(vocab_local, vocab_size - vocab_start))  # Megatron's vocab padding left out
+        w = weight[:valid_cols]
+        col, in_shard = _local_targets(targets, vocab_start, valid_cols)
+
+        dev = hidden.device
+        m_loc = torch.full((n,), -torch.inf, dtype=cdt, device=dev)
+        stats = torch.zeros(3, n, dtype=cdt, device=dev)  # S_r, E_r, z_y (local, unshifted)
+        for lo in range(0, n if valid_cols else 0, chunk):
+            hi = min(lo + chunk, n)
+            z = (hidden[lo:hi].to(weight.dtype) @ w.t()).to(cdt).div_(temperature)  # [c, V/tp]
+            zy = z.gather(1, col[lo:hi, None]).squeeze(1)
+            stats[2, lo:hi] = torch.where(in_shard[lo:hi], zy, torch.zeros_like(zy))
+            mr = z.max(dim=-1).values
+            m_loc[lo:hi] = mr
+            z.sub_(mr[:, None])
+            e = torch.exp(z)
+            stats[0, lo:hi] = e.sum(dim=-1)
+            if with_entropy:
+                stats[1, lo:hi] = e.mul_(z).sum(dim=-1)
+            del z, e
+        m = m_loc.clone()
+        if multi:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+        has = torch.isfinite(m_loc)  # a rank whose shard is all padding contributes nothing
+        delta = torch.where(has, m_loc - m, torch.zeros_like(m))
+        a = torch.where(has, torch.exp(delta), torch.zeros_like(m))
+        red = torch.stack([
+            a * stats[0],
+            a * (stats[1] + delta * stats[0]),
+            torch.where(in_shard, stats[2] - m, torch.zeros_like(m)),
+        ])
+        if multi:
+            dist.all_reduce(red, op=dist.ReduceOp.SUM, group=tp_group)
+        log_sum = red[0].log()
+        valid = (targets >= 0) & (targets < vocab_size)
+        logprobs = torch.where(valid, red[2] - log_sum, torch.zeros_like(log_sum))
+        entropy = log_sum - red[1] / red[0] if with_entropy else logprobs.new_zeros(0)
+
+        ctx.save_for_backward(hidden, weight, col, in_shard, valid, m + log_sum, entropy)
+        ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.valid_cols = temperature, chunk, with_entropy, valid_cols
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, col, in_shard, valid, norm, entropy = ctx.saved_tensors
+        nones = (None,) * 6
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        if grad_logprobs is None and not use_entropy:
+            return (None, None) + nones
+        if grad_logprobs is not None:  # ignored targets have a constant log-prob 0
+            grad_logprobs = torch.where(valid, grad_logprobs, torch.zeros_like(grad_logprobs))
+        n = hidden.shape[0]
+        temperature, chunk, valid_cols = ctx.temperature, ctx.chunk, ctx.valid_cols
+        w = weight[:valid_cols]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        acc_dt = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(weight.shape, dtype=acc_dt, device=weight.device) if need_w else None
+        for lo in range(0, n if valid_cols else 0, chunk):
+            hi = min(lo + chunk, n)
+            h = hidden[lo:hi].to(weight.dtype)
+            logp = (h @ w.t()).to(norm.dtype).div_(temperature).sub_(norm[lo:hi, None])  # log p_v
+            p = torch.exp(logp)
+            if use_entropy:  # dH/dz = -p (log p + H)
+                g = logp.add_(entropy[lo:hi, None]).mul_(p).mul_(-grad_entropy[lo:hi, None])
+                if grad_logprobs is not None:
+                    g.sub_(p.mul_(grad_logprobs[lo:hi, None]))
+            else:
+                g = p.mul_(-grad_logprobs[lo:hi, None])
+            del p
+            if grad_logprobs is not None:
+                g_y = torch.where(in_shard[lo:hi], grad_logprobs[lo:hi], torch.zeros_like(grad_logprobs[lo:hi]))
+                g.scatter_add_(1, col[lo:hi, None], g_y[:, None])
+            g = g.div_(temperature).to(weight.dtype)  # [c, V/tp]: the logits' gradient, GEMM dtype
+            if need_h:
+                grad_hidden[lo:hi] = (g @ w).to(hidden.dtype)
+            if need_w:
+                grad_w[:valid_cols] += (g.t() @ h).to(acc_dt)
+            del g
+        return (grad_hidden, None if grad_w is None else grad_w.to(weight.dtype)) + nones
+
+
+def fused_vocab_parallel_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    vocab_size: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of each target token (and the entropy of each token's distribution) from hidden states.
+
+    Equals ``vocab_parallel_logprobs(hidden @ weight.T, targets, ...)`` in value and gradient without
+    the logits (see the module docstring for the math and memory).
+
+    Args:
+        hidden: [..., H] hidden states entering the output layer, identical on every TP rank.
+        weight: [V/tp, H] this rank's vocab shard of the output (or tied embedding) weight.
+        targets: [...] global token ids; ids outside [0, vocab) give log-prob 0 with no gradient.
+        tp_group: tensor-parallel group (``None``: the whole vocab is local).
+        temperature: logits are divided by it (the rollout engine's sampling temperature).
+        chunk_size: tokens per chunk; default keeps one [chunk, V/tp] fp32 temporary near 256 MiB.
+        with_entropy: also return the entropy [...] (else ``None``).
+        vocab_size: the real vocabulary when the output layer is padded (padded rows left out).
+    Returns:
+        (logprobs [...], entropy [...] or None) in fp32 (fp64 for an fp64 weight), identical on every
+        TP rank; differentiable in ``hidden`` (this rank's partial gradient, see the module docstring)
+        and ``weight``. Every rank of ``tp_group`` calls it (collectives).
+    """
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden [..., H] and weight [V/tp, H] disagree: hidden {tuple(hidden.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden [..., H] and targets [...] disagree: hidden {tuple(hidden.shape)}, "
+                         f"targets {tuple(targets.shape)}")
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        raise TypeError(f"hidden and weight must be floating point, got {hidden.dtype}, {weight.dtype}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must hold integer token ids, got {targets.dtype}")
+    if not (temperature > 0):
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    tp = group_size(tp_group)
+    if vocab_size is not None and not (1 <= vocab_size <= weight.shape[0] * tp):
+        raise ValueError(f"vocab_size must be in [1, V/tp * tp = {weight.shape[0] * tp}], got {vocab_size}")
+    lead = targets.shape
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1).long()
+    chunk = _chunk_tokens(chunk_size, weight.shape[0])
+    logprobs, entropy = _FusedVocabParallelLogprobs.apply(
+        flat_h, weight, flat_t, tp_group, float(temperature), chunk, with_entropy, vocab_size)
+    return logprobs.view(lead), (entropy.view(lead) if with_entropy else None)

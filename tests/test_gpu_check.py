@@ -1,0 +1,92 @@
+"""The GPU check kit's CPU-safe parts: the pinned wheel list, the wheel-folder check, and the whole
+--dry-run (list, GPU test files, collection, every benchmark command in its CPU form)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+import gpu_check  # noqa: E402
+
+
+def test_pinned_list_is_complete_and_leaves_torch_out():
+    pins, problems = gpu_check.read_requirements()
+    assert problems == []
+    assert gpu_check.check_core_dependencies(pins) == []
+    assert pins["megatron-core"] == "0.16.1" and "pytest" in pins and "torch" not in pins
+
+
+def test_list_problems_are_named(tmp_path):
+    bad = tmp_path / "req.txt"
+    bad.write_text("numpy>=1.26\ntorch==2.14.1\nrich==15.0.0\nrich==15.0.0\n")
+    _, problems = gpu_check.read_requirements(str(bad))
+    assert len(problems) == 3
+    assert "req.txt:1" in problems[0] and "pin" in problems[0]
+    assert "torch" in problems[1] and "twice" in problems[2]
+    pins = {"transformers": "5.19.0", "safetensors": "0.8.0"}
+    missing = gpu_check.check_core_dependencies(pins)
+    assert any("transformers==5.19.0 does not satisfy" in p for p in missing)
+    assert any("megatron-core" in p and "not pinned" in p for p in missing)
+
+
+def test_wheel_folder_check(tmp_path):
+    pins = {"numpy": "2.5.5", "rich": "15.0.0", "psutil": "7.2.2", "tokenizers": "0.23.3", "pyyaml": "6.0.3"}
+    names = ["numpy-2.5.5-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
+             "rich-15.0.0-py3-none-any.whl",
+             "psutil-7.2.2-cp36-abi3-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
+             "tokenizers-0.23.3-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+             "PyYAML-6.0.3-cp312-cp312-manylinux2014_x86_64.whl"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"")
+    assert gpu_check.check_wheels(str(tmp_path), pins) == []
+    (tmp_path / names[1]).unlink()
+    (tmp_path / names[0]).unlink()
+    (tmp_path / "numpy-2.5.5-cp312-cp312-macosx_14_0_arm64.whl").write_bytes(b"")
+    (tmp_path / "rich-14.0.0-py3-none-any.whl").write_bytes(b"")
+    (tmp_path / names[4]).unlink()
+    (tmp_path / "PyYAML-6.0.3-cp311-cp311-manylinux2014_x86_64.whl").write_bytes(b"")
+    problems = gpu_check.check_wheels(str(tmp_path), {**pins, "tqdm": "4.70.1"})
+    assert any("numpy==2.5.5: no cp312" in p for p in problems)
+    assert any("rich==15.0.0: only ['14.0.0']" in p for p in problems)
+    assert any("pyyaml==6.0.3: no cp312" in p for p in problems)
+    assert any("tqdm==4.70.1: missing" in p for p in problems)
+    assert len(problems) == 4
+    assert gpu_check.check_wheels(str(tmp_path / "nope"), pins)[0].startswith("--wheels")
+
+
+def test_download_command_targets_cp312_manylinux():
+    cmd = gpu_check.download_command()
+    assert cmd[:2] == ["pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
+    assert cmd[cmd.index("--python-version") + 1] == "3.12"
+    assert "manylinux2014_x86_64" in cmd and cmd[-1] == "bench/gpu_kit/requirements.txt"
+
+
+def test_real_run_refuses_without_gpu_before_installing(tmp_path):
+    out = tmp_path / "r.json"
+    rc = gpu_check.main(["--out", str(out), "--skip-install"])
+    res = json.loads(out.read_text())
+    assert rc == 1 and res["steps"] == []
+    assert any("no CUDA GPU" in p or "Python 3.12" in p for p in res["problems"])
+
+
+@pytest.mark.timeout(600)
+def test_dry_run(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--dry-run", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    res = json.loads(out.read_text())
+    assert p.returncode == 0 and res["ok"], p.stdout[-3000:] + p.stderr[-3000:]
+    assert [s["name"] for s in res["steps"]] == ["gpu_tests", "bench_logprobs", "bench_gpu_config", "bench_gpu"]
+    collected = res["steps"][0]["output_tail"]
+    assert "test_fused_logprobs_gpu.py" in collected and "test_vocab_parallel_gpu.py" in collected
+    assert {"full", "chunked", "fused"} <= set(res["bench"]["logprobs"]["results"][0]["paths"])
+    assert res["bench"]["gpu"]["train_step"]["runs"]["padded"]["tokens_per_s"] > 0
+    assert res["bench"]["gpu"]["weight_export"]["bytes"] > 0
