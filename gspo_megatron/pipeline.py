@@ -6,8 +6,9 @@ attention (padding sits after every real token, so it never influences them); ``
 to a multiple of the tensor-parallel size for sequence parallelism.
 
 Sequence record (one per sequence): ``tokens`` (prompt + response ids), ``prompt_len``, and optional
-per-response-token lists ``old_logprobs``, ``engine_logprobs``, ``ref_logprobs`` and a scalar
-``advantage``. Position t of a row predicts token t+1, so response token j (0-based) is the label at
+per-response-token lists ``old_logprobs``, ``engine_logprobs``, ``ref_logprobs``,
+``behaviour_version`` (the trainer step whose weights generated each token, off-policy runs) and a
+scalar ``advantage``. Position t of a row predicts token t+1, so response token j (0-based) is the label at
 position prompt_len - 1 + j.
 """
 
@@ -35,8 +36,8 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1) -> dict:
     tokens = torch.full((b, width), pad_id, dtype=torch.long)
     labels = torch.full((b, width), PAD_LABEL, dtype=torch.long)
     mask = torch.zeros(b, width)
-    per_token = {k: torch.zeros(b, width) for k in ("old_logprobs", "engine_logprobs", "ref_logprobs")
-                 if k in seqs[0]}
+    per_token = {k: torch.zeros(b, width) for k in ("old_logprobs", "engine_logprobs", "ref_logprobs",
+                                                    "behaviour_version") if k in seqs[0]}
     for i, s in enumerate(seqs):
         ids = torch.as_tensor(s["tokens"], dtype=torch.long)
         n, p = ids.numel(), s["prompt_len"]
@@ -64,7 +65,7 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1) -> dict:
 
 
 TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "old_logprobs",
-              "engine_logprobs", "ref_logprobs")
+              "engine_logprobs", "ref_logprobs", "behaviour_version")
 
 
 def sequence_multiple(tp: int, cp: int) -> int:

@@ -72,9 +72,13 @@ def _attach_logprobs(model, batches, key, temperature, ps) -> None:
 
 
 def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], pad_id: int,
-                   ref_model=None) -> dict:
+                   ref_model=None, behaviour=None) -> dict:
     """Every rank: recompute old log-probs, then ``gspo.mini_batches`` optimizer steps. Returns the
-    step's metrics, identical on every rank."""
+    step's metrics, identical on every rank.
+
+    behaviour: off-policy runs (rollout.max_staleness >= 1), a ``behaviour_policy.WeightHistory``:
+    the old log-probs are then the trainer's with the weights that generated each token (records
+    carry ``behaviour_version``), and the history learns that the weights moved on."""
     from megatron.core import parallel_state as ps
 
     t0 = time.perf_counter()
@@ -85,7 +89,10 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
                         cp_group=cp_group)
     flat = [b for mb in minis for b in mb]
     temp = cfg.rollout.temperature
-    _attach_logprobs(ddp, flat, "old_logprobs", temp, ps)
+    if behaviour is not None and any(int(v) != behaviour.current for r in records for v in r["behaviour_version"]):
+        behaviour.attach_old_logprobs(ddp, flat, records, temp)
+    else:
+        _attach_logprobs(ddp, flat, "old_logprobs", temp, ps)
     if ref_model is not None:
         _attach_logprobs(ref_model, flat, "ref_logprobs", temp, ps)
     # the engine gap is summed over every CP rank's tokens; the loss metrics are exact over CP
@@ -122,6 +129,8 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
         "perf/train_s": time.perf_counter() - t0 - t_old,
     })
     metrics["_nonfinite_step"] = float(not all(applied))
+    if behaviour is not None:
+        behaviour.trained()
     return metrics
 
 
