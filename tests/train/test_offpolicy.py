@@ -72,3 +72,13 @@ def test_killed_offpolicy_run_resumes(tmp_path):
     assert first["rollout/staleness_max"] == 0  # pending batches were regenerated from the resumed weights
     assert first["rollout/engine_policy_version"] == resumed
     assert all(r["rollout/staleness_max"] <= 2 for r in rows)
+
+
+def test_offpolicy_two_ranks_expert_parallel(tmp_path):
+    """Two training ranks (EP2 inside DP2): every rank swaps in its own copy of the generating
+    weights for the behaviour log-probs, and no rank pauses the engine while rank 0 generates."""
+    out = str(tmp_path / "run")
+    run_train(out, [*DISAGG, "rollout.max_staleness=1", "train.steps=3", "parallel.ep=2"], nproc=2)
+    rows = read_metrics(out)
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    assert all(r["rollout/logprob_abs_diff"] < 1e-5 for r in rows), rows
