@@ -14,7 +14,7 @@ run's metrics.jsonl over the steps after ``--warmup``:
 - engine idle share: 1 - generation time (``perf/rollout_s``: generation + rewards) / step time; with
   overlap the part of it spent waiting for newer weights is ``rollout/engine_wait_s``.
 
-    python bench/async.py [--steps 10 --warmup 2 --prompts 8 --group 4 --new-tokens 24]
+    python bench/async.py [--steps 10 --warmup 2 --prompts 16 --group 4 --new-tokens 4]
 
 On CPU the trainer and the engine share the same cores (2 here, shared with other work), so the
 overlap can only hide what one core's worth of engine or trainer leaves idle; on GPUs the engines have
@@ -69,9 +69,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--modes", default="0,1,2", help="max_staleness values to run, in order")
     a = p.parse_args()
     results = {}

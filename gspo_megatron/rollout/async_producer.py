@@ -27,7 +27,8 @@ producer and drops its pending batches; the retried step restarts it.
 Metrics (rank 0, per step): rollout/staleness_mean, rollout/staleness_max (in policy versions),
 rollout/engine_policy_version (the version that generated the batch), rollout/trainer_wait_s (the
 trainer waiting for the batch), rollout/engine_wait_s (the producer waiting for weights since the
-previous batch), rollout/sync_wait_s (syncs waiting for the generation in flight), rollout/pending_batches.
+previous batch), rollout/pending_batches; and with the step's weight sync, rollout/sync_wait_s (the
+sync waiting for the generation in flight).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class AsyncProducer:
         self.pending: dict[int, tuple] = {}
         self.produced_through = start_step
         self.error: BaseException | None = None
-        self.engine_wait = self.sync_wait = 0.0
+        self.engine_wait = 0.0
 
     # -- the producer thread ---------------------------------------------------------------------
     def _run(self, first: int) -> None:
@@ -119,7 +120,6 @@ class AsyncProducer:
                 raise error  # type: ignore[misc]
             batch, state, version = self.pending.pop(step)
             engine_wait, self.engine_wait = self.engine_wait, 0.0
-            sync_wait, self.sync_wait = self.sync_wait, 0.0
             pending = len(self.pending)
         self.consumed_state = state
         ages = []
@@ -135,20 +135,21 @@ class AsyncProducer:
         batch.metrics.update({
             "rollout/staleness_mean": sum(ages) / max(len(ages), 1), "rollout/staleness_max": float(max(ages, default=0)),
             "rollout/engine_policy_version": float(version), "rollout/trainer_wait_s": waited,
-            "rollout/engine_wait_s": engine_wait, "rollout/sync_wait_s": sync_wait,
+            "rollout/engine_wait_s": engine_wait,
             "rollout/pending_batches": float(pending)})
         return batch
 
-    def hold_for_sync(self, target: int) -> None:
+    def hold_for_sync(self, target: int) -> float:
         """Before pushing policy version ``target``: wait until the batches that need the engines'
-        current weights are generated (up to step target + N), then hold the engines idle."""
+        current weights are generated (up to step target + N), then hold the engines idle. Returns
+        the seconds waited."""
         t0 = time.perf_counter()
         upto = min(target + self.n, self.last_step)
         with self.cond:
             self.cond.wait_for(lambda: self.thread is None or not self.thread.is_alive()
                                or self.produced_through >= upto or self.error is not None)
         self.generating.acquire()
-        self.sync_wait += time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     def release_after_sync(self, version: int | None) -> None:
         """After the sync: the engines hold policy ``version`` (None: the sync failed)."""
@@ -181,13 +182,14 @@ class Overlap:
         """The session's sync, bracketed: rank 0 holds the engines idle (finish first), every rank
         waits for it, then every rank records the pushed version in its weight history."""
         target = self.history.current
-        if self.producer is not None:
-            self.producer.hold_for_sync(target)
+        waited = self.producer.hold_for_sync(target) if self.producer is not None else None
         pushed = None
         try:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.barrier()  # no rank's transport pauses an engine while rank 0 generates
-            metrics = self._inner_sync()
+            metrics = dict(self._inner_sync())
+            if waited is not None:
+                metrics["rollout/sync_wait_s"] = waited
             self.history.synced(self.session.syncer.version)
             pushed = target
         finally:
