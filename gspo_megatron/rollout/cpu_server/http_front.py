@@ -337,7 +337,10 @@ def make_server(front: Front | None, host: str, port: int) -> ThreadingHTTPServe
         def do_PUT(self) -> None:
             self._serve("PUT")
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 2048  # uvicorn's backlog (sglang); the default 5 resets concurrent clients
+
+    server = Server((host, port), Handler)
     server.daemon_threads = True
     server.front_holder = holder  # type: ignore[attr-defined]
     return server
