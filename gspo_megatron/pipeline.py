@@ -8,8 +8,9 @@ concatenated in one row with per-sequence positions and attention (``gspo_megatr
 forward step passes such a micro-batch's ``PackedSeqParams`` to the model.
 
 Sequence record (one per sequence): ``tokens`` (prompt + response ids), ``prompt_len``, and optional
-per-response-token lists ``old_logprobs``, ``engine_logprobs``, ``ref_logprobs`` and a scalar
-``advantage``. Position t of a row predicts token t+1, so response token j (0-based) is the label at
+per-response-token lists ``old_logprobs``, ``engine_logprobs``, ``ref_logprobs``,
+``behaviour_version`` (the trainer step whose weights generated each token, off-policy runs) and a
+scalar ``advantage``. Position t of a row predicts token t+1, so response token j (0-based) is the label at
 position prompt_len - 1 + j.
 """
 
@@ -39,8 +40,8 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1, seq_ids: S
     tokens = torch.full((b, width), pad_id, dtype=torch.long)
     labels = torch.full((b, width), PAD_LABEL, dtype=torch.long)
     mask = torch.zeros(b, width)
-    per_token = {k: torch.zeros(b, width) for k in ("old_logprobs", "engine_logprobs", "ref_logprobs")
-                 if k in seqs[0]}
+    per_token = {k: torch.zeros(b, width) for k in ("old_logprobs", "engine_logprobs", "ref_logprobs",
+                                                    "behaviour_version") if k in seqs[0]}
     for i, s in enumerate(seqs):
         ids = torch.as_tensor(s["tokens"], dtype=torch.long)
         n, p = ids.numel(), s["prompt_len"]
@@ -71,7 +72,7 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1, seq_ids: S
 
 
 TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "old_logprobs",
-              "engine_logprobs", "ref_logprobs")
+              "engine_logprobs", "ref_logprobs", "behaviour_version")
 
 
 def sequence_multiple(tp: int, cp: int) -> int:

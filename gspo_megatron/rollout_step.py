@@ -60,7 +60,8 @@ def _generate_groups(cfg, engine, dataset, indices, tokenizer, rewards, seed):
                 raise RuntimeError("rollout engine returned log-probs that do not match its response ids")
             recs.append(dict(tokens=list(s.prompt_ids) + list(s.response_ids), prompt_len=len(s.prompt_ids),
                              engine_logprobs=list(s.response_logprobs), reward=float(scores[k]),
-                             truncated=s.finish_reason == "length", response_len=len(s.response_ids)))
+                             truncated=s.finish_reason == "length", response_len=len(s.response_ids),
+                             token_versions=s.token_versions))
             k += 1
         groups.append(recs)
     return groups, stats

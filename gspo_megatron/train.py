@@ -146,6 +146,10 @@ def train(cfg: Config, *, checked: bool = False) -> dict:
         collect=lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards),
         dead_engines=rollout.dead_engines, restart=rollout.restart, verify=verify,
         probe_prompts=[dataset[i].prompt_ids for i in range(min(4, len(dataset)))] if rank == 0 else None)
+    from gspo_megatron.rollout.async_producer import attach_overlap
+
+    # rollout.max_staleness >= 1: rank 0 generates the next batches while every rank trains
+    overlap = attach_overlap(cfg, session, model, start_step)
     session.sync()  # the engines start from exactly the trainer's weights
     gpu_monitor = GpuMonitor()  # a quiet no-op without a GPU
     metrics: dict = {}
@@ -173,7 +177,8 @@ def train(cfg: Config, *, checked: bool = False) -> dict:
         if offloader is not None:  # back before training, once rank 0 has released the engines' memory
             dist.barrier()
             offloader.reload()
-        metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id, ref_model=ref_model)
+        metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id, ref_model=ref_model,
+                                 behaviour=overlap.history if overlap is not None else None)
         sync_metrics = session.sync()  # (colocated: takes the engines' memory back around the sync)
         bad_streak = bad_streak + 1 if metrics.pop("_nonfinite_step") else 0
         step_time = time.perf_counter() - t0
@@ -197,7 +202,8 @@ def train(cfg: Config, *, checked: bool = False) -> dict:
         if (interval and step % interval == 0) or step == cfg.train.steps or too_bad or \
                 (stop_signal and cfg.checkpoint.save_on_signal):
             # (skipped updates leave the weights untouched: with too_bad this is the last good state)
-            state = {"sampler": sampler.state_dict() if rank == 0 else None, "bad_streak": bad_streak,
+            # (off-policy: the position after the last batch trained on; pending batches are regenerated)
+            state = {"sampler": session.sampler.state_dict() if rank == 0 else None, "bad_streak": bad_streak,
                      "eval_last_step": evaluator.last_step}
             save_checkpoint(ckpt_root, step, model, optimizer, scheduler, extra_state=broadcast_object(state),
                             keep_last=cfg.checkpoint.keep_last, hf_assets_dir=hf_dir)
@@ -217,6 +223,8 @@ def train(cfg: Config, *, checked: bool = False) -> dict:
 
         export_to_hf_dir(model, hf, hf_out, max_shard_size=5 * 10**9,
                          bucket_bytes=int(cfg.rollout.sync_bucket_mb * (1 << 20)), assets_dir=hf_dir)
+    if overlap is not None:
+        overlap.close()
     rollout.shutdown()
     if rank == 0:
         logger.close()

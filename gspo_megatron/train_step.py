@@ -89,9 +89,13 @@ def _attach_logprobs(model, batches, key, temperature, ps, fused: bool = True) -
 
 
 def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], pad_id: int,
-                   ref_model=None) -> dict:
+                   ref_model=None, behaviour=None) -> dict:
     """Every rank: recompute old log-probs, then ``gspo.mini_batches`` optimizer steps. Returns the
-    step's metrics, identical on every rank."""
+    step's metrics, identical on every rank.
+
+    behaviour: off-policy runs (rollout.max_staleness >= 1), a ``behaviour_policy.WeightHistory``:
+    the old log-probs are then the trainer's with the weights that generated each token (records
+    carry ``behaviour_version``), and the history learns that the weights moved on."""
     from megatron.core import parallel_state as ps
 
     t0 = time.perf_counter()
@@ -103,7 +107,10 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
     flat = [b for mb in minis for b in mb]
     temp = cfg.rollout.temperature
     fused = cfg.model.fused_logprobs
-    _attach_logprobs(ddp, flat, "old_logprobs", temp, ps, fused)
+    if behaviour is not None and any(int(v) != behaviour.current for r in records for v in r["behaviour_version"]):
+        behaviour.attach_old_logprobs(ddp, flat, records, temp, fused)
+    else:
+        _attach_logprobs(ddp, flat, "old_logprobs", temp, ps, fused)
     if ref_model is not None:
         _attach_logprobs(ref_model, flat, "ref_logprobs", temp, ps, fused)
     # the engine gap is summed over every CP rank's tokens; the loss metrics are exact over CP
@@ -147,6 +154,8 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
         "perf/train_s": time.perf_counter() - t0 - t_old,
     })
     metrics["_nonfinite_step"] = float(not all(applied))
+    if behaviour is not None:
+        behaviour.trained()
     return metrics
 
 

@@ -36,13 +36,16 @@ class RolloutSample:
 
     prompt_ids: the prompt's token ids; response_ids: generated ids (stop token included when one
     ended it); response_logprobs: the engine's log p(response_ids[t] | ...), len == len(response_ids);
-    finish_reason: "stop" (a stop token) or "length" (max_new_tokens).
+    finish_reason: "stop" (a stop token) or "length" (max_new_tokens); token_versions: the engine's
+    weight version (the sync's version string) that produced each response token, None when the
+    engine does not report it.
     """
 
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]
     finish_reason: str
+    token_versions: list[str] | None = None
 
 
 class RolloutEngine(abc.ABC):

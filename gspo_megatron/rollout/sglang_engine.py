@@ -142,7 +142,26 @@ def parse_output(prompt_ids: Sequence[int], out: dict) -> RolloutSample:
     if "output_ids" in out and list(out["output_ids"]) != ids:
         raise SGLangError(f"output_ids {out['output_ids']} disagree with output_token_logprobs ids {ids}")
     return RolloutSample(prompt_ids=list(prompt_ids), response_ids=ids, response_logprobs=logps,
-                         finish_reason=kind)
+                         finish_reason=kind, token_versions=token_versions(meta, len(ids)))
+
+
+def token_versions(meta: dict, n: int) -> list[str] | None:
+    """The weight version that produced each of the ``n`` response tokens, from sglang 0.5.23's
+    ``meta_info.weight_versions`` spans (``[{version, start, end}]``, end exclusive, set on finished
+    requests: ``srt/utils/weight_versions.py``; a request that lived through a weight update has
+    more than one span); without spans, ``meta_info.weight_version`` for every token; None when the
+    server reports neither."""
+    spans = meta.get("weight_versions")
+    if spans:
+        out: list[str | None] = [None] * n
+        for sp in spans:
+            for t in range(int(sp["start"]), min(int(sp["end"]), n)):
+                out[t] = str(sp["version"])
+        if any(v is None for v in out):
+            raise SGLangError(f"meta_info.weight_versions {spans} does not cover the {n} response tokens")
+        return out  # type: ignore[return-value]
+    version = meta.get("weight_version")
+    return None if version is None else [str(version)] * n
 
 
 class SGLangRolloutEngine(RolloutEngine):

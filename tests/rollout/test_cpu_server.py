@@ -175,6 +175,30 @@ def test_update_through_broadcast_transport_gloo(tp2, model_dir, saved, config):
     check_generation(tp2.url, model_dir, state)
 
 
+def test_each_sample_reports_the_weight_version_of_its_tokens(tp2, saved):
+    """sglang 0.5.23's meta_info.weight_version / weight_versions (spans) on every sample, read by
+    the client into per-token versions: each update's version, on every token generated after it."""
+    engine = SGLangRolloutEngine.attach([tp2.url])
+    client = SGLangHttpClient(tp2.url)
+    for k, version in enumerate(("11", "12")):
+        state = perturbed(saved, 10 + k)
+        transport = NcclBroadcastTransport([client], engine_world_sizes=[client.tp_size],
+                                           master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+                                           device="cpu", prefer_sglang_group_helper=False, timeout_s=300)
+        transport.begin(version)
+        transport.send_bucket(sorted(state.items()))
+        transport.end()
+        transport.close()
+        assert client.weight_version() == version
+        out = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=4))
+        for group in out:
+            for s in group:
+                assert s.token_versions == [version] * len(s.response_ids), s
+        raw = client.generate([PROMPTS[0]], [{"max_new_tokens": 3, "temperature": 1.0}])[0]["meta_info"]
+        assert raw["weight_version"] == version
+        assert raw["weight_versions"] == [{"version": version, "start": 0, "end": raw["completion_tokens"]}]
+
+
 def test_refusals_as_sglang(tp2, saved, config):
     client = SGLangHttpClient(tp2.url)
     name = "model.layers.0.self_attn.q_proj.weight"

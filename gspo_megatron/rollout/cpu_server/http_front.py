@@ -69,11 +69,17 @@ class Front:
         }
 
     # -- plumbing --------------------------------------------------------------------------------
-    def command(self, op: str, **kw: Any) -> dict:
+    def command(self, op: str, _with_version: bool = False, _new_version: Any = None, **kw: Any) -> Any:
+        """Run one worker command. ``_with_version``: return (result, the weight version it ran
+        under). ``_new_version``: a weight update's version, taking effect (on success) under the
+        command lock, so that no generation after the update reports the old version."""
         with self.lock:
             try:
                 self.conn.send((op, kw))
-                return self.conn.recv()
+                result = self.conn.recv()
+                if _new_version is not None and result["success"]:
+                    self.weight_version = str(_new_version)
+                return (result, self.weight_version) if _with_version else result
             except (EOFError, OSError) as e:
                 self.on_worker_death()
                 raise WorkerDied(f"TP rank 0 is gone ({e})") from e
@@ -117,8 +123,12 @@ class Front:
         lps = list(lp) if isinstance(lp, list) else [lp] * len(batch)
         self._wait_unpaused(None)
         t0 = time.time()
-        result = self.command("generate", requests=[{"input_ids": x, "sampling_params": sp or {}}
-                                                    for x, sp in zip(batch, sps)])
+        # the worker runs a whole batch as one command and weight updates are commands too, so every
+        # token of a request comes from the version read here (sglang records a change mid-request
+        # as a new span; a CPU request never lives through one)
+        result, version = self.command("generate", requests=[{"input_ids": x, "sampling_params": sp or {}}
+                                                             for x, sp in zip(batch, sps)],
+                                       _with_version=True)
         if not result["success"]:
             return 400, {"error": {"message": result["message"]}}
         rid = body.get("rid")
@@ -126,7 +136,9 @@ class Front:
         for i, (x, r) in enumerate(zip(batch, result["outputs"])):
             meta = {"id": rid if isinstance(rid, str) and single else uuid.uuid4().hex,
                     "finish_reason": r["finish"], "prompt_tokens": len(x), "completion_tokens": len(r["output_ids"]),
-                    "cached_tokens": 0, "weight_version": self.weight_version, "e2e_latency": time.time() - t0}
+                    "cached_tokens": 0, "weight_version": version, "e2e_latency": time.time() - t0,
+                    # sglang 0.5.23 (finished requests): the weight version of each span of output tokens
+                    "weight_versions": [{"version": version, "start": 0, "end": len(r["output_ids"])}]}
             if lps[i]:
                 meta["input_token_logprobs"] = []
                 meta["output_token_logprobs"] = [[float(v), int(t), None]
@@ -193,8 +205,7 @@ class Front:
     def _version(self, result: dict, body: dict) -> tuple[int, dict]:
         status, out = self._ok(result)
         if result["success"] and body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
-            out["message"] += f" Weight version updated to {self.weight_version}."
+            out["message"] += f" Weight version updated to {body['weight_version']}."
         return status, out
 
     def weight_call(self, op: str, kw: dict, body: dict) -> tuple[int, dict]:
@@ -211,14 +222,15 @@ class Front:
     def update_distributed(self, body: dict) -> tuple[int, dict]:
         kw = _fields(body, "names", "dtypes", "shapes", "group_name")
         kw["load_format"] = body.get("load_format")
-        return self._version(self.command("update_distributed", **kw), body)
+        return self._version(self.command("update_distributed", _new_version=body.get("weight_version"), **kw), body)
 
     def update_tensor(self, body: dict) -> tuple[int, dict]:
         kw = _fields(body, "serialized_named_tensors")
         payloads = kw["serialized_named_tensors"]
         if isinstance(payloads, (str, bytes)):
             payloads = [payloads]
-        return self._version(self.command("update_tensor", serialized_named_tensors=list(payloads),
+        return self._version(self.command("update_tensor", _new_version=body.get("weight_version"),
+                                          serialized_named_tensors=list(payloads),
                                           load_format=body.get("load_format")), body)
 
     def update_weight_version(self, body: dict) -> tuple[int, dict]:
@@ -325,7 +337,10 @@ def make_server(front: Front | None, host: str, port: int) -> ThreadingHTTPServe
         def do_PUT(self) -> None:
             self._serve("PUT")
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 2048  # uvicorn's backlog (sglang); the default 5 resets concurrent clients
+
+    server = Server((host, port), Handler)
     server.daemon_threads = True
     server.front_holder = holder  # type: ignore[attr-defined]
     return server
