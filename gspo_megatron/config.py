@@ -102,6 +102,8 @@ class RolloutConfig:
     engine_process: bool = _f(False, "hf engine: run it in a child process (a crash is detected, the engine restarted and the step retried)")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and resample to refill the batch")
     max_resample_rounds: int = _f(3, "resampling rounds per step for dynamic_sampling")
+    over_sample: float = _f(1.0, "with dynamic_sampling: draw ceil(over_sample * needed) prompts at once and stop generating once enough groups with unequal rewards are in (1.0 = off: resample in rounds)")
+    custom_function: str | None = _f(None, "custom rollout hook 'path/to/file.py:fn' or 'package.module:fn', called as fn(generate, sample) -> dict per sample (multi-turn, tools; gspo_megatron/rollout/custom.py); null = one generate call per sample")
 
 
 @dataclass
@@ -463,6 +465,14 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     positive("rollout.engine_timeout_s", r.engine_timeout_s)
     non_negative("rollout.max_engine_restarts", r.max_engine_restarts)
     non_negative("rollout.max_resample_rounds", r.max_resample_rounds)
+    need(r.over_sample >= 1, f"rollout.over_sample must be >= 1, got {r.over_sample}")
+    need(r.over_sample == 1 or r.dynamic_sampling, "rollout.over_sample > 1 needs rollout.dynamic_sampling=true")
+    if r.custom_function is not None:
+        file, _, name = r.custom_function.rpartition(":")
+        need(bool(file) and name.isidentifier(),
+             f"rollout.custom_function {r.custom_function!r} must be 'path/to/file.py:function' or 'package.module:function'")
+        if file.endswith(".py"):
+            exists("rollout.custom_function", file, "file")
     if r.engine == "hf":
         need(r.sync_mode == "inprocess", f"rollout.sync_mode must be inprocess with rollout.engine=hf, got {r.sync_mode}")
         need(not r.sync_fp8, "rollout.sync_fp8 needs rollout.engine=sglang")

@@ -6,9 +6,10 @@ attention (padding sits after every real token, so it never influences them); ``
 to a multiple of the tensor-parallel size for sequence parallelism.
 
 Sequence record (one per sequence): ``tokens`` (prompt + response ids), ``prompt_len``, and optional
-per-response-token lists ``old_logprobs``, ``engine_logprobs``, ``ref_logprobs`` and a scalar
-``advantage``. Position t of a row predicts token t+1, so response token j (0-based) is the label at
-position prompt_len - 1 + j.
+per-response-token lists ``old_logprobs``, ``engine_logprobs``, ``ref_logprobs``, ``loss_mask``
+(0/1 per response token: multi-turn rollouts train only the policy's tokens, not tool output or user
+turns; absent = every response token) and a scalar ``advantage``. Position t of a row predicts
+token t+1, so response token j (0-based) is the label at position prompt_len - 1 + j.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ PAD_LABEL = -100  # ignored by the log-prob function (log-prob 0, no gradient)
 def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1) -> dict:
     """Build one right-padded micro-batch from sequence records (see module docstring).
 
-    Returns tokens/position_ids/labels [b, s] long, loss_mask [b, s] float, seq_index [b, s] long, and
+    Returns tokens/position_ids/labels [b, s] long, loss_mask [b, s] float (the record's
+    ``loss_mask`` on its response, 0 on prompt and padding), seq_index [b, s] long, and
     old_logprobs / engine_logprobs / ref_logprobs [b, s] float and advantages [b] when present.
     """
     if not seqs:
@@ -44,7 +46,7 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1) -> dict:
             raise ValueError(f"sequence {i}: prompt_len {p} outside [1, {n}]")
         tokens[i, :n] = ids
         labels[i, : n - 1] = ids[1:]
-        mask[i, p - 1 : n - 1] = 1.0
+        mask[i, p - 1 : n - 1] = 1.0 if s.get("loss_mask") is None else _response_mask(s["loss_mask"], n - p, i)
         for k, t in per_token.items():
             vals = torch.as_tensor(s[k], dtype=torch.float32)
             if vals.numel() != n - p:
@@ -61,6 +63,21 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1) -> dict:
     if "advantage" in seqs[0]:
         batch["advantages"] = torch.tensor([float(s["advantage"]) for s in seqs])
     return batch
+
+
+def _response_mask(values, n: int, i: int) -> torch.Tensor:
+    m = torch.as_tensor(values, dtype=torch.float32)
+    if m.shape != (n,):
+        raise ValueError(f"sequence {i}: loss_mask has {m.numel()} values for {n} response tokens")
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError(f"sequence {i}: loss_mask values must be 0 or 1")
+    return m
+
+
+def trained_tokens(record: dict) -> int:
+    """Response tokens of a sequence record that the loss counts (its loss_mask's ones)."""
+    m = record.get("loss_mask")
+    return len(record["tokens"]) - record["prompt_len"] if m is None else int(sum(m))
 
 
 TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "old_logprobs",

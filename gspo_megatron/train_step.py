@@ -26,6 +26,7 @@ from gspo_megatron.pipeline import (
     sequence_multiple,
     split_for_context_parallel,
     to_device,
+    trained_tokens,
 )
 from gspo_megatron.runtime.distributed import device
 
@@ -50,8 +51,7 @@ def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id:
     out = []
     for m in range(M):
         mb = records[m * n // M : (m + 1) * n // M]
-        norm = sum((len(r["tokens"]) - r["prompt_len"]) if token_mean else
-                   int(len(r["tokens"]) > r["prompt_len"]) for r in mb)
+        norm = sum(trained_tokens(r) if token_mean else int(trained_tokens(r) > 0) for r in mb)
         mine = [r for i, r in enumerate(mb) if i % dp == dp_rank]
         size = cfg.parallel.micro_batch_size
         micro = [to_device(collate(mine[i : i + size], pad_id=pad_id, multiple=multiple))
