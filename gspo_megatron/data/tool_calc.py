@@ -4,18 +4,18 @@ Task ``tool_calc`` (rows from :data:`gspo_megatron.data.tasks.TASKS`): "7+8=?" -
 operands, + or *). Rollout hook :func:`tool_calc_rollout` (``rollout.custom_function:
 gspo_megatron.data.tool_calc:tool_calc_rollout``), two turns at most, in the chat template::
 
-    <|im_start|>user\\n7+8=?<|im_end|>\\n<|im_start|>assistant\\n      prompt
-    =<|im_end|>                                                      policy: a calculator call (trained)
-    \\n<|im_start|>tool\\n15<|im_end|>\\n<|im_start|>assistant\\n       tool output (not trained)
-    15<|im_end|>                                                     policy: the answer (trained)
+    <|im_start|>user\\n7+8=?<|im_end|>\\n<|im_start|>assistant\\n          prompt
+    7+8=                                                                 policy: a calculator call (trained)
+    <|im_end|>\\n<|im_start|>tool\\n15<|im_end|>\\n<|im_start|>assistant\\n  tool output (not trained)
+    15<|im_end|>                                                         policy: the answer (trained)
 
-A first turn starting with ``=`` calls the calculator on the expression written after it, or on the
-question's expression when nothing follows (so the tiny demo model only has to learn *when* to call
-the tool and to copy its result; a larger model writes the expression). Any other first turn is the
-answer. The tool output is tokenized with the run's tokenizer; the policy's tokens are exactly the
+A first turn ending in ``=`` (a stop token of that turn) calls the calculator on the expression
+before it, or on the question's expression when the turn is just ``=`` (so the tiny demo model only
+has to learn *when* to call the tool and to copy its result; a larger model writes the expression).
+A first turn ending otherwise is the answer. The tool output is tokenized with the run's tokenizer; the policy's tokens are exactly the
 engine's.
 
-Reward in [0, 1]: ``TOOL_CREDIT * [well-formed calculator call] + (1 - TOOL_CREDIT) *
+Reward in [0, 1]: ``TOOL_CREDIT * [a calculator call that evaluates] + (1 - TOOL_CREDIT) *
 shaped_integer_reward(answer, label)`` (see :func:`gspo_megatron.data.tasks.shaped_integer_reward`).
 Metrics: ``custom/tool_calls`` (share of samples calling the tool), ``custom/tool_errors``,
 ``custom/correct``.
@@ -28,7 +28,7 @@ import operator
 import random
 
 TOOL_CREDIT = 0.2  # for a well-formed calculator call; the answer's correctness carries the rest
-CALL_PREFIX = "="
+CALL_SUFFIX = "="  # ends a calculator call (a stop token of the first turn)
 TURN_TOKENS = 4  # max new tokens per policy turn
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -73,9 +73,9 @@ def question_expression(prompt: str) -> str:
 
 
 def tool_turn_ids(tokenizer, result: str) -> list[int]:
-    """The tool's turn and the next assistant header, after the policy's turn (which ended with the
-    end-of-turn token): ``\\n<|im_start|>tool\\n{result}<|im_end|>\\n<|im_start|>assistant\\n``."""
-    text = f"\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
+    """The end of the policy's call turn, the tool's turn and the next assistant header:
+    ``<|im_end|>\\n<|im_start|>tool\\n{result}<|im_end|>\\n<|im_start|>assistant\\n``."""
+    text = f"<|im_end|>\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -93,16 +93,19 @@ def tool_calc_rollout(generate, sample) -> dict:
     tok = sample.tokenizer
     traj = Trajectory()
     turn = min(TURN_TOKENS, sample.max_response_tokens)
-    first = generate(sample.prompt_ids, max_new_tokens=turn)
+    call_id = tok.encode(CALL_SUFFIX, add_special_tokens=False)
+    stops = list(sample.params.stop_token_ids) + (call_id if len(call_id) == 1 else [])
+    first = generate(sample.prompt_ids, max_new_tokens=turn, stop_token_ids=stops)
     traj.add_policy(first)
-    text = _turn_text(tok, first)
-    called = first.finish_reason == "stop" and text.startswith(CALL_PREFIX)
+    called = first.finish_reason == "stop" and first.response_ids[-1:] == call_id
+    answer = _turn_text(tok, first)
     metrics = {"tool_calls": float(called), "tool_errors": 0.0}
-    answer = text
+    good_call = False
     if called:
-        expression = text[len(CALL_PREFIX):].strip() or question_expression(sample.prompt)
+        expression = answer.strip() or question_expression(sample.prompt)
         result = calculator(expression)
-        metrics["tool_errors"] = float(result == "error")
+        good_call = result != "error"
+        metrics["tool_errors"] = float(not good_call)
         env = tool_turn_ids(tok, result)
         budget = sample.max_response_tokens - len(traj) - len(env)
         if budget >= 1:
@@ -114,7 +117,7 @@ def tool_calc_rollout(generate, sample) -> dict:
             answer = ""
     score = shaped_integer_reward(answer, str(sample.label))
     metrics["correct"] = float(answer.strip() == str(sample.label))
-    return traj.result(reward=TOOL_CREDIT * called + (1 - TOOL_CREDIT) * score, metrics=metrics)
+    return traj.result(reward=TOOL_CREDIT * good_call + (1 - TOOL_CREDIT) * score, metrics=metrics)
 
 
 def single_turn_reward(prompt: str, response: str, label: object) -> float:
