@@ -10,10 +10,9 @@ import sys
 import textwrap
 
 import pytest
-import torch
 from transformers import Qwen3MoeConfig
 
-from gspo_megatron.config import Config, ConfigError, validate
+from gspo_megatron.config import Config, ConfigError
 from gspo_megatron.data.dataset import PromptDataset, PromptSampler
 from gspo_megatron.data.tasks import get_task
 from gspo_megatron.data.tokenizer import build_demo_tokenizer
@@ -174,12 +173,16 @@ def test_tool_example_masks_tool_output_and_keeps_sampled_ids(tokenizer):
             assert mask[first_end - rec["prompt_len"]: first_end - rec["prompt_len"] + len(env)] == [0] * len(env)
     assert called == batch.metrics["custom/tool_calls"] * len(batch.records) > 0
     assert batch.metrics["custom/tool_errors"] == 0.0
-    for rec in batch.records:  # a call and the right answer copied from the tool: 0.2 + 0.8 * shaped
-        label = get_task("tool_calc").reward  # (the single-turn reward, no tool credit)
-        answer = tokenizer.decode(rec["tokens"][rec["prompt_len"]:])
-        assert rec["reward"] >= 0.0
-        if "<|im_start|>tool" in answer:
-            assert rec["reward"] >= 0.2
+    from gspo_megatron.data.tasks import shaped_integer_reward
+    from gspo_megatron.data.tool_calc import calculator
+
+    for rec in batch.records:  # with a call: 0.2 + 0.8 * shaped("56"), else 0.8 * shaped("7")
+        label = calculator(rec_prompt_expr(tokenizer, rec))
+        text = tokenizer.decode(rec["tokens"][rec["prompt_len"]:])
+        if "<|im_start|>tool" in text:
+            assert rec["reward"] == pytest.approx(0.2 + 0.8 * shaped_integer_reward("56", label))
+        else:
+            assert rec["reward"] == pytest.approx(0.8 * shaped_integer_reward("7", label))
 
 
 def rec_prompt_expr(tokenizer, rec):

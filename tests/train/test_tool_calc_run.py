@@ -37,4 +37,4 @@ def test_tool_calc_reward_rises(tmp_path):
     # policy tokens only are trained (tool output and the turn headers are not)
     assert all(0 < r["rollout/trained_token_frac"] < 1 for r in rows[-10:])
     assert max(r["rollout/logprob_abs_diff"] for r in rows) < 1e-3  # engine log-probs on trained tokens
-    assert all(r["rollout/prompts_drawn"] == 24 and r["rollout/rounds"] >= 1 for r in rows)
+    assert all(r["rollout/prompts_drawn"] >= 24 and r["rollout/rounds"] >= 1 for r in rows)
