@@ -11,7 +11,8 @@ Called on global rank 0 (from ``rollout_step.collect_rollouts``). The hook is ca
   ``stop_token_ids``, ``temperature``, ...). The calls of all samples are gathered: when every
   running hook waits in ``generate``, their requests go to the engine together (one
   ``engine.generate`` per distinct set of sampling parameters, requests in sample order, so a run is
-  deterministic for deterministic hooks and engines).
+  deterministic for deterministic hooks and engines). A hook makes one call at a time (no threads of
+  its own calling ``generate``); a hook that never returns blocks the step (there is no timeout).
 - ``sample``: a :class:`HookSample` (prompt text and ids, label, tokenizer, default sampling
   parameters, the token budget).
 
@@ -168,8 +169,9 @@ class _Dispatcher:
     that has not finished is waiting, then sends the waiting requests (grouped by sampling params,
     in hook order) to the engine, one call per group with seed ``base_seed + call number``."""
 
-    def __init__(self, engine, base_seed: int | None, num_hooks: int):
-        self.engine, self.base_seed = engine, base_seed
+    def __init__(self, engine, params: SamplingParams, num_hooks: int):
+        self.engine, self.base_seed = engine, params.seed
+        self.default_params = dataclasses.replace(params, seed=None)
         self.cv = threading.Condition()
         self.waiting: dict[int, _Call] = {}
         self.running = num_hooks
@@ -244,8 +246,7 @@ def run_hooks(hook: Callable, spec: str, engine, samples: Sequence[HookSample], 
     generate calls batched (see :class:`_Dispatcher`). Returns (results, each sample's calls).
     A hook that raises: UserInputError naming the field, the row and file:line; an engine failure
     under a hook is re-raised as the engine's own exception."""
-    disp = _Dispatcher(engine, params.seed, len(samples))
-    disp.default_params = dataclasses.replace(params, seed=None)
+    disp = _Dispatcher(engine, params, len(samples))
     results: list[Any] = [None] * len(samples)
     errors: list[BaseException | None] = [None] * len(samples)
 
