@@ -103,7 +103,7 @@ class RolloutConfig:
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and resample to refill the batch")
     max_resample_rounds: int = _f(3, "resampling rounds per step for dynamic_sampling")
     over_sample: float = _f(1.0, "with dynamic_sampling: draw ceil(over_sample * needed) prompts at once and stop generating once enough groups with unequal rewards are in (1.0 = off: resample in rounds)")
-    custom_function: str | None = _f(None, "custom rollout hook 'path/to/file.py:fn' or 'package.module:fn', called as fn(generate, sample) -> dict per sample (multi-turn, tools; gspo_megatron/rollout/custom.py); null = one generate call per sample")
+    custom_function: str | None = _f(None, "custom rollout hook 'path/to/file.py:fn' or 'package.module:fn', called as fn(generate, sample) -> dict per sample (multi-turn, tools; gspo_megatron/rollout/custom.py; the rollout.* sampling settings, max_new_tokens included, are the defaults of each generate call); null = one generate call per sample")
 
 
 @dataclass
