@@ -38,8 +38,21 @@ from typing import Sequence
 import torch
 
 PAD_LABEL = -100
-_PER_TOKEN = ("old_logprobs", "engine_logprobs", "ref_logprobs")
-TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", *_PER_TOKEN)
+# a record's optional per-response-token float lists, laid on the label positions of its row
+PER_TOKEN_KEYS = ("old_logprobs", "engine_logprobs", "ref_logprobs", "behaviour_version")
+# every [b, s] tensor of a micro-batch (padded or packed): what a CP split or reorder must cut
+TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", *PER_TOKEN_KEYS)
+
+
+def response_mask(values, n: int, i: int) -> torch.Tensor:
+    """A record's ``loss_mask`` (0/1 per response token) as a float tensor [n]; ValueError naming
+    sequence ``i`` when it has the wrong length or values."""
+    m = torch.as_tensor(values, dtype=torch.float32)
+    if m.shape != (n,):
+        raise ValueError(f"sequence {i}: loss_mask has {m.numel()} values for {n} response tokens")
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError(f"sequence {i}: loss_mask values must be 0 or 1")
+    return m
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -118,7 +131,7 @@ def collate_packed(seqs: Sequence[dict], pad_id: int = 0, seg_multiple: int = 1,
     position = torch.zeros(total, dtype=torch.long)
     seq_index = torch.zeros(total, dtype=torch.long)
     mask = torch.zeros(total)
-    keys = [k for k in _PER_TOKEN if seqs and k in seqs[0]]
+    keys = [k for k in PER_TOKEN_KEYS if seqs and k in seqs[0]]
     per_token = {k: torch.zeros(total) for k in keys}
     for k in range(len(bounds) - 1):
         position[bounds[k]:bounds[k + 1]] = torch.arange(bounds[k + 1] - bounds[k])
@@ -129,7 +142,7 @@ def collate_packed(seqs: Sequence[dict], pad_id: int = 0, seg_multiple: int = 1,
             raise ValueError(f"sequence {i}: prompt_len {p} outside [1, {n}]")
         tokens[a:a + n] = ids
         labels[a:a + n - 1] = ids[1:]
-        mask[a + p - 1:a + n - 1] = 1.0
+        mask[a + p - 1:a + n - 1] = 1.0 if s.get("loss_mask") is None else response_mask(s["loss_mask"], n - p, i)
         seq_index[a:a + segs[i]] = i
         for key, t in per_token.items():
             vals = torch.as_tensor(s[key], dtype=torch.float32)

@@ -9,9 +9,10 @@ forward step passes such a micro-batch's ``PackedSeqParams`` to the model.
 
 Sequence record (one per sequence): ``tokens`` (prompt + response ids), ``prompt_len``, and optional
 per-response-token lists ``old_logprobs``, ``engine_logprobs``, ``ref_logprobs``,
-``behaviour_version`` (the trainer step whose weights generated each token, off-policy runs) and a
-scalar ``advantage``. Position t of a row predicts token t+1, so response token j (0-based) is the label at
-position prompt_len - 1 + j.
+``behaviour_version`` (the trainer step whose weights generated each token, off-policy runs),
+``loss_mask`` (0/1 per response token: multi-turn rollouts train only the policy's tokens, not tool
+output or user turns; absent = every response token) and a scalar ``advantage``. Position t of a row
+predicts token t+1, so response token j (0-based) is the label at position prompt_len - 1 + j.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from typing import Callable, Sequence
 
 import torch
 
-PAD_LABEL = -100  # ignored by the log-prob function (log-prob 0, no gradient)
+from gspo_megatron.packing import PAD_LABEL, PER_TOKEN_KEYS, TOKEN_KEYS, response_mask  # noqa: F401 (re-exported)
 
 
 def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1, seq_ids: Sequence | None = None) -> dict:
     """Build one right-padded micro-batch from sequence records (see module docstring).
 
-    Returns tokens/position_ids/labels [b, s] long, loss_mask [b, s] float, seq_index [b, s] long, and
+    Returns tokens/position_ids/labels [b, s] long, loss_mask [b, s] float (the record's
+    ``loss_mask`` on its response, 0 on prompt and padding), seq_index [b, s] long, and
     old_logprobs / engine_logprobs / ref_logprobs [b, s] float and advantages [b] when present;
     num_seqs (b), num_real_tokens (sum of the sequence lengths) and seq_ids (the caller's id of
     each row; default 0..b-1).
@@ -40,8 +42,7 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1, seq_ids: S
     tokens = torch.full((b, width), pad_id, dtype=torch.long)
     labels = torch.full((b, width), PAD_LABEL, dtype=torch.long)
     mask = torch.zeros(b, width)
-    per_token = {k: torch.zeros(b, width) for k in ("old_logprobs", "engine_logprobs", "ref_logprobs",
-                                                    "behaviour_version") if k in seqs[0]}
+    per_token = {k: torch.zeros(b, width) for k in PER_TOKEN_KEYS if k in seqs[0]}
     for i, s in enumerate(seqs):
         ids = torch.as_tensor(s["tokens"], dtype=torch.long)
         n, p = ids.numel(), s["prompt_len"]
@@ -49,7 +50,7 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1, seq_ids: S
             raise ValueError(f"sequence {i}: prompt_len {p} outside [1, {n}]")
         tokens[i, :n] = ids
         labels[i, : n - 1] = ids[1:]
-        mask[i, p - 1 : n - 1] = 1.0
+        mask[i, p - 1 : n - 1] = 1.0 if s.get("loss_mask") is None else response_mask(s["loss_mask"], n - p, i)
         for k, t in per_token.items():
             vals = torch.as_tensor(s[k], dtype=torch.float32)
             if vals.numel() != n - p:
@@ -71,8 +72,10 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1, seq_ids: S
     return batch
 
 
-TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "old_logprobs",
-              "engine_logprobs", "ref_logprobs", "behaviour_version")
+def trained_tokens(record: dict) -> int:
+    """Response tokens of a sequence record that the loss counts (its loss_mask's ones)."""
+    m = record.get("loss_mask")
+    return len(record["tokens"]) - record["prompt_len"] if m is None else int(sum(m))
 
 
 def sequence_multiple(tp: int, cp: int) -> int:

@@ -18,6 +18,9 @@ or the file and line):
    on the first data row returning a finite number (a list of them) (:func:`check_reward`); not with
    ``reward.url`` (a server is judged by its answers, counted during the run); the eval sets
    (``eval.datasets``, read and tokenized like the data: :func:`check_eval_data`);
+6b. the custom rollout hook (``rollout.custom_function``): imported, callable as
+   ``fn(generate, sample)``, and one call on the first data row with a stand-in engine that ends
+   every turn at once returns a well-formed result (:func:`check_custom_rollout`);
 7. checkpoints to resume from (``checkpoint.load`` or ``output_dir/checkpoints``) and
    ``model.checkpoint``: the model config stored with them equals this model's, and a resume uses
    the layout the optimizer state was written in (:func:`check_checkpoints`).
@@ -49,6 +52,8 @@ def run_all(cfg: Config, world_size: int | None = None) -> None:
     if cfg.reward.url is None:  # a reward server is checked by its answers (counted failures)
         check_reward(cfg.reward.function, dataset[0], group=cfg.reward.group)
     check_eval_data(cfg, tokenizer)
+    if cfg.rollout.custom_function:
+        check_custom_rollout(cfg, dataset[0], tokenizer)
     check_checkpoints(cfg, hf)
 
 
@@ -218,6 +223,14 @@ def check_reward(spec: str, row, group: bool = False) -> None:
             f"{type(e).__name__}: {e}{_user_frame(e.__traceback__, user_file)}") from None
     if not all(math.isfinite(v) for v in values):
         raise UserInputError(f"reward.function {spec!r} returned {value} on {row.source} (response = its label)")
+
+
+def check_custom_rollout(cfg: Config, row, tokenizer) -> None:
+    """The rollout hook loads, binds ``(generate, sample)`` and returns a well-formed result on
+    ``row`` (see ``rollout.custom.dry_run``)."""
+    from gspo_megatron.rollout.custom import dry_run
+
+    dry_run(cfg.rollout.custom_function, row, tokenizer, cfg.model.max_seq_len, tokenizer.eos_token_id)
 
 
 # ---------------------------------------------------------------------------------------------

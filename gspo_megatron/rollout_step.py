@@ -4,10 +4,19 @@ Dynamic sampling (rollout.dynamic_sampling): groups whose rewards are all equal 
 are dropped and new prompts are drawn, up to rollout.max_resample_rounds extra rounds. The batch size
 stays prompts_per_step * group_size: when the rounds run out, zero-variance groups fill the rest
 (their advantages are 0, so they add nothing to the gradient but keep the batch layout fixed).
+Over-sampling (rollout.over_sample > 1): each round draws ceil(over_sample * needed) prompts at once
+and stops consuming the engine's groups (``engine.generate_stream``) as soon as enough informative
+groups are in; engines that deliver groups as they finish (SGLang) skip the requests not yet
+started. Groups are kept in delivery order.
+
+Custom rollouts (rollout.custom_function): every sample is produced by the user's hook
+(``rollout/custom.py``); its records carry a ``loss_mask`` (the policy's tokens) and its rewards come
+from the hook (or reward.function when it leaves them out).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +24,7 @@ import torch
 
 from gspo_megatron.config import Config
 from gspo_megatron.data.dataset import decode_response
+from gspo_megatron.errors import UserInputError
 from gspo_megatron.losses.advantages import group_advantages
 from gspo_megatron.rollout.base import SamplingParams
 
@@ -40,73 +50,157 @@ def sampling_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
                           max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids, seed=seed)
 
 
-def _generate_groups(cfg, engine, dataset, indices, tokenizer, rewards, seed):
-    """Generate and score one round. Returns (groups, reward stats); a group is a list of records."""
-    rows = [dataset[i] for i in indices]
+def _records(row, samples, scores, k0):
+    recs = []
+    for j, s in enumerate(samples):
+        if len(s.response_logprobs) != len(s.response_ids):
+            raise RuntimeError("rollout engine returned log-probs that do not match its response ids")
+        recs.append(dict(tokens=list(s.prompt_ids) + list(s.response_ids), prompt_len=len(s.prompt_ids),
+                         engine_logprobs=list(s.response_logprobs), reward=float(scores[k0 + j]),
+                         truncated=s.finish_reason == "length", response_len=len(s.response_ids),
+                         token_versions=s.token_versions))
+    return recs
+
+
+def _stream_groups(cfg, engine, rows, tokenizer, rewards, seed):
+    """Generate and score ``rows``, G samples each; yields (groups, reward stats) as the engine
+    delivers them (``engine.generate_stream``), a group being a list of records."""
     params = sampling_params(cfg, tokenizer, seed)
-    samples = engine.generate([r.prompt_ids for r in rows], cfg.rollout.group_size, params)
-    prompts, responses, labels = [], [], []
-    for row, group in zip(rows, samples):
-        for s in group:
-            prompts.append(row.prompt)
-            responses.append(decode_response(tokenizer, s))
-            labels.append(row.label)
-    scores, stats = rewards.score(prompts, responses, labels, group_size=cfg.rollout.group_size)
-    groups, k = [], 0
-    for row, group in zip(rows, samples):
+    if cfg.rollout.custom_function:
+        yield _custom_groups(cfg, engine, rows, tokenizer, rewards, params)
+        return
+    stream = engine.generate_stream([r.prompt_ids for r in rows], cfg.rollout.group_size, params)
+    try:
+        for delivered in stream:
+            prompts, responses, labels = [], [], []
+            for i, group in delivered:
+                for s in group:
+                    prompts.append(rows[i].prompt)
+                    responses.append(decode_response(tokenizer, s))
+                    labels.append(rows[i].label)
+            scores, stats = rewards.score(prompts, responses, labels, group_size=cfg.rollout.group_size)
+            groups, k = [], 0
+            for i, group in delivered:
+                groups.append(_records(rows[i], group, scores, k))
+                k += len(group)
+            yield groups, stats
+    finally:
+        stream.close()
+
+
+def _custom_groups(cfg, engine, rows, tokenizer, rewards, params):
+    """The rollout hook (rollout.custom_function) on every sample of ``rows``: (groups, stats)."""
+    from gspo_megatron.rollout.custom import HookSample, check_result, load_hook, run_hooks
+
+    spec, G = cfg.rollout.custom_function, cfg.rollout.group_size
+    hook = load_hook(spec)
+    samples = [HookSample(prompt=r.prompt, prompt_ids=list(r.prompt_ids), label=r.label, index=j, tokenizer=tokenizer,
+                          params=params, max_response_tokens=cfg.model.max_seq_len - len(r.prompt_ids), source=r.source)
+               for r in rows for j in range(G)]
+    results, calls = run_hooks(hook, spec, engine, samples, params)
+    checked = [check_result(res, smp, c, spec) for res, smp, c in zip(results, samples, calls)]
+    unscored = [i for i, c in enumerate(checked) if c["reward"] is None]
+    stats: dict = {}
+    if unscored:  # the hook left the reward to reward.function: score the decoded response
+        stop = set(params.stop_token_ids)
+        texts = []
+        for i in unscored:
+            ids = checked[i]["response_ids"]
+            ids = ids[:-1] if not checked[i]["truncated"] and ids[-1] in stop else ids
+            texts.append(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        if cfg.reward.group and len(unscored) != len(checked):
+            raise UserInputError(f"rollout.custom_function {spec!r} returned a reward for some samples and None for "
+                                 "others: with reward.group every sample's reward must come from the group function")
+        scores, stats = rewards.score([samples[i].prompt for i in unscored], texts, [samples[i].label for i in unscored],
+                                      group_size=G)
+        for i, v in zip(unscored, scores):
+            checked[i]["reward"] = float(v)
+    groups = []
+    for gi in range(len(rows)):
         recs = []
-        for s in group:
-            if len(s.response_logprobs) != len(s.response_ids):
-                raise RuntimeError("rollout engine returned log-probs that do not match its response ids")
-            recs.append(dict(tokens=list(s.prompt_ids) + list(s.response_ids), prompt_len=len(s.prompt_ids),
-                             engine_logprobs=list(s.response_logprobs), reward=float(scores[k]),
-                             truncated=s.finish_reason == "length", response_len=len(s.response_ids),
-                             token_versions=s.token_versions))
-            k += 1
+        for c, smp in zip(checked[gi * G:(gi + 1) * G], samples[gi * G:(gi + 1) * G]):
+            recs.append(dict(tokens=smp.prompt_ids + c["response_ids"], prompt_len=len(smp.prompt_ids),
+                             engine_logprobs=c["engine_logprobs"], loss_mask=c["loss_mask"], reward=c["reward"],
+                             truncated=c["truncated"], response_len=len(c["response_ids"]),
+                             custom_metrics=c["metrics"], generate_calls=c["generate_calls"]))
         groups.append(recs)
     return groups, stats
 
 
 def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer, rewards) -> RolloutBatch:
-    """Rank 0: a full rollout batch for ``step`` (deterministic given the seed, step and weights)."""
+    """Rank 0: a full rollout batch for ``step`` (deterministic given the seed, step and weights,
+    for engines that deliver in order)."""
     t0 = time.perf_counter()
-    G, want = cfg.rollout.group_size, cfg.rollout.prompts_per_step
+    r = cfg.rollout
+    G, want = r.group_size, r.prompts_per_step
     kept, spare, stats_sum = [], [], {}
-    rounds, first_zero_frac, all_rewards = 0, None, []
+    rounds, first_round, drawn, generated = 0, None, 0, 0
     while len(kept) < want:
         need = want - len(kept)
+        ask = math.ceil(need * r.over_sample) if r.dynamic_sampling else need
         seed = (cfg.seed * 1_000_003 + step * 1009 + rounds) % (2**31)
-        groups, stats = _generate_groups(cfg, engine, dataset, sampler.next_indices(need), tokenizer,
-                                         rewards, seed)
-        for key, v in stats.items():
-            stats_sum[key] = stats_sum.get(key, 0.0) + v
-        rewards_t = torch.tensor([r["reward"] for g in groups for r in g])
-        adv = group_advantages(rewards_t, G, normalize_std=cfg.gspo.std_normalize, eps=cfg.gspo.adv_eps)
-        if first_zero_frac is None:
-            first_zero_frac = adv.zero_variance_fraction
-            all_rewards = rewards_t.tolist()
-        for gi, g in enumerate(groups):
-            for j, rec in enumerate(g):
-                rec["advantage"] = float(adv.advantages[gi * G + j])
-            zero = bool(adv.zero_variance[gi])
-            (spare if zero and cfg.rollout.dynamic_sampling else kept).append(g)
+        rows = [dataset[i] for i in sampler.next_indices(ask)]
+        drawn += ask
+        round_rewards, round_zero = [], []
+        stream = _stream_groups(cfg, engine, rows, tokenizer, rewards, seed)
+        try:
+            for groups, stats in stream:
+                generated += len(groups)
+                for key, v in stats.items():
+                    stats_sum[key] = stats_sum.get(key, 0.0) + v
+                rewards_t = torch.tensor([rec["reward"] for g in groups for rec in g])
+                adv = group_advantages(rewards_t, G, normalize_std=cfg.gspo.std_normalize, eps=cfg.gspo.adv_eps)
+                round_rewards += rewards_t.tolist()
+                round_zero += adv.zero_variance.tolist()
+                for gi, g in enumerate(groups):
+                    for j, rec in enumerate(g):
+                        rec["advantage"] = float(adv.advantages[gi * G + j])
+                    zero = bool(adv.zero_variance[gi])
+                    (spare if zero and r.dynamic_sampling else kept).append(g)
+                if r.dynamic_sampling and len(kept) >= want:
+                    break  # enough informative groups: the rest is not generated
+        finally:
+            stream.close()
+        if first_round is None:
+            first_round = (round_rewards, sum(round_zero) / max(len(round_zero), 1))
         rounds += 1
-        if not cfg.rollout.dynamic_sampling or rounds > cfg.rollout.max_resample_rounds:
+        if not r.dynamic_sampling or rounds > r.max_resample_rounds:
             break
     kept = (kept + spare)[:want]
-    records = [r for g in kept for r in g]
-    lens = [r["response_len"] for r in records]
+    records = [rec for g in kept for rec in g]
+    all_rewards, first_zero_frac = first_round
+    lens = [rec["response_len"] for rec in records]
     metrics = {
         # reward statistics of the first round: what the current policy scores on fresh prompts
         "reward/mean": float(sum(all_rewards) / len(all_rewards)),
         "reward/std": float(torch.tensor(all_rewards).std(unbiased=False)),
-        "reward/batch_mean": sum(r["reward"] for r in records) / len(records),
+        "reward/batch_mean": sum(rec["reward"] for rec in records) / len(records),
         "rollout/zero_variance_frac": float(first_zero_frac),
         "rollout/rounds": float(rounds),
+        "rollout/groups_generated": float(generated),
+        "rollout/prompts_drawn": float(drawn),
         "rollout/response_len_mean": sum(lens) / len(lens),
-        "rollout/truncated_frac": sum(r["truncated"] for r in records) / len(records),
+        "rollout/truncated_frac": sum(rec["truncated"] for rec in records) / len(records),
         "perf/rollout_s": time.perf_counter() - t0,
         "data/skipped_rows": float(getattr(dataset, "skipped_rows", 0)),
         **{k if k.startswith("reward/") else f"reward/{k}": v for k, v in stats_sum.items()},
     }
+    metrics.update(_custom_metrics(records))
     return RolloutBatch(records=records, metrics=metrics)
+
+
+def _custom_metrics(records: list[dict]) -> dict:
+    """Custom-hook rollouts: the trained share of response tokens, generate calls per sample, and
+    the hook's own metrics averaged over the batch (``custom/<key>``). The per-record extras are
+    removed (they are not broadcast to the training ranks)."""
+    if not records or "loss_mask" not in records[0]:
+        return {}
+    out = {"rollout/trained_token_frac": sum(sum(rec["loss_mask"]) for rec in records)
+           / max(sum(rec["response_len"] for rec in records), 1),
+           "rollout/generate_calls_mean": sum(rec.pop("generate_calls") for rec in records) / len(records)}
+    sums: dict[str, list[float]] = {}
+    for rec in records:
+        for k, v in rec.pop("custom_metrics").items():
+            sums.setdefault(k, []).append(v)
+    out.update({f"custom/{k}": sum(v) / len(v) for k, v in sums.items()})
+    return out

@@ -30,6 +30,7 @@ from gspo_megatron.pipeline import (
     sequence_multiple,
     split_for_context_parallel,
     to_device,
+    trained_tokens,
 )
 from gspo_megatron.runtime.distributed import device
 
@@ -59,8 +60,7 @@ def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id:
     for m in range(M):
         lo = m * n // M
         mb = records[lo : (m + 1) * n // M]
-        norm = sum((len(r["tokens"]) - r["prompt_len"]) if token_mean else
-                   int(len(r["tokens"]) > r["prompt_len"]) for r in mb)
+        norm = sum(trained_tokens(r) if token_mean else int(trained_tokens(r) > 0) for r in mb)
         if budget:
             plan = plan_micro_batches([len(r["tokens"]) for r in mb], dp, budget,
                                       seg_multiple=2 * cp if cp > 1 else 1)[dp_rank]

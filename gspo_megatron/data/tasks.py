@@ -6,6 +6,9 @@ Each task yields rows ``{"prompt": str, "label": str}`` and scores a decoded res
 - ``last_digit`` (the CPU demo): "last digit of 4821?" -> "1". A copy from a fixed offset of the
   prompt, learnable by GSPO from a randomly initialized tiny model with the byte tokenizer.
 - ``add_digits`` (harder): "3+5=" -> "8" (single-digit operands, answers 0..18).
+- ``tool_calc`` (multi-turn, with a calculator tool): "7*8=?" -> "56"; its rollout hook is
+  ``gspo_megatron.data.tool_calc:tool_calc_rollout`` (see that module); the reward here scores a
+  plain single-turn answer.
 """
 
 from __future__ import annotations
@@ -93,7 +96,21 @@ TASKS: dict[str, Task] = {
         reward=_task_reward,
         max_new_tokens=6,
     ),
+    "tool_calc": Task(
+        name="tool_calc",
+        description="7*8=? with a calculator tool (rollout.custom_function "
+                    "gspo_megatron.data.tool_calc:tool_calc_rollout); reward in [0, 1]",
+        make_row=lambda rng: _tool_calc().make_row(rng),
+        reward=lambda prompt, response, label: _tool_calc().single_turn_reward(prompt, response, label),
+        max_new_tokens=4,
+    ),
 }
+
+
+def _tool_calc():
+    from gspo_megatron.data import tool_calc
+
+    return tool_calc
 
 
 def get_task(name: str) -> Task:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -56,6 +56,14 @@ class RolloutEngine(abc.ABC):
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[RolloutSample]]:
         """Return, for each prompt (token ids), a list of n samples."""
+
+    def generate_stream(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> Iterator[list[tuple[int, list[RolloutSample]]]]:
+        """The groups of ``generate`` as they are delivered: each item is a list of (prompt index,
+        its n samples). Closing the iterator early tells the engine that the remaining groups are
+        not wanted (over-sampling). Default: one delivery with every group, from one ``generate``."""
+        yield list(enumerate(self.generate(prompts, n, params)))
 
     def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         """In-process engines (``weight_sync.transport.InProcessTransport``): load one bucket of full

@@ -25,11 +25,12 @@ engines were started that way (``rollout.engine_deterministic``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Sequence
 
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
@@ -125,6 +126,14 @@ def to_sglang_sampling_params(params: SamplingParams, seed: int | None) -> dict[
     return sp
 
 
+def params_for(params: SamplingParams, i: int, n: int, send_seeds: bool) -> SamplingParams:
+    """Prompt i's params in a stream of one-prompt calls: its seeds are those it gets in one
+    ``generate`` of every prompt (``seed + i*n + j``)."""
+    if params.seed is None or not send_seeds:
+        return params
+    return dataclasses.replace(params, seed=params.seed + i * n)
+
+
 def parse_output(prompt_ids: Sequence[int], out: dict) -> RolloutSample:
     """One SGLang generate output -> RolloutSample. Response ids come from
     ``meta_info.output_token_logprobs`` ((logprob, token_id, text) per generated token, stop token
@@ -201,6 +210,21 @@ class SGLangRolloutEngine(RolloutEngine):
                  params: SamplingParams) -> list[list[RolloutSample]]:
         """Each prompt repeated n times (per-sample seeds ``seed + i*n + j`` when seeds are sent)."""
         return self._generate(prompts, n, params, targets=[self.router] if self.router is not None else self.clients)
+
+    def generate_stream(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams):
+        """Each prompt's group as soon as its request returns; closing the iterator cancels the
+        requests not yet sent (those in flight finish and are dropped)."""
+        targets = [self.router] if self.router is not None else self.clients
+        if n < 1:
+            raise ValueError(f"generate: n must be >= 1, got {n}")
+        pool = ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(prompts))))
+        try:
+            futures = {pool.submit(self._generate, [p], n, params_for(params, i, n, self.send_seeds), [targets[i % len(targets)]]): i
+                       for i, p in enumerate(prompts)}
+            for fut in as_completed(futures):
+                yield [(futures[fut], fut.result()[0])]
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def generate_on_each(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[RolloutSample]]:
         """One sample per prompt from every engine (not the router): [engine][prompt] (sync checks)."""

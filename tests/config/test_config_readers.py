@@ -69,6 +69,8 @@ READERS = {
     "rollout.engine_process": "factory.py",
     "rollout.dynamic_sampling": "rollout_step.py",
     "rollout.max_resample_rounds": "rollout_step.py",
+    "rollout.over_sample": "rollout_step.py",
+    "rollout.custom_function": "rollout_step.py",
     "gspo.mode": "train_step.py",
     "gspo.clip_low": "train_step.py",
     "gspo.clip_high": "train_step.py",
