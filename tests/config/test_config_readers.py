@@ -71,6 +71,7 @@ READERS = {
     "rollout.max_resample_rounds": "rollout_step.py",
     "rollout.over_sample": "rollout_step.py",
     "rollout.custom_function": "rollout_step.py",
+    "rollout.max_staleness": "rollout/async_producer.py",
     "gspo.mode": "train_step.py",
     "gspo.clip_low": "train_step.py",
     "gspo.clip_high": "train_step.py",

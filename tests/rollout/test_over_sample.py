@@ -2,7 +2,9 @@
 prompts, generation stopped once enough informative groups are in; SGLang's stream cancels the
 requests not yet sent."""
 
+import sys
 import threading
+import time
 
 import pytest
 
@@ -145,8 +147,22 @@ def test_sglang_stream_cancels_requests_not_yet_sent():
     assert len(group) == 2 and group[0].response_ids == [7]
     # the in-flight requests are let go only after close() has cancelled the queued ones
     # (close cancels first, then waits for what is in flight)
-    timer = threading.Timer(0.5, lambda: [client.gate.release() for _ in range(6)])
-    timer.start()
+    main = threading.get_ident()
+
+    def release_once_close_waits():  # close() is joining the workers: the queued ones are cancelled
+        while True:
+            frame, names = sys._current_frames().get(main), set()
+            while frame is not None:
+                names.add(frame.f_code.co_name)
+                frame = frame.f_back
+            if {"shutdown", "join"} <= names:
+                break
+            time.sleep(0.01)
+        for _ in range(6):
+            client.gate.release()
+
+    releaser = threading.Thread(target=release_once_close_waits, daemon=True)
+    releaser.start()
     stream.close()
-    timer.join()
+    releaser.join(timeout=60)
     assert len(client.sent) == 3, client.sent  # requests 4..6 were never sent
