@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
-from gspo_megatron.models.registry import expert_naming, supported_model_types
+from gspo_megatron.models.registry import expert_naming, experts_stacked, supported_model_types
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 
 _FUSED_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
@@ -37,7 +37,7 @@ class HFCheckpointLayout:
         self.params.update((n, b) for n, b in model.named_buffers() if n in persistent)
         has_fused = any(n.endswith(_FUSED_SUFFIXES) for n in self.params)
         self.naming = expert_naming(self.model_type)  # the family's checkpoint naming of experts
-        if has_fused and self.naming is None:
+        if has_fused and self.naming is None and not experts_stacked(self.model_type):
             raise NotImplementedError(
                 f"model_type {self.model_type!r} keeps fused experts in memory but has no checkpoint "
                 f"naming rule; supported model_types: {', '.join(supported_model_types())}"
