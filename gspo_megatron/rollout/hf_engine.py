@@ -144,6 +144,9 @@ class HFRolloutEngine(RolloutEngine):
         device: str = "cpu",
     ):
         self.config = _as_config(config)
+        model_cls = AutoModelForCausalLM._model_mapping.get(type(self.config), None)
+        if attn_implementation == "sdpa" and model_cls is not None and not model_cls._supports_sdpa:
+            attn_implementation = "eager"  # e.g. gpt-oss (attention sinks): transformers has no SDPA path
         with torch.random.fork_rng(devices=[]):  # random init must not move the caller's RNG
             torch.manual_seed(seed)
             self.model = AutoModelForCausalLM.from_config(

@@ -5,7 +5,10 @@ gated shared expert and a dense layer, deepseek_v3 (MLA with q_lora_rank, YaRN w
 interleaved RoPE, sigmoid router with a random e_score_correction_bias, group-limited top-k, routed
 scaling, a shared expert, a dense first layer) and its variant without q_lora_rank, with default RoPE
 and rope_interleave=false, glm4_moe (q/k/v bias, QK-norm, partial rotary, the same router, shared
-expert, dense first layer) and its plain variant, qwen2 with tied embeddings, qwen3 in bfloat16) are converted to Megatron checkpoints in one layout (TP2 x DP2)
+expert, dense first layer) and its plain variant, qwen2 with tied embeddings, qwen3 in bfloat16,
+gpt_oss (attention sinks, sliding-window layers, YaRN with truncate=false, router bias, experts
+stacked in the checkpoint with biases and the clamped SwiGLU), qwen3_moe and qwen3 with YaRN) are
+converted to Megatron checkpoints in one layout (TP2 x DP2)
 and read back in others (TP2, PP2, EP2, TP2 x EP2 with ETP1, DP4). In each layout:
 - the scorer's log-probs (vocab-parallel, pipelined, data-parallel split) match transformers'
   forward within 1e-4 (fp32); in bfloat16, within 3x transformers' own bf16-vs-fp32 deviation,
@@ -33,11 +36,19 @@ CASES = [("qwen3_moe", torch.float32, MOE_LAYOUTS), ("mixtral", torch.float32, M
          ("qwen2_moe", torch.float32, MOE_LAYOUTS), ("deepseek_v3", torch.float32, MOE_LAYOUTS),
          ("deepseek_v3_plain", torch.float32, [dict(tp=2), dict(ep=2)]),
          ("glm4_moe", torch.float32, MOE_LAYOUTS), ("glm4_moe_plain", torch.float32, [dict(tp=2)]),
-         ("qwen2", torch.float32, DENSE_LAYOUTS), ("qwen3", torch.bfloat16, [dict(pp=2)])]
+         ("qwen2", torch.float32, DENSE_LAYOUTS), ("qwen3", torch.bfloat16, [dict(pp=2)]),
+         ("gpt_oss", torch.float32, MOE_LAYOUTS), ("qwen3_moe_yarn", torch.float32, [dict(tp=2), dict(ep=2)]),
+         ("qwen3_yarn", torch.float32, [dict(tp=2, pp=2)])]
 # case name -> (family, overrides of its tiny config)
 VARIANTS = {"deepseek_v3_plain": ("deepseek_v3", dict(q_lora_rank=None, rope_scaling=None, rope_interleave=False)),
             "glm4_moe_plain": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0,
-                                                n_group=1, topk_group=1))}
+                                                n_group=1, topk_group=1)),
+            # YaRN on grouped-query attention (Qwen3 long-context checkpoints): transformers' defaults,
+            # and an explicit attention factor with truncate=false
+            "qwen3_moe_yarn": ("qwen3_moe", dict(rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                                   original_max_position_embeddings=8))),
+            "qwen3_yarn": ("qwen3", dict(rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8,
+                                                           attention_factor=1.3, beta_fast=16, truncate=False)))}
 ROWS = make_rows(seed=3, n=7)
 
 

@@ -73,8 +73,8 @@ class GptOss(GQAFamily):
         swiglu_limit=0.1, swiglu_alpha=1.702,  # a limit the tiny activations cross: the clamp acts
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=False, attention_bias=True,
-        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
-                             truncate=False, original_max_position_embeddings=16))
+        rope_theta=150000.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                               truncate=False, original_max_position_embeddings=16))
 
     published = {
         "gpt-oss-120b": {  # openai/gpt-oss-120b (MXFP4 experts on disk: dequantize to bf16 first)
@@ -124,12 +124,12 @@ class GptOss(GQAFamily):
             use_sink_attention(block_spec)
 
     def randomize_tiny(self, model) -> None:
-        """Sinks, router weight and bias, expert biases: random and large enough to matter (transformers
-        starts the expert biases at zero and the rest at std 0.02)."""
+        """Sinks, router weight and bias, expert and attention biases: random and large enough to matter
+        (transformers starts the biases at zero and the rest at std 0.02)."""
         for name, p in model.named_parameters():
             if name.endswith(("self_attn.sinks", "mlp.router.weight", "mlp.router.bias")):
                 p.copy_(torch.randn_like(p) * 0.5)
-            elif name.endswith(("gate_up_proj_bias", "down_proj_bias")):
+            elif name.endswith(("gate_up_proj_bias", "down_proj_bias", "_proj.bias")):
                 p.copy_(torch.randn_like(p) * 0.1)
 
     def layer_types(self, hf: dict) -> list[str]:
