@@ -87,6 +87,10 @@ class ModelFamily:
         """Give a tiny transformers model's family-specific parameters random values where
         transformers initializes them to zeros or near-constants (so tests exercise them)."""
 
+    def check_layout(self, hf: dict, tp: int, pp: int, ep: int, etp: int | None) -> None:
+        """Raise ValueError naming the ``parallel.*`` field of a layout Megatron-Core cannot build for
+        this family (beyond divisibility, which ``build.check_layout`` checks)."""
+
     def tp_divisible(self, hf: dict) -> list[tuple[str, int]]:
         """(what, size) of further dims that tensor parallelism splits (besides heads, vocab, FFN)."""
         return []

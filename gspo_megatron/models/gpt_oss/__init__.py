@@ -9,13 +9,15 @@ Megatron-Core 0.16.1 pieces (local spec), each equal to transformers' computatio
 - sinks: ``softmax_type="learnable"``: DotProductAttention's ``softmax_offset`` [heads/TP] is
   appended as one more logit per row before the softmax and dropped after it (SoftmaxOne), as
   transformers' eager attention does. Megatron leaves that parameter without the tensor-parallel
-  attribute, so TP ranks would count it as a duplicate in the gradient norm; ``local_attention.py``
+  attribute, so TP ranks would count it as a duplicate in the gradient norm; ``local_spec.py``
   marks it TP-split;
 - sliding window: ``window_size=(W - 1, 0)`` with ``window_attn_skip_freq`` listing the sliding
   layers (1) per layer;
 - YaRN: ``models/yarn.py`` (with ``truncate``);
 - biases: ``add_bias_linear`` (attention out, expert fc1/fc2, router bias) + ``add_qkv_bias``; an
-  expert's fc2 bias is scaled by its routing weight, as in transformers;
+  expert's fc2 bias is scaled by its routing weight, as in transformers. Megatron-Core allows expert
+  biases only with expert tensor parallel size 1 (``parallel.etp=1``; refused otherwise, one line),
+  and its in-place bias add fails under autograd on the local spec (``local_spec.py`` fixes it);
 - clamped SwiGLU: ``activation_func_clamp_value=l``, ``glu_linear_offset=1``, activation
   ``x * sigmoid(alpha x)`` (``quick_gelu`` for alpha 1.702), non-fused
   (``bias_activation_fusion=False``: the fused kernel ignores neither, but is CUDA-only);
@@ -119,9 +121,9 @@ class GptOss(GQAFamily):
 
     def adapt_layer_spec(self, block_spec, te: bool) -> None:
         if not te:
-            from gspo_megatron.models.gpt_oss.local_attention import use_sink_attention
+            from gspo_megatron.models.gpt_oss.local_spec import adapt_local_spec
 
-            use_sink_attention(block_spec)
+            adapt_local_spec(block_spec)
 
     def randomize_tiny(self, model) -> None:
         """Sinks, router weight and bias, expert and attention biases: random and large enough to matter
@@ -131,6 +133,12 @@ class GptOss(GQAFamily):
                 p.copy_(torch.randn_like(p) * 0.5)
             elif name.endswith(("gate_up_proj_bias", "down_proj_bias", "_proj.bias")):
                 p.copy_(torch.randn_like(p) * 0.1)
+
+    def check_layout(self, hf: dict, tp: int, pp: int, ep: int, etp: int | None) -> None:
+        etp = tp if etp is None else etp
+        if etp > 1:
+            raise ValueError(f"parallel.etp={etp}: {self.name}'s expert biases need expert tensor parallel "
+                             "size 1 in Megatron-Core: set parallel.etp=1")
 
     def layer_types(self, hf: dict) -> list[str]:
         n = hf_config.get_int(hf, "num_hidden_layers")
