@@ -153,3 +153,11 @@ def test_planner_counts_equal_transformers_parameters(tiny):
     named = dict(model.named_parameters())
     assert c.total == sum(p.numel() for p in named.values())
     assert c.expert == sum(p.numel() for n, p in named.items() if ".mlp.experts." in n)
+
+
+def test_expert_tensor_parallel_above_one_is_refused_before_building():
+    from gspo_megatron.models.build import check_layout
+
+    with pytest.raises(ValueError, match=r"^parallel.etp=2: gpt_oss's expert biases need expert tensor parallel"):
+        check_layout(_cfg(), tp=2, pp=1, ep=1, etp=None)
+    check_layout(_cfg(), tp=2, pp=1, ep=2, etp=1)
