@@ -161,3 +161,11 @@ def test_expert_tensor_parallel_above_one_is_refused_before_building():
     with pytest.raises(ValueError, match=r"^parallel.etp=2: gpt_oss's expert biases need expert tensor parallel"):
         check_layout(_cfg(), tp=2, pp=1, ep=1, etp=None)
     check_layout(_cfg(), tp=2, pp=1, ep=2, etp=1)
+
+
+def test_cpu_stand_in_server_refuses_engine_tp_it_cannot_shard():
+    from gspo_megatron.rollout.cpu_server.sharding import Layout
+
+    with pytest.raises(ValueError, match="model_type 'gpt_oss' .* use --tp-size 1"):
+        Layout.from_config(_cfg(), tp_size=2).check()
+    Layout.from_config(_cfg(), tp_size=1).check()
