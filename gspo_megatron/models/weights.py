@@ -6,11 +6,13 @@ Parameters, and the buffers a family maps (the MoE router's ``expert_bias``: Dee
 - ``global_names(model)``: local parameter (and buffer) name -> global name (layer and expert indices over the
   whole model, independent of the pipeline stage and expert-parallel rank).
 - ``load_hf_weights(model, hf_dir)``: every rank fills its own shards from HF safetensors, reading
-  one tensor at a time (bounded memory).
+  one tensor at a time (bounded memory); of a tensor that stacks every expert of a layer (gpt-oss,
+  rules with ``stacked_experts``) only this rank's expert rows are read.
 - ``export_hf_weights(model, bucket_bytes)``: a collective generator, called on every rank: gathers
   tensor-parallel (and expert-tensor-parallel) shards, renames to HF, collects the full tensors on
   global rank 0 and yields them there in buckets of at most ``bucket_bytes`` (a single larger tensor
-  gets a bucket of its own); other ranks yield ``None`` once per bucket. The same stream feeds HF
+  gets a bucket of its own); other ranks yield ``None`` once per bucket. Stacked-expert rows are
+  collected on the receiving rank and yielded as the stacked tensor in the bucket of the last row. The same stream feeds HF
   export (tools/megatron_to_hf.py) and weight sync to the rollout engines.
 """
 

@@ -125,7 +125,8 @@ def test_megatron_config_fields():
 
 
 def test_stacked_expert_rules_round_trip_exactly():
-    """One expert's row of the stacked HF tensors -> its Megatron fc1/fc2 shards (ETP 2) -> back."""
+    """One expert's row of the stacked HF tensors -> its Megatron fc1/fc2 (whole, and ETP-2 shards) ->
+    back, bitwise."""
     rules = {r.megatron.split(".")[-2] + "." + r.megatron.split(".")[-1]: r
              for r in FAMILY.mapping(_cfg()).rules if r.stacked_experts}
     E, H, inter = 4, 6, 5
@@ -135,8 +136,8 @@ def test_stacked_expert_rules_round_trip_exactly():
     e = 2
     fc1 = rules["linear_fc1.weight"]
     assert fc1.expert_index("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight") == e
-    shards = [fc1.to_local([gate_up[e]], r, 1) for r in range(1)]
-    full = shards[0]
+    full = fc1.to_local([gate_up[e]], 0, 1)  # Megatron's [gate; up], each [I, H]: de-interleaved, transposed
+    assert full.shape == (2 * inter, H)
     assert torch.equal(full[:inter], gate_up[e][:, 0::2].t()) and torch.equal(full[inter:], gate_up[e][:, 1::2].t())
     for rule, t in ((fc1, gate_up[e]), (rules["linear_fc1.bias"], gate_up_b[e]), (rules["linear_fc2.weight"], down[e]),
                     (rules["linear_fc2.bias"], torch.randn(H, generator=g))):
