@@ -9,7 +9,9 @@
 2. Expert biases: with a bias, ``MLP.forward`` of an expert adds the prob-scaled fc2 bias *in place*
    to the output of ``RowParallelLinear``, which is the output of a custom autograd Function returned
    as-is (``_ReduceFromModelParallelRegion``): autograd refuses the in-place update when gradients
-   are on (training). ``ExpertRowParallelLinear`` returns a copy of that output.
+   are on (training). ``ExpertRowParallelLinear`` returns a copy of that output. It also clears the
+   ``sequence_parallel`` mark Megatron puts on that bias even for an expert (which would make
+   ``finalize_model_grads`` sum its gradient over TP a second time: a wrong update in TP2).
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ class SinkDotProductAttention(DotProductAttention):
 
 
 class ExpertRowParallelLinear(RowParallelLinear):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.bias is not None:
+            # Megatron marks this bias sequence-parallel even for an expert, so finalize_model_grads
+            # would sum its gradient over TP on top of the expert-data-parallel reduction that already
+            # covers the TP ranks (ETP 1): doubled in TP2. An expert bias is reduced like its weight.
+            self.bias.sequence_parallel = False
+
     def forward(self, *args, **kwargs):
         output, bias = super().forward(*args, **kwargs)
         return (output.clone() if bias is not None and torch.is_grad_enabled() else output), bias
