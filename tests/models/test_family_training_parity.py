@@ -24,9 +24,13 @@ TP2 = {"gpt_oss": dict(tp=2, etp=1)}
 # Known, not gpt_oss's: TP2 with expert tensor parallel 1 and EP1 trains differently from one rank for
 # every MoE family (qwen3_moe too, measured 2026-11-23; the scorer's log-probs match), so gpt_oss, which
 # needs ETP1, cannot show TP2 training parity until that layout is fixed.
-PARAMS = [pytest.param(k, lay, marks=pytest.mark.xfail(strict=True, reason="tp2 x etp1 x ep1 training "
-                                                       "differs for every MoE family (qwen3_moe too)"))
-          if k == "gpt_oss" and lay == "tp2" else (k, lay) for k in FAMILIES for lay in ("tp2", "ep2")]
+# Known, found by this test: deepseek_v3 in TP2 (ETP2) trains differently from one rank (its scorer
+# log-probs match); unexplained yet (a suspect: Megatron sums q_layernorm / kv_layernorm gradients over
+# TP for qk_layernorm, while the local MLA spec computes those norms on gathered, replicated inputs).
+KNOWN = {("gpt_oss", "tp2"): "tp2 x etp1 x ep1 training differs for every MoE family (qwen3_moe too)",
+         ("deepseek_v3", "tp2"): "deepseek_v3 TP2 training differs from one rank (MLA norms under TP?)"}
+PARAMS = [pytest.param(k, lay, marks=pytest.mark.xfail(strict=True, reason=KNOWN[(k, lay)]))
+          if (k, lay) in KNOWN else (k, lay) for k in FAMILIES for lay in ("tp2", "ep2")]
 
 
 @pytest.mark.parametrize("kind,layout", PARAMS)
