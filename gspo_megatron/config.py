@@ -769,6 +769,12 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
     elif p.ep > 1:
         e.append(f"parallel.ep={p.ep} needs an MoE model; {d.model_type} has no experts")
     divides("parallel.pp", p.pp, "num_hidden_layers", d.num_layers)
+    try:  # what Megatron-Core cannot build for this family (e.g. gpt_oss: expert biases need etp=1)
+        from gspo_megatron.models.registry import get_family
+
+        get_family(hf_config).check_layout(hf_config, p.tp, p.pp, p.ep, p.etp)
+    except ValueError as err:
+        e.append(str(err))
     if cfg.model.max_seq_len > d.max_position_embeddings and d.rope_type == "default":
         e.append(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                  f"= {d.max_position_embeddings}")

@@ -129,8 +129,9 @@ class LayerParams:
 
 
 def layer_params(d: ModelDims, layer: int) -> LayerParams:
-    """GQA attention (+ biases, QK-norm); a SwiGLU MLP (3 matrices) per dense layer, per routed expert
-    and for the shared expert (TP-sharded like a dense MLP; its sigmoid gate [1, hidden] replicated)."""
+    """GQA attention (+ biases, QK-norm, sinks); a SwiGLU MLP (3 matrices, + biases) per dense layer, per
+    routed expert and for the shared expert (TP-sharded like a dense MLP; its sigmoid gate [1, hidden]
+    replicated); the router (+ its bias)."""
     if d.mla:
         attn, norms = _mla_params(d)
     else:
@@ -138,10 +139,11 @@ def layer_params(d: ModelDims, layer: int) -> LayerParams:
         attn = d.hidden * q + 2 * d.hidden * kv + q * d.hidden
         attn += (q + 2 * kv) * d.qkv_bias + d.hidden * d.o_bias
         norms = 2 * d.hidden + 2 * d.head_dim * d.qk_norm
+    attn += d.num_heads * d.attention_sinks  # sinks: split over TP with the heads
     if layer in d.moe_layers:
-        one_expert = 3 * d.hidden * d.moe_ffn_hidden
+        one_expert = 3 * d.hidden * d.moe_ffn_hidden + (2 * d.moe_ffn_hidden + d.hidden) * d.expert_bias
         shared = 3 * d.hidden * d.shared_expert_ffn
-        router = d.hidden * d.num_experts + d.hidden * d.shared_expert_gate
+        router = d.hidden * d.num_experts + d.hidden * d.shared_expert_gate + d.num_experts * d.router_bias
         return LayerParams(attn + shared, norms + router, d.num_experts * one_expert, d.topk * one_expert)
     return LayerParams(attn + 3 * d.hidden * d.ffn_hidden, norms, 0, 0)
 

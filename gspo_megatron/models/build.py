@@ -52,6 +52,7 @@ def check_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None = None) ->
     """Raise ValueError naming the dimension a layout does not divide (before building anything)."""
     family = get_family(hf)
     family.check(hf)
+    family.check_layout(hf, tp, pp, ep, etp)
     d = family.dims(hf)
     checks = [
         ("num_attention_heads", d.num_heads, tp, "parallel.tp"),

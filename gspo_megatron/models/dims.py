@@ -36,6 +36,11 @@ class ModelDims:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # gpt-oss: biases on every expert's fc1 (2 * moe_ffn_hidden) and fc2 (hidden), a router bias
+    # (num_experts), one attention-sink logit per query head
+    expert_bias: bool = False
+    router_bias: bool = False
+    attention_sinks: bool = False
 
     @property
     def mla(self) -> bool:

@@ -51,6 +51,9 @@ class ModelFamily:
     model_types: tuple[str, ...] = ()  # default: (name,)
     architectures: tuple[str, ...] = ()
     expert_naming: ExpertNaming | None = None
+    # True: routed experts are stacked per layer in the checkpoint under the names transformers keeps
+    # in memory (gpt-oss), so the CPU engine loads them by name (no per-expert naming)
+    experts_stacked_in_checkpoint: bool = False
     fp8_modules: tuple[str, ...] = ()
     fp8_excluded: tuple[str, ...] = FP8_EXCLUDED
     tiny: dict = {}
@@ -79,6 +82,14 @@ class ModelFamily:
 
     def adapt_layer_spec(self, block_spec, te: bool) -> None:
         """Adjust Megatron's decoder block spec in place (a module Megatron-Core lacks on a spec)."""
+
+    def randomize_tiny(self, model) -> None:
+        """Give a tiny transformers model's family-specific parameters random values where
+        transformers initializes them to zeros or near-constants (so tests exercise them)."""
+
+    def check_layout(self, hf: dict, tp: int, pp: int, ep: int, etp: int | None) -> None:
+        """Raise ValueError naming the ``parallel.*`` field of a layout Megatron-Core cannot build for
+        this family (beyond divisibility, which ``build.check_layout`` checks)."""
 
     def tp_divisible(self, hf: dict) -> list[tuple[str, int]]:
         """(what, size) of further dims that tensor parallelism splits (besides heads, vocab, FFN)."""
@@ -143,15 +154,31 @@ class GQAFamily(ModelFamily):
 
     def check(self, hf: dict) -> None:
         kind = hf_config.rope_type(hf)
-        if kind != "default":
+        if kind not in ("default", "yarn"):
             raise ValueError(f"config.json rope type {kind!r} (rope_scaling / rope_parameters) is not "
-                             f"supported for {self.name} yet (default RoPE only)")
+                             f"supported for {self.name} yet (default RoPE and yarn only)")
+        if kind == "yarn":
+            from gspo_megatron.models.yarn import yarn_fields
+
+            yarn_fields(hf, self.name)  # raises naming what Megatron cannot express
         if self.qkv_bias is None and self.attention_bias_on_o_proj and hf.get("attention_bias"):
             raise ValueError(f"config.json attention_bias=true (a bias on q/k/v and o_proj) is not supported "
                              f"for {self.name}")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json hidden_act {act!r} is not supported (silu only)")
+
+    def megatron_config_class(self):
+        """TransformerConfig plus the ``yarn_*`` fields (``models/yarn.py``; unset: plain RoPE)."""
+        from gspo_megatron.models.yarn import YarnTransformerConfig
+
+        return YarnTransformerConfig
+
+    def rotary_kwargs(self, hf: dict) -> dict:
+        kwargs = super().rotary_kwargs(hf)
+        if hf_config.rope_type(hf) == "yarn":
+            kwargs["position_embedding_type"] = "yarn"
+        return kwargs
 
     def config_fields(self, hf: dict) -> dict:
         self.check(hf)
@@ -175,6 +202,10 @@ class GQAFamily(ModelFamily):
         )
         if self.is_moe(hf):
             fields.update(self.moe_fields(hf))
+        if hf_config.rope_type(hf) == "yarn":
+            from gspo_megatron.models.yarn import yarn_fields
+
+            fields.update(yarn_fields(hf, self.name))
         return fields
 
     def moe_ffn_hidden(self, hf: dict) -> int:

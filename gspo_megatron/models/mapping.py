@@ -62,6 +62,17 @@ class Rule:
     def hf_names(self, indices: Sequence[str]) -> tuple[str, ...]:
         return tuple(_fill(p, indices) for p in self.hf)
 
+    #: True when the HF tensors hold every expert of a layer stacked along dim 0 (gpt-oss's fused
+    #: ``mlp.experts.gate_up_proj`` [E, ...]); the rule then maps one expert's slice.
+    stacked_experts = False
+
+    def expert_index(self, megatron_name: str) -> int | None:
+        """The expert whose slice of the stacked HF tensors ``megatron_name`` maps (None when the HF
+        tensors are not stacked). The second ``*`` of the pattern is the global expert index."""
+        if not self.stacked_experts:
+            return None
+        return int(self.match(megatron_name)[1])
+
     # -- overridden per sharding kind ------------------------------------------------------------
     def to_local(self, hf: Sequence[torch.Tensor], rank: int, size: int) -> torch.Tensor:
         (t,) = hf
@@ -164,6 +175,55 @@ class FusedQKV(Rule):
         grouped = full.reshape(d.num_query_groups, (per + 2) * d.head_dim, *rest)
         q, k, v = torch.split(grouped, [per * d.head_dim, d.head_dim, d.head_dim], dim=1)
         return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+
+class StackedExpertFC1(GatedFC1):
+    """Megatron's per-expert fused [gate; up] fc1 (weight [2I, H] or bias [2I]) from one expert's
+    slice of a stacked HF tensor whose gate and up are *interleaved* along the last dim (gpt-oss:
+    ``gate_up_proj`` [E, H, 2I] stored input-major, ``gate_up_proj_bias`` [E, 2I]; gate = [..., 0::2],
+    up = [..., 1::2]). ``transposed``: the slice is [in, out] (weights), not [out] (biases). Exact copies
+    both ways."""
+
+    stacked_experts = True
+
+    def __init__(self, megatron, hf, parallel="etp", transposed: bool = True):
+        super().__init__(megatron, hf, parallel)
+        self.transposed = transposed
+
+    def to_local(self, hf, rank, size):
+        (t,) = hf
+        gate, up = t[..., 0::2], t[..., 1::2]
+        if self.transposed:
+            gate, up = gate.t(), up.t()
+        return super().to_local([gate, up], rank, size)
+
+    def from_shards(self, shards):
+        gate, up = super().from_shards(shards)
+        if self.transposed:
+            gate, up = gate.t(), up.t()
+        return [torch.stack([gate, up], dim=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1]).contiguous()]
+
+
+class StackedExpertFC2(RowParallel):
+    """A per-expert fc2 weight [H, I] (row parallel) from one expert's slice [I, H] of a stacked HF
+    tensor stored input-major (gpt-oss ``down_proj`` [E, I, H])."""
+
+    stacked_experts = True
+
+    def to_local(self, hf, rank, size):
+        (t,) = hf
+        return super().to_local([t.t()], rank, size)
+
+    def from_shards(self, shards):
+        (full,) = super().from_shards(shards)
+        return [full.t().contiguous()]
+
+
+class StackedExpertReplicated(Replicated):
+    """A per-expert tensor kept whole on every expert-tensor-parallel rank (gpt-oss ``down_proj_bias``
+    [E, H]: the fc2 bias, added once after the row-parallel reduction)."""
+
+    stacked_experts = True
 
 
 class MappingRegistry:

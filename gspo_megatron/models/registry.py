@@ -70,6 +70,13 @@ def expert_naming(model_type: str | None):
     return None if f is None else f.expert_naming
 
 
+def experts_stacked(model_type: str | None) -> bool:
+    """Whether ``model_type``'s checkpoints keep routed experts stacked per layer under the names
+    transformers holds in memory (gpt-oss), so they load by name."""
+    f = _BY_TYPE.get(model_type)
+    return bool(f is not None and f.experts_stacked_in_checkpoint)
+
+
 def fp8_quantizes(name: str) -> bool:
     """True when some family quantizes the HF tensor ``name`` on an FP8 weight sync
     (``ModelFamily.fp8_quantizes``)."""

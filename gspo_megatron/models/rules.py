@@ -24,6 +24,9 @@ from gspo_megatron.models.mapping import (
     Replicated,
     RowParallel,
     Rule,
+    StackedExpertFC1,
+    StackedExpertFC2,
+    StackedExpertReplicated,
 )
 
 L = "decoder.layers.*"  # Megatron layer prefix
@@ -167,3 +170,32 @@ def mla_attention_rules(hf: dict) -> list[Rule]:
 def router_bias_rule(hf_name: str) -> Rule:
     """The router's expert-score correction bias (Megatron buffer ``mlp.router.expert_bias``)."""
     return Replicated(f"{L}.mlp.router.expert_bias", f"{H}.{hf_name}")
+
+
+def stacked_expert_rules(block: str = "mlp") -> list[Rule]:
+    """Routed experts stored stacked per layer with biases (gpt-oss): ``{block}.experts.gate_up_proj``
+    [E, H, 2I] (gate/up interleaved on the last dim) + ``gate_up_proj_bias`` [E, 2I],
+    ``down_proj`` [E, I, H] + ``down_proj_bias`` [E, H]; the router ``{block}.router`` with a bias.
+    Megatron's local spec (SequentialMLP) holds one fc1/fc2 per expert; each rule maps that expert's
+    row of the stacked tensor (``weights.py`` reads just that row, and stacks the rows on export)."""
+    e = f"{H}.{block}.experts"
+    x = f"{L}.mlp.experts.local_experts.*"
+    return [
+        Replicated(f"{L}.mlp.router.weight", f"{H}.{block}.router.weight"),
+        Replicated(f"{L}.mlp.router.bias", f"{H}.{block}.router.bias"),
+        StackedExpertFC1(f"{x}.linear_fc1.weight", f"{e}.gate_up_proj", "etp", transposed=True),
+        StackedExpertFC1(f"{x}.linear_fc1.bias", f"{e}.gate_up_proj_bias", "etp", transposed=False),
+        StackedExpertFC2(f"{x}.linear_fc2.weight", f"{e}.down_proj", "etp"),
+        StackedExpertReplicated(f"{x}.linear_fc2.bias", f"{e}.down_proj_bias", "etp"),
+    ]
+
+
+def attention_sink_rule(hf_name: str = "self_attn.sinks") -> Rule:
+    """Per-head attention sinks (gpt-oss): Megatron's learnable softmax offset of the core attention
+    (``softmax_type="learnable"``), one value per query head, split over TP with the heads."""
+    return ColumnParallel(f"{L}.self_attention.core_attention.softmax_offset", f"{H}.{hf_name}", "tp")
+
+
+def attention_out_bias_rule() -> Rule:
+    """The output projection's bias (added once after the row-parallel reduction: replicated)."""
+    return Replicated(f"{L}.self_attention.linear_proj.bias", f"{H}.self_attn.o_proj.bias")

@@ -50,6 +50,7 @@ exercised."""
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a buffer: it changes the expert choice
                 b.copy_(torch.randn_like(b) * 0.5)
+        family.randomize_tiny(model)
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
     model.save_pretrained(out_dir, **kwargs)
     return model

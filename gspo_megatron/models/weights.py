@@ -6,11 +6,13 @@ Parameters, and the buffers a family maps (the MoE router's ``expert_bias``: Dee
 - ``global_names(model)``: local parameter (and buffer) name -> global name (layer and expert indices over the
   whole model, independent of the pipeline stage and expert-parallel rank).
 - ``load_hf_weights(model, hf_dir)``: every rank fills its own shards from HF safetensors, reading
-  one tensor at a time (bounded memory).
+  one tensor at a time (bounded memory); of a tensor that stacks every expert of a layer (gpt-oss,
+  rules with ``stacked_experts``) only this rank's expert rows are read.
 - ``export_hf_weights(model, bucket_bytes)``: a collective generator, called on every rank: gathers
   tensor-parallel (and expert-tensor-parallel) shards, renames to HF, collects the full tensors on
   global rank 0 and yields them there in buckets of at most ``bucket_bytes`` (a single larger tensor
-  gets a bucket of its own); other ranks yield ``None`` once per bucket. The same stream feeds HF
+  gets a bucket of its own); other ranks yield ``None`` once per bucket. Stacked-expert rows are
+  collected on the receiving rank and yielded as the stacked tensor in the bucket of the last row. The same stream feeds HF
   export (tools/megatron_to_hf.py) and weight sync to the rollout engines.
 """
 
@@ -25,6 +27,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.models import hf_config
 from gspo_megatron.models.mapping import Rule
 from gspo_megatron.models.registry import get_family
 
@@ -108,7 +111,7 @@ class SafetensorsReader:
     def names(self) -> list[str]:
         return list(self.where)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _file(self, name: str):
         if name not in self.where:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.hf_dir}")
         fname = self.where[name]
@@ -118,7 +121,14 @@ class SafetensorsReader:
                 self._open[fname] = self._safe_open(path, "pt")
             except Exception as e:
                 raise ValueError(f"cannot read {path}: {e}") from None
-        return self._open[fname].get_tensor(name)
+        return self._open[fname]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)
+
+    def get_row(self, name: str, index: int) -> torch.Tensor:
+        """``get(name)[index]``, reading only that row from disk (one expert of a stacked tensor)."""
+        return self._file(name).get_slice(name)[index:index + 1][0]
 
 
 @torch.no_grad()
@@ -131,7 +141,9 @@ def load_hf_weights(model, hf_dir: str, progress: Callable[[int], object] | None
     n = 0
     for _, gname, rule, hf_names, param in _mapped(model, mapping):
         rank, size = _rank_size(rule.parallel)
-        shard = rule.to_local([reader.get(h) for h in hf_names], rank, size)
+        expert = rule.expert_index(gname)  # stacked experts: read only this expert's row
+        full = [reader.get(h) if expert is None else reader.get_row(h, expert) for h in hf_names]
+        shard = rule.to_local(full, rank, size)
         if shard.shape != param.shape:
             raise ValueError(f"{hf_names} give a shard of shape {tuple(shard.shape)} for Megatron "
                              f"parameter {gname} of shape {tuple(param.shape)}")
@@ -152,6 +164,7 @@ class _Item:
     hf_shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
     owner: int  # global rank that assembles the HF tensors
+    stack: tuple[int, int] | None = None  # (expert, num_experts): a row of stacked HF tensors
 
     @property
     def nbytes(self) -> int:
@@ -164,12 +177,12 @@ class _Item:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _sort_key(global_name: str, hf_names) -> tuple:
+def _sort_key(global_name: str, hf_names, expert: int | None = None) -> tuple:
     m = _LAYER.match(global_name)
     if global_name.startswith("embedding."):
         return (-1, hf_names[0])
     if m:
-        return (int(m.group(1)), _natural(hf_names[0]))
+        return (int(m.group(1)), _natural(hf_names[0]), -1 if expert is None else expert)
     return (1 << 30, hf_names[0])
 
 
@@ -199,7 +212,9 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
         if rank == 0:
             meta = [torch.empty(param.shape, dtype=param.dtype, device="meta")] * size
             shapes = tuple(tuple(t.shape) for t in rule.from_shards(meta))
-            declared.append((g, hf_names, shapes, str(param.dtype).replace("torch.", ""), me))
+            expert = rule.expert_index(g)
+            stack = None if expert is None else (expert, hf_config.num_experts(model.hf_config))
+            declared.append((g, hf_names, shapes, str(param.dtype).replace("torch.", ""), me, stack))
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, declared)
@@ -207,10 +222,10 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
         everyone = [declared]
     items: dict[str, _Item] = {}
     for decl in everyone:
-        for g, hf_names, shapes, dtype, owner in decl:
+        for g, hf_names, shapes, dtype, owner, stack in decl:
             if g not in items or owner < items[g].owner:
-                items[g] = _Item(_sort_key(g, hf_names), g, tuple(hf_names), shapes,
-                                 getattr(torch, dtype), owner)
+                items[g] = _Item(_sort_key(g, hf_names, stack and stack[0]), g, tuple(hf_names), shapes,
+                                 getattr(torch, dtype), owner, stack)
     return sorted(items.values(), key=lambda it: it.key), mine
 
 
@@ -253,6 +268,7 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
     ``bucket_bytes`` (a single larger tensor excepted)."""
     items, mine = plan if plan is not None else build_export_plan(model)
     me = dist.get_rank() if dist.is_initialized() else 0
+    pending: dict[str, dict[int, torch.Tensor]] = {}  # stacked HF tensor -> its expert rows so far
     owners = {it.owner for it in items}
     destinations = {_destination(dst, o) for o in owners}
     receives = None in destinations or me in destinations
@@ -289,9 +305,26 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
                     dist.recv(t, src=it.owner)
             elif me != target:
                 continue
+            if it.stack is not None:
+                out.extend(_stack_rows(pending, it, tensors))
+                continue
             out.extend((n, t.clone() if t.data_ptr() == _ptr(mine, it) else t)
                        for n, t in zip(it.hf_names, tensors))
         yield out if receives else None
+
+
+def _stack_rows(pending: dict, it: _Item, tensors) -> list[tuple[str, torch.Tensor]]:
+    """Collect expert ``it.stack[0]``'s rows of stacked HF tensors; return each stacked tensor
+    [num_experts, ...] once its last row arrived (in the bucket of that row), else nothing."""
+    expert, count = it.stack
+    done = []
+    for name, t in zip(it.hf_names, tensors):
+        rows = pending.setdefault(name, {})
+        rows[expert] = t
+        if len(rows) == count:
+            done.append((name, torch.stack([rows[e] for e in range(count)])))
+            del pending[name]
+    return done
 
 
 def _device() -> torch.device:

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
-from gspo_megatron.models.registry import expert_naming, supported_model_types
+from gspo_megatron.models.registry import expert_naming, experts_stacked, supported_model_types
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 
 _FUSED_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
@@ -37,7 +37,7 @@ class HFCheckpointLayout:
         self.params.update((n, b) for n, b in model.named_buffers() if n in persistent)
         has_fused = any(n.endswith(_FUSED_SUFFIXES) for n in self.params)
         self.naming = expert_naming(self.model_type)  # the family's checkpoint naming of experts
-        if has_fused and self.naming is None:
+        if has_fused and self.naming is None and not experts_stacked(self.model_type):
             raise NotImplementedError(
                 f"model_type {self.model_type!r} keeps fused experts in memory but has no checkpoint "
                 f"naming rule; supported model_types: {', '.join(supported_model_types())}"
@@ -144,6 +144,9 @@ class HFRolloutEngine(RolloutEngine):
         device: str = "cpu",
     ):
         self.config = _as_config(config)
+        model_cls = AutoModelForCausalLM._model_mapping.get(type(self.config), None)
+        if attn_implementation == "sdpa" and model_cls is not None and not model_cls._supports_sdpa:
+            attn_implementation = "eager"  # e.g. gpt-oss (attention sinks): transformers has no SDPA path
         with torch.random.fork_rng(devices=[]):  # random init must not move the caller's RNG
             torch.manual_seed(seed)
             self.model = AutoModelForCausalLM.from_config(

@@ -206,5 +206,8 @@ def test_model_layout_errors_name_the_field(kw, hf, expected):
 def test_model_layout_accepts_the_recipe_layouts():
     validate_model_layout(moe(parallel__tp=4, parallel__ep=16, parallel__etp=1, parallel__pp=2), QWEN)
     # a RoPE scaling the model families cannot run yet is refused before any model is built
-    with pytest.raises(ValueError, match="rope type 'yarn'"):
-        validate_model_layout(moe(model__max_seq_len=50000), {**QWEN, "rope_scaling": {"type": "yarn", "factor": 4}})
+    with pytest.raises(ValueError, match="rope type 'llama3'"):
+        validate_model_layout(moe(model__max_seq_len=50000), {**QWEN, "rope_scaling": {"type": "llama3", "factor": 4}})
+    # YaRN (a long-context checkpoint) is accepted, and lifts the max_position_embeddings bound
+    validate_model_layout(moe(model__max_seq_len=50000), {**QWEN, "rope_scaling": {"type": "yarn", "factor": 4,
+                                                                                  "original_max_position_embeddings": 32768}})

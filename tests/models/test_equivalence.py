@@ -5,7 +5,10 @@ gated shared expert and a dense layer, deepseek_v3 (MLA with q_lora_rank, YaRN w
 interleaved RoPE, sigmoid router with a random e_score_correction_bias, group-limited top-k, routed
 scaling, a shared expert, a dense first layer) and its variant without q_lora_rank, with default RoPE
 and rope_interleave=false, glm4_moe (q/k/v bias, QK-norm, partial rotary, the same router, shared
-expert, dense first layer) and its plain variant, qwen2 with tied embeddings, qwen3 in bfloat16) are converted to Megatron checkpoints in one layout (TP2 x DP2)
+expert, dense first layer) and its plain variant, qwen2 with tied embeddings, qwen3 in bfloat16,
+gpt_oss (attention sinks, sliding-window layers, YaRN with truncate=false, router bias, experts
+stacked in the checkpoint with biases and the clamped SwiGLU), qwen3_moe and qwen3 with YaRN) are
+converted to Megatron checkpoints in one layout (TP2 x DP2)
 and read back in others (TP2, PP2, EP2, TP2 x EP2 with ETP1, DP4). In each layout:
 - the scorer's log-probs (vocab-parallel, pipelined, data-parallel split) match transformers'
   forward within 1e-4 (fp32); in bfloat16, within 3x transformers' own bf16-vs-fp32 deviation,
@@ -28,16 +31,27 @@ from distributed_harness import run_ranks
 from hf_reference import hf_logprobs, make_rows, max_abs_diff
 
 MOE_LAYOUTS = [dict(tp=2), dict(pp=2), dict(ep=2), dict(tp=2, ep=2, etp=1), dict()]
+# expert biases (gpt_oss): Megatron-Core needs expert tensor parallel size 1
+ETP1_LAYOUTS = [dict(tp=2, etp=1), dict(pp=2), dict(ep=2), dict(tp=2, ep=2, etp=1), dict()]
+WRITE = {"gpt_oss": dict(tp=2, etp=1)}  # the layout a case is converted in (default TP2)
 DENSE_LAYOUTS = [dict(tp=2), dict(pp=2), dict(tp=2, pp=2)]
 CASES = [("qwen3_moe", torch.float32, MOE_LAYOUTS), ("mixtral", torch.float32, MOE_LAYOUTS),
          ("qwen2_moe", torch.float32, MOE_LAYOUTS), ("deepseek_v3", torch.float32, MOE_LAYOUTS),
          ("deepseek_v3_plain", torch.float32, [dict(tp=2), dict(ep=2)]),
          ("glm4_moe", torch.float32, MOE_LAYOUTS), ("glm4_moe_plain", torch.float32, [dict(tp=2)]),
-         ("qwen2", torch.float32, DENSE_LAYOUTS), ("qwen3", torch.bfloat16, [dict(pp=2)])]
+         ("qwen2", torch.float32, DENSE_LAYOUTS), ("qwen3", torch.bfloat16, [dict(pp=2)]),
+         ("gpt_oss", torch.float32, ETP1_LAYOUTS), ("qwen3_moe_yarn", torch.float32, [dict(tp=2), dict(ep=2)]),
+         ("qwen3_yarn", torch.float32, [dict(tp=2, pp=2)])]
 # case name -> (family, overrides of its tiny config)
 VARIANTS = {"deepseek_v3_plain": ("deepseek_v3", dict(q_lora_rank=None, rope_scaling=None, rope_interleave=False)),
             "glm4_moe_plain": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0,
-                                                n_group=1, topk_group=1))}
+                                                n_group=1, topk_group=1)),
+            # YaRN on grouped-query attention (Qwen3 long-context checkpoints): transformers' defaults,
+            # and an explicit attention factor with truncate=false
+            "qwen3_moe_yarn": ("qwen3_moe", dict(rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                                   original_max_position_embeddings=8))),
+            "qwen3_yarn": ("qwen3", dict(rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8,
+                                                           attention_factor=1.3, beta_fast=16, truncate=False)))}
 ROWS = make_rows(seed=3, n=7)
 
 
@@ -55,7 +69,7 @@ def converted(tmp_path_factory):
             refs["bf16 noise"] = bf16_noise_and_broken_layers(model)
         refs[kind] = hf_logprobs(model.float(), ROWS)
         originals[kind] = load_file(f"{hf_dir}/model.safetensors")
-        jobs.append(dict(kind=kind, hf_dir=hf_dir, ckpt=str(root / f"ckpt_{kind}"), write=dict(tp=2),
+        jobs.append(dict(kind=kind, hf_dir=hf_dir, ckpt=str(root / f"ckpt_{kind}"), write=WRITE.get(kind, dict(tp=2)),
                          read=layouts))
     results = {}
     for i in range(0, len(jobs), 3):  # a few families per spawned job: each stays far from its time limit

@@ -115,7 +115,7 @@ def _with_tokenizer(tmp_path, kind: str) -> str:
     return d
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_check_dry_run_and_plan_accept_a_5x_directory(tmp_path, kind):
     hf_dir = _with_tokenizer(tmp_path, kind)
     common = ["--config", "configs/demo_cpu.yaml", "model.init=pretrained", f"model.hf_path={hf_dir}",
@@ -154,10 +154,11 @@ def test_conversion_tools_round_trip_a_sharded_5x_checkpoint(saved_v5, tmp_path)
 
 
 @pytest.mark.parametrize("kind,cls", [("qwen2_moe", "Qwen2MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"),
-                                      ("glm4_moe", "Glm4MoeForCausalLM")])
+                                      ("glm4_moe", "Glm4MoeForCausalLM"), ("gpt_oss", "GptOssForCausalLM")])
 def test_trainer_runs_from_a_sharded_5x_directory(tmp_path, kind, cls):
     """gspo-train from a transformers-5.23-saved directory (qwen2_moe: shared expert with a gate;
-    deepseek_v3: MLA, YaRN, sigmoid router with a correction bias): two GSPO steps, the CPU engine
+    deepseek_v3: MLA, YaRN, sigmoid router with a correction bias; gpt_oss: sinks, sliding window,
+    experts stacked in the checkpoint with biases): two GSPO steps, the CPU engine
     fed by the export stream (its log-probs equal the trainer's), the exported model loads in
     transformers; the correction bias (a buffer, frozen) is exported unchanged while weights moved."""
     import transformers
@@ -182,4 +183,4 @@ def test_trainer_runs_from_a_sharded_5x_directory(tmp_path, kind, cls):
     assert sorted(before) == sorted(after)
     assert any(not torch.equal(before[k], after[k]) for k in before)  # it trained
     bias = [k for k in before if k.endswith("e_score_correction_bias")]
-    assert all(torch.equal(before[k], after[k]) for k in bias) and len(bias) == (0 if kind == "qwen2_moe" else 3)
+    assert all(torch.equal(before[k], after[k]) for k in bias) and len(bias) == (0 if kind in ("qwen2_moe", "gpt_oss") else 3)

@@ -48,6 +48,7 @@ class Layout:
     head_dim: int
     vocab_size: int
     num_experts: int
+    model_type: str | None = None
 
     @classmethod
     def from_config(cls, hf_config: Any, tp_size: int, ep_size: int = 1) -> "Layout":
@@ -57,7 +58,7 @@ class Layout:
         head_dim = get("head_dim") or int(get("hidden_size")) // heads
         experts = get("num_experts") or get("num_local_experts") or 0
         return cls(int(tp_size), int(ep_size), heads, int(get("num_key_value_heads") or heads), int(head_dim),
-                   int(get("vocab_size")), int(experts))
+                   int(get("vocab_size")), int(experts), get("model_type"))
 
     def check(self) -> None:
         """Refuse what sglang's ``divide`` asserts would refuse (one clear line)."""
@@ -71,6 +72,11 @@ class Layout:
             raise ValueError(f"num_key_value_heads {kv} and --tp-size {tp}: one must divide the other")
         if self.num_experts and self.num_experts % ep:
             raise ValueError(f"num_experts {self.num_experts} is not divisible by --ep-size {ep}")
+        from gspo_megatron.models.registry import experts_stacked
+
+        if tp > 1 and experts_stacked(self.model_type):
+            raise ValueError(f"model_type {self.model_type!r} (experts stacked per layer, attention sinks) is "
+                             "not sharded by this CPU stand-in yet: use --tp-size 1")
 
     @property
     def moe_tp_size(self) -> int:
