@@ -38,8 +38,8 @@ def hf_init_dir(cfg: Config) -> str:
 
 def _write_random_hf_model(cfg: Config, out: str) -> None:
     from gspo_megatron.data.tokenizer import build_demo_tokenizer
+    from gspo_megatron.models.arch import model_hf_config
     from gspo_megatron.models.tiny import hf_model_from_config
-    from gspo_megatron.planner import model_hf_config
 
     hf, _ = model_hf_config(cfg)
     tmp = out + ".tmp"

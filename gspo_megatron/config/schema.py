@@ -11,17 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gspo_megatron.errors import UserInputError
-
-
-class ConfigError(UserInputError):
-    """A config that cannot work. ``errors`` lists every problem found, each naming its field."""
-
-    def __init__(self, errors: list[str] | str):
-        self.errors = [errors] if isinstance(errors, str) else list(errors)
-        msg = self.errors[0] if len(self.errors) == 1 else (
-            f"{len(self.errors)} config errors:\n" + "\n".join(f"  - {e}" for e in self.errors))
-        super().__init__(msg)
+from gspo_megatron.errors import ConfigError  # noqa: F401  (public here too; defined in errors.py: no cycle)
 
 
 def _f(default: Any, help: str) -> Any:
@@ -37,7 +27,7 @@ DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 
 
 @dataclass
 class ModelConfig:
-    arch: str | None = _f("tiny-qwen3-moe", "built-in architecture (planner.KNOWN_ARCHS) whose config.json dims are used when model.hf_path has no config.json; null: detect from model.hf_path's name")
+    arch: str | None = _f("tiny-qwen3-moe", "built-in architecture (models.arch.KNOWN_ARCHS) whose config.json dims are used when model.hf_path has no config.json; null: detect from model.hf_path's name")
     hf_path: str | None = _f(None, "HF directory with config.json (+ weights, tokenizer) to start from")
     checkpoint: str | None = _f(None, "Megatron dist checkpoint to start from (overrides hf_path's weights)")
     init: Literal["pretrained", "random"] = _f("random", "pretrained: load weights; random: build from the HF config with random weights")

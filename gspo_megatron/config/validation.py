@@ -44,7 +44,7 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     non_negative("seed", cfg.seed)
 
     m = cfg.model
-    from gspo_megatron.planner import KNOWN_ARCHS
+    from gspo_megatron.models.arch import KNOWN_ARCHS
 
     if m.arch is not None and m.arch not in KNOWN_ARCHS:
         close = difflib.get_close_matches(m.arch, list(KNOWN_ARCHS), n=1)
@@ -242,7 +242,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
 def validate_model_layout(cfg: Config, hf_config: dict) -> None:
     """Checks of the parallel layout against the model's dims (``hf_config``: config.json as a dict)."""
-    from gspo_megatron.planner import ModelDims
+    from gspo_megatron.models.dims import ModelDims
 
     d = ModelDims.from_hf_config(hf_config)
     p, r = cfg.parallel, cfg.rollout
