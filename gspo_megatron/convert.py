@@ -109,17 +109,16 @@ def world_size_from_env() -> int:
 
 
 def check_world_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int = 1) -> None:
-    """The layout divides the model's heads / experts / layers and the world size (torchrun's)."""
-    from gspo_megatron.models.build import check_layout
-    from gspo_megatron.runtime.distributed import ParallelLayout
+    """The layout divides the model's heads / experts / layers and the world size (torchrun's):
+    ``parallel_layout.layout_errors`` with the flags' names."""
+    from gspo_megatron.parallel_layout import layout_errors
 
-    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
-        if v < 1:
-            raise UsageError(f"--{name} must be >= 1, got {v}")
-    if etp is not None and etp < 1:
-        raise UsageError(f"--etp must be >= 1, got {etp}")
-    check_layout(hf, tp, pp, ep, etp)
-    ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp).check(world_size_from_env())
+    try:
+        errors = layout_errors(tp, pp, ep, etp, cp, world_size=world_size_from_env(), hf=hf, prefix="--")
+    except ValueError as e:  # a config.json no family reads
+        raise UsageError(str(e)) from None
+    if errors:
+        raise UsageError("; ".join(errors))
 
 
 def prepare_output_dir(path: str, overwrite: bool) -> None:

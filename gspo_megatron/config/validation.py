@@ -213,18 +213,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if errs:
             raise ConfigError(errs)
         return
+    from gspo_megatron.parallel_layout import layout_errors
+
     p, r = cfg.parallel, cfg.rollout
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
-    e: list[str] = []
-    mp = p.tp * p.pp * p.cp
-    if world_size % mp:
-        e.append(f"parallel.tp * parallel.pp * parallel.cp = {p.tp} * {p.pp} * {p.cp} = {mp} must divide the "
-                 f"world size {world_size}")
-    emp = p.ep * p.etp * p.pp
-    if world_size % emp:
-        e.append(f"parallel.ep * parallel.etp * parallel.pp = {p.ep} * {p.etp} * {p.pp} = {emp} must divide the "
-                 f"world size {world_size}")
+    e = layout_errors(p.tp, p.pp, p.ep, p.etp, p.cp, world_size=world_size)
     if not e:
         dp = data_parallel_size(cfg, world_size)
         if cfg.step_batch_size % (cfg.gspo.mini_batches * dp * p.micro_batch_size):
@@ -241,42 +235,23 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
 
 def validate_model_layout(cfg: Config, hf_config: dict) -> None:
-    """Checks of the parallel layout against the model's dims (``hf_config``: config.json as a dict)."""
+    """Checks of the parallel layout (``parallel_layout.layout_errors``) and the engines' layout against
+    the model's dims (``hf_config``: config.json as a dict)."""
     from gspo_megatron.models.dims import ModelDims
+    from gspo_megatron.parallel_layout import layout_errors
 
     d = ModelDims.from_hf_config(hf_config)
     p, r = cfg.parallel, cfg.rollout
-    e: list[str] = []
+    e = layout_errors(p.tp, p.pp, p.ep, p.etp, p.cp, hf=hf_config, sequence_parallel=p.sequence_parallel)
 
-    def divides(field_name: str, size: int, what: str, n: int, why: str = "") -> None:
-        if n % size:
-            e.append(f"{field_name}={size} must divide {what} = {n}{why}")
-
-    divides("parallel.tp", p.tp, "num_attention_heads", d.num_heads)
-    divides("parallel.tp", p.tp, "num_key_value_heads", d.num_kv_heads,
-            " (Megatron needs num_query_groups % tp == 0)")
-    padded = -(-d.vocab_size // p.tp) * p.tp
-    divides("parallel.tp", p.tp, "vocab_size", d.vocab_size,
-            f" (the output layer is split over the TP ranks); pad the vocabulary to {padded} rows: with "
-            f"transformers, model.resize_token_embeddings({padded}); model.save_pretrained(DIR); then "
-            "model.hf_path=DIR; or choose a parallel.tp that divides it")
-    if d.num_dense_layers:
-        divides("parallel.tp", p.tp, "intermediate_size", d.ffn_hidden)
-    if d.num_experts:
-        divides("parallel.ep", p.ep, "the number of experts", d.num_experts)
-        divides("parallel.etp", p.etp, "moe_intermediate_size", d.moe_ffn_hidden)
-        if p.tp > 1 and not p.sequence_parallel:
-            e.append("parallel.sequence_parallel must be true for an MoE model with parallel.tp > 1")
-    elif p.ep > 1:
-        e.append(f"parallel.ep={p.ep} needs an MoE model; {d.model_type} has no experts")
-    divides("parallel.pp", p.pp, "num_hidden_layers", d.num_layers)
     if cfg.model.max_seq_len > d.max_position_embeddings and d.rope_type == "default":
         e.append(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                  f"= {d.max_position_embeddings}")
     if r.engine == "sglang":
         from gspo_megatron.rollout.engine_model import engine_layout_errors
 
-        divides("rollout.engine_tp", r.engine_tp, "num_attention_heads", d.num_heads)
+        if d.num_heads % r.engine_tp:
+            e.append(f"rollout.engine_tp={r.engine_tp} must divide num_attention_heads = {d.num_heads}")
         e.extend(engine_layout_errors(cfg, d))
     if e:
         raise ConfigError(e)
