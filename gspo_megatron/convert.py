@@ -32,9 +32,13 @@ from gspo_megatron.checkpoint import (
     resolve_checkpoint,
     write_checkpoint_dir,
 )
+from gspo_megatron.dtypes import (  # noqa: E402,F401  (DTYPE_NAMES public here too)
+    DTYPE_NAMES,
+    canonical_name,
+    dtype_name,
+)
 from gspo_megatron.errors import UserInputError, agree, stop_all  # noqa: E402
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -62,7 +66,7 @@ def parse_size(text: str) -> int:
 def hf_dtype(hf: dict) -> str:
     """The dtype name stored in an HF config ('torch_dtype' or 'dtype'); float32 when absent."""
     name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    name = str(name).replace("torch.", "")
+    name = canonical_name(name)
     if name not in DTYPE_NAMES:
         raise UsageError(f"config.json dtype {name!r} is not supported ({', '.join(DTYPE_NAMES)})")
     return name
@@ -289,7 +293,7 @@ def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int, bucket_
             if name.startswith("model") and ".safetensors" in name or name.startswith(".part-"):
                 os.remove(os.path.join(out_dir, name))
         writer = ShardWriter(out_dir, max_shard_size)
-    dtype = str(model.config.params_dtype).replace("torch.", "")
+    dtype = dtype_name(model.config.params_dtype)
     with _progress(total, "export HF weights", "B", unit_scale=True) as bar:
         for bucket in export_hf_weights(model, bucket_bytes=bucket_bytes, plan=plan):
             if bucket is None:

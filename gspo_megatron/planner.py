@@ -39,6 +39,7 @@ from gspo_megatron.config import (
     validate,
     validate_model_layout,
 )
+from gspo_megatron.dtypes import DTYPE_BYTES  # noqa: F401  (public here too)
 from gspo_megatron.errors import UserInputError
 from gspo_megatron.models.arch import KNOWN_ARCHS, detect_arch, model_hf_config, supported_model_types  # noqa: F401
 from gspo_megatron.models.dims import ModelDims as _ModelDims
@@ -119,7 +120,6 @@ def param_counts(d: ModelDims) -> ParamCounts:
     return ParamCounts(dense + expert, dense + sum(lp.active_expert for lp in layers), emb, expert)
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass

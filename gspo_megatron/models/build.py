@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.hf_config import load_hf_config  # noqa: F401  (public here too)
 from gspo_megatron.models.registry import get_family
 from gspo_megatron.parallel_layout import layout_errors
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -61,7 +60,7 @@ def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp:
     """The Megatron config (the family's class, e.g. TransformerConfig) for an HF config and a layout."""
     family = get_family(hf)
     fields = family.config_fields(hf)
-    dtype = _DTYPES[opts.dtype]
+    dtype = torch_dtype(opts.dtype)
     is_moe = "num_moe_experts" in fields
     te = use_transformer_engine(opts.transformer_impl)
     family.check_transformer_impl(te)

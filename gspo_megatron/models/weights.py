@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.models.mapping import Rule
 from gspo_megatron.models.registry import get_family
 
@@ -199,7 +200,7 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
         if rank == 0:
             meta = [torch.empty(param.shape, dtype=param.dtype, device="meta")] * size
             shapes = tuple(tuple(t.shape) for t in rule.from_shards(meta))
-            declared.append((g, hf_names, shapes, str(param.dtype).replace("torch.", ""), me))
+            declared.append((g, hf_names, shapes, dtype_name(param.dtype), me))
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, declared)
@@ -210,7 +211,7 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
         for g, hf_names, shapes, dtype, owner in decl:
             if g not in items or owner < items[g].owner:
                 items[g] = _Item(_sort_key(g, hf_names), g, tuple(hf_names), shapes,
-                                 getattr(torch, dtype), owner)
+                                 torch_dtype(dtype), owner)
     return sorted(items.values(), key=lambda it: it.key), mine
 
 
