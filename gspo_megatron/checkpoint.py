@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.dtypes import dtype_name
+
 log = logging.getLogger(__name__)
 
 META_FILE = "gspo_checkpoint.json"
@@ -306,7 +308,7 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
         copied = _copy_hf_assets(hf_assets_dir, os.path.join(tmp_dir, ASSETS_SUBDIR))
         params = unwrap(model).config.params_dtype
         meta = dict(format_version=FORMAT_VERSION, step=int(step), hf_config=unwrap(model).hf_config,
-                    layout=current_layout(), dtype=str(params).replace("torch.", ""),
+                    layout=current_layout(), dtype=dtype_name(params),
                     has_optimizer=optimizer is not None, has_rng=save_rng, hf_assets=copied,
                     sharding_metadata=_SHARDING_METADATA)
         with open(os.path.join(tmp_dir, META_FILE), "w") as f:

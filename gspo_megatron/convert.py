@@ -32,9 +32,13 @@ from gspo_megatron.checkpoint import (
     resolve_checkpoint,
     write_checkpoint_dir,
 )
+from gspo_megatron.dtypes import (  # noqa: E402,F401  (DTYPE_NAMES public here too)
+    DTYPE_NAMES,
+    canonical_name,
+    dtype_name,
+)
 from gspo_megatron.errors import UserInputError, agree, stop_all  # noqa: E402
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -62,7 +66,7 @@ def parse_size(text: str) -> int:
 def hf_dtype(hf: dict) -> str:
     """The dtype name stored in an HF config ('torch_dtype' or 'dtype'); float32 when absent."""
     name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    name = str(name).replace("torch.", "")
+    name = canonical_name(name)
     if name not in DTYPE_NAMES:
         raise UsageError(f"config.json dtype {name!r} is not supported ({', '.join(DTYPE_NAMES)})")
     return name
@@ -109,17 +113,16 @@ def world_size_from_env() -> int:
 
 
 def check_world_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int = 1) -> None:
-    """The layout divides the model's heads / experts / layers and the world size (torchrun's)."""
-    from gspo_megatron.models.build import check_layout
-    from gspo_megatron.runtime.distributed import ParallelLayout
+    """The layout divides the model's heads / experts / layers and the world size (torchrun's):
+    ``parallel_layout.layout_errors`` with the flags' names."""
+    from gspo_megatron.parallel_layout import layout_errors
 
-    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
-        if v < 1:
-            raise UsageError(f"--{name} must be >= 1, got {v}")
-    if etp is not None and etp < 1:
-        raise UsageError(f"--etp must be >= 1, got {etp}")
-    check_layout(hf, tp, pp, ep, etp)
-    ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp).check(world_size_from_env())
+    try:
+        errors = layout_errors(tp, pp, ep, etp, cp, world_size=world_size_from_env(), hf=hf, prefix="--")
+    except ValueError as e:  # a config.json no family reads
+        raise UsageError(str(e)) from None
+    if errors:
+        raise UsageError("; ".join(errors))
 
 
 def prepare_output_dir(path: str, overwrite: bool) -> None:
@@ -290,7 +293,7 @@ def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int, bucket_
             if name.startswith("model") and ".safetensors" in name or name.startswith(".part-"):
                 os.remove(os.path.join(out_dir, name))
         writer = ShardWriter(out_dir, max_shard_size)
-    dtype = str(model.config.params_dtype).replace("torch.", "")
+    dtype = dtype_name(model.config.params_dtype)
     with _progress(total, "export HF weights", "B", unit_scale=True) as bar:
         for bucket in export_hf_weights(model, bucket_bytes=bucket_bytes, plan=plan):
             if bucket is None:

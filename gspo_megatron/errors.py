@@ -26,6 +26,16 @@ class UserInputError(ValueError):
     """Bad user input; ``str(e)`` is the one line to show (it names the file:line or the field)."""
 
 
+class ConfigError(UserInputError):
+    """A config that cannot work. ``errors`` lists every problem found, each naming its field."""
+
+    def __init__(self, errors: list[str] | str):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        msg = self.errors[0] if len(self.errors) == 1 else (
+            f"{len(self.errors)} config errors:\n" + "\n".join(f"  - {e}" for e in self.errors))
+        super().__init__(msg)
+
+
 def one_line(e: BaseException) -> str:
     """The error's message folded onto one line (KeyError's repr quotes dropped)."""
     msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.config import Config
+from gspo_megatron.dtypes import torch_dtype
 
 
 def hf_init_dir(cfg: Config) -> str:
@@ -38,8 +39,8 @@ def hf_init_dir(cfg: Config) -> str:
 
 def _write_random_hf_model(cfg: Config, out: str) -> None:
     from gspo_megatron.data.tokenizer import build_demo_tokenizer
+    from gspo_megatron.models.arch import model_hf_config
     from gspo_megatron.models.tiny import hf_model_from_config
-    from gspo_megatron.planner import model_hf_config
 
     hf, _ = model_hf_config(cfg)
     tmp = out + ".tmp"
@@ -47,7 +48,7 @@ def _write_random_hf_model(cfg: Config, out: str) -> None:
     os.makedirs(tmp)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = hf_model_from_config(hf, _dtype(cfg.model.dtype))
+        model = hf_model_from_config(hf, torch_dtype(cfg.model.dtype))
     model.save_pretrained(tmp)
     tok_src = cfg.model.hf_path
     if tok_src and os.path.exists(os.path.join(tok_src, "tokenizer_config.json")):
@@ -60,10 +61,6 @@ def _write_random_hf_model(cfg: Config, out: str) -> None:
     # rope_parameters): every reader goes through gspo_megatron.models.hf_config.
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def build_tokenizer(hf_dir: str):
@@ -154,7 +151,7 @@ def build_rollout(cfg: Config, hf_dir: str) -> Rollout:
 def _build_hf_engine(cfg: Config, hf_dir: str):
     from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
-    kwargs = dict(config=hf_dir, weights=None, dtype=_dtype(cfg.model.dtype), seed=cfg.seed)
+    kwargs = dict(config=hf_dir, weights=None, dtype=torch_dtype(cfg.model.dtype), seed=cfg.seed)
     if cfg.rollout.engine_process:
         from gspo_megatron.rollout.subprocess_engine import SubprocessRolloutEngine
 

@@ -63,7 +63,7 @@ def check_config(cfg: Config, world_size: int) -> dict:
     import torch
 
     from gspo_megatron.config import validate, validate_model_layout
-    from gspo_megatron.planner import model_hf_config
+    from gspo_megatron.models.arch import model_hf_config
 
     validate(cfg, world_size=world_size)
     hf, where = model_hf_config(cfg)
@@ -71,7 +71,7 @@ def check_config(cfg: Config, world_size: int) -> dict:
         validate_model_layout(cfg, hf)
     except UserInputError:
         raise
-    except ValueError as e:  # the planner's PlanError: a config.json it cannot read
+    except ValueError as e:  # ModelDims.from_hf_config: a config.json it cannot read
         raise UserInputError(f"{where}: {e}") from None
     if cfg.parallel.cp > 1 and not torch.cuda.is_available():
         raise UserInputError("parallel.cp > 1 needs Transformer Engine's context-parallel attention (a CUDA "
@@ -235,7 +235,7 @@ def check_custom_rollout(cfg: Config, row, tokenizer) -> None:
 
 # ---------------------------------------------------------------------------------------------
 def _dims(hf: dict):
-    from gspo_megatron.planner import ModelDims
+    from gspo_megatron.models.dims import ModelDims
 
     try:
         return ModelDims.from_hf_config(hf)

@@ -301,7 +301,7 @@ def record_model_source(cfg: Config) -> str:
     """Where the model came from, for the saved config.yaml: model.arch is cleared (set to null) when
     model.hf_path's config.json defines the model, since then the arch table is not used.
     Returns a one-line description (the planner's)."""
-    from gspo_megatron.planner import model_hf_config
+    from gspo_megatron.models.arch import model_hf_config
 
     _, where = model_hf_config(cfg)
     if cfg.model.hf_path and os.path.isfile(os.path.join(cfg.model.hf_path, "config.json")):

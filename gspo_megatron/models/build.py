@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.hf_config import load_hf_config  # noqa: F401  (public here too)
 from gspo_megatron.models.registry import get_family
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from gspo_megatron.parallel_layout import layout_errors
 
 
 @dataclass
@@ -49,30 +49,11 @@ def use_transformer_engine(impl: str) -> bool:
 
 
 def check_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None = None) -> None:
-    """Raise ValueError naming the dimension a layout does not divide (before building anything)."""
-    family = get_family(hf)
-    family.check(hf)
-    family.check_layout(hf, tp, pp, ep, etp)
-    d = family.dims(hf)
-    checks = [
-        ("num_attention_heads", d.num_heads, tp, "parallel.tp"),
-        ("num_key_value_heads", d.num_kv_heads, tp, "parallel.tp"),
-        ("vocab_size", d.vocab_size, tp, "parallel.tp"),
-        ("num_hidden_layers", d.num_layers, pp, "parallel.pp"),
-    ]
-    if d.num_dense_layers:
-        checks.append(("intermediate_size", d.ffn_hidden, tp, "parallel.tp"))
-    checks += [(what, n, tp, "parallel.tp") for what, n in family.tp_divisible(hf)]
-    if d.num_experts:
-        checks.append(("number of experts", d.num_experts, ep, "parallel.ep"))
-        checks.append(("expert intermediate size", d.moe_ffn_hidden, etp or tp, "parallel.etp"))
-        if d.shared_expert_ffn:
-            checks.append(("shared expert intermediate size", d.shared_expert_ffn, tp, "parallel.tp"))
-    elif ep > 1:
-        raise ValueError(f"parallel.ep={ep} but {family.name} is a dense model (no experts)")
-    for what, value, size, field in checks:
-        if value % size:
-            raise ValueError(f"{field}={size} does not divide the model's {what} ({value})")
+    """Raise ValueError naming the field a layout does not fit (``parallel_layout.layout_errors``)."""
+    get_family(hf).check(hf)
+    errors = layout_errors(tp, pp, ep, etp, hf=hf)
+    if errors:
+        raise ValueError("; ".join(errors))
 
 
 def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int,
@@ -80,7 +61,7 @@ def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp:
     """The Megatron config (the family's class, e.g. TransformerConfig) for an HF config and a layout."""
     family = get_family(hf)
     fields = family.config_fields(hf)
-    dtype = _DTYPES[opts.dtype]
+    dtype = torch_dtype(opts.dtype)
     is_moe = "num_moe_experts" in fields
     te = use_transformer_engine(opts.transformer_impl)
     family.check_transformer_impl(te)

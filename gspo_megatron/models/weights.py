@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.mapping import Rule
 from gspo_megatron.models.registry import get_family
@@ -214,7 +215,7 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
             shapes = tuple(tuple(t.shape) for t in rule.from_shards(meta))
             expert = rule.expert_index(g)
             stack = None if expert is None else (expert, hf_config.num_experts(model.hf_config))
-            declared.append((g, hf_names, shapes, str(param.dtype).replace("torch.", ""), me, stack))
+            declared.append((g, hf_names, shapes, dtype_name(param.dtype), me, stack))
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, declared)
@@ -225,7 +226,7 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
         for g, hf_names, shapes, dtype, owner, stack in decl:
             if g not in items or owner < items[g].owner:
                 items[g] = _Item(_sort_key(g, hf_names, stack and stack[0]), g, tuple(hf_names), shapes,
-                                 getattr(torch, dtype), owner, stack)
+                                 torch_dtype(dtype), owner, stack)
     return sorted(items.values(), key=lambda it: it.key), mine
 
 

@@ -60,7 +60,7 @@ def _fp8_ep_choices(dims, tp: int) -> list[int]:
 def engine_layout_errors(cfg, dims) -> list[str]:
     """What an SGLang engine of ``rollout.engine_tp`` x ``rollout.engine_ep`` cannot load.
 
-    ``dims``: ``planner.ModelDims`` of the model. Returns one line per problem (empty: fine)."""
+    ``dims``: ``models.dims.ModelDims`` of the model. Returns one line per problem (empty: fine)."""
     r = cfg.rollout
     tp, ep = r.engine_tp, r.engine_ep
     e: list[str] = []
@@ -118,9 +118,9 @@ def prepare_engine_model_dir(cfg, hf_dir: str, out_dir: str) -> tuple[str, list[
     Raises ``config.ConfigError`` (one line per problem) when the engine layout cannot load the model,
     ``FileNotFoundError`` when ``hf_dir`` has no config.json. Idempotent: several launchers (one per
     node of a multi-node engine) may write the same ``out_dir``; files are replaced atomically."""
-    from gspo_megatron.config import ConfigError
+    from gspo_megatron.errors import ConfigError
     from gspo_megatron.models.build import load_hf_config
-    from gspo_megatron.planner import ModelDims
+    from gspo_megatron.models.dims import ModelDims
 
     hf = load_hf_config(hf_dir)
     errors = engine_layout_errors(cfg, ModelDims.from_hf_config(hf))

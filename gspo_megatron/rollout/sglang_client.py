@@ -15,16 +15,9 @@ import urllib.error
 import urllib.request
 from typing import Any, Sequence
 
-import torch
-
 
 class SGLangError(RuntimeError):
     """An SGLang call failed; the message names the engine and the call."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (the form SGLang's update_weights_from_distributed takes)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def _check(result: Any, where: str) -> Any:

@@ -38,21 +38,13 @@ class ParallelLayout:
         return world_size // self.model_parallel_size()
 
     def check(self, world_size: int) -> None:
-        """Raise ValueError naming the field when the layout cannot be built on ``world_size`` ranks."""
-        for name in ("tp", "pp", "ep", "cp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        mp = self.model_parallel_size()
-        if world_size % mp:
-            raise ValueError(
-                f"world size {world_size} is not divisible by parallel.tp*pp*cp = "
-                f"{self.tp}*{self.pp}*{self.cp} = {mp}")
-        etp = self.etp or self.tp
-        expert_mp = etp * self.ep * self.pp
-        if world_size % expert_mp:
-            raise ValueError(
-                f"world size {world_size} is not divisible by parallel.etp*ep*pp = "
-                f"{etp}*{self.ep}*{self.pp} = {expert_mp}")
+        """Raise ValueError naming the field when the layout cannot be built on ``world_size`` ranks
+        (``parallel_layout.layout_errors``)."""
+        from gspo_megatron.parallel_layout import layout_errors
+
+        errors = layout_errors(self.tp, self.pp, self.ep, self.etp, self.cp, world_size=world_size)
+        if errors:
+            raise ValueError("; ".join(errors))
 
 
 def device() -> torch.device:

@@ -27,7 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.rollout.sglang_client import close_weight_update, dtype_name, open_weight_update
+from gspo_megatron.dtypes import dtype_name
+from gspo_megatron.rollout.sglang_client import close_weight_update, open_weight_update
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 from gspo_megatron.weight_sync.transport import WeightTransport
 

@@ -18,7 +18,7 @@ PKG = os.path.join(os.path.dirname(__file__), "..", "..", "gspo_megatron")
 READERS = {
     "output_dir": "train.py",
     "seed": "train.py",
-    "model.arch": "planner.py",  # model_hf_config: the built-in table when hf_path has no config.json
+    "model.arch": "models/arch.py",  # model_hf_config: the built-in table when hf_path has no config.json
     "model.hf_path": "factory.py",
     "model.checkpoint": "train.py",
     "model.init": "factory.py",

@@ -58,10 +58,10 @@ def test_unsupported_architecture(capsys, tmp_path, hf_dir):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--tp", "3"], "parallel.tp=3 does not divide"),
-    (["--ep", "3"], "parallel.ep=3 does not divide the model's number of experts"),
-    (["--pp", "3"], "parallel.pp=3 does not divide the model's num_hidden_layers"),
-    (["--tp", "2"], "world size 1 is not divisible"),
+    (["--tp", "3"], "--tp=3 must divide num_attention_heads"),
+    (["--ep", "3"], "--ep=3 must divide the number of experts"),
+    (["--pp", "3"], "--pp=3 must divide num_hidden_layers"),
+    (["--tp", "2"], "--tp * --pp * --cp = 2 * 1 * 1 = 2 must divide the world size 1"),
 ])
 def test_indivisible_layout(capsys, tmp_path, hf_dir, args, expected):
     fails(capsys, "hf_to_megatron", ["--hf-dir", hf_dir, "--output", str(tmp_path / "o"), *args], expected)

@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.rollout.cpu_server.args import ServerArgs
 from gspo_megatron.rollout.sglang_compat import SGLANG_VERSION_TESTED
 
@@ -275,12 +276,12 @@ def _fields(body: dict, *names: str) -> dict:
 def encode_tensor(t: torch.Tensor) -> dict:
     t = t.detach().contiguous()
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape),
             "data": base64.b64encode(raw).decode()}
 
 
 def decode_tensor(d: dict) -> torch.Tensor:
-    dtype = getattr(torch, d["dtype"])
+    dtype = torch_dtype(d["dtype"])
     raw = bytearray(base64.b64decode(d["data"]))
     if not raw:
         return torch.empty(d["shape"], dtype=dtype)

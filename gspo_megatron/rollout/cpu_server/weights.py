@@ -23,21 +23,22 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.rollout.cpu_server.sharding import Layout, shard_for_rank
 from gspo_megatron.rollout.hf_engine import HFCheckpointLayout
-
-_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float": torch.float32, "float32": torch.float32}
 
 
 def resolve_dtype(flag: str, config: PretrainedConfig) -> torch.dtype:
     """``--dtype auto`` -> the config's dtype (float32 when it has none), as sglang does
     (sglang turns float32 checkpoints into bfloat16 on GPU; on CPU float32 stays float32)."""
     if flag != "auto":
-        return _DTYPES[flag]
+        return torch_dtype(flag)
     d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(d, str):
-        d = getattr(torch, d, None)
+        try:
+            d = torch_dtype(d)
+        except ValueError:  # e.g. "auto": float32, as before
+            d = None
     return d if isinstance(d, torch.dtype) else torch.float32
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.rollout.cpu_server.args import ServerArgs
 from gspo_megatron.rollout.cpu_server.generation import Sampler, eos_token_ids, normalize
 from gspo_megatron.rollout.cpu_server.sharding import Layout, assemble, owner_ranks
@@ -203,7 +204,7 @@ class TPWorker:
             else:
                 weights, handles = [], []
                 for name, dtype, shape in zip(names, dtypes, shapes):
-                    t = torch.empty(shape, dtype=getattr(torch, dtype))
+                    t = torch.empty(shape, dtype=torch_dtype(dtype))
                     handles.append(dist.broadcast(t, src=0, group=group, async_op=True))
                     weights.append((name, t))
                 for h in handles:
