@@ -87,7 +87,7 @@ def _turn_text(tokenizer, sample) -> str:
 def tool_calc_rollout(generate, sample) -> dict:
     """The rollout hook (see the module docstring); ``sample`` is a
     :class:`gspo_megatron.rollout.custom.HookSample`."""
-    from gspo_megatron.data.tasks import shaped_integer_reward
+    from gspo_megatron.data.answer_reward import shaped_integer_reward
     from gspo_megatron.rollout.custom import Trajectory
 
     tok = sample.tokenizer
@@ -123,6 +123,6 @@ def tool_calc_rollout(generate, sample) -> dict:
 def single_turn_reward(prompt: str, response: str, label: object) -> float:
     """The task's reward for a plain (single-turn) response: the answer's shaped reward scaled as in
     the hook (no tool call, so no tool credit)."""
-    from gspo_megatron.data.tasks import shaped_integer_reward
+    from gspo_megatron.data.answer_reward import shaped_integer_reward
 
     return (1 - TOOL_CREDIT) * shaped_integer_reward(response, str(label))

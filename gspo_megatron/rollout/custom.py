@@ -105,7 +105,7 @@ class Trajectory:
 def load_hook(spec: str) -> Callable:
     """The hook named by ``spec`` (``path/to/file.py:function`` or ``package.module:function``),
     checked to be callable as ``fn(generate, sample)``. Raises UserInputError naming the field."""
-    from gspo_megatron.rewards.registry import load_callable
+    from gspo_megatron.user_code import load_callable
 
     if not isinstance(spec, str) or ":" not in spec:
         raise UserInputError(f"{FIELD} {spec!r} must look like 'path/to/file.py:function'")
