@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,18 @@ from gspo_megatron.runtime.distributed import device
 
 _MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref",
               "engine_logprob_absdiff", "tis_weight_mean", "tis_capped_fraction")
+
+
+@dataclass
+class StepResult:
+    """The training half of one step, identical on every rank.
+
+    ``metrics``: what metrics.jsonl records (``loss/*``, ``gspo/*``, ``train/*``, ``perf/*`` ...);
+    ``nonfinite``: at least one mini-batch's update was skipped (non-finite loss or gradient norm),
+    which the trainer counts towards ``optimizer.max_bad_steps``."""
+
+    metrics: dict[str, float]
+    nonfinite: bool
 
 
 def loss_config(cfg: Config) -> PolicyLossConfig:
@@ -72,9 +85,9 @@ def _attach_logprobs(model, batches, key, temperature, ps) -> None:
 
 
 def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], pad_id: int,
-                   ref_model=None) -> dict:
+                   ref_model=None) -> StepResult:
     """Every rank: recompute old log-probs, then ``gspo.mini_batches`` optimizer steps. Returns the
-    step's metrics, identical on every rank."""
+    step's metrics and whether an update was skipped (:class:`StepResult`), identical on every rank."""
     from megatron.core import parallel_state as ps
 
     t0 = time.perf_counter()
@@ -121,8 +134,7 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
         "perf/old_logprob_s": t_old,
         "perf/train_s": time.perf_counter() - t0 - t_old,
     })
-    metrics["_nonfinite_step"] = float(not all(applied))
-    return metrics
+    return StepResult(metrics=metrics, nonfinite=not all(applied))
 
 
 def _mean_finite(values) -> float:
