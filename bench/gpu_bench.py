@@ -177,7 +177,7 @@ def bench_train(args) -> dict:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0)
+        metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0).metrics
         _sync()
         sec = time.perf_counter() - t0
         out["runs"]["packed" if packed else "padded"] = {

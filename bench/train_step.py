@@ -249,7 +249,7 @@ class OursInProcess:
                                  self.tokenizer, self.rewards)
         box = [("ok", batch.records)]
         dist.broadcast_object_list(box, src=0)  # as train.py (a world of one here)
-        m = train_on_batch(self.cfg, self.ddp, self.optimizer, self.scheduler, box[0][1], self.pad_id)
+        m = train_on_batch(self.cfg, self.ddp, self.optimizer, self.scheduler, box[0][1], self.pad_id).metrics
         sync = self.syncer.sync()
         step_s = time.perf_counter() - t0
         self.side.wall_s += step_s

@@ -5,9 +5,11 @@
     gspo-train --config X --check                      # check the config, files, data, reward; exit
     gspo-train --config X --dry-run --nodes 2 --gpus-per-node 8 --gpu-memory-gb 80   # plan only
 
-The loop, per step: rollout (rank 0: prompts -> G responses -> rewards -> advantages) -> every rank
-gets the batch -> old log-probs recomputed by the trainer -> one optimizer step per mini-batch ->
-new weights pushed to the engine -> metrics -> checkpoint.
+``train()`` reads top to bottom: build the trainer -> resume (starting weights and step) -> build the
+rollout side -> one ``run_step`` per step -> finish (HF export). A step: rollout (rank 0: prompts -> G
+responses -> rewards -> advantages) -> every rank gets the batch -> old log-probs recomputed by the
+trainer -> one optimizer step per mini-batch -> new weights pushed to the engines -> metrics ->
+checkpoint. docs/architecture.md has the dataflow and where each part lives.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -51,188 +55,275 @@ def check_before_start(cfg: Config) -> None:
 def train(cfg: Config, *, checked: bool = False) -> dict:
     """Run (or resume) a training job. Every rank calls it. Returns the last step's metrics.
     ``checked``: the caller already ran :func:`check_before_start` (main() does)."""
-    from gspo_megatron import factory
-    from gspo_megatron.checkpoint import load_checkpoint, save_checkpoint
-    from gspo_megatron.models.build import load_hf_config
-    from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.offload import TrainStateOffloader
-    from gspo_megatron.optim import OptimOptions, setup_training
-    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
-    from gspo_megatron.train_step import train_on_batch
-    from gspo_megatron.weight_sync.sync import WeightSyncer
-
     if not checked:
         check_before_start(cfg)
-    p = cfg.parallel
+    run = build_trainer(cfg)  # process groups, run dir, model, optimizer (weights not loaded yet)
+    resume(cfg, run)  # the starting weights and step: a checkpoint, model.checkpoint or model.hf_path
+    build_rollout(cfg, run)  # tokenizer, data, rewards, metrics, engines, weight sync; engines get the weights
+    stopped = False
+    for step in range(run.start_step + 1, cfg.train.steps + 1):
+        stopped = run_step(cfg, run, step)
+        if stopped:
+            break
+    finish(cfg, run, stopped)
+    return run.metrics
+
+
+@dataclass
+class Run:
+    """Everything one training job holds; built by :func:`build_trainer` / :func:`build_rollout`,
+    filled by :func:`resume`, advanced by :func:`run_step`. Fields marked rank 0 are None elsewhere."""
+
+    rank: int
+    hf_dir: str
+    hf: dict
+    model: Any
+    ddp: Any
+    optimizer: Any
+    scheduler: Any
+    ckpt_root: str
+    ref_model: Any = None
+    start_step: int = 0
+    resumed: bool = False
+    extra: dict = field(default_factory=dict)  # trainer state saved with the checkpoint
+    bad_streak: int = 0  # consecutive steps with a skipped (non-finite) update
+    tokenizer: Any = None
+    pad_id: int = 0
+    dataset: Any = None  # rank 0
+    sampler: Any = None  # rank 0
+    rewards: Any = None  # rank 0
+    logger: Any = None  # rank 0
+    rollout: Any = None  # factory.Rollout: engines and sync topology
+    session: Any = None  # rollout.session.RolloutSession
+    offloader: Any = None  # rollout.offload_train
+    gpu_monitor: Any = None
+    overlap: Any = None  # rollout.max_staleness >= 1: rollout.async_producer.Overlap
+    evaluator: Any = None  # evaluation.Evaluator (eval.*)
+    metrics: dict = field(default_factory=dict)  # the last step's
+
+
+def build_trainer(cfg: Config) -> Run:
+    """Every rank: process groups, the run directory (rank 0 writes config.yaml), this rank's model
+    (random init) wrapped in Megatron DDP with its optimizer and LR schedule."""
+    from gspo_megatron import factory
+    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.optim import OptimOptions, setup_training
+    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+
+    p, o = cfg.parallel, cfg.optimizer
     init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
     rank = dist.get_rank()
     _Stop.install()
     os.makedirs(cfg.output_dir, exist_ok=True)
     if rank == 0:
         save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"), header=record_model_source(cfg))
-
-    # -- model, optimizer, starting weights --------------------------------------------------------
     hf_dir = factory.hf_init_dir(cfg)
     hf = load_hf_config(hf_dir)
     model = factory.build_model(cfg, hf)
-    steps_total = cfg.train.steps * cfg.gspo.mini_batches
-    o = cfg.optimizer
     ddp, optimizer, scheduler = setup_training(model, OptimOptions(
         lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-        lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_decay_style, total_steps=steps_total,
+        lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_decay_style,
+        total_steps=cfg.train.steps * cfg.gspo.mini_batches,
         use_distributed_optimizer=p.use_distributed_optimizer,
         grad_reduce_in_fp32=p.grad_reduce_in_fp32,
         cpu_offload_fraction=o.cpu_offload_fraction))
-    ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
-    # resume: the newest loadable checkpoint (a corrupt newest one falls back to the previous)
-    resume_from = cfg.checkpoint.load or ckpt_root
-    start_step, extra = 0, {}
-    loaded = load_checkpoint(resume_from, model, optimizer, scheduler) if os.path.isdir(resume_from) else None
+    return Run(rank=rank, hf_dir=hf_dir, hf=hf, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
+               ckpt_root=os.path.join(cfg.output_dir, "checkpoints"))
+
+
+def resume(cfg: Config, run: Run) -> None:
+    """Every rank: the starting weights and step, first found of: the newest loadable checkpoint under
+    checkpoint.load (else output_dir/checkpoints; a corrupt newest one falls back to the previous:
+    weights, optimizer, schedule, RNG, step, trainer state), model.checkpoint (weights only), the HF
+    weights of model.hf_path (or the random init written by factory.hf_init_dir). With gspo.kl_coef > 0
+    also the frozen reference model, from the starting policy (never from a resumed one)."""
+    from gspo_megatron import factory
+    from gspo_megatron.checkpoint import load_checkpoint
+    from gspo_megatron.models.weights import load_hf_weights
+
+    resume_from = cfg.checkpoint.load or run.ckpt_root
+    loaded = None
+    if os.path.isdir(resume_from):
+        loaded = load_checkpoint(resume_from, run.model, run.optimizer, run.scheduler)
     if loaded is not None:
-        start_step, extra = loaded[0], loaded[1] or {}
-        if rank == 0:
-            print(f"[gspo-train] resuming from step {start_step} (checkpoint in {os.path.abspath(resume_from)}); "
-                  f"training steps {start_step + 1}..{cfg.train.steps}", flush=True)
+        run.start_step, run.extra, run.resumed = loaded[0], loaded[1] or {}, True
+        run.bad_streak = int(run.extra.get("bad_streak", 0))
+        if run.rank == 0:
+            print(f"[gspo-train] resuming from step {run.start_step} (checkpoint in {os.path.abspath(resume_from)}); "
+                  f"training steps {run.start_step + 1}..{cfg.train.steps}", flush=True)
     elif cfg.model.checkpoint:
-        if load_checkpoint(cfg.model.checkpoint, model, restore_rng=False) is None:
+        if load_checkpoint(cfg.model.checkpoint, run.model, restore_rng=False) is None:
             raise FileNotFoundError(f"model.checkpoint {cfg.model.checkpoint!r} holds no checkpoint")
-        optimizer.reload_model_params()
+        run.optimizer.reload_model_params()
     else:
-        load_hf_weights(model, hf_dir)
-    ref_model = None
+        load_hf_weights(run.model, run.hf_dir)
     if cfg.gspo.kl_coef > 0:  # a frozen copy of the starting policy
-        ref_model = factory.build_model(cfg, hf)
-        load_hf_weights(ref_model, hf_dir) if not cfg.model.checkpoint else load_checkpoint(
-            cfg.model.checkpoint, ref_model, restore_rng=False)
-        ref_model.requires_grad_(False)
+        run.ref_model = factory.build_model(cfg, run.hf)
+        if cfg.model.checkpoint:
+            load_checkpoint(cfg.model.checkpoint, run.ref_model, restore_rng=False)
+        else:
+            load_hf_weights(run.ref_model, run.hf_dir)
+        run.ref_model.requires_grad_(False)
 
-    # -- every rank: the tokenizer; rank 0: data, rewards, metrics ---------------------------------------
-    tokenizer = factory.build_tokenizer(hf_dir)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    dataset = sampler = rewards = logger = None
-    if rank == 0:
-        from gspo_megatron.data.dataset import PromptSampler
-        from gspo_megatron.metrics import MetricsLogger
 
-        dataset = factory.build_dataset(cfg, tokenizer)
-        sampler = PromptSampler(len(dataset), seed=cfg.seed, shuffle=cfg.data.shuffle)
-        if "sampler" in extra:
-            sampler.load_state_dict(extra["sampler"])
-        rewards = factory.build_rewards(cfg)
-        logger = MetricsLogger(cfg.output_dir, rank=rank, resume_step=start_step if loaded is not None else None,
-                               total_steps=cfg.train.steps, tensorboard=cfg.logging.tensorboard,
-                               console="auto" if cfg.logging.progress else "plain",
-                               console_every=cfg.train.log_interval,
-                               wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
-    # -- every rank: the engines (colocated ones start on the nodes that share their GPUs) and this
-    #    rank's part of the weight sync
-    rollout = factory.build_rollout(cfg, hf_dir)
-    engine = rollout.engine
-    syncer = WeightSyncer(model, rollout.topology, cfg.rollout.sync_bucket_mb)
-
-    # -- the loop ------------------------------------------------------------------------------------
+def build_rollout(cfg: Config, run: Run) -> None:
+    """Every rank: the tokenizer, the engines (colocated ones start on the nodes that share their GPUs),
+    this rank's part of the weight sync, the rollout session, then the first sync (the engines start
+    from exactly the trainer's weights). Rank 0 also: the dataset and its sampler (resumed), the
+    reward functions, the metrics logger."""
+    from gspo_megatron import factory
+    from gspo_megatron.offload import TrainStateOffloader
     from gspo_megatron.rollout.session import RolloutSession
     from gspo_megatron.rollout_step import collect_rollouts
     from gspo_megatron.runtime.gpu_monitor import GpuMonitor
     from gspo_megatron.weight_sync.probe import default_tolerance
+    from gspo_megatron.weight_sync.sync import WeightSyncer
 
+    run.tokenizer = factory.build_tokenizer(run.hf_dir)
+    run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+    if run.rank == 0:
+        from gspo_megatron.data.dataset import PromptSampler
+        from gspo_megatron.metrics import MetricsLogger
+
+        run.dataset = factory.build_dataset(cfg, run.tokenizer)
+        run.sampler = PromptSampler(len(run.dataset), seed=cfg.seed, shuffle=cfg.data.shuffle)
+        if "sampler" in run.extra:
+            run.sampler.load_state_dict(run.extra["sampler"])
+        run.rewards = factory.build_rewards(cfg)
+        run.logger = MetricsLogger(cfg.output_dir, rank=run.rank, resume_step=run.start_step if run.resumed else None,
+                                   total_steps=cfg.train.steps, tensorboard=cfg.logging.tensorboard,
+                                   console="auto" if cfg.logging.progress else "plain",
+                                   console_every=cfg.train.log_interval,
+                                   wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
+    run.rollout = factory.build_rollout(cfg, run.hf_dir)
+    engine = run.rollout.engine
+    syncer = WeightSyncer(run.model, run.rollout.topology, cfg.rollout.sync_bucket_mb)
     verify = None
     if cfg.rollout.sync_verify:
-        verify = (model, cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype), pad_id)
-    session = RolloutSession(
+        verify = (run.model, cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype), run.pad_id)
+    dataset, sampler, tokenizer, rewards = run.dataset, run.sampler, run.tokenizer, run.rewards
+    run.session = RolloutSession(
         syncer, engine, sampler, max_restarts=cfg.rollout.max_engine_restarts,
         colocated=cfg.rollout.sync_mode == "colocated", kv_cache_after_sync=not cfg.rollout.offload_train,
         collect=lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards),
-        dead_engines=rollout.dead_engines, restart=rollout.restart, verify=verify,
-        probe_prompts=[dataset[i].prompt_ids for i in range(min(4, len(dataset)))] if rank == 0 else None)
+        dead_engines=run.rollout.dead_engines, restart=run.rollout.restart, verify=verify,
+        probe_prompts=[dataset[i].prompt_ids for i in range(min(4, len(dataset)))] if run.rank == 0 else None)
     from gspo_megatron.rollout.async_producer import attach_overlap
 
     # rollout.max_staleness >= 1: rank 0 generates the next batches while every rank trains
-    overlap = attach_overlap(cfg, session, model, start_step)
-    session.sync()  # the engines start from exactly the trainer's weights
-    gpu_monitor = GpuMonitor()  # a quiet no-op without a GPU
-    metrics: dict = {}
-    bad_streak = int(extra.get("bad_streak", 0))
-    step, stopped = start_step, False
+    run.overlap = attach_overlap(cfg, run.session, run.model, run.start_step)
+    run.session.sync()
+    run.gpu_monitor = GpuMonitor()  # a quiet no-op without a GPU
     # rollout.offload_train: params, grads and optimizer states leave the device while the engines generate
-    offloader = TrainStateOffloader(ddp, optimizer) if cfg.rollout.offload_train else None
-    if offloader is not None:  # a re-sync inside the rollout (engine restarted) needs the weights back
-        session.sync = offloader.loaded_call(session.sync)
+    if cfg.rollout.offload_train:
+        run.offloader = TrainStateOffloader(run.ddp, run.optimizer)
+        # a re-sync inside the rollout (engine restarted) needs the weights back
+        run.session.sync = run.offloader.loaded_call(run.session.sync)
     from gspo_megatron.evaluation import Evaluator  # eval.*: step 0, every eval.interval, the last step
 
-    evaluator = Evaluator(cfg, tokenizer, engine, rewards, last_step=int(extra.get("eval_last_step", -1)))
-    if evaluator.due(start_step):  # (a resume evaluates its start step only if that was not done)
-        eval_metrics = evaluator.run(session, start_step, offloader)
-        if rank == 0:
-            logger.log(start_step, eval_metrics)
-    for step in range(start_step + 1, cfg.train.steps + 1):
-        t0 = time.perf_counter()
-        if offloader is not None:  # (after the previous step's sync and checkpoint)
-            offloader.offload()
-            dist.barrier()  # every rank's state is off its GPU before the engines take their KV cache back
-            session.resume_kv_cache()
-        records, rollout_metrics = session.rollout(step)
-        session.release_engines()  # colocated: the engines' weights and KV cache leave the GPUs
-        if offloader is not None:  # back before training, once rank 0 has released the engines' memory
-            dist.barrier()
-            offloader.reload()
-        metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id, ref_model=ref_model,
-                                 behaviour=overlap.history if overlap is not None else None)
-        sync_metrics = session.sync()  # (colocated: takes the engines' memory back around the sync)
-        bad_streak = bad_streak + 1 if metrics.pop("_nonfinite_step") else 0
-        step_time = time.perf_counter() - t0
-        n_tokens = sum(len(r["tokens"]) for r in records)
-        metrics.update(sync_metrics)
-        metrics.update(offloader.metrics() if offloader is not None else {})
-        metrics.update(gpu_monitor.sample())
-        metrics.update({"step": step, "perf/step_time_s": step_time, "perf/tokens_per_s": n_tokens / step_time,
-                        "train/bad_streak": float(bad_streak), "rollout/engine_restarts": float(session.restarts)})
-        if evaluator.due(step):  # on this step's weights (after its sync); every rank
-            metrics.update(evaluator.run(session, step, offloader))
-        if rank == 0:
-            metrics.update(rollout_metrics)
-            served = engine.take_served()
-            if served:
-                metrics["rollout/engines_serving"] = float(sum(1 for n in served if n > 0))
-            logger.log(step, metrics)
-        stop_signal = stopped = any_rank(_Stop.signum is not None)
-        too_bad = bad_streak >= cfg.optimizer.max_bad_steps > 0
-        interval = cfg.checkpoint.interval
-        if (interval and step % interval == 0) or step == cfg.train.steps or too_bad or \
-                (stop_signal and cfg.checkpoint.save_on_signal):
-            # (skipped updates leave the weights untouched: with too_bad this is the last good state)
-            # (off-policy: the position after the last batch trained on; pending batches are regenerated)
-            state = {"sampler": session.sampler.state_dict() if rank == 0 else None, "bad_streak": bad_streak,
-                     "eval_last_step": evaluator.last_step}
-            save_checkpoint(ckpt_root, step, model, optimizer, scheduler, extra_state=broadcast_object(state),
-                            keep_last=cfg.checkpoint.keep_last, hf_assets_dir=hf_dir)
-        if too_bad:
-            raise RuntimeError(f"{bad_streak} consecutive steps had a non-finite loss or gradient norm "
-                               f"(optimizer.max_bad_steps={cfg.optimizer.max_bad_steps}); stopping. "
-                               f"The last good state is in {ckpt_root}")
-        if stop_signal:
-            if rank == 0:
-                print(f"[gspo-train] signal received: checkpointed step {step}; exiting", flush=True)
-            break
+    run.evaluator = Evaluator(cfg, tokenizer, engine, rewards, last_step=int(run.extra.get("eval_last_step", -1)))
+    if run.evaluator.due(run.start_step):  # (a resume evaluates its start step only if that was not done)
+        eval_metrics = run.evaluator.run(run.session, run.start_step, run.offloader)
+        if run.rank == 0:
+            run.logger.log(run.start_step, eval_metrics)
 
-    # -- the end: the HF export of the final policy ---------------------------------------------------
+
+def run_step(cfg: Config, run: Run, step: int) -> bool:
+    """Every rank, one step: rollout -> train -> weight sync -> metrics -> checkpoint. Returns True
+    when a stop signal ended the run (after its checkpoint); raises when optimizer.max_bad_steps
+    consecutive steps had a skipped update."""
+    from gspo_megatron.train_step import train_on_batch
+
+    t0 = time.perf_counter()
+    session, offloader = run.session, run.offloader
+    if offloader is not None:  # (after the previous step's sync and checkpoint)
+        offloader.offload()
+        dist.barrier()  # every rank's state is off its GPU before the engines take their KV cache back
+        session.resume_kv_cache()
+    records, rollout_metrics = session.rollout(step)
+    session.release_engines()  # colocated: the engines' weights and KV cache leave the GPUs
+    if offloader is not None:  # back before training, once rank 0 has released the engines' memory
+        dist.barrier()
+        offloader.reload()
+    result = train_on_batch(cfg, run.ddp, run.optimizer, run.scheduler, records, run.pad_id, ref_model=run.ref_model,
+                            behaviour=run.overlap.history if run.overlap is not None else None)
+    sync_metrics = session.sync()  # (colocated: takes the engines' memory back around the sync)
+    run.bad_streak = run.bad_streak + 1 if result.nonfinite else 0
+    step_time = time.perf_counter() - t0
+    run.metrics = _step_metrics(run, step, result.metrics, sync_metrics, rollout_metrics, records, step_time)
+    if run.evaluator.due(step):  # on this step's weights (after its sync); every rank
+        run.metrics.update(run.evaluator.run(session, step, offloader))
+    if run.rank == 0:
+        run.logger.log(step, run.metrics)
+
+    stop_signal = any_rank(_Stop.signum is not None)
+    too_bad = run.bad_streak >= cfg.optimizer.max_bad_steps > 0
+    interval = cfg.checkpoint.interval
+    if (interval and step % interval == 0) or step == cfg.train.steps or too_bad or \
+            (stop_signal and cfg.checkpoint.save_on_signal):
+        # (skipped updates leave the weights untouched: with too_bad this is the last good state)
+        save_trainer_checkpoint(cfg, run, step)
+    if too_bad:
+        raise RuntimeError(f"{run.bad_streak} consecutive steps had a non-finite loss or gradient norm "
+                           f"(optimizer.max_bad_steps={cfg.optimizer.max_bad_steps}); stopping. "
+                           f"The last good state is in {run.ckpt_root}")
+    if stop_signal and run.rank == 0:
+        print(f"[gspo-train] signal received: checkpointed step {step}; exiting", flush=True)
+    return stop_signal
+
+
+def _step_metrics(run: Run, step: int, train_metrics: dict, sync_metrics: dict, rollout_metrics: dict,
+                  records: list, step_time: float) -> dict:
+    """One metrics.jsonl row: the training half's, the sync's, offload, GPU, timing and (rank 0) the
+    rollout's metrics."""
+    metrics = dict(train_metrics)
+    metrics.update(sync_metrics)
+    metrics.update(run.offloader.metrics() if run.offloader is not None else {})
+    metrics.update(run.gpu_monitor.sample())
+    n_tokens = sum(len(r["tokens"]) for r in records)
+    metrics.update({"step": step, "perf/step_time_s": step_time, "perf/tokens_per_s": n_tokens / step_time,
+                    "train/bad_streak": float(run.bad_streak),
+                    "rollout/engine_restarts": float(run.session.restarts)})
+    if run.rank == 0:
+        metrics.update(rollout_metrics)
+        served = run.rollout.engine.take_served()
+        if served:
+            metrics["rollout/engines_serving"] = float(sum(1 for n in served if n > 0))
+    return metrics
+
+
+def save_trainer_checkpoint(cfg: Config, run: Run, step: int) -> None:
+    """Every rank: the distributed checkpoint of ``step`` with the trainer state (rank 0's sampler
+    position after the last batch trained on (off-policy: pending batches are regenerated), the
+    bad-step streak, the last evaluated step) and the HF assets of the starting model."""
+    from gspo_megatron.checkpoint import save_checkpoint
+
+    state = {"sampler": run.session.sampler.state_dict() if run.rank == 0 else None, "bad_streak": run.bad_streak,
+             "eval_last_step": run.evaluator.last_step}
+    save_checkpoint(run.ckpt_root, step, run.model, run.optimizer, run.scheduler,
+                    extra_state=broadcast_object(state), keep_last=cfg.checkpoint.keep_last,
+                    hf_assets_dir=run.hf_dir)
+
+
+def finish(cfg: Config, run: Run, stopped: bool) -> None:
+    """Every rank: the HF export of the final policy (not after a stop signal), the engines shut down;
+    rank 0 closes the metrics and reward workers."""
     hf_out = os.path.join(cfg.output_dir, "hf_final")
     if not stopped:
         from gspo_megatron.convert import export_to_hf_dir
 
-        export_to_hf_dir(model, hf, hf_out, max_shard_size=5 * 10**9,
-                         bucket_bytes=int(cfg.rollout.sync_bucket_mb * (1 << 20)), assets_dir=hf_dir)
-    if overlap is not None:
-        overlap.close()
-    rollout.shutdown()
-    if rank == 0:
-        logger.close()
-        rewards.close()
+        export_to_hf_dir(run.model, run.hf, hf_out, max_shard_size=5 * 10**9,
+                         bucket_bytes=int(cfg.rollout.sync_bucket_mb * (1 << 20)), assets_dir=run.hf_dir)
+    if run.overlap is not None:
+        run.overlap.close()
+    run.rollout.shutdown()
+    if run.rank == 0:
+        run.logger.close()
+        run.rewards.close()
         print(f"[gspo-train] run dir: {os.path.abspath(cfg.output_dir)}", flush=True)
         if not stopped:
             print(f"[gspo-train] exported Hugging Face model: {os.path.abspath(hf_out)}", flush=True)
-    return metrics
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,18 @@ from gspo_megatron.runtime.distributed import device
 
 _MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref",
               "engine_logprob_absdiff", "tis_weight_mean", "tis_capped_fraction")
+
+
+@dataclass
+class StepResult:
+    """The training half of one step, identical on every rank.
+
+    ``metrics``: what metrics.jsonl records (``loss/*``, ``gspo/*``, ``train/*``, ``perf/*`` ...);
+    ``nonfinite``: at least one mini-batch's update was skipped (non-finite loss or gradient norm),
+    which the trainer counts towards ``optimizer.max_bad_steps``."""
+
+    metrics: dict[str, float]
+    nonfinite: bool
 
 
 def loss_config(cfg: Config) -> PolicyLossConfig:
@@ -89,9 +102,9 @@ def _attach_logprobs(model, batches, key, temperature, ps, fused: bool = True) -
 
 
 def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], pad_id: int,
-                   ref_model=None, behaviour=None) -> dict:
+                   ref_model=None, behaviour=None) -> StepResult:
     """Every rank: recompute old log-probs, then ``gspo.mini_batches`` optimizer steps. Returns the
-    step's metrics, identical on every rank.
+    step's metrics and whether an update was skipped (:class:`StepResult`), identical on every rank.
 
     behaviour: off-policy runs (rollout.max_staleness >= 1), a ``behaviour_policy.WeightHistory``:
     the old log-probs are then the trainer's with the weights that generated each token (records
@@ -153,10 +166,9 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
         "perf/old_logprob_s": t_old,
         "perf/train_s": time.perf_counter() - t0 - t_old,
     })
-    metrics["_nonfinite_step"] = float(not all(applied))
     if behaviour is not None:
         behaviour.trained()
-    return metrics
+    return StepResult(metrics=metrics, nonfinite=not all(applied))
 
 
 def _mean_finite(values) -> float:

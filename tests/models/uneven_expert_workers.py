@@ -59,7 +59,7 @@ def score_and_train(rank: int, world: int, hf_dir: str, layouts: list[dict], row
             ddp, optimizer, scheduler = setup_training(model, OptimOptions(
                 lr=o.lr, clip_grad=o.clip_grad, total_steps=cfg.gspo.mini_batches,
                 use_distributed_optimizer=p.use_distributed_optimizer))
-            metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0)
+            metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0).metrics
         finally:
             restore()
         everyone = [None] * world
