@@ -199,7 +199,7 @@ class OursInProcess:
 
     def __init__(self, cfg):
         from gspo_megatron import factory
-        from gspo_megatron.config import validate, validate_model_layout
+        from gspo_megatron.config import validate, validate_model_layout, values_for
         from gspo_megatron.data.dataset import PromptSampler
         from gspo_megatron.models.build import load_hf_config
         from gspo_megatron.models.weights import load_hf_weights
@@ -212,17 +212,12 @@ class OursInProcess:
         t0 = time.perf_counter()
         validate(cfg, world_size=1)
         validate_model_layout(cfg, model_hf_config(cfg)[0])
-        p, o = cfg.parallel, cfg.optimizer
+        p = cfg.parallel
         init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
         hf_dir = factory.hf_init_dir(cfg)
         model = factory.build_model(cfg, load_hf_config(hf_dir))
-        self.ddp, self.optimizer, self.scheduler = setup_training(model, OptimOptions(
-            lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-            lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_decay_style,
-            total_steps=cfg.train.steps * cfg.gspo.mini_batches,
-            use_distributed_optimizer=p.use_distributed_optimizer, grad_reduce_in_fp32=p.grad_reduce_in_fp32,
-            cpu_offload_fraction=o.cpu_offload_fraction))
+        self.ddp, self.optimizer, self.scheduler = setup_training(model, OptimOptions(**values_for(
+            OptimOptions, cfg.optimizer, cfg.parallel, total_steps=cfg.train.steps * cfg.gspo.mini_batches)))
         load_hf_weights(model, hf_dir)
         self.tokenizer = factory.build_tokenizer(hf_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

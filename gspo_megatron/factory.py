@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.config import Config
+from gspo_megatron.config import Config, values_for
 from gspo_megatron.dtypes import torch_dtype
 
 
@@ -172,13 +172,10 @@ def build_model(cfg: Config, hf: dict):
         fp8 = FP8Options.from_mapping({"fp8": cfg.model.fp8, "recipe": cfg.model.fp8_recipe}, prefix="model")
         check_fp8_runtime(fp8)
         fp8_fields = fp8.transformer_config_kwargs(is_moe=True, token_dispatcher=cfg.model.moe_token_dispatcher)
-    opts = ModelOptions(
-        dtype=cfg.model.dtype, transformer_impl=cfg.model.transformer_impl,
-        moe_token_dispatcher=cfg.model.moe_token_dispatcher, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-        recompute=cfg.model.recompute, sequence_parallel=p.sequence_parallel, fp8_fields=fp8_fields,
-        # True even though the weights are loaded right after: Megatron sets the tensor-parallel
-        # attributes of its parameters (used by the grad norm / clipping to skip TP duplicates)
-        # only inside its init functions; without them a TP>1 grad norm misses every shard but
-        # rank 0's.
-        perform_initialization=True)
+    # model.* and parallel.sequence_parallel by name (config.values_for); perform_initialization True
+    # even though the weights are loaded right after: Megatron sets the tensor-parallel attributes of
+    # its parameters (used by the grad norm / clipping to skip TP duplicates) only inside its init
+    # functions; without them a TP>1 grad norm misses every shard but rank 0's.
+    opts = ModelOptions(**values_for(ModelOptions, cfg.model, cfg.parallel, fp8_fields=fp8_fields,
+                                     perform_initialization=True))
     return _build(hf, p.tp, p.pp, p.ep, p.etp, p.cp, opts)

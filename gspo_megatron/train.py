@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from gspo_megatron.config import Config, config_help, load_config, save_config
+from gspo_megatron.config import Config, config_help, load_config, save_config, values_for
 from gspo_megatron.runtime.distributed import any_rank, broadcast_object
 
 
@@ -110,7 +110,7 @@ def build_trainer(cfg: Config) -> Run:
     from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 
-    p, o = cfg.parallel, cfg.optimizer
+    p = cfg.parallel
     init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
     rank = dist.get_rank()
     _Stop.install()
@@ -120,14 +120,10 @@ def build_trainer(cfg: Config) -> Run:
     hf_dir = factory.hf_init_dir(cfg)
     hf = load_hf_config(hf_dir)
     model = factory.build_model(cfg, hf)
-    ddp, optimizer, scheduler = setup_training(model, OptimOptions(
-        lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-        lr_warmup_steps=o.lr_warmup_steps, lr_decay_style=o.lr_decay_style,
-        total_steps=cfg.train.steps * cfg.gspo.mini_batches,
-        use_distributed_optimizer=p.use_distributed_optimizer,
-        grad_reduce_in_fp32=p.grad_reduce_in_fp32,
-        cpu_offload_fraction=o.cpu_offload_fraction))
+    # optimizer.* and parallel.* by name (config.values_for)
+    opts = OptimOptions(**values_for(OptimOptions, cfg.optimizer, cfg.parallel,
+                                     total_steps=cfg.train.steps * cfg.gspo.mini_batches))
+    ddp, optimizer, scheduler = setup_training(model, opts)
     return Run(rank=rank, hf_dir=hf_dir, hf=hf, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
                ckpt_root=os.path.join(cfg.output_dir, "checkpoints"))
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.config import Config
+from gspo_megatron.config import Config, values_for
 from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
 from gspo_megatron.losses.policy_loss import PolicyLossConfig
 from gspo_megatron.optim import optimizer_step, zero_grads
@@ -52,10 +52,8 @@ class StepResult:
 
 
 def loss_config(cfg: Config) -> PolicyLossConfig:
-    g = cfg.gspo
-    return PolicyLossConfig(mode=g.mode, clip_low=g.clip_low, clip_high=g.clip_high, aggregation=g.loss_agg,
-                            kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, entropy_coef=g.entropy_coef,
-                            tis_cap=g.tis_cap)
+    """The loss's options from ``gspo.*`` by name (``aggregation`` is ``gspo.loss_agg``)."""
+    return PolicyLossConfig(**values_for(PolicyLossConfig, cfg.gspo, renamed={"aggregation": "loss_agg"}))
 
 
 def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id: int, multiple: int,

@@ -25,6 +25,7 @@ from gspo_megatron.config.schema import (
     RewardConfig,
     RolloutConfig,
     TrainConfig,
+    values_for,
 )
 from gspo_megatron.config.validation import (
     BUILTIN_REWARDS,
@@ -39,6 +40,6 @@ from gspo_megatron.config.validation import (
 __all__ = [
     "BUILTIN_REWARDS", "DEFAULT_CLIP", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "GSPOConfig",
     "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
-    "TrainConfig", "config_help", "data_parallel_size", "engine_count", "load_config", "micro_batches_per_rank", "parse_eval_dataset",
-    "save_config", "validate", "validate_model_layout",
+    "TrainConfig", "config_help", "data_parallel_size", "engine_count", "load_config", "micro_batches_per_rank",
+    "parse_eval_dataset", "save_config", "validate", "validate_model_layout", "values_for",
 ]

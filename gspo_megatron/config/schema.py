@@ -21,6 +21,25 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+def values_for(target: type, *sections: Any, renamed: dict[str, str] | None = None, **given: Any) -> dict[str, Any]:
+    """The keyword arguments of a component's options dataclass ``target``, read from config sections
+    by field name (``renamed``: target field -> config key, where they differ), so that no caller
+    copies config values field by field. ``given`` supplies derived values. Raises TypeError naming
+    a field of ``target`` that no section has (a config key renamed without the component)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(target):
+        if f.name in given:
+            out[f.name] = given[f.name]
+            continue
+        key = (renamed or {}).get(f.name, f.name)
+        owner = next((s for s in sections if hasattr(s, key)), None)
+        if owner is None:
+            raise TypeError(f"{target.__name__}.{f.name}: no config key {key!r} in "
+                            f"{', '.join(type(s).__name__ for s in sections)}")
+        out[f.name] = getattr(owner, key)
+    return out
+
+
 # (clip_low, clip_high) per gspo.mode when the config leaves them null; the loss module reads it too.
 DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.2)}
 

@@ -179,3 +179,39 @@ def test_tiny_topology_configs_keep_the_recipes_keys():
         assert cfg.rollout.offload_train == r["rollout"]["offload_train"]
         for key in ("tp", "pp", "ep", "etp"):
             assert key in t["parallel"] and key in r["parallel"]
+
+
+def test_component_options_are_read_from_the_config_by_name():
+    """OptimOptions, PolicyLossConfig and ModelOptions get every field from the config by name
+    (config.values_for, as train.py, train_step.py and factory.py call it): a changed config value
+    reaches them, and a field that no section has is refused naming it."""
+    import dataclasses
+
+    import pytest
+
+    from gspo_megatron.config import values_for
+    from gspo_megatron.losses.policy_loss import PolicyLossConfig
+    from gspo_megatron.models.build import ModelOptions
+    from gspo_megatron.optim import OptimOptions
+    from gspo_megatron.train_step import loss_config
+
+    cfg = load_config(None, ["optimizer.lr=0.25", "optimizer.adam_beta2=0.5", "parallel.grad_reduce_in_fp32=false",
+                             "gspo.mode=grpo", "gspo.loss_agg=token-mean", "gspo.tis_cap=2.0",
+                             "model.recompute=true", "model.moe_aux_loss_coeff=0.01"])
+    o = OptimOptions(**values_for(OptimOptions, cfg.optimizer, cfg.parallel, total_steps=6))
+    assert (o.lr, o.adam_beta2, o.grad_reduce_in_fp32, o.total_steps) == (0.25, 0.5, False, 6)
+    for f in dataclasses.fields(o):
+        section = cfg.optimizer if hasattr(cfg.optimizer, f.name) else cfg.parallel
+        assert f.name == "total_steps" or getattr(o, f.name) == getattr(section, f.name), f.name
+    lc = loss_config(cfg)
+    assert isinstance(lc, PolicyLossConfig)
+    assert (lc.mode, lc.aggregation, lc.tis_cap, lc.clip_low) == ("grpo", "token-mean", 2.0, 0.2)
+    m = ModelOptions(**values_for(ModelOptions, cfg.model, cfg.parallel, fp8_fields=None, perform_initialization=True))
+    assert (m.recompute, m.moe_aux_loss_coeff, m.dtype) == (True, 0.01, cfg.model.dtype)
+
+    @dataclasses.dataclass
+    class Renamed:
+        learning_rate: float = 0.0
+
+    with pytest.raises(TypeError, match="Renamed.learning_rate: no config key 'learning_rate' in OptimizerConfig"):
+        values_for(Renamed, cfg.optimizer)

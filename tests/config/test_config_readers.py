@@ -149,7 +149,32 @@ def reads(source: str, name: str) -> bool:
         return re.search(rf"\bcfg\.{leaf}\b(?!\s*=[^=])", source) is not None
     sec = section[0]
     aliases = ["cfg." + sec] + re.findall(rf"^\s*(\w+)\s*=\s*cfg\.{sec}\s*$", source, re.M)
-    return any(re.search(rf"(?<![\w.]){re.escape(a)}\.{leaf}\b(?!\s*=[^=])", source) for a in aliases)
+    return any(re.search(rf"(?<![\w.]){re.escape(a)}\.{leaf}\b(?!\s*=[^=])", source) for a in aliases) or \
+        read_by_name(source, sec, leaf, aliases)
+
+
+def _options_classes() -> dict[str, type]:
+    from gspo_megatron.losses.policy_loss import PolicyLossConfig
+    from gspo_megatron.models.build import ModelOptions
+    from gspo_megatron.optim import OptimOptions
+
+    return {c.__name__: c for c in (OptimOptions, PolicyLossConfig, ModelOptions)}
+
+
+def read_by_name(source: str, sec: str, leaf: str, aliases: list[str]) -> bool:
+    """``values_for(Options, ..., cfg.<sec>, ...)`` reads every field of ``cfg.<sec>`` that the options
+    dataclass has under the same name, or under a ``renamed={...: "<leaf>"}`` entry."""
+    for m in re.finditer(r"values_for\(\s*(\w+)\s*,(.*?)\)\)?\s*$", source, re.M | re.S):
+        cls = _options_classes().get(m.group(1))
+        args = m.group(2)
+        if cls is None or not any(re.search(rf"(?<![\w.]){re.escape(a)}(?![\w.])", args) for a in aliases):
+            continue
+        names = {f.name for f in dataclasses.fields(cls)}
+        given = set(re.findall(r"(\w+)\s*=", args))
+        renamed = dict(re.findall(r"[\"'](\w+)[\"']\s*:\s*[\"'](\w+)[\"']", args))
+        if (leaf in names and leaf not in given and leaf not in renamed) or leaf in renamed.values():
+            return True
+    return False
 
 
 def test_the_table_lists_every_field_and_nothing_else():
@@ -173,3 +198,7 @@ def test_the_reader_check_can_fail():
     assert not reads("cfg.train.steps = 3", "train.steps")  # a write is not a read
     assert not reads("positive('train.log_interval', cfg.train.steps)", "train.log_interval")
     assert not reads("o = cfg.optimizer\nlr = p.lr", "optimizer.lr")
+    assert reads("o = OptimOptions(**values_for(OptimOptions, cfg.optimizer, cfg.parallel))", "optimizer.lr")
+    assert reads('x = values_for(PolicyLossConfig, cfg.gspo, renamed={"aggregation": "loss_agg"})', "gspo.loss_agg")
+    assert not reads("o = OptimOptions(**values_for(OptimOptions, cfg.parallel))", "optimizer.lr")
+    assert not reads("x = values_for(PolicyLossConfig, cfg.gspo)", "gspo.std_normalize")  # not a loss field
