@@ -77,8 +77,8 @@ def _nan_loss_from(n: int, report: dict) -> callable:
         if calls["train_on_batch"] < n:
             return loss_func
 
-        def nan_loss(output_tensor):
-            loss, *rest = loss_func(output_tensor)
+        def nan_loss(output_tensor, **kw):  # (kw: the fused head's output_weight)
+            loss, *rest = loss_func(output_tensor, **kw)
             return (loss * float("nan"), *rest)
         return nan_loss
 
