@@ -56,7 +56,8 @@ REQS = os.path.join(REPO, "bench", "gpu_kit", "requirements.txt")
 
 # GPU tests (pytest -m gpu) that need neither SGLang nor Transformer Engine, and those that do.
 GPU_TESTS = ["tests/losses/test_vocab_parallel_gpu.py", "tests/losses/test_fused_logprobs_gpu.py"]
-NEEDS_SGLANG_OR_TE = ["tests/gpu/test_sglang_gpu.py", "tests/gpu/test_fp8_te_gpu.py"]
+NEEDS_SGLANG_OR_TE = ["tests/gpu/test_sglang_gpu.py", "tests/gpu/test_fp8_te_gpu.py",
+                      "tests/gpu/test_packing_gpu.py"]  # THD packing runs through Transformer Engine
 
 # torch's own stack: comes with the machine's CUDA torch, never in the kit's list
 TORCH_STACK = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|markupsafe|filelock|"
