@@ -38,7 +38,12 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     def exists(name: str, path: str | None, kind: str = "path") -> None:
         if path is not None and check_files:
             ok = os.path.isfile(path) if kind == "file" else os.path.isdir(path) if kind == "dir" else os.path.exists(path)
-            need(ok, f"{name}: {kind} {path!r} does not exist")
+            if ok:
+                return
+            if not os.path.exists(path):
+                e.append(f"{name}: {kind} {path!r} does not exist")
+            else:
+                e.append(f"{name}: {path!r} is a {'directory' if os.path.isdir(path) else 'file'}, expected a {kind}")
 
     need(bool(cfg.output_dir), "output_dir must be a non-empty path")
     non_negative("seed", cfg.seed)
@@ -95,12 +100,18 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     non_negative("rollout.max_resample_rounds", r.max_resample_rounds)
     need(r.over_sample >= 1, f"rollout.over_sample must be >= 1, got {r.over_sample}")
     need(r.over_sample == 1 or r.dynamic_sampling, "rollout.over_sample > 1 needs rollout.dynamic_sampling=true")
+    def callable_spec(name: str, spec: str) -> None:
+        """'path/to/file.py:fn' (the file must exist) or 'package.module:fn' (imported by the start-up checks)."""
+        target, _, attr = spec.rpartition(":")
+        module_form = bool(target) and all(part.isidentifier() for part in target.split("."))
+        if not (attr.isidentifier() and (target.endswith(".py") or module_form)) or \
+                (module_form and not target.endswith(".py") and os.path.isfile(target)):
+            e.append(f"{name} {spec!r} must be 'path/to/file.py:function_name' or 'package.module:function_name'")
+        elif target.endswith(".py"):
+            exists(name, target, "file")
+
     if r.custom_function is not None:
-        file, _, name = r.custom_function.rpartition(":")
-        need(bool(file) and name.isidentifier(),
-             f"rollout.custom_function {r.custom_function!r} must be 'path/to/file.py:function' or 'package.module:function'")
-        if file.endswith(".py"):
-            exists("rollout.custom_function", file, "file")
+        callable_spec("rollout.custom_function", r.custom_function)
     if r.engine == "hf":
         need(r.sync_mode == "inprocess", f"rollout.sync_mode must be inprocess with rollout.engine=hf, got {r.sync_mode}")
         need(not r.sync_fp8, "rollout.sync_fp8 needs rollout.engine=sglang")
@@ -176,13 +187,10 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
 
     fn = cfg.reward.function
     if ":" in fn:
-        file, _, name = fn.rpartition(":")
-        need(file.endswith(".py") and name.isidentifier(),
-             f"reward.function {fn!r} must be 'path/to/file.py:function_name'")
-        exists("reward.function", file, "file")
+        callable_spec("reward.function", fn)
     else:
         need(fn in BUILTIN_REWARDS or fn in tasks, f"reward.function {fn!r} is not built in; use one of "
-             f"{', '.join(BUILTIN_REWARDS + tuple(tasks))} or 'path/to/file.py:fn'")
+             f"{', '.join(BUILTIN_REWARDS + tuple(tasks))}, 'path/to/file.py:fn' or 'package.module:fn'")
     positive("reward.timeout_s", cfg.reward.timeout_s)
     non_negative("reward.num_workers", cfg.reward.num_workers)
     need(0 < cfg.reward.max_failure_share <= 1,

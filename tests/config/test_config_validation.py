@@ -91,7 +91,9 @@ SGLANG = ["rollout.engine=sglang", "rollout.sync_mode=colocated"]
     (["data.label_key=''"], "data.label_key must be non-empty"),
     (["data.max_prompt_len=0"], "data.max_prompt_len must be > 0"),
     (["reward.function=maths"], "reward.function 'maths' is not built in"),
-    (["reward.function=reward.txt:score"], "must be 'path/to/file.py:function_name'"),
+    (["reward.function=rewards/score.txt:score"], "must be 'path/to/file.py:function_name' or 'package.module:"),
+    (["reward.function=score.py:1x"], "must be 'path/to/file.py:function_name'"),
+    (["rollout.custom_function=hooks/turn.txt:run"], "rollout.custom_function 'hooks/turn.txt:run' must be"),
     (["reward.timeout_s=0"], "reward.timeout_s must be > 0"),
     (["reward.num_workers=-1"], "reward.num_workers must be >= 0"),
     (["checkpoint.interval=-1"], "checkpoint.interval must be >= 0"),
@@ -139,6 +141,34 @@ def test_files_that_must_exist(tmp_path):
     cfg = load_config(None, [f"model.hf_path={model}", "model.init=pretrained", f"data.path={tmp_path / 'p.jsonl'}",
                              f"reward.function={tmp_path / 'r.py'}:score"])
     assert cfg.model.hf_path == str(model)
+
+
+def test_a_path_of_the_wrong_kind_says_so(tmp_path):
+    (tmp_path / "p.jsonl").mkdir()
+    with pytest.raises(ConfigError, match=r"data.path: '.*p.jsonl' is a directory, expected a file"):
+        load_config(None, [f"data.path={tmp_path / 'p.jsonl'}"])
+    (tmp_path / "model").write_text("x")
+    with pytest.raises(ConfigError, match=r"model.hf_path: '.*model' is a file, expected a dir"):
+        load_config(None, [f"model.hf_path={tmp_path / 'model'}"])
+
+
+def test_reward_and_hook_by_module_name(tmp_path, monkeypatch):
+    """'package.module:function' is imported as Python imports it (the start-up checks call it once)."""
+    from gspo_megatron.data.dataset import PromptRow
+    from gspo_megatron.errors import UserInputError
+    from gspo_megatron.preflight import check_reward
+
+    pkg = tmp_path / "myrl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "scoring.py").write_text("def score(prompt, response, label):\n    return float(response == label)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(None, ["reward.function=myrl.scoring:score", "rollout.custom_function=myrl.turns:run"])
+    assert cfg.reward.function == "myrl.scoring:score"
+    row = PromptRow(prompt="q", text="q", prompt_ids=[1], label="2", source="data.jsonl line 1")
+    check_reward("myrl.scoring:score", row)
+    with pytest.raises(UserInputError, match=r"reward.function 'myrl.nope:score': ModuleNotFoundError: .*myrl.nope"):
+        check_reward("myrl.nope:score", row)
 
 
 def moe(**kw):
