@@ -137,6 +137,7 @@ def _build(args, packed: bool):
 def bench_train(args) -> dict:
     import torch
 
+    from gspo_megatron.sample import Sample
     from gspo_megatron.train_step import train_on_batch
 
     hf = hf_config(args.tiny)
@@ -146,8 +147,7 @@ def bench_train(args) -> dict:
     records = []
     for i, r in enumerate(resp):
         toks = torch.randint(0, hf["vocab_size"], (args.prompt + r,), generator=g).tolist()
-        records.append({"tokens": toks, "prompt_len": args.prompt, "advantage": float((-1) ** i),
-                        "engine_logprobs": [-1.0] * r})
+        records.append(Sample.from_tokens(toks, args.prompt, advantage=float((-1) ** i), engine_logprobs=[-1.0] * r))
     totals = [args.prompt + r for r in resp]
     flops = model_flops(totals, pc, passes=1)
     mbs = args.micro_batch_size  # padded layout: rows of mbs sequences, each padded to its longest

@@ -47,7 +47,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def make_records(prompts: int, group: int, max_seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
+def make_records(prompts: int, group: int, max_seq_len: int, vocab: int, seed: int = 0) -> list:
+    from gspo_megatron.sample import Sample
+
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(prompts):
@@ -57,8 +59,8 @@ def make_records(prompts: int, group: int, max_seq_len: int, vocab: int, seed: i
             r = math.ceil(math.exp(math.log(40) + 1.2 * float(torch.randn((), generator=g))))
             r = max(2, min(r, max_seq_len - p))
             resp = torch.randint(0, vocab, (r,), generator=g).tolist()
-            out.append({"tokens": prompt + resp, "prompt_len": p, "advantage": float(torch.randn((), generator=g)),
-                        "engine_logprobs": (-torch.rand(r, generator=g) * 3).tolist()})
+            out.append(Sample(prompt_ids=list(prompt), response_ids=resp, advantage=float(torch.randn((), generator=g)),
+                              engine_logprobs=(-torch.rand(r, generator=g) * 3).tolist()))
     return out
 
 
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
         ddp, optimizer, scheduler = setup_training(model, OptimOptions(lr=1e-5, use_distributed_optimizer=False))
         meter = ActivationMeter(ddp.module)
         records = make_records(args.prompts, args.group_size, args.max_seq_len, hf["vocab_size"])
-        real = sum(len(r["tokens"]) for r in records)
+        real = sum(r.length for r in records)
         stats = {m: {"old_s": [], "train_s": [], "pad": None, "act_peak": 0, "gpu_old": 0, "gpu_train": 0}
                  for m in cfgs}
         for rep in range(args.repeats + 1):  # the first round warms up
@@ -190,7 +192,7 @@ def main(argv=None) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
 
-    lengths = sorted(len(r["tokens"]) - r["prompt_len"] for r in records)
+    lengths = sorted(r.response_len for r in records)
     res = {"device": torch.cuda.get_device_name() if gpu else f"cpu ({platform.processor() or platform.machine()})",
            "torch": torch.__version__, "sequences": n, "real_tokens": real,
            "response_len": {"min": lengths[0], "median": lengths[len(lengths) // 2], "max": lengths[-1],

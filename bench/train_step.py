@@ -252,7 +252,7 @@ class OursInProcess:
             return
         s, bm = self.side, batch.metrics
         s.step_s.append(step_s)
-        s.tokens.append(float(sum(len(r["tokens"]) for r in batch.records)))
+        s.tokens.append(float(sum(r.length for r in batch.records)))
         s.rollout_s.append(bm["perf/rollout_s"])
         s.old_logprob_s.append(m["perf/old_logprob_s"])
         s.train_s.append(m["perf/train_s"])

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 
 import torch
 
+from gspo_megatron.sample import Sample
+
 
 def _params(model) -> list[torch.Tensor]:
     chunks = model if isinstance(model, (list, tuple)) else [model]
@@ -95,17 +97,18 @@ class WeightHistory:
                 for p, cur in zip(self.params, self.snapshots[self.current]):
                     p.copy_(cur, non_blocking=True)
 
-    def attach_old_logprobs(self, model, batches: list[dict], records: list[dict], temperature: float,
+    def attach_old_logprobs(self, model, batches: list[dict], records: list[Sample], temperature: float,
                             fused_logprobs: bool = True) -> dict:
         """batch["old_logprobs"] [b, s]: each response token's log-prob under the trainer's weights of
         the policy version that generated it (``batch["behaviour_version"]``, per token). One forward
-        over every micro-batch per distinct version in ``records`` (identical on every rank, so the
+        over every micro-batch per distinct version in ``records`` (the step's Samples, their
+        ``behaviour_version`` set; identical on every rank, so the
         collectives line up); zeros off the last pipeline stage. Returns {version: token count}."""
         from gspo_megatron.pipeline import compute_logprobs
 
         counts: dict[int, int] = {}
         for r in records:
-            for v in r["behaviour_version"]:
+            for v in r.behaviour_version:
                 counts[int(v)] = counts.get(int(v), 0) + 1
         for b in batches:
             b["old_logprobs"] = torch.zeros_like(b["loss_mask"])

@@ -37,15 +37,15 @@ from typing import Sequence
 
 import torch
 
+from gspo_megatron.sample import PER_TOKEN_FIELDS, Sample
+
 PAD_LABEL = -100
-# a record's optional per-response-token float lists, laid on the label positions of its row
-PER_TOKEN_KEYS = ("old_logprobs", "engine_logprobs", "ref_logprobs", "behaviour_version")
 # every [b, s] tensor of a micro-batch (padded or packed): what a CP split or reorder must cut
-TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", *PER_TOKEN_KEYS)
+TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", *PER_TOKEN_FIELDS)
 
 
 def response_mask(values, n: int, i: int) -> torch.Tensor:
-    """A record's ``loss_mask`` (0/1 per response token) as a float tensor [n]; ValueError naming
+    """A Sample's ``loss_mask`` (0/1 per response token) as a float tensor [n]; ValueError naming
     sequence ``i`` when it has the wrong length or values."""
     m = torch.as_tensor(values, dtype=torch.float32)
     if m.shape != (n,):
@@ -53,6 +53,27 @@ def response_mask(values, n: int, i: int) -> torch.Tensor:
     if not bool(((m == 0) | (m == 1)).all()):
         raise ValueError(f"sequence {i}: loss_mask values must be 0 or 1")
     return m
+
+
+def per_token_values(s: Sample, key: str, i: int) -> torch.Tensor:
+    """Sample field ``key`` (one of ``sample.PER_TOKEN_FIELDS``) as a float tensor [R]; ValueError
+    naming sequence ``i`` when it is missing (the micro-batch's first Sample has it) or has the
+    wrong length."""
+    values = getattr(s, key)
+    if values is None:
+        raise ValueError(f"sequence {i}: {key} is None while the micro-batch's first sequence has one")
+    vals = torch.as_tensor(values, dtype=torch.float32)
+    if vals.numel() != s.response_len:
+        raise ValueError(f"sequence {i}: {key} has {vals.numel()} values for {s.response_len} response tokens")
+    return vals
+
+
+def advantages_of(seqs: Sequence[Sample]) -> torch.Tensor:
+    """The Samples' ``advantage`` as a float tensor [S]; ValueError naming the first one without."""
+    missing = [i for i, s in enumerate(seqs) if s.advantage is None]
+    if missing:
+        raise ValueError(f"sequence {missing[0]}: advantage is None while the micro-batch's first sequence has one")
+    return torch.tensor([float(s.advantage) for s in seqs])
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -107,18 +128,19 @@ def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int,
     return [p + [[] for _ in range(count - len(p))] for p in per_rank]
 
 
-def collate_packed(seqs: Sequence[dict], pad_id: int = 0, seg_multiple: int = 1, row_multiple: int = 1,
+def collate_packed(seqs: Sequence[Sample], pad_id: int = 0, seg_multiple: int = 1, row_multiple: int = 1,
                    seq_ids: Sequence | None = None) -> dict:
-    """One packed micro-batch (module docstring) from sequence records (``pipeline.collate``'s
-    format: tokens, prompt_len, optional per-response-token lists and advantage). An empty ``seqs``
+    """One packed micro-batch (module docstring) from Samples (``gspo_megatron.sample``; as in
+    ``pipeline.collate``, the optional per-token fields and advantage of the first Sample decide
+    which keys the batch has). An empty ``seqs``
     gives an empty micro-batch: one padding segment, num_seqs 1 with advantage 0, no loss tokens.
 
     Returns tokens/position_ids/labels/seq_index [1, T] long, loss_mask [1, T] float, the per-token
-    float keys present in the records [1, T], advantages [S], cu_seqlens [K+1] int32, max_seqlen,
+    float keys present in the Samples [1, T], advantages [S], cu_seqlens [K+1] int32, max_seqlen,
     num_seqs, num_real_tokens, seq_ids."""
     if row_multiple % seg_multiple:
         raise ValueError(f"row_multiple {row_multiple} must be a multiple of seg_multiple {seg_multiple}")
-    segs = [round_up(len(s["tokens"]), seg_multiple) for s in seqs]
+    segs = [round_up(s.length, seg_multiple) for s in seqs]
     used = sum(segs)
     total = max(round_up(used, row_multiple), row_multiple)
     bounds = [0]
@@ -131,34 +153,31 @@ def collate_packed(seqs: Sequence[dict], pad_id: int = 0, seg_multiple: int = 1,
     position = torch.zeros(total, dtype=torch.long)
     seq_index = torch.zeros(total, dtype=torch.long)
     mask = torch.zeros(total)
-    keys = [k for k in PER_TOKEN_KEYS if seqs and k in seqs[0]]
+    keys = [k for k in PER_TOKEN_FIELDS if seqs and getattr(seqs[0], k) is not None]
     per_token = {k: torch.zeros(total) for k in keys}
     for k in range(len(bounds) - 1):
         position[bounds[k]:bounds[k + 1]] = torch.arange(bounds[k + 1] - bounds[k])
     for i, s in enumerate(seqs):
-        ids = torch.as_tensor(s["tokens"], dtype=torch.long)
-        n, p, a = ids.numel(), s["prompt_len"], bounds[i]
+        ids = torch.as_tensor(s.tokens, dtype=torch.long)
+        n, p, a = ids.numel(), s.prompt_len, bounds[i]
         if not 1 <= p <= n:
             raise ValueError(f"sequence {i}: prompt_len {p} outside [1, {n}]")
         tokens[a:a + n] = ids
         labels[a:a + n - 1] = ids[1:]
-        mask[a + p - 1:a + n - 1] = 1.0 if s.get("loss_mask") is None else response_mask(s["loss_mask"], n - p, i)
+        mask[a + p - 1:a + n - 1] = 1.0 if s.loss_mask is None else response_mask(s.loss_mask, n - p, i)
         seq_index[a:a + segs[i]] = i
         for key, t in per_token.items():
-            vals = torch.as_tensor(s[key], dtype=torch.float32)
-            if vals.numel() != n - p:
-                raise ValueError(f"sequence {i}: {key} has {vals.numel()} values for {n - p} response tokens")
-            t[a + p - 1:a + n - 1] = vals
+            t[a + p - 1:a + n - 1] = per_token_values(s, key, i)
     cu = torch.tensor(bounds, dtype=torch.int32)
     batch = dict(
         tokens=tokens[None], position_ids=position[None], labels=labels[None], loss_mask=mask[None],
         seq_index=seq_index[None], **{k: t[None] for k, t in per_token.items()},
         cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()), num_seqs=max(len(seqs), 1),
-        num_real_tokens=sum(len(s["tokens"]) for s in seqs),
+        num_real_tokens=sum(s.length for s in seqs),
         seq_ids=list(seq_ids) if seq_ids is not None else list(range(len(seqs))),
     )
-    if seqs and "advantage" in seqs[0]:
-        batch["advantages"] = torch.tensor([float(s["advantage"]) for s in seqs])
+    if seqs and seqs[0].advantage is not None:
+        batch["advantages"] = advantages_of(seqs)
     elif not seqs:
         batch["advantages"] = torch.zeros(1)
     return batch

@@ -7,12 +7,10 @@ to a multiple of the tensor-parallel size for sequence parallelism. Or packed: w
 concatenated in one row with per-sequence positions and attention (``gspo_megatron.packing``); the
 forward step passes such a micro-batch's ``PackedSeqParams`` to the model.
 
-Sequence record (one per sequence): ``tokens`` (prompt + response ids), ``prompt_len``, and optional
-per-response-token lists ``old_logprobs``, ``engine_logprobs``, ``ref_logprobs``,
-``behaviour_version`` (the trainer step whose weights generated each token, off-policy runs),
-``loss_mask`` (0/1 per response token: multi-turn rollouts train only the policy's tokens, not tool
-output or user turns; absent = every response token) and a scalar ``advantage``. Position t of a row
-predicts token t+1, so response token j (0-based) is the label at position prompt_len - 1 + j.
+The sequences are :class:`gspo_megatron.sample.Sample` records (prompt and response ids, optional
+per-response-token ``old_logprobs``, ``engine_logprobs``, ``ref_logprobs``, ``behaviour_version``,
+``loss_mask``, and the scalar ``advantage``). Position t of a row predicts token t+1, so response token
+j (0-based) is the label at position prompt_len - 1 + j.
 """
 
 from __future__ import annotations
@@ -22,40 +20,45 @@ from typing import Callable, Sequence
 
 import torch
 
-from gspo_megatron.packing import PAD_LABEL, PER_TOKEN_KEYS, TOKEN_KEYS, response_mask  # noqa: F401 (re-exported)
+from gspo_megatron.packing import (  # noqa: F401 (PAD_LABEL, TOKEN_KEYS re-exported)
+    PAD_LABEL,
+    TOKEN_KEYS,
+    advantages_of,
+    per_token_values,
+    response_mask,
+)
+from gspo_megatron.sample import PER_TOKEN_FIELDS, Sample
 
 
-def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1, seq_ids: Sequence | None = None) -> dict:
-    """Build one right-padded micro-batch from sequence records (see module docstring).
+def collate(seqs: Sequence[Sample], pad_id: int = 0, multiple: int = 1, seq_ids: Sequence | None = None) -> dict:
+    """Build one right-padded micro-batch from Samples (see module docstring).
 
-    Returns tokens/position_ids/labels [b, s] long, loss_mask [b, s] float (the record's
+    Returns tokens/position_ids/labels [b, s] long, loss_mask [b, s] float (the Sample's
     ``loss_mask`` on its response, 0 on prompt and padding), seq_index [b, s] long, and
-    old_logprobs / engine_logprobs / ref_logprobs [b, s] float and advantages [b] when present;
+    old_logprobs / engine_logprobs / ref_logprobs / behaviour_version [b, s] float and advantages [b]
+    when the first Sample carries them;
     num_seqs (b), num_real_tokens (sum of the sequence lengths) and seq_ids (the caller's id of
     each row; default 0..b-1).
     """
     if not seqs:
         raise ValueError("collate needs at least one sequence")
-    longest = max(len(s["tokens"]) for s in seqs)
+    longest = max(s.length for s in seqs)
     width = -(-longest // multiple) * multiple
     b = len(seqs)
     tokens = torch.full((b, width), pad_id, dtype=torch.long)
     labels = torch.full((b, width), PAD_LABEL, dtype=torch.long)
     mask = torch.zeros(b, width)
-    per_token = {k: torch.zeros(b, width) for k in PER_TOKEN_KEYS if k in seqs[0]}
+    per_token = {k: torch.zeros(b, width) for k in PER_TOKEN_FIELDS if getattr(seqs[0], k) is not None}
     for i, s in enumerate(seqs):
-        ids = torch.as_tensor(s["tokens"], dtype=torch.long)
-        n, p = ids.numel(), s["prompt_len"]
+        ids = torch.as_tensor(s.tokens, dtype=torch.long)
+        n, p = ids.numel(), s.prompt_len
         if not 1 <= p <= n:
             raise ValueError(f"sequence {i}: prompt_len {p} outside [1, {n}]")
         tokens[i, :n] = ids
         labels[i, : n - 1] = ids[1:]
-        mask[i, p - 1 : n - 1] = 1.0 if s.get("loss_mask") is None else response_mask(s["loss_mask"], n - p, i)
+        mask[i, p - 1 : n - 1] = 1.0 if s.loss_mask is None else response_mask(s.loss_mask, n - p, i)
         for k, t in per_token.items():
-            vals = torch.as_tensor(s[k], dtype=torch.float32)
-            if vals.numel() != n - p:
-                raise ValueError(f"sequence {i}: {k} has {vals.numel()} values for {n - p} response tokens")
-            t[i, p - 1 : n - 1] = vals
+            t[i, p - 1 : n - 1] = per_token_values(s, k, i)
     batch = dict(
         tokens=tokens,
         position_ids=torch.arange(width).unsqueeze(0).expand(b, width).contiguous(),
@@ -64,18 +67,12 @@ def collate(seqs: Sequence[dict], pad_id: int = 0, multiple: int = 1, seq_ids: S
         seq_index=torch.arange(b).unsqueeze(1).expand(b, width).contiguous(),
         **per_token,
         num_seqs=b,
-        num_real_tokens=sum(len(s["tokens"]) for s in seqs),
+        num_real_tokens=sum(s.length for s in seqs),
         seq_ids=list(seq_ids) if seq_ids is not None else list(range(b)),
     )
-    if "advantage" in seqs[0]:
-        batch["advantages"] = torch.tensor([float(s["advantage"]) for s in seqs])
+    if seqs[0].advantage is not None:
+        batch["advantages"] = advantages_of(seqs)
     return batch
-
-
-def trained_tokens(record: dict) -> int:
-    """Response tokens of a sequence record that the loss counts (its loss_mask's ones)."""
-    m = record.get("loss_mask")
-    return len(record["tokens"]) - record["prompt_len"] if m is None else int(sum(m))
 
 
 def sequence_multiple(tp: int, cp: int) -> int:

@@ -10,7 +10,7 @@ groups are in; engines that deliver groups as they finish (SGLang) skip the requ
 started. Groups are kept in delivery order.
 
 Custom rollouts (rollout.custom_function): every sample is produced by the user's hook
-(``rollout/custom.py``); its records carry a ``loss_mask`` (the policy's tokens) and its rewards come
+(``rollout/custom.py``); its Samples carry a ``loss_mask`` (the policy's tokens) and its rewards come
 from the hook (or reward.function when it leaves them out).
 """
 
@@ -27,13 +27,15 @@ from gspo_megatron.data.dataset import decode_response
 from gspo_megatron.errors import UserInputError
 from gspo_megatron.losses.advantages import group_advantages
 from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.sample import Sample
 
 
 @dataclass
 class RolloutBatch:
-    """records: one dict per sequence, group by group (see pipeline.py for the record keys)."""
+    """records: one :class:`~gspo_megatron.sample.Sample` per sequence, group by group (G consecutive
+    Samples share a prompt)."""
 
-    records: list[dict]
+    records: list[Sample]
     metrics: dict = field(default_factory=dict)
 
 
@@ -50,21 +52,23 @@ def sampling_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
                           max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids, seed=seed)
 
 
-def _records(row, samples, scores, k0):
+def _records(samples, scores, k0) -> list[Sample]:
+    """One group's Samples from the engine's responses (``rollout.base.RolloutSample``) and their
+    rewards ``scores[k0:k0 + len(samples)]``."""
     recs = []
     for j, s in enumerate(samples):
         if len(s.response_logprobs) != len(s.response_ids):
             raise RuntimeError("rollout engine returned log-probs that do not match its response ids")
-        recs.append(dict(tokens=list(s.prompt_ids) + list(s.response_ids), prompt_len=len(s.prompt_ids),
-                         engine_logprobs=list(s.response_logprobs), reward=float(scores[k0 + j]),
-                         truncated=s.finish_reason == "length", response_len=len(s.response_ids),
-                         token_versions=s.token_versions))
+        recs.append(Sample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
+                           engine_logprobs=list(s.response_logprobs), reward=float(scores[k0 + j]),
+                           finish_reason=s.finish_reason,
+                           token_versions=list(s.token_versions) if s.token_versions is not None else None))
     return recs
 
 
 def _stream_groups(cfg, engine, rows, tokenizer, rewards, seed):
     """Generate and score ``rows``, G samples each; yields (groups, reward stats) as the engine
-    delivers them (``engine.generate_stream``), a group being a list of records."""
+    delivers them (``engine.generate_stream``), a group being a list of Samples."""
     params = sampling_params(cfg, tokenizer, seed)
     if cfg.rollout.custom_function:
         yield _custom_groups(cfg, engine, rows, tokenizer, rewards, params)
@@ -81,7 +85,7 @@ def _stream_groups(cfg, engine, rows, tokenizer, rewards, seed):
             scores, stats = rewards.score(prompts, responses, labels, group_size=cfg.rollout.group_size)
             groups, k = [], 0
             for i, group in delivered:
-                groups.append(_records(rows[i], group, scores, k))
+                groups.append(_records(group, scores, k))
                 k += len(group)
             yield groups, stats
     finally:
@@ -98,15 +102,15 @@ def _custom_groups(cfg, engine, rows, tokenizer, rewards, params):
                           params=params, max_response_tokens=cfg.model.max_seq_len - len(r.prompt_ids), source=r.source)
                for r in rows for j in range(G)]
     results, calls = run_hooks(hook, spec, engine, samples, params)
-    checked = [check_result(res, smp, c, spec) for res, smp, c in zip(results, samples, calls)]
-    unscored = [i for i, c in enumerate(checked) if c["reward"] is None]
+    checked = [check_result(res, smp, c, spec) for res, smp, c in zip(results, samples, calls)]  # Samples
+    unscored = [i for i, c in enumerate(checked) if c.reward is None]
     stats: dict = {}
     if unscored:  # the hook left the reward to reward.function: score the decoded response
         stop = set(params.stop_token_ids)
         texts = []
         for i in unscored:
-            ids = checked[i]["response_ids"]
-            ids = ids[:-1] if not checked[i]["truncated"] and ids[-1] in stop else ids
+            ids = checked[i].response_ids
+            ids = ids[:-1] if not checked[i].truncated and ids[-1] in stop else ids
             texts.append(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
         if cfg.reward.group and len(unscored) != len(checked):
             raise UserInputError(f"rollout.custom_function {spec!r} returned a reward for some samples and None for "
@@ -114,17 +118,8 @@ def _custom_groups(cfg, engine, rows, tokenizer, rewards, params):
         scores, stats = rewards.score([samples[i].prompt for i in unscored], texts, [samples[i].label for i in unscored],
                                       group_size=G)
         for i, v in zip(unscored, scores):
-            checked[i]["reward"] = float(v)
-    groups = []
-    for gi in range(len(rows)):
-        recs = []
-        for c, smp in zip(checked[gi * G:(gi + 1) * G], samples[gi * G:(gi + 1) * G]):
-            recs.append(dict(tokens=smp.prompt_ids + c["response_ids"], prompt_len=len(smp.prompt_ids),
-                             engine_logprobs=c["engine_logprobs"], loss_mask=c["loss_mask"], reward=c["reward"],
-                             truncated=c["truncated"], response_len=len(c["response_ids"]),
-                             custom_metrics=c["metrics"], generate_calls=c["generate_calls"]))
-        groups.append(recs)
-    return groups, stats
+            checked[i].reward = float(v)
+    return [checked[gi * G:(gi + 1) * G] for gi in range(len(rows))], stats
 
 
 def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer, rewards) -> RolloutBatch:
@@ -148,13 +143,13 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
                 generated += len(groups)
                 for key, v in stats.items():
                     stats_sum[key] = stats_sum.get(key, 0.0) + v
-                rewards_t = torch.tensor([rec["reward"] for g in groups for rec in g])
+                rewards_t = torch.tensor([rec.reward for g in groups for rec in g])
                 adv = group_advantages(rewards_t, G, normalize_std=cfg.gspo.std_normalize, eps=cfg.gspo.adv_eps)
                 round_rewards += rewards_t.tolist()
                 round_zero += adv.zero_variance.tolist()
                 for gi, g in enumerate(groups):
                     for j, rec in enumerate(g):
-                        rec["advantage"] = float(adv.advantages[gi * G + j])
+                        rec.advantage = float(adv.advantages[gi * G + j])
                     zero = bool(adv.zero_variance[gi])
                     (spare if zero and r.dynamic_sampling else kept).append(g)
                 if r.dynamic_sampling and len(kept) >= want:
@@ -169,18 +164,18 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
     kept = (kept + spare)[:want]
     records = [rec for g in kept for rec in g]
     all_rewards, first_zero_frac = first_round
-    lens = [rec["response_len"] for rec in records]
+    lens = [rec.response_len for rec in records]
     metrics = {
         # reward statistics of the first round: what the current policy scores on fresh prompts
         "reward/mean": float(sum(all_rewards) / len(all_rewards)),
         "reward/std": float(torch.tensor(all_rewards).std(unbiased=False)),
-        "reward/batch_mean": sum(rec["reward"] for rec in records) / len(records),
+        "reward/batch_mean": sum(rec.reward for rec in records) / len(records),
         "rollout/zero_variance_frac": float(first_zero_frac),
         "rollout/rounds": float(rounds),
         "rollout/groups_generated": float(generated),
         "rollout/prompts_drawn": float(drawn),
         "rollout/response_len_mean": sum(lens) / len(lens),
-        "rollout/truncated_frac": sum(rec["truncated"] for rec in records) / len(records),
+        "rollout/truncated_frac": sum(rec.truncated for rec in records) / len(records),
         "perf/rollout_s": time.perf_counter() - t0,
         "data/skipped_rows": float(getattr(dataset, "skipped_rows", 0)),
         **{k if k.startswith("reward/") else f"reward/{k}": v for k, v in stats_sum.items()},
@@ -189,18 +184,19 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
     return RolloutBatch(records=records, metrics=metrics)
 
 
-def _custom_metrics(records: list[dict]) -> dict:
+def _custom_metrics(records: list[Sample]) -> dict:
     """Custom-hook rollouts: the trained share of response tokens, generate calls per sample, and
-    the hook's own metrics averaged over the batch (``custom/<key>``). The per-record extras are
-    removed (they are not broadcast to the training ranks)."""
-    if not records or "loss_mask" not in records[0]:
+    the hook's own metrics averaged over the batch (``custom/<key>``). Each Sample's ``metrics`` are
+    cleared (they are not broadcast to the training ranks)."""
+    if not records or records[0].generate_calls is None:
         return {}
-    out = {"rollout/trained_token_frac": sum(sum(rec["loss_mask"]) for rec in records)
-           / max(sum(rec["response_len"] for rec in records), 1),
-           "rollout/generate_calls_mean": sum(rec.pop("generate_calls") for rec in records) / len(records)}
+    out = {"rollout/trained_token_frac": sum(rec.trained_tokens for rec in records)
+           / max(sum(rec.response_len for rec in records), 1),
+           "rollout/generate_calls_mean": sum(rec.generate_calls for rec in records) / len(records)}
     sums: dict[str, list[float]] = {}
     for rec in records:
-        for k, v in rec.pop("custom_metrics").items():
+        for k, v in rec.metrics.items():
             sums.setdefault(k, []).append(v)
+        rec.metrics = {}
     out.update({f"custom/{k}": sum(v) / len(v) for k, v in sums.items()})
     return out

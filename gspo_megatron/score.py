@@ -96,6 +96,7 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
         is_packed,
         plan_micro_batches,
     )
+    from gspo_megatron.sample import Sample
 
     dp_rank, dp = _dp_info()
     cp = ps.get_context_parallel_world_size()
@@ -104,7 +105,7 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
     if max_tokens_per_micro_batch:
         seg = 2 * cp if cp > 1 else 1
         plan = plan_micro_batches([len(r) for r in rows], dp, max_tokens_per_micro_batch, seg)[dp_rank]
-        batches = [collate_packed([{"tokens": list(rows[i]), "prompt_len": 1} for i in idx], pad_id=pad_id,
+        batches = [collate_packed([Sample.from_tokens(rows[i], 1) for i in idx], pad_id=pad_id,
                                   seg_multiple=seg, row_multiple=multiple, seq_ids=idx) for idx in plan]
     else:
         per_replica = math.ceil(len(rows) / dp) if rows else 0
@@ -112,7 +113,7 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
         # pad with a copy of row 0 (result dropped) so that every replica runs the same micro-batches
         slots = mine + [None] * (per_replica - len(mine))
         chunks = [slots[s:s + micro_batch_size] for s in range(0, len(slots), micro_batch_size)]
-        batches = [collate([{"tokens": list(rows[i if i is not None else 0]), "prompt_len": 1}
+        batches = [collate([Sample.from_tokens(rows[i if i is not None else 0], 1)
                             for i in chunk], pad_id=pad_id, multiple=multiple, seq_ids=chunk) for chunk in chunks]
     local = batches if cp_group is None else [split_for_context_parallel(b, cp_group) for b in batches]
     out = compute_logprobs(model, local, temperature=temperature)  # one pipelined schedule

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from gspo_megatron.config import Config, config_help, load_config, save_config, values_for
 from gspo_megatron.runtime.distributed import any_rank, broadcast_object
+from gspo_megatron.sample import Sample
 
 
 class _Stop:
@@ -270,14 +271,14 @@ def run_step(cfg: Config, run: Run, step: int) -> bool:
 
 
 def _step_metrics(run: Run, step: int, train_metrics: dict, sync_metrics: dict, rollout_metrics: dict,
-                  records: list, step_time: float) -> dict:
+                  records: list[Sample], step_time: float) -> dict:
     """One metrics.jsonl row: the training half's, the sync's, offload, GPU, timing and (rank 0) the
     rollout's metrics."""
     metrics = dict(train_metrics)
     metrics.update(sync_metrics)
     metrics.update(run.offloader.metrics() if run.offloader is not None else {})
     metrics.update(run.gpu_monitor.sample())
-    n_tokens = sum(len(r["tokens"]) for r in records)
+    n_tokens = sum(r.length for r in records)
     metrics.update({"step": step, "perf/step_time_s": step_time, "perf/tokens_per_s": n_tokens / step_time,
                     "train/bad_streak": float(run.bad_streak),
                     "rollout/engine_restarts": float(run.session.restarts)})

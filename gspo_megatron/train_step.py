@@ -31,9 +31,9 @@ from gspo_megatron.pipeline import (
     sequence_multiple,
     split_for_context_parallel,
     to_device,
-    trained_tokens,
 )
 from gspo_megatron.runtime.distributed import device
+from gspo_megatron.sample import Sample
 
 _MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref",
               "engine_logprob_absdiff", "tis_weight_mean", "tis_capped_fraction")
@@ -56,7 +56,7 @@ def loss_config(cfg: Config) -> PolicyLossConfig:
     return PolicyLossConfig(**values_for(PolicyLossConfig, cfg.gspo, renamed={"aggregation": "loss_agg"}))
 
 
-def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id: int, multiple: int,
+def split_batch(cfg: Config, records: list[Sample], dp: int, dp_rank: int, pad_id: int, multiple: int,
                 cp_group=None):
     """Mini-batches (lists of this rank's micro-batch dicts, each carrying its mini-batch's global
     normalizer). ``multiple``: what a row's length must divide (``pipeline.sequence_multiple``).
@@ -71,9 +71,9 @@ def split_batch(cfg: Config, records: list[dict], dp: int, dp_rank: int, pad_id:
     for m in range(M):
         lo = m * n // M
         mb = records[lo : (m + 1) * n // M]
-        norm = sum(trained_tokens(r) if token_mean else int(trained_tokens(r) > 0) for r in mb)
+        norm = sum(r.trained_tokens if token_mean else int(r.trained_tokens > 0) for r in mb)
         if budget:
-            plan = plan_micro_batches([len(r["tokens"]) for r in mb], dp, budget,
+            plan = plan_micro_batches([r.length for r in mb], dp, budget,
                                       seg_multiple=2 * cp if cp > 1 else 1)[dp_rank]
             micro = [collate_packed([mb[i] for i in idx], pad_id=pad_id, seg_multiple=2 * cp if cp > 1 else 1,
                                     row_multiple=multiple, seq_ids=[lo + i for i in idx]) for idx in plan]
@@ -99,7 +99,7 @@ def _attach_logprobs(model, batches, key, temperature, ps, fused: bool = True) -
         b[key] = out[i]["logprobs"].float() if out is not None else torch.zeros_like(b["loss_mask"])
 
 
-def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], pad_id: int,
+def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[Sample], pad_id: int,
                    ref_model=None, behaviour=None) -> StepResult:
     """Every rank: recompute old log-probs, then ``gspo.mini_batches`` optimizer steps. Returns the
     step's metrics and whether an update was skipped (:class:`StepResult`), identical on every rank.
@@ -118,7 +118,7 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[dict], 
     flat = [b for mb in minis for b in mb]
     temp = cfg.rollout.temperature
     fused = cfg.model.fused_logprobs
-    if behaviour is not None and any(int(v) != behaviour.current for r in records for v in r["behaviour_version"]):
+    if behaviour is not None and any(int(v) != behaviour.current for r in records for v in r.behaviour_version):
         behaviour.attach_old_logprobs(ddp, flat, records, temp, fused)
     else:
         _attach_logprobs(ddp, flat, "old_logprobs", temp, ps, fused)

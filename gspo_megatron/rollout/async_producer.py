@@ -105,7 +105,7 @@ class AsyncProducer:
 
     # -- what the trainer calls (rank 0) ---------------------------------------------------------
     def take(self, step: int, trainer_version: int):
-        """The batch of ``step`` (blocks until generated), each record given ``behaviour_version``
+        """The batch of ``step`` (blocks until generated), each Sample given ``behaviour_version``
         (the policy version of each response token); raises the producer's error, if any.
         trainer_version: the policy version the trainer trains it with (step - 1 normally)."""
         if self.thread is None:
@@ -124,11 +124,11 @@ class AsyncProducer:
         self.consumed_state = state
         ages = []
         for r in batch.records:
-            if r.get("token_versions") is None:
+            if r.token_versions is None:
                 raise RuntimeError("rollout.max_staleness needs engines that report the weight version of each "
                                    "sample (SGLang's meta_info.weight_version); this engine does not")
-            r["behaviour_version"] = [self.history.policy_version(v) for v in r["token_versions"]]
-            ages.append(trainer_version - min(r["behaviour_version"], default=trainer_version))
+            r.behaviour_version = [self.history.policy_version(v) for v in r.token_versions]
+            ages.append(trainer_version - min(r.behaviour_version, default=trainer_version))
         if ages and max(ages) > self.n:
             raise RuntimeError(f"step {step}: a sample is {max(ages)} policy versions old, more than "
                                f"rollout.max_staleness={self.n} (generated at version {version})")

@@ -28,8 +28,9 @@ The hook returns a dict:
 Token ids are never re-tokenized: the trained tokens, read in order, must be what the engine sampled
 in this sample's generate calls, in call order (a call's output used whole or cut short, calls may
 be left out). This is checked, and the engine log-probs of those tokens are taken from the calls
-themselves. :class:`Trajectory` builds such a result. The loss then counts only the trained tokens:
-the record's ``loss_mask`` becomes the micro-batch loss mask (``pipeline.collate``), so the GSPO
+themselves. :class:`Trajectory` builds such a result. ``check_result`` converts it to the trainer's
+record (``gspo_megatron.sample.Sample``). The loss then counts only the trained tokens:
+the Sample's ``loss_mask`` becomes the micro-batch loss mask (``pipeline.collate``), so the GSPO
 length normalization |y_i|, old log-probs, the engine gap and TIS all cover exactly those tokens.
 """
 
@@ -46,6 +47,7 @@ from typing import Any, Callable, Sequence
 
 from gspo_megatron.errors import UserInputError
 from gspo_megatron.rollout.base import RolloutSample, SamplingParams
+from gspo_megatron.sample import Sample
 
 FIELD = "rollout.custom_function"
 
@@ -276,10 +278,12 @@ def run_hooks(hook: Callable, spec: str, engine, samples: Sequence[HookSample], 
 
 
 # -- checking a hook's result -------------------------------------------------------------------
-def check_result(result: Any, sample: HookSample, calls: Sequence[_Call], spec: str) -> dict:
-    """Validate one hook result against the calls the hook made; return the normalized dict with
-    ``engine_logprobs`` [R] (the engine's log-probs on trained tokens, 0 elsewhere). Raises
-    UserInputError naming the field and the offending key."""
+def check_result(result: Any, sample: HookSample, calls: Sequence[_Call], spec: str) -> Sample:
+    """Validate one hook result (the documented dict) against the calls the hook made and convert it
+    to the trainer's record, a :class:`~gspo_megatron.sample.Sample` with ``engine_logprobs`` [R]
+    (the engine's log-probs on trained tokens, 0 elsewhere), ``loss_mask``, ``reward`` (None: left to
+    reward.function), ``metrics``, ``finish_reason`` ("length" when truncated) and
+    ``generate_calls``. Raises UserInputError naming the field and the offending key."""
     where = f"{FIELD} {spec!r} (on {sample.source or f'sample {sample.index}'})"
     if not isinstance(result, dict):
         raise UserInputError(f"{where} returned {type(result).__name__}, expected a dict with response_ids, "
@@ -323,9 +327,10 @@ def check_result(result: Any, sample: HookSample, calls: Sequence[_Call], spec: 
     truncated = result.get("truncated")
     if truncated is None:
         truncated = bool(calls) and calls[-1].result is not None and calls[-1].result.finish_reason == "length"
-    return dict(response_ids=[int(t) for t in ids], loss_mask=[int(m) for m in mask], engine_logprobs=engine_lps,
-                reward=reward, metrics={k: float(v) for k, v in metrics.items()}, truncated=bool(truncated),
-                generate_calls=len(calls))
+    return Sample(prompt_ids=list(sample.prompt_ids), response_ids=[int(t) for t in ids],
+                  loss_mask=[int(m) for m in mask], engine_logprobs=engine_lps, reward=reward,
+                  metrics={k: float(v) for k, v in metrics.items()},
+                  finish_reason="length" if truncated else "stop", generate_calls=len(calls))
 
 
 def match_sampled(ids: list[int], mask: list[int], calls: Sequence[_Call]) -> list[float] | str:

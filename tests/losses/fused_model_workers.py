@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import torch
 
+from gspo_megatron.sample import Sample
 
-def _records(vocab: int, seed: int = 0) -> list[dict]:
+
+def _records(vocab: int, seed: int = 0) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, (p, r) in enumerate([(3, 9), (2, 1), (5, 14), (4, 0), (1, 6)]):
         toks = torch.randint(0, vocab, (p + r,), generator=g).tolist()
-        out.append({"tokens": toks, "prompt_len": p, "advantage": float(torch.randn(1, generator=g)),
-                    "old_logprobs": (torch.randn(r, generator=g) * 0.01 - 3.0).tolist(), "_i": i})
+        out.append(Sample.from_tokens(toks, p, advantage=float(torch.randn(1, generator=g)),
+                                      old_logprobs=(torch.randn(r, generator=g) * 0.01 - 3.0).tolist()))
     return out
 
 

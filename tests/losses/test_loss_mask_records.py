@@ -10,7 +10,8 @@ import torch
 
 from gspo_megatron.config import Config
 from gspo_megatron.losses.policy_loss import PolicyLossConfig, policy_loss_flat
-from gspo_megatron.pipeline import collate, trained_tokens
+from gspo_megatron.pipeline import collate
+from gspo_megatron.sample import Sample
 from gspo_megatron.train_step import split_batch
 
 LOW, HIGH = 3e-4, 4e-4
@@ -23,9 +24,9 @@ def _records(seed=0):
     recs = []
     for i, m in enumerate(masks):
         p = rng.randint(2, 5)
-        recs.append(dict(tokens=[rng.randrange(1, 50) for _ in range(p + len(m))], prompt_len=p, loss_mask=m,
-                         engine_logprobs=[rng.uniform(-3, -0.1) if x else 1e6 for x in m],  # junk off the mask
-                         advantage=rng.uniform(-1.5, 1.5)))
+        recs.append(Sample.from_tokens([rng.randrange(1, 50) for _ in range(p + len(m))], p, loss_mask=m,
+                                       engine_logprobs=[rng.uniform(-3, -0.1) if x else 1e6 for x in m],  # junk off the mask
+                                       advantage=rng.uniform(-1.5, 1.5)))
     return recs
 
 
@@ -33,14 +34,14 @@ def _closed_form(recs, lp, old, eng, tis_cap):
     """(loss, d loss / d lp) written out: log s_i = (1/|y_i|) sum_{t in mask} (lp - old), |y_i| =
     trained tokens; J = mean over sequences with |y_i| > 0 of w_i min(s_i A_i, clip(s_i) A_i),
     w_i = min(exp(mean_{t in mask}(old - eng)), C) (1 without TIS)."""
-    live = [i for i, r in enumerate(recs) if sum(r["loss_mask"])]
+    live = [i for i, r in enumerate(recs) if sum(r.loss_mask)]
     loss, grad = 0.0, torch.zeros_like(lp, dtype=torch.float64)
     for i in live:
         r = recs[i]
-        pos = [r["prompt_len"] - 1 + j for j, m in enumerate(r["loss_mask"]) if m]
+        pos = [r.prompt_len - 1 + j for j, m in enumerate(r.loss_mask) if m]
         n = len(pos)
         log_s = sum(float(lp[i, t]) - float(old[i, t]) for t in pos) / n
-        s, A = math.exp(log_s), r["advantage"]
+        s, A = math.exp(log_s), r.advantage
         w = 1.0 if tis_cap is None else min(math.exp(sum(float(old[i, t]) - float(eng[i, t]) for t in pos) / n), tis_cap)
         clipped = min(max(s, 1 - LOW), 1 + HIGH)
         loss -= w * min(s * A, clipped * A) / len(live)
@@ -57,15 +58,15 @@ def test_gspo_length_normalization_counts_only_trained_tokens(tis_cap, spread):
     recs = _records()
     b = collate(recs, pad_id=0)
     for i, r in enumerate(recs):  # the record's mask, at the label positions of its response
-        p, n = r["prompt_len"], len(r["tokens"])
-        assert b["loss_mask"][i, p - 1: n - 1].tolist() == [float(x) for x in r["loss_mask"]]
-        assert b["loss_mask"][i].sum() == trained_tokens(r)
+        p, n = r.prompt_len, r.length
+        assert b["loss_mask"][i, p - 1: n - 1].tolist() == [float(x) for x in r.loss_mask]
+        assert b["loss_mask"][i].sum() == r.trained_tokens
     g = torch.Generator().manual_seed(1)
     old = -torch.rand(b["labels"].shape, generator=g, dtype=torch.float64) * 3
     lp = (old + spread * torch.randn(old.shape, generator=g, dtype=torch.float64)).requires_grad_(True)
     eng = b["engine_logprobs"].double()
     cfg = PolicyLossConfig(mode="gspo", tis_cap=tis_cap)
-    adv = torch.tensor([r["advantage"] for r in recs], dtype=torch.float64)
+    adv = torch.tensor([r.advantage for r in recs], dtype=torch.float64)
     loss, _ = policy_loss_flat(lp.reshape(-1), old.reshape(-1), adv, b["loss_mask"].reshape(-1),
                                b["seq_index"].reshape(-1), len(recs), cfg, engine_logprobs=eng.reshape(-1))
     loss.backward()
@@ -83,7 +84,7 @@ def test_an_unmasked_tokens_values_change_nothing():
     old = -torch.rand(b["labels"].shape, generator=g, dtype=torch.float64)
     lp = old + 0.2 * torch.randn(old.shape, generator=g, dtype=torch.float64)
     eng = old - 0.1
-    adv = torch.tensor([r["advantage"] for r in recs], dtype=torch.float64)
+    adv = torch.tensor([r.advantage for r in recs], dtype=torch.float64)
     cfg = PolicyLossConfig(mode="gspo_token", tis_cap=2.0)
     off = b["loss_mask"] == 0
 
@@ -103,7 +104,7 @@ def test_global_normalizer_counts_trained_tokens_and_sequences(agg, mode):
     cfg.gspo.mini_batches, cfg.gspo.loss_agg, cfg.gspo.mode = 1, agg, mode
     cfg.parallel.micro_batch_size = 2
     minis = split_batch(cfg, recs, dp=1, dp_rank=0, pad_id=0, multiple=1)
-    want = sum(sum(r["loss_mask"]) for r in recs) if agg == "token-mean" else sum(
-        1 for r in recs if sum(r["loss_mask"]))
+    want = sum(sum(r.loss_mask) for r in recs) if agg == "token-mean" else sum(
+        1 for r in recs if sum(r.loss_mask))
     assert want == (5 + 3 + 3 + 0 + 3 if agg == "token-mean" else 4)
     assert all(mb["normalizer"] == float(want) for mb in minis[0])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
+from gspo_megatron.sample import Sample
 from hf_reference import hf_logprobs, make_rows, max_abs_diff
 from uneven_expert_workers import score_and_train
 
@@ -23,17 +24,17 @@ OVERRIDES = ["rollout.prompts_per_step=2", "rollout.group_size=4", "parallel.mic
 ETP2, ETP1, PP2 = dict(tp=2, ep=2), dict(tp=2, ep=2, etp=1), dict(tp=2, ep=2, pp=2)
 
 
-def make_records(n: int = 8, seed: int = 5) -> list[dict]:
-    """GSPO training records: random tokens (uneven routing), prompt lengths, engine log-probs and
+def make_records(n: int = 8, seed: int = 5) -> list[Sample]:
+    """GSPO training Samples: random tokens (uneven routing), prompt lengths, engine log-probs and
     advantages, as the rollout produces them."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         length = int(torch.randint(6, 20, (1,), generator=g))
         prompt = int(torch.randint(2, length - 1, (1,), generator=g))
-        out.append(dict(tokens=torch.randint(0, 256, (length,), generator=g).tolist(), prompt_len=prompt,
-                        engine_logprobs=(-3 * torch.rand(length - prompt, generator=g)).tolist(),
-                        advantage=float(torch.randn(1, generator=g))))
+        out.append(Sample.from_tokens(torch.randint(0, 256, (length,), generator=g).tolist(), prompt,
+                                      engine_logprobs=(-3 * torch.rand(length - prompt, generator=g)).tolist(),
+                                      advantage=float(torch.randn(1, generator=g))))
     return out
 
 

@@ -33,7 +33,7 @@ def _record_dispatcher_splits(log: list):
 
 
 def score_and_train(rank: int, world: int, hf_dir: str, layouts: list[dict], rows: list[list[int]],
-                    records: list[dict], overrides: list[str]) -> dict:
+                    records: list, overrides: list[str]) -> dict:
     from gspo_megatron import factory
     from gspo_megatron.config import load_config
     from gspo_megatron.models.build import load_hf_config

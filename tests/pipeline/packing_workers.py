@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 
 
-def make_records(seed: int = 0, vocab: int = 256) -> list[dict]:
-    """Sequences whose lengths differ by more than 10x (4 .. 61 tokens), prompts of 1-3 tokens."""
+def make_records(seed: int = 0, vocab: int = 256) -> list:
+    """Samples whose lengths differ by more than 10x (4 .. 61 tokens), prompts of 1-3 tokens."""
     import torch
+
+    from gspo_megatron.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
     lengths = [61, 4, 5, 33, 6, 47, 4, 12, 58, 7, 5, 21]
@@ -20,9 +22,8 @@ def make_records(seed: int = 0, vocab: int = 256) -> list[dict]:
     for i, n in enumerate(lengths):
         p = 1 + i % 3
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
-        out.append({"tokens": ids, "prompt_len": p,
-                    "engine_logprobs": (-torch.rand(n - p, generator=g) * 3).tolist(),
-                    "advantage": float(torch.randn((), generator=g))})
+        out.append(Sample.from_tokens(ids, p, engine_logprobs=(-torch.rand(n - p, generator=g) * 3).tolist(),
+                                      advantage=float(torch.randn((), generator=g))))
     return out
 
 
@@ -33,7 +34,7 @@ def _config(budget: int, mbs: int):
                               "gspo.mini_batches=1"])
 
 
-def run_pass(ddp, cfg, records: list[dict], ps) -> dict:
+def run_pass(ddp, cfg, records: list, ps) -> dict:
     """One padded or packed pass with the trainer's code: {"logprobs": {seq id: list}, "loss": float,
     "num_micro": int, "pad": (computed, real)}; gradients are left in the DDP buffers."""
     import torch
@@ -103,7 +104,7 @@ def packed_vs_padded(rank: int, world: int, layouts: list[dict], hf_dir: str, bu
         entry["grad_max"] = max(float(g.abs().max()) for g in grads["padded"].values())
         entry["finite"] = all(math.isfinite(float(g.abs().sum())) for g in grads["packed"].values())
         # the scorer (tools/score.py's library side), padded rows vs packed rows
-        rows = [r["tokens"] for r in records]
+        rows = [r.tokens for r in records]
         padded_scores = score_rows(ddp, rows, micro_batch_size=mbs)
         packed_scores = score_rows(ddp, rows, max_tokens_per_micro_batch=budget)
         if padded_scores is not None:
@@ -123,7 +124,7 @@ def cp_round_trip(rank: int, world: int) -> tuple:
     dist.init_process_group("gloo")
     recs = make_records()[:5]
     for r in recs:
-        r["old_logprobs"] = [float(j) for j in range(len(r["tokens"]) - r["prompt_len"])]
+        r.old_logprobs = [float(j) for j in range(r.response_len)]
     batch = collate_packed(recs, seg_multiple=2 * world, row_multiple=sequence_multiple(1, world))
     local = split_for_context_parallel(batch, dist.group.WORLD)
     back = {k: gather_packed_context_parallel(local[k], batch["cu_seqlens"], dist.group.WORLD)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
+from gspo_megatron.sample import Sample
 
 PER_TOKEN = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "old_logprobs", "engine_logprobs",
              "ref_logprobs")
@@ -16,14 +17,14 @@ def _records():
     out = []
     for i in range(3):
         n_prompt, n_resp = 2 + i, 7 + i
-        out.append({
-            "tokens": list(range(3 + i, 3 + i + n_prompt + n_resp)), "prompt_len": n_prompt,
+        out.append(Sample.from_tokens(
+            list(range(3 + i, 3 + i + n_prompt + n_resp)), n_prompt,
             # distinct values per sequence and position: a chunk taken from the wrong place shows
-            "old_logprobs": [-(i + 1) - 0.01 * j for j in range(n_resp)],
-            "engine_logprobs": [-(i + 1) - 0.02 * j for j in range(n_resp)],
-            "ref_logprobs": [-(i + 1) - 0.03 * j for j in range(n_resp)],
-            "advantage": 0.5 * i - 0.7,
-        })
+            old_logprobs=[-(i + 1) - 0.01 * j for j in range(n_resp)],
+            engine_logprobs=[-(i + 1) - 0.02 * j for j in range(n_resp)],
+            ref_logprobs=[-(i + 1) - 0.03 * j for j in range(n_resp)],
+            advantage=0.5 * i - 0.7,
+        ))
     return out
 
 
@@ -47,7 +48,7 @@ def test_split_and_gather_round_trip():
     assert s % 4 == 0  # 2 * cp chunks
     c = s // 4
     # the records' values landed in the batch (so the comparisons below compare real data)
-    assert torch.equal(batch["advantages"], torch.tensor([r["advantage"] for r in _records()]))
+    assert torch.equal(batch["advantages"], torch.tensor([r.advantage for r in _records()]))
     assert batch["old_logprobs"][2, 3] == -3.0 and batch["old_logprobs"][0, 1 + 6].item() == pytest.approx(-1.06)
     for rank, (_, local, back) in enumerate(results):
         for k in PER_TOKEN:

@@ -22,6 +22,7 @@ from gspo_megatron.rollout.async_producer import AsyncProducer, Overlap
 from gspo_megatron.rollout.sglang_client import SGLangError
 from gspo_megatron.rollout.sglang_engine import parse_output, token_versions
 from gspo_megatron.rollout_step import RolloutBatch
+from gspo_megatron.sample import Sample
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -49,7 +50,7 @@ class FakeFleet:
             self.fail_at = None
             self.generating = False
             raise RuntimeError("engine died")
-        recs = [dict(prompt=i, token_versions=[self.version] * 3) for i in idx]
+        recs = [Sample(prompt_ids=[i], response_ids=[1, 2, 3], token_versions=[self.version] * 3) for i in idx]
         self.generating = False
         return RolloutBatch(records=recs, metrics={})
 
@@ -89,8 +90,8 @@ def run_loop(n: int, start: int, last: int, seed: int, sampler_state: dict | Non
             producer.load_state_dict(position)
             overlap.sync()
             continue
-        steps.append(dict(step=s, trainer=history.current, prompts=[r["prompt"] for r in batch.records],
-                          versions=[r["behaviour_version"] for r in batch.records], metrics=batch.metrics,
+        steps.append(dict(step=s, trainer=history.current, prompts=[r.prompt_ids[0] for r in batch.records],
+                          versions=[r.behaviour_version for r in batch.records], metrics=batch.metrics,
                           consumed=producer.state_dict()))
         time.sleep(rng.random() * 0.01)  # training
         history.trained()
@@ -151,7 +152,7 @@ def test_stale_sample_beyond_the_bound_is_refused():
     history.synced(3)
 
     def collect(step):
-        return RolloutBatch(records=[dict(token_versions=["1", "1"])], metrics={})
+        return RolloutBatch(records=[Sample(prompt_ids=[0], response_ids=[1, 2], token_versions=["1", "1"])], metrics={})
 
     producer = AsyncProducer(collect, sampler, 1, 2, 5, history)
     producer.engine_version = 2

@@ -124,7 +124,7 @@ def _expected_mask(record, calls):
     is a prefix of the record, at the position they were sampled; also checks that the record's
     log-probs there are one such call's, bit for bit. Independent of the hook's bookkeeping.
     Returns (mask, [(prompt, ids)] one per turn)."""
-    toks, p = record["tokens"], record["prompt_len"]
+    toks, p = record.tokens, record.prompt_len
     turns: dict[int, list] = {}
     for prompt, ids, lps in calls:  # (samples of one group may share a prompt and an output)
         if len(prompt) >= p and toks[: len(prompt)] == prompt and toks[len(prompt): len(prompt) + len(ids)] == ids:
@@ -134,7 +134,7 @@ def _expected_mask(record, calls):
         ids = cands[0][1]
         k = start - p
         mask[k: k + len(ids)] = [1] * len(ids)
-        assert any(record["engine_logprobs"][k: k + len(ids)] == lps for _, _, lps in cands)
+        assert any(record.engine_logprobs[k: k + len(ids)] == lps for _, _, lps in cands)
     return mask, [(c[0][0], c[0][1]) for _, c in sorted(turns.items())]
 
 
@@ -145,14 +145,15 @@ def test_loss_mask_is_exactly_the_policy_tokens_and_ids_are_the_engines(tmp_path
     for rec in batch.records:
         mask, mine = _expected_mask(rec, rec_engine.calls)
         assert len(mine) == 3  # three turns, each sampled by the engine
-        assert rec["loss_mask"] == mask
+        assert rec.loss_mask == mask
         assert 0 < sum(mask) < len(mask)  # the user turns are there and not trained
-        assert all(lp == 0.0 for m, lp in zip(mask, rec["engine_logprobs"]) if not m)
+        assert all(lp == 0.0 for m, lp in zip(mask, rec.engine_logprobs) if not m)
     assert batch.metrics["custom/turns"] == 3.0
     assert batch.metrics["rollout/generate_calls_mean"] == 3.0
     # 24 samples x 3 turns went to the engine in 3 batched calls (one per turn), not 72
     assert rec_engine.engine_calls == 3
-    assert "custom_metrics" not in batch.records[0]
+    assert all(r.metrics == {} for r in batch.records)  # averaged above, not broadcast
+    assert [r.generate_calls for r in batch.records] == [3] * 24
 
 
 def test_tool_example_masks_tool_output_and_keeps_sampled_ids(tokenizer):
@@ -161,7 +162,7 @@ def test_tool_example_masks_tool_output_and_keeps_sampled_ids(tokenizer):
     called = 0
     for rec in batch.records:
         mask, mine = _expected_mask(rec, rec_engine.calls)
-        assert rec["loss_mask"] == mask
+        assert rec.loss_mask == mask
         if len(mine) == 2:  # a calculator call: the tool turn sits between the two policy turns
             called += 1
             from gspo_megatron.data.tool_calc import calculator, tool_turn_ids
@@ -169,8 +170,8 @@ def test_tool_example_masks_tool_output_and_keeps_sampled_ids(tokenizer):
             first_end = len(mine[0][0]) + len(mine[0][1])
             expr = tokenizer.decode(mine[0][1][:-1]) or rec_prompt_expr(tokenizer, rec)  # "=" alone
             env = tool_turn_ids(tokenizer, calculator(expr))
-            assert rec["tokens"][first_end: first_end + len(env)] == env
-            assert mask[first_end - rec["prompt_len"]: first_end - rec["prompt_len"] + len(env)] == [0] * len(env)
+            assert rec.tokens[first_end: first_end + len(env)] == env
+            assert mask[first_end - rec.prompt_len: first_end - rec.prompt_len + len(env)] == [0] * len(env)
     assert called == batch.metrics["custom/tool_calls"] * len(batch.records) > 0
     assert batch.metrics["custom/tool_errors"] == 0.0
     from gspo_megatron.data.tasks import shaped_integer_reward
@@ -178,15 +179,15 @@ def test_tool_example_masks_tool_output_and_keeps_sampled_ids(tokenizer):
 
     for rec in batch.records:  # with a call: 0.2 + 0.8 * shaped("56"), else 0.8 * shaped("7")
         label = calculator(rec_prompt_expr(tokenizer, rec))
-        text = tokenizer.decode(rec["tokens"][rec["prompt_len"]:])
+        text = tokenizer.decode(rec.tokens[rec.prompt_len:])
         if "<|im_start|>tool" in text:
-            assert rec["reward"] == pytest.approx(0.2 + 0.8 * shaped_integer_reward("56", label))
+            assert rec.reward == pytest.approx(0.2 + 0.8 * shaped_integer_reward("56", label))
         else:
-            assert rec["reward"] == pytest.approx(0.8 * shaped_integer_reward("7", label))
+            assert rec.reward == pytest.approx(0.8 * shaped_integer_reward("7", label))
 
 
 def rec_prompt_expr(tokenizer, rec):
-    text = tokenizer.decode(rec["tokens"][: rec["prompt_len"]])
+    text = tokenizer.decode(rec.tokens[: rec.prompt_len])
     return text.split("user\n", 1)[1].split("=", 1)[0]
 
 

@@ -36,7 +36,7 @@ def _check(engine, tmp_path):
     batch = _collect(_cfg(_forced_calls_hook(tmp_path, tok)), rec, tok)
     for r in batch.records:
         mask, turns = _expected_mask(r, rec.calls)
-        assert len(turns) == 3 and r["loss_mask"] == mask and 0 < sum(mask) < len(mask)
+        assert len(turns) == 3 and r.loss_mask == mask and 0 < sum(mask) < len(mask)
     assert rec.engine_calls == 3  # 24 samples x 3 turns in 3 batched engine calls
 
 

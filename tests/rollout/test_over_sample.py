@@ -71,8 +71,8 @@ def test_over_sampling_stops_generating_once_enough_informative_groups_are_in(to
     assert len(batch.records) == 16
     groups = [batch.records[i:i + 4] for i in range(0, 16, 4)]
     for g in groups:  # every kept group is informative: rewards 1, 0, 1, 0
-        assert [r["reward"] for r in g] == [1.0, 0.0, 1.0, 0.0]
-        assert abs(sum(r["advantage"] for r in g)) < 1e-6 and g[0]["advantage"] > 0
+        assert [r.reward for r in g] == [1.0, 0.0, 1.0, 0.0]
+        assert abs(sum(r.advantage for r in g)) < 1e-6 and g[0].advantage > 0
     assert m["rollout/zero_variance_frac"] == pytest.approx(3 / 7)
     assert sampler.state_dict()["index"] == 8
 
@@ -84,7 +84,7 @@ def test_without_over_sampling_dynamic_sampling_needs_rounds(tokenizer):
     m = batch.metrics
     # round 1: 4 prompts (2 informative), round 2: 2 more (1), round 3: 1 more (1 informative: m6)
     assert (m["rollout/rounds"], m["rollout/prompts_drawn"], m["rollout/groups_generated"]) == (3.0, 7.0, 7.0)
-    assert all(g["reward"] in (0.0, 1.0) for g in batch.records)
+    assert all(g.reward in (0.0, 1.0) for g in batch.records)
 
 
 def test_over_sampling_falls_back_to_zero_variance_groups_when_rounds_run_out(tokenizer):
@@ -95,7 +95,7 @@ def test_over_sampling_falls_back_to_zero_variance_groups_when_rounds_run_out(to
     # round 1: 6 prompts (1 informative); round 2: ceil(1.5 * 3) = 5 prompts, none informative
     assert (m["rollout/rounds"], m["rollout/prompts_drawn"], m["rollout/groups_generated"]) == (2.0, 11.0, 11.0)
     assert len(batch.records) == 16  # the batch is filled with zero-variance groups (advantage 0)
-    assert sum(1 for r in batch.records if r["advantage"] != 0) == 4
+    assert sum(1 for r in batch.records if r.advantage != 0) == 4
 
 
 def test_default_stream_is_one_generate_call(tokenizer):

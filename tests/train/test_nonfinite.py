@@ -5,15 +5,16 @@ import random
 import torch
 
 from distributed_harness import run_ranks
+from gspo_megatron.sample import Sample
 
 
-def _records(seed: int) -> list[dict]:
+def _records(seed: int) -> list[Sample]:
     g = random.Random(seed)
     out = []
     for _ in range(8):
         p, r = g.randint(3, 6), g.randint(1, 3)
-        out.append(dict(tokens=[g.randint(0, 255) for _ in range(p + r)], prompt_len=p,
-                        engine_logprobs=[-5.0] * r, advantage=g.gauss(0, 1)))
+        out.append(Sample.from_tokens([g.randint(0, 255) for _ in range(p + r)], p,
+                                      engine_logprobs=[-5.0] * r, advantage=g.gauss(0, 1)))
     return out
 
 

@@ -1,0 +1,106 @@
+"""The one record of a sequence, from rollout to loss: :class:`Sample`.
+
+Where a Sample is made and what fills it (rank 0 unless said otherwise):
+
+- ``rollout_step._records``: one per engine response (``rollout.base.RolloutSample``): prompt and
+  response ids, the engine's log-probs, finish reason, the engine's weight version per token, and the
+  reward ``rewards.score`` gave it;
+- ``rollout.custom.check_result``: one per call of the user's rollout hook (rollout.custom_function),
+  converted from the hook's documented dict at that boundary: response ids, ``loss_mask``, the
+  engine's log-probs on the policy's tokens, the hook's reward (or None: ``rollout_step`` scores it
+  with reward.function), its metrics and its number of generate calls;
+- ``rollout_step.collect_rollouts``: ``advantage`` (group-relative, ``losses.advantages``) once the
+  whole group is scored; dynamic sampling keeps or drops whole groups; the hook's ``metrics`` are
+  averaged into the batch's metrics and cleared (they are not broadcast);
+- ``rollout.async_producer.AsyncProducer.take`` (off-policy runs): ``behaviour_version`` from
+  ``token_versions``.
+
+``RolloutSession.rollout`` broadcasts the list to every rank; ``train_step.split_batch`` cuts it into
+mini- and micro-batches and ``pipeline.collate`` / ``packing.collate_packed`` lay each Sample on a
+row: tokens, labels, ``loss_mask`` and every field of :data:`PER_TOKEN_FIELDS` that the first Sample
+of the micro-batch carries become [b, s] tensors of the same name, ``advantage`` the [b] tensor
+``advantages``. Position t of a row predicts token t+1, so response token j (0-based) is the label at
+position ``prompt_len - 1 + j``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: the optional per-response-token float fields of a Sample that collate lays on the label positions
+#: of its row, each as a [b, s] float tensor of the same name
+PER_TOKEN_FIELDS = ("old_logprobs", "engine_logprobs", "ref_logprobs", "behaviour_version")
+
+
+@dataclass
+class Sample:
+    """One prompt + response sequence and what the loss needs about it (R = len(response_ids)).
+
+    prompt_ids: list[int] [P], P >= 1; response_ids: list[int] [R] (the stop token included when one
+        ended the response).
+    engine_logprobs: list[float] [R], the rollout engine's log p(response_ids[t] | ...) (0.0 on tokens
+        a custom rollout does not train); their gap to the trainer's log-probs is a metric and
+        truncated importance sampling uses them. None only for records built by tools/tests.
+    reward: float, the scalar reward; None until scored.
+    advantage: float, the group-relative advantage A_i = (r_i - mean_group) [/ (std_group + eps)];
+        None until the whole group is scored.
+    loss_mask: list[int] [R] of 0/1, the response tokens the loss counts (custom rollouts: the
+        policy's tokens, not tool output or user turns); None = every response token.
+    token_versions: list[str] [R], the engine's weight version (a sync's version string) that
+        produced each token; None when the engine does not report it.
+    behaviour_version: list[int] [R], the trainer's policy version that generated each token
+        (off-policy runs, mapped from token_versions); None on on-policy runs.
+    finish_reason: "stop" (a stop token ended it) or "length" (it hit the token budget).
+    metrics: the custom rollout hook's own numbers (str -> float), averaged into ``custom/<key>``.
+    generate_calls: how many generate calls the custom hook made for it; None for engine samples.
+    old_logprobs / ref_logprobs: list[float] [R], given by tests and tools (the trainer computes both
+        on the collated batch instead).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    engine_logprobs: list[float] | None = None
+    reward: float | None = None
+    advantage: float | None = None
+    loss_mask: list[int] | None = None
+    token_versions: list[str] | None = None
+    behaviour_version: list[int] | None = None
+    finish_reason: str = "stop"
+    metrics: dict[str, float] = field(default_factory=dict)
+    generate_calls: int | None = None
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+
+    @classmethod
+    def from_tokens(cls, tokens, prompt_len: int, **fields) -> "Sample":
+        """A Sample from one prompt + response id list and the prompt's length (scoring, tests)."""
+        tokens = list(tokens)
+        return cls(prompt_ids=tokens[:prompt_len], response_ids=tokens[prompt_len:], **fields)
+
+    @property
+    def tokens(self) -> list[int]:
+        """prompt_ids + response_ids: the row's token ids [P + R]."""
+        return list(self.prompt_ids) + list(self.response_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def length(self) -> int:
+        """P + R, the tokens of its row (or packed segment) before padding."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def truncated(self) -> bool:
+        """The response hit the token budget (rollout.max_new_tokens or the hook's budget)."""
+        return self.finish_reason == "length"
+
+    @property
+    def trained_tokens(self) -> int:
+        """The response tokens the loss counts: loss_mask's ones (every response token without one)."""
+        return self.response_len if self.loss_mask is None else int(sum(self.loss_mask))
