@@ -57,7 +57,8 @@ from gspo_megatron.losses.policy_loss import PolicyLossConfig, policy_loss_flat
 from gspo_megatron.losses.vocab_parallel import vocab_parallel_logprobs
 
 REQUIRED_KEYS = ("labels", "loss_mask", "old_logprobs", "seq_index", "advantages", "normalizer")
-TOKEN_KEYS = ("labels", "loss_mask", "old_logprobs", "seq_index", "ref_logprobs", "engine_logprobs")
+# the [b, s] tensors of a micro-batch that the loss shape-checks against the model output
+SHAPE_CHECKED_KEYS = ("labels", "loss_mask", "old_logprobs", "seq_index", "ref_logprobs", "engine_logprobs")
 
 
 def check_megatron_config(config: Any) -> None:
@@ -77,7 +78,7 @@ def _check_batch(batch: dict[str, Any], logits: Tensor) -> tuple[int, int]:
         raise ValueError(f"output_tensor must be logits [b, s, V/tp] or hidden states [b, s, H], "
                          f"got shape {tuple(logits.shape)}")
     b, s = logits.shape[:2]
-    for k in TOKEN_KEYS:
+    for k in SHAPE_CHECKED_KEYS:
         if batch.get(k) is not None and tuple(batch[k].shape) != (b, s):
             raise ValueError(f"batch[{k!r}] must be [b, s] = [{b}, {s}] like the model output, got {tuple(batch[k].shape)}")
     return b, s
