@@ -65,6 +65,7 @@ def setup_training(model, opts: OptimOptions):
         optimizer_offload_fraction=opts.cpu_offload_fraction,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
+    use_expert_tp_group_for_norm(optimizer)
     steps = max(1, opts.total_steps)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -80,6 +81,27 @@ def setup_training(model, opts: OptimOptions):
         wd_incr_style="constant",
     )
     return ddp, optimizer, scheduler
+
+
+def use_expert_tp_group_for_norm(optimizer) -> int:
+    """Megatron-Core 0.16.1 fix (its bug, GPU and CPU alike): the expert-parallel optimizer skips a
+    parameter that is not tensor-parallel split (the experts' ``linear_fc2.bias``) in the grad norm
+    unless this rank is rank 0 of the optimizer's ``tp_group``; ``get_megatron_optimizer`` sets that to
+    the dense TP group for every sub-optimizer (optimizer/__init__.py), while expert parameters are
+    replicated over the expert-TP group. With ETP < TP (gpt_oss needs ETP1 for its expert biases) the
+    dense TP rank 1 holds expert shards (distributed optimizer) or whole experts of its own, and their
+    bias gradients were dropped from the norm (measured: gpt_oss TP2 x ETP1 grad norm 0.7% low, and a
+    clip coefficient that differs per rank without the distributed optimizer). Each expert-parallel
+    sub-optimizer gets the expert-TP group instead. Every rank calls it (through ``setup_training``).
+    Returns how many sub-optimizers it changed."""
+    from megatron.core import parallel_state as ps
+
+    changed = 0
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if any(g.get("is_expert_parallel", False) for g in sub.param_groups):
+            sub.tp_group = ps.get_expert_tensor_parallel_group()
+            changed += 1
+    return changed
 
 
 def zero_grads(ddp, optimizer) -> None:

@@ -133,5 +133,39 @@ def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
         **family.rotary_kwargs(hf),
     )
     model.hf_config = hf  # the mapping and export read it back
+    mark_replicated_experts(model, tp, ep, etp)
     return model
+
+
+def mark_replicated_experts(model, tp: int, ep: int, etp: int | None) -> int:
+    """Megatron-Core 0.16.1 fix (its bug, on GPU and CPU alike): route the routed experts' gradients
+    through the expert-data-parallel reduction whenever their layout differs from the dense one.
+
+    Megatron marks an expert parameter as expert-parallel (``param.allreduce = False``: its own grad
+    buffer reduced over the expert-data-parallel group, its own optimizer and grad-norm group) only
+    when ``expert_model_parallel_size > 1`` (tensor_parallel/layers.py, moe/experts.py,
+    extensions/transformer_engine.py all test ``ep > 1``). With EP1 and ETP < TP (e.g. TP2 x ETP1),
+    every TP rank holds the full experts and runs them on its own sequence-parallel tokens, so each
+    rank's expert gradient covers 1/(TP/ETP) of the tokens; marked dense, it is reduced over the dense
+    DP group, which does not contain the other TP ranks, and the sum over them never happens (each
+    rank then steps on a partial gradient, and the grad norm counts the partial gradients of every
+    rank). Marking them expert-parallel makes DDP sum them over the expert-DP group (size
+    world / (ETP x EP x PP), which spans those TP ranks) with the same 1/DP scaling, and the expert
+    optimizer counts them once per expert-model-parallel rank in the norm.
+
+    Applied to every parameter of the routed-expert modules (not the shared experts, which are dense
+    TP) when ``ep == 1`` and ``etp != tp``; a no-op otherwise (EP > 1: Megatron already marks them;
+    ETP = TP with EP1: both groups are the same). Returns how many parameters it marked."""
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
+
+    etp = tp if etp is None else etp
+    if ep > 1 or etp == tp:
+        return 0
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, (GroupedMLP, SequentialMLP, TEGroupedMLP)):
+            for param in module.parameters():
+                param.allreduce = False
+                marked += 1
+    return marked
 

@@ -7,7 +7,12 @@ optimizer steps) on ``records``. While it runs, every split-size all-gather of t
 dispatcher over the tensor-parallel group is recorded (the sizes are the token counts each TP rank
 routes to this rank's experts), so the test can assert that the loads really were uneven.
 Returns, on rank 0, {layout_name: {"logprobs", "metrics", "splits"}}; the splits of all ranks are
-gathered to rank 0.
+gathered to rank 0. With ``capture_grads`` each result also holds "grads": {name: full-size gradient}
+of the first optimizer step (``full_gradients``), and "grad_norms": every rank's metrics grad norm.
+
+``score_and_train_many(rank, world, jobs, rows, records, overrides, capture_grads)``: the same for
+several (key, hf_dir, layouts) jobs in one set of spawned ranks (one start-up for many models):
+{key: {layout_name: result}} on rank 0.
 """
 
 from __future__ import annotations
@@ -32,16 +37,82 @@ def _record_dispatcher_splits(log: list):
     return lambda: setattr(token_dispatcher, "gather_from_sequence_parallel_region", original)
 
 
+def _gated_halves_in_order(parts: list, dim: int) -> list:
+    """TP shards of a gated (SwiGLU) fc1 each hold [gate_r; up_r]: reorder to [gate_0..; up_0..]."""
+    halves = [q.chunk(2, dim=dim) for q in parts]
+    return [h[0] for h in halves] + [h[1] for h in halves]
+
+
+def full_gradients(ddp) -> dict:
+    """Every rank calls it after a forward-backward (after ``finalize_model_grads``): each parameter's
+    reduced gradient at the single-rank shape, on rank 0 ({} elsewhere), named as on one rank
+    (routed experts by their global index). The distributed optimizer's reduce-scatter leaves only
+    this rank's shard of each bucket reduced: the shards are all-gathered first. TP shards are
+    gathered over the TP group (experts: the expert-TP group) along ``partition_dim``."""
+    import re
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    reduced = {}
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        data = buffer.grad_data
+        group = buffer.data_parallel_group
+        if ddp.ddp_config.use_distributed_optimizer and group.size() > 1:
+            data = data.clone()
+            for bucket in buffer.buckets:  # each bucket is reduce-scattered in equal shards
+                shards = bucket.grad_data.view(group.size(), -1)
+                parts = [torch.empty_like(q) for q in shards]
+                dist.all_gather(parts, shards[group.rank()].contiguous(), group=group)
+                data[bucket.offset:bucket.offset + bucket.grad_data.numel()] = torch.cat(parts)
+        for param, (start, end, _) in buffer.param_index_map.items():
+            reduced[param] = data[start:end].view(param.shape)
+    config = ddp.module.config
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    out = {}
+    for name, param in ddp.module.named_parameters():
+        grad = reduced[param].detach().double().clone()
+        expert = not getattr(param, "allreduce", True) or ".mlp.experts." in name
+        group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+        if getattr(param, "tensor_model_parallel", False) and group.size() > 1:
+            parts = [torch.empty_like(grad) for _ in range(group.size())]
+            dist.all_gather(parts, grad.contiguous(), group=group)
+            if config.gated_linear_unit and ".linear_fc1." in name and param.partition_dim == 0:
+                parts = _gated_halves_in_order(parts, 0)
+            grad = torch.cat(parts, dim=param.partition_dim)
+        if ".local_experts." in name:
+            local = config.num_moe_experts // ep
+            name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{ep_rank * local + int(m.group(1))}.",
+                          name)
+        out[name] = grad
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, out)
+    merged = {}
+    for d in everyone:
+        merged.update(d)
+    return merged if dist.get_rank() == 0 else {}
+
+
+def score_and_train_many(rank: int, world: int, jobs: list[tuple], rows: list[list[int]], records: list,
+                         overrides: list[str], capture_grads: bool = False) -> dict:
+    out = {key: score_and_train(rank, world, hf_dir, layouts, rows, records, overrides, capture_grads,
+                                destroy=False) for key, hf_dir, layouts in jobs}
+    from gspo_megatron.runtime.distributed import destroy_distributed
+
+    destroy_distributed()
+    return out
+
+
 def score_and_train(rank: int, world: int, hf_dir: str, layouts: list[dict], rows: list[list[int]],
-                    records: list, overrides: list[str]) -> dict:
-    from gspo_megatron import factory
+                    records: list, overrides: list[str], capture_grads: bool = False,
+                    destroy: bool = True) -> dict:
+    from gspo_megatron import factory, train_step
     from gspo_megatron.config import load_config
     from gspo_megatron.models.build import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.score import score_rows
-    from gspo_megatron.train_step import train_on_batch
 
     hf = load_hf_config(hf_dir)
     results = {}
@@ -51,6 +122,8 @@ def score_and_train(rank: int, world: int, hf_dir: str, layouts: list[dict], row
         init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
         splits: list = []
         restore = _record_dispatcher_splits(splits)
+        grads: dict = {}
+        step = train_step.optimizer_step
         try:
             model = factory.build_model(cfg, hf)
             load_hf_weights(model, hf_dir)
@@ -59,14 +132,29 @@ def score_and_train(rank: int, world: int, hf_dir: str, layouts: list[dict], row
             ddp, optimizer, scheduler = setup_training(model, OptimOptions(
                 lr=o.lr, clip_grad=o.clip_grad, total_steps=cfg.gspo.mini_batches,
                 use_distributed_optimizer=p.use_distributed_optimizer))
-            metrics = train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0).metrics
+            if capture_grads:  # the first optimizer step's reduced gradients, at full size
+                def capturing_step(*args, **kwargs):
+                    if "done" not in grads:
+                        grads.update(full_gradients(ddp), done=True)
+                    return step(*args, **kwargs)
+
+                train_step.optimizer_step = capturing_step
+            metrics = train_step.train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0).metrics
         finally:
             restore()
+            train_step.optimizer_step = step
         everyone = [None] * world
         dist.all_gather_object(everyone, splits)
+        norms = [None] * world
+        dist.all_gather_object(norms, metrics["train/grad_norm"])
         if rank == 0:
-            results[layout_name(layout)] = {"logprobs": lps, "metrics": metrics, "splits": everyone}
-    destroy_distributed()
+            results[layout_name(layout)] = {"logprobs": lps, "metrics": metrics, "splits": everyone,
+                                            "grad_norms": norms}
+            if capture_grads:
+                grads.pop("done", None)
+                results[layout_name(layout)]["grads"] = grads
+    if destroy:
+        destroy_distributed()
     return results if rank == 0 else {}
 
 
