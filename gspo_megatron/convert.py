@@ -185,7 +185,8 @@ def hf_to_megatron(hf_dir: str, output: str, tp: int = 1, pp: int = 1, ep: int =
     hf = load_hf_config(hf_dir)
     model = build_empty_model(hf, tp, pp, ep, etp, 1, dtype or hf_dtype(hf))
     load_hf_into(model, hf_dir)
-    return write_checkpoint_dir(output, 0, model, hf_assets_dir=hf_dir, save_rng=False)
+    return write_checkpoint_dir(output, 0, model, hf_assets_dir=hf_dir, save_rng=False,
+                                in_process_writer=True)
 
 
 def load_model(path: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
