@@ -144,11 +144,11 @@ def load_hf_weights(model, hf_dir: str, progress: Callable[[int], object] | None
         rank, size = _rank_size(rule.parallel)
         expert = rule.expert_index(gname)  # stacked experts: read only this expert's row
         full = [reader.get(h) if expert is None else reader.get_row(h, expert) for h in hf_names]
-        shard = rule.to_local(full, rank, size)
-        if shard.shape != param.shape:
-            raise ValueError(f"{hf_names} give a shard of shape {tuple(shard.shape)} for Megatron "
-                             f"parameter {gname} of shape {tuple(param.shape)}")
-        param.copy_(shard)
+        try:
+            rule.load_into(param, full, rank, size)  # straight from the file's pages into param
+        except ValueError as e:
+            raise ValueError(f"{hf_names} do not fit Megatron parameter {gname} of shape "
+                             f"{tuple(param.shape)}: {e}") from None
         n += 1
         if progress is not None:
             progress(1)
@@ -276,18 +276,7 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
     for bucket in _buckets(items, bucket_bytes):
         out: list[tuple[str, torch.Tensor]] = []
         for it in bucket:
-            tensors = None
-            if it.global_name in mine:  # this rank holds a shard: join the (E)TP gather
-                rule, param = mine[it.global_name]
-                group = _group(rule.parallel)
-                size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-                if size > 1:
-                    shards = [torch.empty_like(param.data) for _ in range(size)]
-                    dist.all_gather(shards, param.data.contiguous(), group=group)
-                else:
-                    shards = [param.data]
-                if me == it.owner:
-                    tensors = rule.from_shards(shards)
+            tensors = gather_full(it, mine) if it.global_name in mine else None
             target = _destination(dst, it.owner)
             if target is None:  # every rank gets the item
                 if tensors is None:
@@ -312,6 +301,22 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
             out.extend((n, t.clone() if t.data_ptr() == _ptr(mine, it) else t)
                        for n, t in zip(it.hf_names, tensors))
         yield out if receives else None
+
+
+def gather_full(it: _Item, mine: dict) -> list[torch.Tensor] | None:
+    """Item ``it``'s full HF tensors on its owner (None on the other ranks). Every rank holding a
+    shard of it (``it.global_name in mine``) calls this, in plan order: the (E)TP all-gather of its
+    group. The result may alias the owner's live parameter (size-1 groups)."""
+    rule, param = mine[it.global_name]
+    group = _group(rule.parallel)
+    size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    if size > 1:
+        shards = [torch.empty_like(param.data) for _ in range(size)]
+        dist.all_gather(shards, param.data.contiguous(), group=group)
+    else:
+        shards = [param.data]
+    me = dist.get_rank() if dist.is_initialized() else 0
+    return rule.from_shards(shards) if me == it.owner else None
 
 
 def _stack_rows(pending: dict, it: _Item, tensors) -> list[tuple[str, torch.Tensor]]:
