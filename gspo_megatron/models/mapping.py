@@ -85,11 +85,13 @@ class Rule:
             return [shards[0]]
         return [torch.cat(list(shards), dim=self.split_dim)]
 
-    def load_into(self, param: torch.Tensor, hf: Sequence[torch.Tensor], rank: int, size: int) -> None:
+    def load_into(self, param: torch.Tensor, hf: Sequence[torch.Tensor], rank: int, size: int,
+                  copy=None) -> None:
         """``param.copy_(self.to_local(hf, rank, size))`` without building the shard first where the
         rule allows it: each HF piece (a view of the memory-mapped file) is copied straight into its
         place in ``param`` (one copy instead of two or three: the conversion's hot loop). Exactly the
-        values ``to_local`` gives. Raises ValueError when the shapes do not fit."""
+        values ``to_local`` gives. Raises ValueError when the shapes do not fit. ``copy(dst, src)``
+        does each copy (default ``dst.copy_(src)``; the safetensors reader's reads from the file)."""
         pieces = self._pieces(param, hf, rank, size)
         if pieces is None:
             pieces = [(param, self.to_local(hf, rank, size))]
@@ -97,7 +99,10 @@ class Rule:
             if tuple(dst.shape) != tuple(src.shape):
                 raise ValueError(f"shape {tuple(src.shape)} does not fit {tuple(dst.shape)}")
         for dst, src in pieces:
-            dst.copy_(src)
+            if copy is None:
+                dst.copy_(src)
+            else:
+                copy(dst, src)
 
     def _pieces(self, param, hf, rank, size):
         """[(view of param, view of an HF tensor)] covering ``param``, or None (use ``to_local``)."""

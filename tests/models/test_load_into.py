@@ -57,3 +57,31 @@ def test_load_into_refuses_a_wrong_shape(name, rule, hf):
         rule.load_into(torch.zeros(shape), hf, 0, 1)
     with pytest.raises(ValueError):
         rule.load_into(torch.zeros(1, *shape), hf, 0, 1)  # one more dim: copy_ would broadcast
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_reader_copy_into_reads_the_file(tmp_path, monkeypatch, size):
+    """Through SafetensorsReader.copy_into (pread from the file where the piece is a run of it):
+    the same values as to_local, for every rule kind and rank, and pread is really used."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from gspo_megatron.models.weights import SafetensorsReader
+
+    cases = list(_cases())
+    tensors = {f"{name}.{i}": t.contiguous() for name, _, hf in cases for i, t in enumerate(hf)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *a: calls.append(1) or real(*a))
+    reader = SafetensorsReader(str(tmp_path))
+    for name, rule, hf in cases:
+        for rank in range(size):
+            full = [reader.get(f"{name}.{i}") for i in range(len(hf))]
+            expected = rule.to_local(hf, rank, size)
+            param = torch.full_like(expected, float("nan"))
+            rule.load_into(param, full, rank, size, copy=reader.copy_into)
+            assert torch.equal(param, expected), (name, rank, size)
+    reader.close()
+    assert calls
