@@ -134,6 +134,28 @@ def check_world_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp:
         raise UsageError("; ".join(errors))
 
 
+def split_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None) -> tuple[int, int, int, int | None]:
+    """The layout a conversion runs in. A layout given on the command line (any of --tp --pp --ep
+    --etp) is kept. With none and N = WORLD_SIZE > 1 ranks (torchrun), the ranks divide the model
+    between them instead of each holding a replica: N pipeline stages when N divides the layers
+    (each rank reads, holds and writes its layers), else N expert-parallel ranks when N divides the
+    experts, else the first P x E = N that fits; a model no split fits stays replicated (every
+    rank reads everything; correct, not faster). The checkpoint written loads into any layout."""
+    from gspo_megatron.parallel_layout import layout_errors
+
+    world = world_size_from_env()
+    if (tp, pp, ep, etp) != (1, 1, 1, None) or world == 1:
+        return tp, pp, ep, etp
+    pairs = [(world, 1), (1, world)] + [(p, world // p) for p in range(2, world) if world % p == 0]
+    for p, e in pairs:
+        try:
+            if not layout_errors(1, p, e, None, 1, world_size=world, hf=hf, prefix="--"):
+                return 1, p, e, None
+        except ValueError:
+            break
+    return tp, pp, ep, etp
+
+
 def prepare_output_dir(path: str, overwrite: bool) -> None:
     """Refuse a non-empty output directory unless ``overwrite`` (then the writer replaces what it
     writes: the checkpoint directory as a whole, or the model files of an HF directory)."""

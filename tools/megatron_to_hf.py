@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 tools/megatron_to_hf.py --checkpoint RUN/checkpoints --output HF_DIR --tp 2
 
 CKPT is a converted checkpoint, a training step directory, or a training checkpoint root (its
-newest complete step). The checkpoint is loaded resharded into the layout this runs in; rank 0
+newest complete step). The checkpoint is loaded resharded into the layout this runs in (under
+torchrun with no layout flags the ranks split the model: convert.split_layout); rank 0
 lays out the safetensors shards (model.safetensors, or model-0000i-of-0000N.safetensors + index)
 and every rank writes the tensors it owns into them; rank 0 writes config.json,
 generation_config.json and tokenizer files. The output loads with
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
         max_shard = convert.parse_size(args.max_shard_size)
         ckpt_dir, meta = convert.checkpoint_meta(args.checkpoint)
         get_family(meta["hf_config"])
+        args.tp, args.pp, args.ep, args.etp = convert.split_layout(meta["hf_config"], args.tp, args.pp,
+                                                                   args.ep, args.etp)
         convert.check_world_layout(meta["hf_config"], args.tp, args.pp, args.ep, args.etp)
         convert.prepare_output_dir(args.output, args.overwrite)
         files = convert.run_distributed(
