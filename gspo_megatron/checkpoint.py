@@ -25,11 +25,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import random
 import re
 import shutil
 import uuid
 import warnings
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -267,18 +269,45 @@ def _model_sharded_state_dict(model):
     return unwrap(model).sharded_state_dict(metadata=dict(_SHARDING_METADATA))
 
 
+@contextmanager
+def _in_process_results_queue():
+    """Give Megatron's synchronous torch_dist save an in-process results queue for its duration.
+
+    Going around Megatron-Core 0.16 (``strategies/filesystem_async.py``): the writer hands its
+    results to ``_get_write_results_queue()``, which on first use starts a *spawned*
+    ``multiprocessing`` Manager server; the first ``put`` then waits for that fresh interpreter to
+    import torch to unpickle the write results (2.5 s of a 3.9 s conversion of 246 MB, measured).
+    ``dist_checkpointing.save`` here is synchronous (``execute_sync`` runs the writer in this
+    process; the forked per-bucket writers report through their own fork-context queue), so a
+    thread-safe ``queue.Queue`` is all the exchange needs. A queue somebody already set (the
+    trainer's, ``runtime.children.adopt_checkpoint_writers``) is left in place."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if getattr(fa, "_results_queue", "absent") is not None:
+        yield
+        return
+    fa._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        fa._results_queue = None
+
+
 def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, scheduler=None,
                          extra_state: dict | None = None, hf_assets_dir: str | None = None,
-                         save_rng: bool = True) -> str:
+                         save_rng: bool = True, in_process_writer: bool = False) -> str:
     """Write one complete checkpoint at ``final_dir`` atomically (collective). Returns its path.
 
     ``model`` is this rank's GPTModel (or a DDP wrapper of it) carrying ``hf_config``;
     ``optimizer`` a Megatron optimizer; ``scheduler`` anything with ``state_dict()``;
     ``extra_state`` a picklable dict (rank 0's is kept); ``hf_assets_dir`` an HF directory whose
-    tokenizer files and generation_config.json are copied along."""
+    tokenizer files and generation_config.json are copied along. ``in_process_writer`` (the
+    converter: a one-off save per process) skips the spawned Manager server Megatron's writer
+    reports through (see ``_in_process_results_queue``); the trainer keeps it (started once,
+    dying with the trainer: ``runtime.children``)."""
     from megatron.core import dist_checkpointing
 
-    from gspo_megatron.runtime.children import adopt_checkpoint_writers
+    from gspo_megatron.runtime.children import adopt_checkpoint_writers, install_fork_hooks
 
     final_dir = os.path.abspath(final_dir)
     parent = os.path.dirname(final_dir)
@@ -296,8 +325,13 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"],
                                                           metadata=dict(_SHARDING_METADATA))
-    adopt_checkpoint_writers()  # Megatron's writer processes die with this one, also on SIGKILL
-    dist_checkpointing.save(state, os.path.join(tmp_dir, DIST_SUBDIR))
+    if in_process_writer:
+        install_fork_hooks()  # Megatron's forked writers die with this process, also on SIGKILL
+        with _in_process_results_queue():
+            dist_checkpointing.save(state, os.path.join(tmp_dir, DIST_SUBDIR))
+    else:
+        adopt_checkpoint_writers()  # Megatron's writer processes die with this one, also on SIGKILL
+        dist_checkpointing.save(state, os.path.join(tmp_dir, DIST_SUBDIR))
     if save_rng:
         torch.save(capture_rng_state(), os.path.join(tmp_dir, "rng", f"rank_{_rank():05d}.pt"))
     _barrier()

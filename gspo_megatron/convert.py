@@ -7,8 +7,17 @@ the scorer's model loading.
   ``runtime.init_distributed``.
 - ``load_model``: this rank's model from an HF directory or a Megatron checkpoint (any layout).
 
-Memory: each rank holds its own model shard (allocated uninitialized: no random init) plus one HF
-tensor while loading; export holds one bucket of full tensors plus one output shard on rank 0.
+Memory: each rank holds its own model shard (allocated uninitialized: no random init); loading
+copies the HF tensors straight from the memory-mapped safetensors files into it; export holds one
+gathered parameter at a time per rank, written into the shard files in place
+(``safetensors_shards``).
+
+Where the time went (246 MB Qwen3-MoE, fp32, one process, 2-core machine; docs/conversion.md):
+HF -> Megatron spent 2.5 of 3.9 s waiting for the spawned Manager server of Megatron's checkpoint
+writer to start (``checkpoint._in_process_results_queue`` removes it), 0.1-0.3 s per garbage
+collector pass (``gc_paused``) and two or three copies per tensor (``Rule.load_into``: one);
+Megatron -> HF spent its time in dist_checkpointing's load and rank 0's sequential safetensors
+write (every owner now writes its own tensors in place).
 """
 
 from __future__ import annotations
@@ -125,6 +134,28 @@ def check_world_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp:
         raise UsageError("; ".join(errors))
 
 
+def split_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None) -> tuple[int, int, int, int | None]:
+    """The layout a conversion runs in. A layout given on the command line (any of --tp --pp --ep
+    --etp) is kept. With none and N = WORLD_SIZE > 1 ranks (torchrun), the ranks divide the model
+    between them instead of each holding a replica: N pipeline stages when N divides the layers
+    (each rank reads, holds and writes its layers), else N expert-parallel ranks when N divides the
+    experts, else the first P x E = N that fits; a model no split fits stays replicated (every
+    rank reads everything; correct, not faster). The checkpoint written loads into any layout."""
+    from gspo_megatron.parallel_layout import layout_errors
+
+    world = world_size_from_env()
+    if (tp, pp, ep, etp) != (1, 1, 1, None) or world == 1:
+        return tp, pp, ep, etp
+    pairs = [(world, 1), (1, world)] + [(p, world // p) for p in range(2, world) if world % p == 0]
+    for p, e in pairs:
+        try:
+            if not layout_errors(1, p, e, None, 1, world_size=world, hf=hf, prefix="--"):
+                return 1, p, e, None
+        except ValueError:
+            break
+    return tp, pp, ep, etp
+
+
 def prepare_output_dir(path: str, overwrite: bool) -> None:
     """Refuse a non-empty output directory unless ``overwrite`` (then the writer replaces what it
     writes: the checkpoint directory as a whole, or the model files of an HF directory)."""
@@ -160,6 +191,23 @@ def _progress(total: int, desc: str, unit: str = "it", unit_scale: bool = False)
                 file=sys.stderr, dynamic_ncols=True)
 
 
+@contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for a conversion: its full passes over the hundreds of
+    thousands of objects torch / Megatron keep alive cost 0.1-0.3 s each (in the pickling of
+    dist_checkpointing's metadata exchange), and a conversion makes no reference cycles worth
+    collecting. Re-enabled (if it was on) afterwards."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def build_empty_model(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int, dtype: str):
     """This rank's model with uninitialized weights (no random init; filled right after)."""
     from gspo_megatron.models.build import ModelOptions, build_model
@@ -183,9 +231,11 @@ def hf_to_megatron(hf_dir: str, output: str, tp: int = 1, pp: int = 1, ep: int =
     from gspo_megatron.models.build import load_hf_config
 
     hf = load_hf_config(hf_dir)
-    model = build_empty_model(hf, tp, pp, ep, etp, 1, dtype or hf_dtype(hf))
-    load_hf_into(model, hf_dir)
-    return write_checkpoint_dir(output, 0, model, hf_assets_dir=hf_dir, save_rng=False)
+    with gc_paused():
+        model = build_empty_model(hf, tp, pp, ep, etp, 1, dtype or hf_dtype(hf))
+        load_hf_into(model, hf_dir)
+        return write_checkpoint_dir(output, 0, model, hf_assets_dir=hf_dir, save_rng=False,
+                                in_process_writer=True)
 
 
 def load_model(path: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
@@ -206,59 +256,6 @@ def load_model(path: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
     return model, hf
 
 
-class ShardWriter:
-    """Writes (name, tensor) pairs into safetensors shards of at most ``max_shard_size`` bytes (a
-    larger single tensor gets its own shard), then names them like ``save_pretrained`` does. Rank 0
-    only. Holds at most one shard in memory."""
-
-    def __init__(self, out_dir: str, max_shard_size: int):
-        self.out_dir = out_dir
-        self.max = max_shard_size
-        self.current: dict[str, torch.Tensor] = {}
-        self.current_bytes = 0
-        self.parts: list[tuple[str, list[str]]] = []  # temp file, names
-        self.total = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.current and self.current_bytes + nbytes > self.max:
-            self._flush()
-        self.current[name] = tensor.detach().to("cpu").contiguous()  # GPU exports arrive on the GPU
-        self.current_bytes += nbytes
-        self.total += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        tmp = os.path.join(self.out_dir, f".part-{len(self.parts):05d}.safetensors.tmp")
-        save_file(self.current, tmp, metadata={"format": "pt"})
-        self.parts.append((tmp, list(self.current)))
-        self.current, self.current_bytes = {}, 0
-
-    def finish(self) -> list[str]:
-        """Rename the parts to their final names and write the index when sharded."""
-        if self.current or not self.parts:
-            self._flush()
-        umask = os.umask(0)
-        os.umask(umask)
-        for tmp, _ in self.parts:  # safetensors writes 0600 files; use the usual mode
-            os.chmod(tmp, 0o666 & ~umask)
-        n = len(self.parts)
-        if n == 1:
-            os.replace(self.parts[0][0], os.path.join(self.out_dir, "model.safetensors"))
-            return ["model.safetensors"]
-        weight_map, names = {}, []
-        for i, (tmp, tensors) in enumerate(self.parts):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(tmp, os.path.join(self.out_dir, final))
-            names.append(final)
-            weight_map.update({t: final for t in tensors})
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
-        return names
-
-
 def write_hf_dir_files(out_dir: str, hf: dict, dtype: str, assets_dir: str | None) -> None:
     """config.json (the checkpoint's HF config, dtype set to what was written) and the tokenizer /
     generation-config files kept with the checkpoint. Rank 0 only."""
@@ -275,48 +272,81 @@ def write_hf_dir_files(out_dir: str, hf: dict, dtype: str, assets_dir: str | Non
                 shutil.copy2(src, os.path.join(out_dir, name))
 
 
-def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int, bucket_bytes: int,
+def hf_tensor_list(items) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(HF name, shape, dtype) of every HF tensor of an export plan, in the order
+    ``export_hf_weights`` yields them (a stacked expert tensor [E, ...] where its last row comes)."""
+    out, rows = [], {}
+    for it in items:
+        if it.stack is None:
+            out.extend((n, tuple(s), it.dtype) for n, s in zip(it.hf_names, it.hf_shapes))
+            continue
+        count = it.stack[1]
+        for n, s in zip(it.hf_names, it.hf_shapes):
+            rows[n] = rows.get(n, 0) + 1
+            if rows[n] == count:
+                out.append((n, (count, *s), it.dtype))
+    return out
+
+
+def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int,
                      assets_dir: str | None = None) -> list[str] | None:
-    """Stream ``export_hf_weights`` into an HF directory (collective; rank 0 writes). Returns the
-    safetensors file names on rank 0, None elsewhere."""
+    """Write this model as an HF directory (collective; every rank writes its own tensors).
+
+    The export plan (``models.weights.build_export_plan``, global) fixes every HF tensor's shard
+    file and byte range before any data moves (``safetensors_shards``): rank 0 creates the files
+    (headers, sizes); then each item's owner -- the first data-parallel replica's tensor-parallel
+    rank 0, after the (E)TP all-gather of its group -- ``pwrite``s the full HF tensors into place
+    (a stacked expert tensor: each expert's row at its offset). Nothing is sent to rank 0; each
+    rank holds one gathered parameter at a time. With N pipeline / expert-parallel ranks the N
+    owners write disjoint parts of the files at once. The files are the bytes
+    ``safetensors.torch.save_file`` writes for the same tensors, cut into shards exactly as before
+    (stream order, at most ``max_shard_size`` bytes, a larger single tensor alone). ``out_dir``
+    must be on a filesystem every rank sees (as checkpoints already need).
+    Returns the safetensors file names on rank 0, None elsewhere."""
     import torch.distributed as dist
 
-    from gspo_megatron.models.weights import build_export_plan, export_hf_weights
+    from gspo_megatron import safetensors_shards as st
+    from gspo_megatron.models.weights import build_export_plan, gather_full
 
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    plan = build_export_plan(model)
-    total = sum(it.nbytes for it in plan[0])
-    writer = None
-    if rank0:
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    me = dist.get_rank() if dist.is_initialized() else 0
+    items, mine = build_export_plan(model)
+    shards = st.plan_shards(hf_tensor_list(items), max_shard_size)
+    if me == 0:
         os.makedirs(out_dir, exist_ok=True)
         for name in os.listdir(out_dir):  # a previous export's shards would mix with ours
             if name.startswith("model") and ".safetensors" in name or name.startswith(".part-"):
                 os.remove(os.path.join(out_dir, name))
-        writer = ShardWriter(out_dir, max_shard_size)
-    dtype = dtype_name(model.config.params_dtype)
+        st.create_files(out_dir, shards)
+    if multi:
+        dist.barrier()
+    files = st.ShardFiles(out_dir, shards)
+    total = sum(it.nbytes for it in items)
     with _progress(total, "export HF weights", "B", unit_scale=True) as bar:
-        for bucket in export_hf_weights(model, bucket_bytes=bucket_bytes, plan=plan):
-            if bucket is None:
-                continue
-            for name, tensor in bucket:
-                writer.add(name, tensor)
-                bar.update(tensor.numel() * tensor.element_size())
-    if not rank0:
+        for it in items:
+            tensors = gather_full(it, mine) if it.global_name in mine else None
+            if tensors is not None and me == it.owner:
+                for name, t in zip(it.hf_names, tensors):
+                    files.write(name, t, None if it.stack is None else it.stack[0])
+            bar.update(it.nbytes)
+    files.close()
+    if multi:
+        dist.barrier()
+    if me != 0:
         return None
-    files = writer.finish()
-    write_hf_dir_files(out_dir, hf, dtype, assets_dir)
-    return files
+    names = st.finish_files(out_dir, shards)
+    write_hf_dir_files(out_dir, hf, dtype_name(model.config.params_dtype), assets_dir)
+    return names
 
 
 def megatron_to_hf(checkpoint: str, output: str, tp: int = 1, pp: int = 1, ep: int = 1,
-                   etp: int | None = None, max_shard_size: int = 5 * 10**9,
-                   bucket_bytes: int = 256 << 20) -> list[str] | None:
+                   etp: int | None = None, max_shard_size: int = 5 * 10**9) -> list[str] | None:
     """Export a Megatron checkpoint (converted or training; root or step directory) to an HF
     directory, loading it resharded into the current layout (collective)."""
     ckpt_dir, meta = checkpoint_meta(checkpoint)
-    model, hf = load_model(checkpoint, tp, pp, ep, etp, 1)
-    return export_to_hf_dir(model, hf, output, max_shard_size, bucket_bytes,
-                            os.path.join(ckpt_dir, ASSETS_SUBDIR))
+    with gc_paused():
+        model, hf = load_model(checkpoint, tp, pp, ep, etp, 1)
+        return export_to_hf_dir(model, hf, output, max_shard_size, os.path.join(ckpt_dir, ASSETS_SUBDIR))
 
 
 # --------------------------------------------------------------------------------------------

@@ -310,8 +310,7 @@ def finish(cfg: Config, run: Run, stopped: bool) -> None:
     if not stopped:
         from gspo_megatron.convert import export_to_hf_dir
 
-        export_to_hf_dir(run.model, run.hf, hf_out, max_shard_size=5 * 10**9,
-                         bucket_bytes=int(cfg.rollout.sync_bucket_mb * (1 << 20)), assets_dir=run.hf_dir)
+        export_to_hf_dir(run.model, run.hf, hf_out, max_shard_size=5 * 10**9, assets_dir=run.hf_dir)
     if run.overlap is not None:
         run.overlap.close()
     run.rollout.shutdown()

@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 4 tools/hf_to_megatron.py --hf-dir HF_DIR --output CKPT_DIR --tp 2 --pp 2
 
 The layout it runs in only decides how the work is spread: the checkpoint loads into any TP/PP/EP
-layout. Each rank holds only its own shard (allocated without random init) plus one HF tensor.
+layout. Under torchrun with no layout flags the ranks split the model (pipeline stages, else expert
+parallel: convert.split_layout), each reading and writing its share. Each rank holds only its own shard (allocated without random init) plus one HF tensor.
 The dtype defaults to the one in config.json, so HF -> Megatron -> HF is bitwise. Tokenizer files
 and generation_config.json are kept in the checkpoint for the way back.
 Exit status: 0 done, 2 bad input (one-line message on stderr).
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
     with convert.cli_errors(PROG):
         hf = convert.check_hf_dir(args.hf_dir)  # everything below is checked before heavy work
         dtype = args.dtype or convert.hf_dtype(hf)
+        args.tp, args.pp, args.ep, args.etp = convert.split_layout(hf, args.tp, args.pp, args.ep, args.etp)
         convert.check_world_layout(hf, args.tp, args.pp, args.ep, args.etp)
         convert.prepare_output_dir(args.output, args.overwrite)
         out = convert.run_distributed(

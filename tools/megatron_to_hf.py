@@ -4,10 +4,13 @@
     torchrun --nproc-per-node 2 tools/megatron_to_hf.py --checkpoint RUN/checkpoints --output HF_DIR --tp 2
 
 CKPT is a converted checkpoint, a training step directory, or a training checkpoint root (its
-newest complete step). The checkpoint is loaded resharded into the layout this runs in; rank 0
-writes safetensors shards (model.safetensors, or model-0000i-of-0000N.safetensors + index),
-config.json, generation_config.json and tokenizer files. The output loads with
-transformers.AutoModelForCausalLM.from_pretrained. Rank 0 holds one bucket plus one shard.
+newest complete step). The checkpoint is loaded resharded into the layout this runs in (under
+torchrun with no layout flags the ranks split the model: convert.split_layout); rank 0
+lays out the safetensors shards (model.safetensors, or model-0000i-of-0000N.safetensors + index)
+and every rank writes the tensors it owns into them; rank 0 writes config.json,
+generation_config.json and tokenizer files. The output loads with
+transformers.AutoModelForCausalLM.from_pretrained. Each rank holds its shard of the model plus one
+gathered tensor.
 Exit status: 0 done, 2 bad input (one-line message on stderr).
 """
 
@@ -28,7 +31,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", required=True, help="checkpoint dir, step dir or checkpoint root")
     p.add_argument("--output", required=True, help="HF directory to write")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
-    p.add_argument("--bucket-size", default="256MB", help="bytes gathered to rank 0 at a time")
     p.add_argument("--overwrite", action="store_true", help="replace the model files in --output")
     add_layout_args(p)
     return p.parse_args(argv)
@@ -41,14 +43,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with convert.cli_errors(PROG):
         max_shard = convert.parse_size(args.max_shard_size)
-        bucket = convert.parse_size(args.bucket_size)
         ckpt_dir, meta = convert.checkpoint_meta(args.checkpoint)
         get_family(meta["hf_config"])
+        args.tp, args.pp, args.ep, args.etp = convert.split_layout(meta["hf_config"], args.tp, args.pp,
+                                                                   args.ep, args.etp)
         convert.check_world_layout(meta["hf_config"], args.tp, args.pp, args.ep, args.etp)
         convert.prepare_output_dir(args.output, args.overwrite)
         files = convert.run_distributed(
             lambda: convert.megatron_to_hf(ckpt_dir, args.output, args.tp, args.pp, args.ep,
-                                           args.etp, max_shard, bucket),
+                                           args.etp, max_shard),
             args.tp, args.pp, args.ep, args.etp)
         if files is not None:
             print(f"wrote {args.output} from {ckpt_dir} (step {meta['step']}): {len(files)} "
