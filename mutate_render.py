@@ -46,6 +46,10 @@ HINT = {"session_fatal_swallowed": "the run exited 0: the injected error was ret
         "colocated_engine_tp": "the engine_tp message is gone (another check's message came instead)",
         "loss_agg_token_sum": "test_static_errors_name_the_field[... token-sum ...]",
         "harness_no_deadline": "the harness's own 45 s deadline never fired; only pytest-timeout ended it (time includes waiting for the heavy lock)",
+        "ipc_rank0_payload_to_all": "rank 0's assertion: TP rank 1 holds rank 0's values (`AssertionError: model.embed_tokens.weight`); the peer then sees the connection close",
+        "fleet_attach_no_wait": "the trainer fails at once: `GET http://127.0.0.1:PORT/server_info unreachable: Connection refused`",
+        "reward_timeout_not_counted": "`m['reward/errors'] == 0` fails: the hung call was counted as an error",
+        "kl_ref_trains": "KL stays 0 after updates (the reference is the policy)",
         "kl_ref_ignored": "the run crashed: the loss refuses kl_coef without reference log-probs"}
 last, first = {}, {}
 for line in open("/tmp/mutation-results.jsonl"):
