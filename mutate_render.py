@@ -49,7 +49,9 @@ HINT = {"session_fatal_swallowed": "the run exited 0: the injected error was ret
         "ipc_rank0_payload_to_all": "rank 0's assertion: TP rank 1 holds rank 0's values (`AssertionError: model.embed_tokens.weight`); the peer then sees the connection close",
         "fleet_attach_no_wait": "the trainer fails at once: `GET http://127.0.0.1:PORT/server_info unreachable: Connection refused`",
         "reward_timeout_not_counted": "`m['reward/errors'] == 0` fails: the hung call was counted as an error",
-        "kl_ref_trains": "KL stays 0 after updates (the reference is the policy)",
+        "kl_ref_trains": "`AssertionError: [0.0, 0.0, 0.0]`: KL stays 0 after updates (the reference is the policy)",
+        "colocated_feeds_engine0": "both nodes exit 1: `rollout failed with a healthy engine: rank 2: ... begin_weight_update -> HTTP 400: a weight-update session is already open` (engine 0 fed twice, engine 1 never)",
+        "checkpoint_writers_orphaned": "`assert [pid, pid] == []`: the killed saver's multiprocessing children outlived it",
         "kl_ref_ignored": "the run crashed: the loss refuses kl_coef without reference log-probs"}
 last, first = {}, {}
 for line in open("/tmp/mutation-results.jsonl"):
