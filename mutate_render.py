@@ -52,6 +52,7 @@ HINT = {"session_fatal_swallowed": "the run exited 0: the injected error was ret
         "kl_ref_trains": "`AssertionError: [0.0, 0.0, 0.0]`: KL stays 0 after updates (the reference is the policy)",
         "colocated_feeds_engine0": "both nodes exit 1: `rollout failed with a healthy engine: rank 2: ... begin_weight_update -> HTTP 400: a weight-update session is already open` (engine 0 fed twice, engine 1 never)",
         "checkpoint_writers_orphaned": "`assert [pid, pid] == []`: the killed saver's multiprocessing children outlived it",
+        "offload_ignored": "`all(m['offload/bytes'] > 0 for m in runs['true'])` is False: nothing left the device",
         "kl_ref_ignored": "the run crashed: the loss refuses kl_coef without reference log-probs"}
 last, first = {}, {}
 for line in open("/tmp/mutation-results.jsonl"):
