@@ -1,6 +1,12 @@
-import json, re, sys
+"""Render MUTATION_EVIDENCE.md's table from /tmp/mutation-results.jsonl (scratch, issue 15)."""
+
+import json
+import re
+import sys
+
 sys.path.insert(0, "/work/wt/mutation")
-import mutate
+import mutate  # noqa: E402
+
 WHAT = {
  "cp_old_logprobs": "pipeline.py split_for_context_parallel: old_logprobs left out of the CP split",
  "cp_positions_local": "pipeline.py: position_ids replaced by local 0..s/cp-1 after the split",
@@ -56,15 +62,19 @@ HINT = {"session_fatal_swallowed": "the run exited 0: the injected error was ret
         "kl_ref_ignored": "the run crashed: the loss refuses kl_coef without reference log-probs"}
 last, first = {}, {}
 for line in open("/tmp/mutation-results.jsonl"):
-    r = json.loads(line); first.setdefault(r["id"], r); last[r["id"]] = r
+    r = json.loads(line)
+    first.setdefault(r["id"], r)
+    last[r["id"]] = r
 def err(mid):
     log = open(f"/tmp/mutation-logs/{mid}.log").read()
-    lines = [l[1:].strip() for l in log.splitlines() if l.startswith("E ")]
-    good = [l for l in lines if re.search(r"assert|Error|Timeout|DID NOT|missing|where", l) and "Writing model" not in l and "export HF" not in l]
+    lines = [x[1:].strip() for x in log.splitlines() if x.startswith("E ")]
+    good = [x for x in lines if re.search(r"assert|Error|Timeout|DID NOT|missing|where", x)
+            and "Writing model" not in x and "export HF" not in x]
     return (" / ".join(good[:2]) or last[mid]["first_error"])[:260].replace("|", "/")
 rows = []
 for mid, spec in mutate.M.items():
-    if mid not in last: continue
+    if mid not in last:
+        continue
     r = last[mid]
     res = f"**failed** ({r['seconds']} s): `{err(mid)}`" if r["failed"] else f"**passed** ({r['summary']})"
     if mid == "ipc_rank0_payload_to_all" and first[mid] is not r:
