@@ -59,6 +59,9 @@ HINT = {"session_fatal_swallowed": "the run exited 0: the injected error was ret
         "colocated_feeds_engine0": "both nodes exit 1: `rollout failed with a healthy engine: rank 2: ... begin_weight_update -> HTTP 400: a weight-update session is already open` (engine 0 fed twice, engine 1 never)",
         "checkpoint_writers_orphaned": "`assert [pid, pid] == []`: the killed saver's multiprocessing children outlived it",
         "offload_ignored": "`all(m['offload/bytes'] > 0 for m in runs['true'])` is False: nothing left the device",
+        "bf16_layer_mlp_zeroed": "Megatron bf16 vs transformers max |diff| 0.0417 > tolerance 3 x bf16 noise = 0.0096",
+        "disagg_one_source": "`0 < sync/bytes_max_rank < sync/bytes_total` fails: one source sent every byte (658944 of 658944)",
+        "fleet_restart_no_launch": "the killed engine never came back",
         "kl_ref_ignored": "the run crashed: the loss refuses kl_coef without reference log-probs"}
 last, first = {}, {}
 for line in open("/tmp/mutation-results.jsonl"):
