@@ -61,7 +61,7 @@ HINT = {"session_fatal_swallowed": "the run exited 0: the injected error was ret
         "offload_ignored": "`all(m['offload/bytes'] > 0 for m in runs['true'])` is False: nothing left the device",
         "bf16_layer_mlp_zeroed": "Megatron bf16 vs transformers max |diff| 0.0417 > tolerance 3 x bf16 noise = 0.0096",
         "disagg_one_source": "`0 < sync/bytes_max_rank < sync/bytes_total` fails: one source sent every byte (658944 of 658944)",
-        "fleet_restart_no_launch": "the killed engine never came back",
+        "fleet_restart_no_launch": "both nodes exit 1: `rollout engine failed 3 times (rollout.max_engine_restarts=2); last error: ... pause_generation unreachable: Connection refused`",
         "kl_ref_ignored": "the run crashed: the loss refuses kl_coef without reference log-probs"}
 last, first = {}, {}
 for line in open("/tmp/mutation-results.jsonl"):
