@@ -196,10 +196,8 @@ def test_world_size_checks():
 
 def test_colocated_engine_checks():
     cfg = moe(rollout__engine="sglang", rollout__sync_mode="colocated", rollout__engine_tp=4)
-    # NOT RUNNABLE YET (issue 15): this config passes validation, but factory.build_transport sends every
-    # bucket from global rank 0 to engine 0 only (CudaIpcTransport(engine.clients[0])), so colocated
-    # engine_tp=4 with two engines is accepted here and not run by the trainer (the integrator is
-    # rewriting the colocated transport: each training rank feeds its own engine TP rank).
+    # 8 ranks, two engines of TP4: engine e is fed by training ranks 4e..4e+3 (weight_sync.topology's
+    # colocated routing), the shape tests/topology/test_multinode.py runs (two engines of TP2, 4 ranks)
     validate(cfg, 8)
     with pytest.raises(ConfigError, match="rollout.engine_tp=4 must divide the number of training GPUs 6"):
         validate(moe(rollout__engine="sglang", rollout__sync_mode="colocated", rollout__engine_tp=4,

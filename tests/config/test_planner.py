@@ -198,9 +198,10 @@ def test_disaggregated_engines_take_their_own_gpus():
 
 def test_fits_and_does_not_fit():
     cfg = load_config("configs/qwen3_235b_a22b_gspo.yaml", [], check_files=False)
-    # NOTE (issue 15): the 235B recipe fits 8x8x80 GiB only through rollout.offload_train (the assertion
-    # on offload_train=false below), which training does not do yet; helper "offload-gpuenv" makes it
-    # real. Until then this plan describes memory the trainer cannot reach.
+    # the 235B recipe fits 8x8x80 GiB only through rollout.offload_train (the assertion on
+    # offload_train=false below); training does offload (offload.TrainStateOffloader, wired in
+    # train.run_step): tests/train/test_offload.py::test_loss_curve_identical_with_offload fails when
+    # the loop skips it, and tests/topology/test_multinode.py runs the 235B shape with it
     assert make_plan(cfg, 8, 8, 80).fits
     assert not make_plan(cfg, 8, 8, 40).fits  # training needs ~53 GiB
     assert make_plan(load_config("configs/qwen3_235b_a22b_gspo.yaml", ["rollout.offload_train=false"],

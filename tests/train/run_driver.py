@@ -13,6 +13,11 @@ MODE:
 - ``engine_raises_at=N``: the N-th ``HFRolloutEngine.generate`` call raises, the engine staying
   healthy (``health_check`` is True), as a bad request would.
 
+- ``sync_raises_at=K``: during the K-th weight sync the engine's weight update raises after the
+  first tensor of the sync's first bucket was loaded (a transport failing mid-sync), the engine staying healthy.
+- ``engine_corrupts_from=K``: from the K-th weight sync on, the engine loads one MLP weight as zeros
+  (an engine that does not hold the trainer's weights; only ``rollout.sync_verify`` can tell).
+
 The report (JSON) is written even when the run raises: {"exit": code or the exception's text, ...}.
 Only wrappers are installed; every code path of the run is the product's.
 """
@@ -103,13 +108,65 @@ def _engine_raises_at(n: int, report: dict) -> callable:
     return lambda: report.update(generate_calls=calls["generate"])
 
 
+def _sync_raises_at(k: int, report: dict) -> callable:
+    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+
+    calls = {"syncs": 0, "raised": 0}
+    begin, update = HFRolloutEngine.begin_weight_update, HFRolloutEngine.update_weights
+
+    def counting_begin(self, *a, **kw):
+        calls["syncs"] += 1
+        return begin(self, *a, **kw)
+
+    def failing_update(self, bucket):
+        if calls["syncs"] == k and not calls["raised"]:
+            update(self, list(bucket)[:1])  # part of the update landed: the failure is mid-sync
+            calls["raised"] += 1
+            raise RuntimeError("injected: weight update failed mid-sync")
+        return update(self, bucket)
+
+    HFRolloutEngine.begin_weight_update = counting_begin
+    HFRolloutEngine.update_weights = failing_update
+    return lambda: report.update(syncs=calls["syncs"], raised=calls["raised"])
+
+
+def _engine_corrupts_from(k: int, report: dict) -> callable:
+    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+
+    calls = {"syncs": 0, "corrupted": []}
+    begin, update = HFRolloutEngine.begin_weight_update, HFRolloutEngine.update_weights
+
+    def counting_begin(self, *a, **kw):
+        calls["syncs"] += 1
+        return begin(self, *a, **kw)
+
+    def corrupting_update(self, bucket):
+        if calls["syncs"] >= k:
+            out = []
+            for name, t in bucket:
+                if "mlp" in name and not calls["corrupted"]:
+                    calls["corrupted"].append(name)
+                    t = t * 0
+                elif calls["corrupted"] and name == calls["corrupted"][0]:
+                    t = t * 0
+                out.append((name, t))
+            bucket = out
+        return update(self, bucket)
+
+    HFRolloutEngine.begin_weight_update = counting_begin
+    HFRolloutEngine.update_weights = corrupting_update
+    return lambda: report.update(syncs=calls["syncs"], corrupted=calls["corrupted"])
+
+
 def main() -> int:
     mode, report_path, sep, *argv = sys.argv[1:]
     assert sep == "--", "usage: run_driver.py MODE REPORT.json -- [gspo-train arguments]"
     report: dict = {"mode": mode}
     name, _, value = mode.partition("=")
     finish = {"observe": lambda: _observe(report), "nan_loss_from": lambda: _nan_loss_from(int(value), report),
-              "engine_raises_at": lambda: _engine_raises_at(int(value), report)}[name]()
+              "engine_raises_at": lambda: _engine_raises_at(int(value), report),
+              "sync_raises_at": lambda: _sync_raises_at(int(value), report),
+              "engine_corrupts_from": lambda: _engine_corrupts_from(int(value), report)}[name]()
     from gspo_megatron.train import main as train_main
 
     try:

@@ -1,5 +1,6 @@
 """gspo-train's command line: --help documents the config, --check validates, bad settings fail in
-seconds naming the field, before any model is built (no model: no hf_init directory is written)."""
+seconds naming the field in one line without a traceback, before any model is built (no model: no
+hf_init directory is written)."""
 
 import os
 import sys
@@ -40,6 +41,10 @@ def test_bad_settings_fail_fast_naming_the_field(tmp_path):
         proc = _run("--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/run", *overrides)
         assert proc.returncode != 0, overrides
         assert expected in proc.stderr, (overrides, proc.stderr[-2000:])
+        # one line, no traceback (the traceback only with --debug)
+        assert "Traceback" not in proc.stderr, (overrides, proc.stderr[-2000:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("gspo-train: error: "), (overrides, proc.stderr[-2000:])
         assert not os.path.exists(tmp_path / "run" / "hf_init"), "failed before building anything"
 
 

@@ -8,7 +8,9 @@ where the path is a failure path:
 - ``optimizer.max_bad_steps``: a run whose loss turns NaN stops after that many skipped steps, with a
   checkpoint of the last good weights;
 - ``RolloutSession``'s fatal paths: an engine process that keeps dying beyond
-  ``rollout.max_engine_restarts``, and a healthy engine whose call raises.
+  ``rollout.max_engine_restarts``, and a healthy engine whose call raises;
+- a transport failure mid-sync (the engine's weight update raising half-way through a sync), and
+  ``rollout.sync_verify`` stopping a run whose engine does not hold the trainer's weights.
 
 Fault injection and observation go through tests/train/run_driver.py (wrappers around product
 functions, nothing replaced).
@@ -162,6 +164,36 @@ def test_a_healthy_engine_that_raises_stops_the_run(tmp_path):
     assert "rollout failed with a healthy engine: RuntimeError: injected: generate rejected the request" in proc.stderr
     assert report["generate_calls"] == 2  # no retry: the error is a real one, not an engine death
     assert [m["step"] for m in read_metrics(out)] == [1]
+
+
+def test_a_transport_failure_mid_sync_stops_the_run(tmp_path):
+    """The engine's weight update raises half-way through the 3rd sync (step 2's; the 1st is at
+    start-up), the engine staying healthy: the syncer reports it, the session stops every rank with
+    the error (an engine holding half-updated weights must not serve step 3's rollout). Step 2 ends
+    with its sync, so only step 1's metrics row is written."""
+    out = str(tmp_path / "sync")
+    proc, report = drive("sync_raises_at=3", out, ["train.steps=4", "rollout.dynamic_sampling=false"])
+    assert report["raised"] == 1
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert ("rollout failed with a healthy engine: rank 0: RuntimeError: injected: weight update failed "
+            "mid-sync") in proc.stderr, proc.stderr[-3000:]
+    assert report["syncs"] == 3  # no retry on a healthy engine
+    assert [m["step"] for m in read_metrics(out)] == [1]
+
+
+def test_sync_verify_stops_a_run_whose_engine_lost_a_tensor(tmp_path):
+    """rollout.sync_verify: from the 3rd sync (step 2's) on the engine holds one MLP weight zeroed; the post-sync
+    check (greedy probe, engine log-probs vs the trainer's) stops the run naming the difference.
+    Without the check the run would go on training on samples from the wrong policy."""
+    out = str(tmp_path / "verify")
+    proc, report = drive("engine_corrupts_from=3", out, ["train.steps=3", "rollout.sync_verify=true"])
+    assert report["corrupted"], report
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "weight sync check failed: engine log-probs differ from the trainer's" in proc.stderr, proc.stderr[-3000:]
+    assert report["syncs"] == 3
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1]
+    assert metrics[0]["sync/verify_max_abs_diff"] < 1e-3  # step 1's (correct) sync passed the same check
 
 
 def test_an_engine_that_keeps_dying_stops_the_run(tmp_path):

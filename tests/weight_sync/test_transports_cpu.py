@@ -173,13 +173,15 @@ def _ipc_rank(rank, world, port):
     engine = FakeIpcEngine(tp_size=2) if rank == 0 else None
     t = cuda_ipc.CudaIpcTransport(engine, gather_group=group, gather_src=0)
     t.begin("1")
-    t.send_bucket(_bucket(5))
+    # same names and shapes on both ranks (as in a sync); values differ per rank only to tell which
+    # producer's payload each engine TP rank opened
+    t.send_bucket(_bucket(5 + rank))
     t.end()
     out = None
     if rank == 0:
         assert [c for c in engine.calls if isinstance(c, tuple)] == [("update", 2, "flattened_bucket", False, "1")]
-        for per_rank in engine.loaded[0]:  # TP rank i read producer rank i's payload
-            _assert_same(per_rank, _bucket(5))
+        for i, per_rank in enumerate(engine.loaded[0]):  # TP rank i read producer rank i's payload
+            _assert_same(per_rank, _bucket(5 + i))
         out = "ok"
     dist.barrier()
     dist.destroy_process_group()
