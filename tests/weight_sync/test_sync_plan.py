@@ -28,7 +28,13 @@ class Recorder:
         self.calls.append("end")
 
 
-def _worker(rank, world, hf_dir, layout, routing="rank0"):
+def _worker(rank, world, hf_dir, cases):
+    """Runs every (layout, routing) of ``cases`` in turn on these ranks (the layout re-initialized for
+    each, a fresh model built and loaded); returns one result per case, as ``_sync_once``."""
+    return [_sync_once(rank, hf_dir, layout, routing) for layout, routing in cases]
+
+
+def _sync_once(rank, hf_dir, layout, routing):
     from gspo_megatron.models.build import build_model, load_hf_config
     from gspo_megatron.models.weights import ALL_RANKS, load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
@@ -56,17 +62,40 @@ def _worker(rank, world, hf_dir, layout, routing="rank0"):
     return (rec.calls, rec.buckets, metrics, stage) if rec is not None else None
 
 
-@pytest.mark.parametrize("layout,world", [({"tp": 2}, 2), ({"ep": 2}, 2), ({"pp": 2}, 2),
-                                          ({"tp": 2, "ep": 2, "etp": 1}, 4)],
-                         ids=["tp2", "ep2", "pp2", "tp2ep2"])
-def test_sync_buckets_equal_the_hf_checkpoint(tmp_path, layout, world):
+# (layout, world size, routing) of every test below. The cases of one world size share one spawned
+# job (starting the ranks costs more than a tiny model's sync); each case still builds its own model.
+CASES = [({"tp": 2}, 2, "rank0"), ({"ep": 2}, 2, "rank0"), ({"pp": 2}, 2, "rank0"),
+         ({"tp": 2, "ep": 2, "etp": 1}, 4, "rank0"), ({"tp": 2}, 2, "all"),
+         ({"pp": 2}, 2, "stages"), ({"pp": 2, "ep": 2}, 4, "stages")]
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    """{(layout name, routing): per-rank results} for every case, and the HF checkpoint's tensors."""
     from safetensors.torch import load_file
 
     from gspo_megatron.models.tiny import save_tiny_hf_model
 
-    save_tiny_hf_model("qwen3_moe", str(tmp_path))
-    reference = load_file(str(tmp_path / "model.safetensors"))
-    calls, buckets, metrics, _ = run_ranks(_worker, world, str(tmp_path), layout)[0]
+    hf_dir = tmp_path_factory.mktemp("sync_plan")
+    save_tiny_hf_model("qwen3_moe", str(hf_dir))
+    reference = load_file(str(hf_dir / "model.safetensors"))
+    results = {}
+    for world in sorted({w for _, w, _ in CASES}):
+        cases = [(layout, routing) for layout, w, routing in CASES if w == world]
+        per_rank = run_ranks(_worker, world, str(hf_dir), cases)
+        for i, (layout, routing) in enumerate(cases):
+            results[(_name(layout), routing)] = [r[i] for r in per_rank]
+    return results, reference
+
+
+def _name(layout: dict) -> str:
+    return "".join(f"{k}{v}" for k, v in layout.items() if k != "etp")
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2", "tp2ep2"])
+def test_sync_buckets_equal_the_hf_checkpoint(synced, layout):
+    results, reference = synced
+    calls, buckets, metrics, _ = results[(layout, "rank0")][0]
     assert calls == ["begin 1", "end"]
     names = [n for b in buckets for n, _ in b]
     assert sorted(names) == sorted(reference) and len(names) == len(set(names))
@@ -87,32 +116,23 @@ def _check_buckets(buckets, reference):
             assert t.dtype == reference[name].dtype and torch.equal(t, reference[name]), name
 
 
-def test_colocated_routing_gives_every_rank_every_tensor(tmp_path):
+def test_colocated_routing_gives_every_rank_every_tensor(synced):
     """Colocated engines: each training rank hands the engine TP rank on its GPU the full bucket."""
-    from safetensors.torch import load_file
-
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    save_tiny_hf_model("qwen3_moe", str(tmp_path))
-    reference = load_file(str(tmp_path / "model.safetensors"))
-    results = run_ranks(_worker, 2, str(tmp_path), {"tp": 2}, "all")
+    all_results, reference = synced
+    results = all_results[("tp2", "all")]
+    assert len(results) == 2
     for calls, buckets, metrics, _ in results:
         assert calls == ["begin 1", "end"]
         assert sorted(n for b in buckets for n, _ in b) == sorted(reference)
         _check_buckets(buckets, reference)
 
 
-@pytest.mark.parametrize("layout,world", [({"pp": 2}, 2), ({"pp": 2, "ep": 2}, 4)], ids=["pp2", "pp2ep2"])
-def test_stage_routing_sends_each_stage_from_its_own_source(tmp_path, layout, world):
+@pytest.mark.parametrize("layout", ["pp2", "pp2ep2"])
+def test_stage_routing_sends_each_stage_from_its_own_source(synced, layout):
     """Disaggregated: every tensor reaches exactly one source, the source of the stage that owns it;
     the busiest source moves about its stage's share of the model, not the whole model."""
-    from safetensors.torch import load_file
-
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    save_tiny_hf_model("qwen3_moe", str(tmp_path))
-    reference = load_file(str(tmp_path / "model.safetensors"))
-    results = [r for r in run_ranks(_worker, world, str(tmp_path), layout, "stages") if r is not None]
+    all_results, reference = synced
+    results = [r for r in all_results[(layout, "stages")] if r is not None]
     assert [r[3] for r in results] == [0, 1]  # one source per stage, in stage order
     seen = {}
     for calls, buckets, metrics, stage in results:
