@@ -23,6 +23,7 @@ safetensors (``safe_open``).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -53,6 +54,17 @@ def nbytes(shape, dtype: torch.dtype) -> int:
         n *= int(d)
     return n * torch.empty((), dtype=dtype).element_size()
 
+
+
+def memory_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory, for ``os.pread`` / ``os.pwrite``.
+
+    Not ``t.numpy()``: torch marks a storage that numpy has seen as not resizable, and the training
+    state's storages are resized to 0 and back when ``rollout.offload_train`` moves them."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("memory_bytes needs a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 @dataclass
 class Shard:
@@ -138,7 +150,7 @@ class ShardFiles:
             offset += row * size
         if i not in self._fds:
             self._fds[i] = os.open(os.path.join(self.out_dir, temp_name(i)), os.O_WRONLY)
-        view = memoryview(t.view(torch.uint8).numpy()).cast("B")
+        view = memory_bytes(t)
         done = 0
         while done < size:
             done += os.pwrite(self._fds[i], view[done:], offset + done)

@@ -32,6 +32,7 @@ from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.mapping import Rule
 from gspo_megatron.models.registry import get_family
+from gspo_megatron.safetensors_shards import memory_bytes
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -168,7 +169,7 @@ class SafetensorsReader:
             if dst.is_contiguous() and src.is_contiguous():
                 where = self._where(src)
                 if where is not None:
-                    view = memoryview(dst.reshape(-1).view(torch.uint8).numpy()).cast("B")
+                    view = memory_bytes(dst)
                     done = 0
                     while done < len(view):
                         got = os.preadv(where[0], [view[done:]], where[1] + done)

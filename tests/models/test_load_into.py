@@ -83,5 +83,10 @@ def test_reader_copy_into_reads_the_file(tmp_path, monkeypatch, size):
             param = torch.full_like(expected, float("nan"))
             rule.load_into(param, full, rank, size, copy=reader.copy_into)
             assert torch.equal(param, expected), (name, rank, size)
+            # the parameter's storage stays resizable (rollout.offload_train frees it and brings it back)
+            storage = param.untyped_storage()
+            nbytes = storage.nbytes()
+            storage.resize_(0)
+            storage.resize_(nbytes)
     reader.close()
     assert calls
