@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.dist_ckpt_in_place import merge_swiglu_in_place
 from gspo_megatron.dtypes import dtype_name
 
 log = logging.getLogger(__name__)
@@ -486,6 +487,7 @@ def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool,
     here = current_layout()
     md = dict(meta.get("sharding_metadata") or _SHARDING_METADATA)
     state = {"model": unwrap(model).sharded_state_dict(metadata=md)}
+    merge_swiglu_in_place(state["model"])  # fc1 halves are read into the parameter: no cat + copy back
     if optimizer is not None:
         _prime_optimizer_state(optimizer, reset=retry)
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=md)

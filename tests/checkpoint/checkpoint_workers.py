@@ -139,3 +139,53 @@ def resume_job(rank: int, world: int, hf_dir: str, root: str, layout: dict, othe
             torch.equal(exported[k], weights_at_2[k]) for k in weights_at_2)
     destroy_distributed()
     return res
+
+
+def in_place_merge_job(rank: int, world: int, hf_dir: str, ckpt: str) -> dict:
+    """Convert HF -> Megatron, then load into a model holding other weights: the gated fc1 halves are
+    read into the parameter itself (Megatron's swiglu merge replaced) and every weight comes back.
+    Also: the replaced merge falls back to Megatron's cat for halves that are not the parameter."""
+    from gspo_megatron import convert
+    from gspo_megatron.checkpoint import load_checkpoint, unwrap
+    from gspo_megatron.dist_ckpt_in_place import merge_swiglu_in_place
+    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+
+    init_distributed(ParallelLayout(), seed=5)
+    convert.hf_to_megatron(hf_dir, ckpt)
+    model = convert.build_empty_model(load_hf_config(hf_dir), 1, 1, 1, None, 1, "float32")
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    factories = unwrap(model).sharded_state_dict()
+    changed = merge_swiglu_in_place(factories)
+    fc1 = [v for k, v in factories.items() if k.endswith("linear_fc1.weight")]
+    halves = [t.clone() for t in fc1[0].data.chunk(2)]
+    fallback = fc1[0].merge_fn(halves)  # copies, not views of the parameter: Megatron's torch.cat
+    fallback_ok = fallback.data_ptr() != fc1[0].data.data_ptr() and torch.equal(fallback, fc1[0].data)
+    import gspo_megatron.dist_ckpt_in_place as in_place
+
+    seen, check = [], in_place._halves_are_data
+    in_place._halves_are_data = lambda parts, data: seen.append(check(parts, data)) or seen[-1]
+    load_checkpoint(ckpt, model, restore_rng=False)  # its own sharded state dict, merges replaced
+    in_place._halves_are_data = check
+    from gspo_megatron.models.weights import load_hf_weights
+
+    ref = convert.build_empty_model(load_hf_config(hf_dir), 1, 1, 1, None, 1, "float32")
+    load_hf_weights(ref, hf_dir)
+    mine, want = dict(unwrap(model).named_parameters()), dict(unwrap(ref).named_parameters())
+    return dict(changed=changed, fc1=len(fc1), fallback_ok=fallback_ok, in_place=seen,
+                equal=sorted(mine) == sorted(want) and all(torch.equal(mine[k], want[k]) for k in want))
+
+
+def reinit_groups_job(rank: int, world: int, layouts: list[dict]) -> list[int]:
+    """torch.distributed's registered process groups after each re-initialization of Megatron's
+    parallel state in one process: the previous layout's groups must be gone, not piled up."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+
+    counts = []
+    for layout in layouts:
+        init_distributed(ParallelLayout(**layout))
+        counts.append(len(c10d._world.pg_map))
+    return counts

@@ -1,7 +1,11 @@
 """Test instrumentation for the multi-node runs (loaded by the trainer through GSPO_AFTER_SYNC_HOOK):
 after every sync, every engine TP rank's weights, read from the CPU server's processes by its
 test-only route, must equal the trainer's HF export of that shard exactly. Rank 0 appends one line
-per sync to ``$GSPO_SYNC_CHECK_FILE``."""
+per sync to ``$GSPO_SYNC_CHECK_FILE``.
+
+An engine killed by the test between the sync and this check cannot be read: the line then says
+``"unreachable"`` (the run's next engine call finds the engine dead, restarts it and re-syncs, and
+that sync is checked); the check must never be what stops the run."""
 
 from __future__ import annotations
 
@@ -26,9 +30,13 @@ def check(syncer) -> None:
     hf_config = syncer.model.hf_config
     result = {"version": syncer.version, "engines": [], "mismatches": []}
     for url in syncer.topology.engine_urls:
-        info = SGLangHttpClient(url).server_info()
-        tp, ep = int(info["tp_size"]), int(info.get("ep_size", 1) or 1)
-        shards = read_weight_shards(url, sorted(full))
+        try:
+            info = SGLangHttpClient(url).server_info()
+            tp, ep = int(info["tp_size"]), int(info.get("ep_size", 1) or 1)
+            shards = read_weight_shards(url, sorted(full))
+        except Exception as e:  # noqa: BLE001 - a killed engine; see the module docstring
+            result["unreachable"] = f"{url}: {type(e).__name__}: {e}"
+            break
         checked = 0
         for tp_rank, held in enumerate(shards):
             for name, tensor in full.items():

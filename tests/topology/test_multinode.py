@@ -121,11 +121,28 @@ def run_two_nodes(tmp_path, config: str, overrides: list[str], timeout_s: float 
 
 
 def _tails(logs) -> str:
-    return "\n".join(f"--- {log}\n" + "\n".join(log.read_text().splitlines()[-40:]) for log in logs if log.exists())
+    """What explains a failed run: each node's progress and error lines (torchrun's own report of a
+    failed child fills the last lines and hides the cause), then its last lines; engine logs too."""
+    out = []
+    for log in logs:
+        if not log.exists():
+            continue
+        lines = log.read_text().splitlines()
+        told = [ln for ln in lines if "[gspo-train]" in ln or "Error" in ln or "error:" in ln]
+        out.append(f"--- {log}: progress and errors\n" + "\n".join(told[-60:]))
+        out.append(f"--- {log}: last lines\n" + "\n".join(lines[-15:]))
+        engines = log.parent / "run" / "engine_logs"
+        for elog in sorted(engines.glob("*.log")) if engines.is_dir() else []:
+            out.append(f"--- {elog}: last lines\n" + "\n".join(elog.read_text().splitlines()[-8:]))
+    return "\n".join(out)
 
 
-def _assert_synced(result: dict, steps: int, engines: int, tp: int) -> None:
-    checks = result["checks"]
+def _assert_synced(result: dict, steps: int, engines: int, tp: int, killed: bool = False) -> None:
+    # an engine the test killed right after a sync cannot be read: that check is inconclusive (the
+    # restart's re-sync is checked instead); only a run that kills an engine may have one
+    unreachable = [c for c in result["checks"] if "unreachable" in c]
+    assert len(unreachable) <= (1 if killed else 0), unreachable
+    checks = [c for c in result["checks"] if "unreachable" not in c]
     # one check per sync: the first, one per step (+ re-syncs after a restart)
     assert len(checks) >= steps + 1, checks
     for c in checks:
@@ -144,7 +161,7 @@ def test_colocated_two_engines_two_nodes_with_an_engine_killed(tmp_path):
     steps = 3
     result = run_two_nodes(tmp_path, "configs/topology_30b_tiny.yaml",
                            [f"train.steps={steps}", "rollout.sync_verify=true"], kill_engine="1.0")
-    _assert_synced(result, steps, engines=2, tp=2)
+    _assert_synced(result, steps, engines=2, tp=2, killed=True)
     assert result["metrics"][-1]["rollout/engine_restarts"] == 1
     assert "restarted (1/" in result["logs"][0]
 
