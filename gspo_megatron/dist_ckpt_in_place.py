@@ -52,20 +52,14 @@ def _in_place(factory):
 def merge_swiglu_in_place(sharded_state_dict) -> int:
     """Walk a (nested) sharded state dict before ``dist_checkpointing.load`` and give Megatron's
     swiglu factories the in-place merge (see the module docstring). Returns how many were changed."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     changed = 0
-    stack = [sharded_state_dict]
-    while stack:
-        x = stack.pop()
-        values = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
-        for v in values:
-            if isinstance(v, ShardedTensorFactory):
-                fn = v.merge_fn
-                if (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) == _SWIGLU_MERGE \
-                        and v.flattened_range is None:
-                    v.merge_fn = _in_place(v)
-                    changed += 1
-            elif isinstance(v, (dict, list)):
-                stack.append(v)
+    for v in nested_values(sharded_state_dict):
+        fn = getattr(v, "merge_fn", None)
+        if isinstance(v, ShardedTensorFactory) and v.flattened_range is None \
+                and (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) == _SWIGLU_MERGE:
+            v.merge_fn = _in_place(v)
+            changed += 1
     return changed

@@ -55,7 +55,6 @@ def nbytes(shape, dtype: torch.dtype) -> int:
     return n * torch.empty((), dtype=dtype).element_size()
 
 
-
 def memory_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory, for ``os.pread`` / ``os.pwrite``.
 
@@ -65,6 +64,7 @@ def memory_bytes(t: torch.Tensor) -> memoryview:
         raise ValueError("memory_bytes needs a contiguous CPU tensor")
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
 
 @dataclass
 class Shard:

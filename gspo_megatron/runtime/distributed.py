@@ -107,7 +107,7 @@ def _destroy_megatron_groups(ps) -> None:
     groups; the groups themselves (gloo: sockets and a thread each, a few dozen per layout) stay
     registered with torch.distributed, and every later collective got slower as they piled up
     (measured: reading six tiny checkpoints in five layouts each on 4 ranks took 178 s with the
-    groups left alive, 57 s with them destroyed). Destroys the groups parallel_state holds, then
+    groups left alive, 36 s with them destroyed). Destroys the groups parallel_state holds, then
     its state. Models built in the previous layout must not be used afterwards (they were already
     wrong for the new one)."""
     groups = []
