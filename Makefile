@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/gspo-train --config configs/demo_cpu.yaml $(ARGS)
 
+# The suite on TEST_JOBS pytest-xdist workers (one test file per work unit; the long files start
+# first, see tests/conftest.py). Many tests wait on subprocesses and servers, so 2 workers keep 2
+# cores busy; TEST_JOBS=0 runs it in this process.
+TEST_JOBS ?= 2
+XDIST = -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP)
-	$(VENV)/bin/pytest -q tests $(ARGS)
+	$(VENV)/bin/pytest -q $(XDIST) tests $(ARGS)
 
 # ruff: pyflakes, pycodestyle, import order (rules in pyproject.toml; also a pre-commit hook)
 lint: $(STAMP)
@@ -29,7 +35,7 @@ lint: $(STAMP)
 
 # Everything, slow tests included.
 test-all: $(STAMP)
-	$(VENV)/bin/pytest -q tests -m "not gpu" $(ARGS)
+	$(VENV)/bin/pytest -q $(XDIST) tests -m "not gpu" $(ARGS)
 
 # Forward compatibility: the CPU suite against the latest megatron-core 0.19.x in a separate venv
 # (0.17+ declares Python >= 3.12; on 3.11 it is forced with --ignore-requires-python and needs triton).

@@ -39,7 +39,7 @@ def report(*pids):
 
 CASES = {  # the body of main() in the starter script
     "popen": """
-proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=children.popen_preexec(),
+proc = subprocess.Popen(children.dying_with_this_process([sys.executable, "-c", "import time; time.sleep(600)"]),
                         start_new_session=True)
 report(proc.pid)
 """,
@@ -123,19 +123,52 @@ def test_forked_child_without_hooks_outlives_its_starter(tmp_path):
 def test_die_with_parent_sets_the_kernel_flag():
     from gspo_megatron.runtime import children
 
-    out = subprocess.run([sys.executable, "-c", "from gspo_megatron.runtime import children as c; print(c.parent_death_signal())"],
-                         env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=children.popen_preexec(),
+    cmd = [sys.executable, "-c", "from gspo_megatron.runtime import children as c; print(c.parent_death_signal())"]
+    out = subprocess.run(children.dying_with_this_process(cmd), env=dict(os.environ, PYTHONPATH=ROOT),
                          capture_output=True, text=True, check=True)
     assert int(out.stdout) == signal.SIGKILL
 
 
-def test_popen_preexec_refuses_other_threads():
+def test_dying_with_this_process_refuses_other_threads():
     import threading
 
     from gspo_megatron.runtime import children
 
     errors = []
-    t = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, children.popen_preexec)))
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, children.dying_with_this_process,
+                                                                    ["true"])))
     t.start()
     t.join()
     assert errors and "main thread" in str(errors[0].value)
+
+
+CHURN = """
+import ctypes, subprocess, sys, threading
+from gspo_megatron.runtime import children
+
+libc = ctypes.CDLL(None)
+callback = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(lambda arg: None)
+stop = False
+
+def churn():  # C threads calling into Python, as C++ libraries' threads do: each builds a thread state
+    tid = ctypes.c_ulong()
+    while not stop:
+        libc.pthread_create(ctypes.byref(tid), None, callback, None)
+        libc.pthread_join(tid, None)
+
+for _ in range(2):
+    threading.Thread(target=churn, daemon=True).start()
+for _ in range(int(sys.argv[1])):
+    assert subprocess.run(children.dying_with_this_process(["true"])).returncode == 0
+stop = True
+print("started all")
+"""
+
+
+def test_children_start_while_other_threads_enter_python():
+    """A child started while C threads create Python thread states must start: a ``preexec_fn``
+    (Python code between fork and exec) deadlocked here on CPython 3.11 in every run (the child
+    waits forever on the thread-list lock another thread held at the fork)."""
+    out = subprocess.run([sys.executable, "-c", CHURN, "200"], env=dict(os.environ, PYTHONPATH=ROOT),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "started all" in out.stdout, out.stderr[-2000:]

@@ -92,9 +92,9 @@ def launch_server(server_args: dict[str, Any], *, module: str = "sglang.launch_s
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
     from gspo_megatron.runtime import children
 
-    return subprocess.Popen([python, "-m", module, *server_args_to_cli(server_args), *extra_cli],
-                            stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
-                            preexec_fn=children.popen_preexec())
+    argv = [python, "-m", module, *server_args_to_cli(server_args), *extra_cli]
+    return subprocess.Popen(children.dying_with_this_process(argv), stdout=out, stderr=subprocess.STDOUT,
+                            env=child_env, start_new_session=True)
 
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

@@ -14,9 +14,16 @@ the kernel and the children themselves can notice. Three mechanisms, all Linux:
   for forkserver) a daemon thread waits on ``multiprocessing.parent_process().sentinel``, a pipe
   whose write end only the starting process holds: it reaches EOF when the *starting* process dies,
   whoever the kernel parent is. So a forkserver child dies with the trainer, not with the server.
-- ``popen_preexec()``: ``subprocess.Popen(..., preexec_fn=popen_preexec())`` (SGLang servers, the CPU
-  rollout server): PR_SET_PDEATHSIG in the child between fork and exec (it survives exec of a
-  non-setuid program). Works together with ``start_new_session=True``.
+- ``dying_with_this_process(argv)``: ``subprocess.Popen(dying_with_this_process(argv), ...)`` (SGLang
+  servers, the CPU rollout server): the child first runs a few lines of stdlib Python that set
+  PR_SET_PDEATHSIG and then ``exec`` the real command (the flag survives exec of a non-setuid
+  program). Works together with ``start_new_session=True``. Not a ``preexec_fn``: Python code
+  between fork and exec can deadlock on CPython 3.11 when any other thread of the trainer is
+  creating a Python thread state at that moment (a C++ thread calling into Python: the child's
+  ``PyOS_AfterFork_Child`` waits forever on the runtime's thread-list lock, which that thread held
+  at the fork). Seen as an engine that never started in a multi-node run under load; reproduced
+  in ``tests/test_children.py``. Without ``preexec_fn`` ``subprocess`` uses vfork + exec and runs no
+  Python in the child.
 - ``die_with_launcher()``: first thing in a rank under torchrun: the rank dies with the agent.
 
 Megatron's checkpoint writer (``dist_checkpointing.save`` with the torch_dist strategy, which
@@ -39,13 +46,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import multiprocessing
 import os
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 PR_SET_PDEATHSIG = 1
 PR_GET_PDEATHSIG = 2
@@ -89,14 +95,31 @@ def die_with_launcher() -> bool:
     return True
 
 
-def popen_preexec() -> Callable[[], None]:
-    """``preexec_fn`` for ``subprocess.Popen``: the child dies with the calling process. Call it in
-    the thread that starts the child; that must be the main thread (PR_SET_PDEATHSIG fires when the
-    forking thread ends), else RuntimeError."""
+# Runs in the child, before the real command: stdlib only (python -I -S: no site, no env), so
+# it starts in milliseconds. argv: <signal> <parent pid> <command...>.
+_EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, ctypes.c_ulong(int(sys.argv[1])), ctypes.c_ulong(0), ctypes.c_ulong(0),"
+    " ctypes.c_ulong(0))\n"
+    "if os.getppid() != int(sys.argv[2]):\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+)
+
+
+def dying_with_this_process(argv: Sequence[str], sig: int = signal.SIGKILL) -> list[str]:
+    """The command line that runs ``argv`` in a child that gets ``sig`` when this process exits
+    (PR_SET_PDEATHSIG, set by a small stdlib-only Python prelude that then ``exec``s ``argv``; the
+    child's pid and process group are those of ``argv``'s process; a child whose parent died
+    before the prelude ran is SIGKILLed at once). Pass it to ``subprocess.Popen`` from the main
+    thread (PR_SET_PDEATHSIG fires when the forking *thread* ends), else RuntimeError. Off Linux
+    ``argv`` is returned unchanged."""
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("popen_preexec(): start child processes from the main thread (the kernel "
-                           "would kill them when the starting thread ends)")
-    return functools.partial(die_with_parent, os.getpid())
+        raise RuntimeError("dying_with_this_process(): start child processes from the main thread (the "
+                           "kernel would kill them when the starting thread ends)")
+    if _libc is None:
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _EXEC_DYING_WITH_PARENT, str(int(sig)), str(os.getpid()), *argv]
 
 
 def _watch_parent_sentinel() -> None:

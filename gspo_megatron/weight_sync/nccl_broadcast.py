@@ -60,14 +60,18 @@ def bucket_metadata(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[st
     return names, dtypes, shapes
 
 
-def init_external_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+def init_external_process_group(backend: str, init_method: str | Any, world_size: int, rank: int, group_name: str,
                                 timeout: timedelta | None = None, prefer_sglang: bool = True) -> Any:
     """A process group with peers outside this job's default world (the SGLang engines).
 
+    ``init_method``: a ``tcp://host:port`` rendezvous, or a torch.distributed Store this rank
+    already holds (the group's rank 0 starts its TCPStore before the engines are told the port).
     Uses sglang's ``init_custom_process_group`` (the same helper the engines use) when sglang is
     installed; otherwise the equivalent torch calls (torch has no public API for a second, disjoint
-    world group, hence the private helpers).
+    world group, hence the private helpers). Both prefix the store's keys with ``group_name``.
     """
+    store = None if isinstance(init_method, str) else init_method
+    init_method = init_method if store is None else None
     with _outside_torchelastic():
         if prefer_sglang:
             try:
@@ -75,9 +79,10 @@ def init_external_process_group(backend: str, init_method: str, world_size: int,
             except ImportError:
                 init_custom_process_group = None
             if init_custom_process_group is not None:
-                return init_custom_process_group(backend=backend, init_method=init_method, world_size=world_size,
-                                                 rank=rank, group_name=group_name, timeout=timeout)
-        return _torch_external_group(backend, init_method, world_size, rank, group_name, timeout)
+                return init_custom_process_group(backend=backend, init_method=init_method, store=store,
+                                                 world_size=world_size, rank=rank, group_name=group_name,
+                                                 timeout=timeout)
+        return _torch_external_group(backend, init_method, store, world_size, rank, group_name, timeout)
 
 
 @contextmanager
@@ -93,8 +98,8 @@ def _outside_torchelastic():
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
 
 
-def _torch_external_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                          timeout: timedelta | None) -> Any:
+def _torch_external_group(backend: str, init_method: str | None, store: Any, world_size: int, rank: int,
+                          group_name: str, timeout: timedelta | None) -> Any:
     from torch.distributed.distributed_c10d import (
         PrefixStore,
         _new_process_group_helper,
@@ -104,7 +109,8 @@ def _torch_external_group(backend: str, init_method: str, world_size: int, rank:
     )
 
     timeout = timeout or default_pg_timeout
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
@@ -136,8 +142,8 @@ class NcclBroadcastTransport(WeightTransport):
     """Disaggregated transport for one pipeline stage's source rank (see module docstring).
 
     clients: one client per engine (``rollout.sglang_client``). engine_world_sizes: GPUs per engine
-    (tp * pp * ... of that engine). master_address/master_port: where the group rendezvous listens
-    (this host; a free port per stage). device: where tensors are broadcast from (cuda for nccl).
+    (tp * pp * ... of that engine). master_address/master_port: where the group's TCP store listens
+    (this host; port 0: the OS picks a free one at each connect, see :meth:`connect`). device: where tensors are broadcast from (cuda for nccl).
     manage_session: pause/flush/open the engines' update session in begin (set on one stage only;
     ``barrier`` then lets the other stages wait for it, and is called again before closing).
     prefer_sglang_group_helper: join with sglang's own group helper when importable (else torch's).
@@ -162,23 +168,28 @@ class NcclBroadcastTransport(WeightTransport):
         self.timeout = timedelta(seconds=timeout_s)
         self.prefer_sglang = prefer_sglang_group_helper
         self.group: Any = None
+        self._store: Any = None  # the group's TCP store (this rank serves it), from connect to close
         self.failed: BaseException | None = None
         self.weight_version = "0"
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
 
     # -- group lifecycle -------------------------------------------------------------------------
     def connect(self) -> None:
-        """Create the group: engines join (blocking calls, run in threads) while this rank joins.
-        Idempotent; after an engine restart use :meth:`reconnect` (a restarted engine is no longer
-        in the group)."""
+        """Create the group: this rank (the group's rank 0) first starts the group's TCP store
+        listening (on ``master_port``; 0: a port the OS picks as it binds, so no other process can
+        take it between choosing and binding), then the engines join (blocking calls, run in
+        threads) while this rank joins. Idempotent; after an engine restart use :meth:`reconnect` (a
+        restarted engine is no longer in the group)."""
         if self.group is not None:
             return
-        futures = [self._pool.submit(c.init_weights_update_group, self.master_address, self.master_port,
+        self._store = dist.TCPStore(self.master_address, self.master_port, self.world_size, True, self.timeout,
+                                    wait_for_workers=False)
+        port = self._store.port
+        futures = [self._pool.submit(c.init_weights_update_group, self.master_address, port,
                                      off, self.world_size, self.group_name, self.backend)
                    for c, off in zip(self.clients, self.rank_offsets)]
-        self.group = init_external_process_group(self.backend, f"tcp://{self.master_address}:{self.master_port}",
-                                                 self.world_size, 0, self.group_name, self.timeout,
-                                                 prefer_sglang=self.prefer_sglang)
+        self.group = init_external_process_group(self.backend, self._store, self.world_size, 0, self.group_name,
+                                                 self.timeout, prefer_sglang=self.prefer_sglang)
         for f in futures:
             f.result()
 
@@ -193,7 +204,7 @@ class NcclBroadcastTransport(WeightTransport):
         except Exception:  # noqa: BLE001 - a broken group (dead peer) cannot always be torn down cleanly
             if not tolerate_errors:
                 raise
-        self.group = None
+        self.group = self._store = None
         for f in futures:
             try:
                 f.result()
@@ -203,11 +214,8 @@ class NcclBroadcastTransport(WeightTransport):
 
     def reconnect(self) -> None:
         """After engines were restarted: every engine leaves the old group and all join a new one
-        (same name; the trainer side gets a fresh port)."""
+        (same name; with ``master_port`` 0 the store gets a fresh port)."""
         self.close(tolerate_errors=True)
-        from gspo_megatron.rollout.placement import free_port
-
-        self.master_port = free_port(self.master_address)
         self.connect()
 
     # -- one sync --------------------------------------------------------------------------------

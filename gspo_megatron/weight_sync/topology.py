@@ -89,7 +89,7 @@ def stage_sources() -> tuple[dict[int, int], list[int]]:
 
 
 def _disaggregated(cfg, fleet, rank: int) -> SyncTopology:
-    from gspo_megatron.rollout.placement import free_port, node_address
+    from gspo_megatron.rollout.placement import node_address
     from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport, StoreLock, pp_group_name
 
     stage_of, sources = stage_sources()
@@ -103,7 +103,7 @@ def _disaggregated(cfg, fleet, rank: int) -> SyncTopology:
         address = node_address()
         transport = NcclBroadcastTransport(
             [fleet.client(e) for e in range(len(fleet.urls))], engine_world_sizes=fleet.world_sizes,
-            master_address=address, master_port=free_port(address), group_name=pp_group_name(stage),
+            master_address=address, master_port=0, group_name=pp_group_name(stage),
             backend="nccl" if cuda else "gloo", device=None if cuda else "cpu", fp8=cfg.rollout.sync_fp8,
             lock=lock, manage_session=stage == 0, barrier=barrier, prefer_sglang_group_helper=cuda)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -12,12 +11,7 @@ import time
 
 from gspo_megatron.rollout.sglang_client import SGLangHttpClient
 from gspo_megatron.rollout.sglang_engine import wait_until_healthy
-
-
-def _die_with_test() -> None:
-    """In the server's launcher before exec: SIGTERM it when the test process dies (the launcher
-    then stops its TP workers), so a killed test run leaves no server behind."""
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+from gspo_megatron.runtime import children
 
 
 def free_port() -> int:
@@ -40,8 +34,10 @@ class CpuServer:
             if nnodes > 1:
                 cmd += ["--nnodes", str(nnodes), "--node-rank", str(node), "--dist-init-addr", dist_addr]
             log = open(os.path.join(log_dir, f"cpu_server_{self.port}_node{node}.log"), "wb")  # noqa: SIM115
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True, preexec_fn=_die_with_test))
+            # SIGTERM when the test process dies (the launcher then stops its TP workers), so a
+            # killed test run leaves no server behind
+            self.procs.append(subprocess.Popen(children.dying_with_this_process(cmd, signal.SIGTERM), stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True))
         self.log_path = os.path.join(log_dir, f"cpu_server_{self.port}_node0.log")
         self.client = SGLangHttpClient(self.url, timeout_s=600)
         t0 = time.monotonic()
