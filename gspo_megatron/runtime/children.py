@@ -99,8 +99,8 @@ def die_with_launcher() -> bool:
 # it starts in milliseconds. argv: <signal> <parent pid> <command...>.
 _EXEC_DYING_WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, ctypes.c_ulong(int(sys.argv[1])), ctypes.c_ulong(0), ctypes.c_ulong(0),"
-    " ctypes.c_ulong(0))\n"
+    f"ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, ctypes.c_ulong(int(sys.argv[1])), ctypes.c_ulong(0),"
+    " ctypes.c_ulong(0), ctypes.c_ulong(0))\n"
     "if os.getppid() != int(sys.argv[2]):\n"
     "    os.kill(os.getpid(), signal.SIGKILL)\n"
     "os.execvp(sys.argv[3], sys.argv[3:])\n"

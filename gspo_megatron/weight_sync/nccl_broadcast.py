@@ -60,18 +60,18 @@ def bucket_metadata(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[st
     return names, dtypes, shapes
 
 
-def init_external_process_group(backend: str, init_method: str | Any, world_size: int, rank: int, group_name: str,
-                                timeout: timedelta | None = None, prefer_sglang: bool = True) -> Any:
+def init_external_process_group(backend: str, init_method: str | None, world_size: int, rank: int, group_name: str,
+                                timeout: timedelta | None = None, prefer_sglang: bool = True,
+                                store: Any = None) -> Any:
     """A process group with peers outside this job's default world (the SGLang engines).
 
-    ``init_method``: a ``tcp://host:port`` rendezvous, or a torch.distributed Store this rank
-    already holds (the group's rank 0 starts its TCPStore before the engines are told the port).
+    ``init_method``: a ``tcp://host:port`` rendezvous; or None and ``store``, a torch.distributed
+    Store this rank already holds (the group's rank 0 starts its TCPStore before the engines are
+    told the port).
     Uses sglang's ``init_custom_process_group`` (the same helper the engines use) when sglang is
     installed; otherwise the equivalent torch calls (torch has no public API for a second, disjoint
     world group, hence the private helpers). Both prefix the store's keys with ``group_name``.
     """
-    store = None if isinstance(init_method, str) else init_method
-    init_method = init_method if store is None else None
     with _outside_torchelastic():
         if prefer_sglang:
             try:
@@ -143,7 +143,8 @@ class NcclBroadcastTransport(WeightTransport):
 
     clients: one client per engine (``rollout.sglang_client``). engine_world_sizes: GPUs per engine
     (tp * pp * ... of that engine). master_address/master_port: where the group's TCP store listens
-    (this host; port 0: the OS picks a free one at each connect, see :meth:`connect`). device: where tensors are broadcast from (cuda for nccl).
+    (this host; port 0: the OS picks a free one at each connect, see :meth:`connect`). device: where
+    tensors are broadcast from (cuda for nccl).
     manage_session: pause/flush/open the engines' update session in begin (set on one stage only;
     ``barrier`` then lets the other stages wait for it, and is called again before closing).
     prefer_sglang_group_helper: join with sglang's own group helper when importable (else torch's).
@@ -168,7 +169,6 @@ class NcclBroadcastTransport(WeightTransport):
         self.timeout = timedelta(seconds=timeout_s)
         self.prefer_sglang = prefer_sglang_group_helper
         self.group: Any = None
-        self._store: Any = None  # the group's TCP store (this rank serves it), from connect to close
         self.failed: BaseException | None = None
         self.weight_version = "0"
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
@@ -182,14 +182,14 @@ class NcclBroadcastTransport(WeightTransport):
         restarted engine is no longer in the group)."""
         if self.group is not None:
             return
-        self._store = dist.TCPStore(self.master_address, self.master_port, self.world_size, True, self.timeout,
-                                    wait_for_workers=False)
-        port = self._store.port
-        futures = [self._pool.submit(c.init_weights_update_group, self.master_address, port,
+        # the group keeps the store (and its server) alive until it is destroyed
+        store = dist.TCPStore(self.master_address, self.master_port, self.world_size, True, self.timeout,
+                              wait_for_workers=False)
+        futures = [self._pool.submit(c.init_weights_update_group, self.master_address, store.port,
                                      off, self.world_size, self.group_name, self.backend)
                    for c, off in zip(self.clients, self.rank_offsets)]
-        self.group = init_external_process_group(self.backend, self._store, self.world_size, 0, self.group_name,
-                                                 self.timeout, prefer_sglang=self.prefer_sglang)
+        self.group = init_external_process_group(self.backend, None, self.world_size, 0, self.group_name,
+                                                 self.timeout, prefer_sglang=self.prefer_sglang, store=store)
         for f in futures:
             f.result()
 
@@ -204,7 +204,7 @@ class NcclBroadcastTransport(WeightTransport):
         except Exception:  # noqa: BLE001 - a broken group (dead peer) cannot always be torn down cleanly
             if not tolerate_errors:
                 raise
-        self.group = self._store = None
+        self.group = None
         for f in futures:
             try:
                 f.result()
