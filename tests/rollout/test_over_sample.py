@@ -165,4 +165,7 @@ def test_sglang_stream_cancels_requests_not_yet_sent():
     releaser.start()
     stream.close()
     releaser.join(timeout=60)
-    assert len(client.sent) == 3, client.sent  # requests 4..6 were never sent
+    # requests 4..6 were never sent. Request 3 is sent only if the worker freed by the first answer
+    # took it from the queue before close() cancelled the queue (a race between two threads: both
+    # outcomes are correct)
+    assert sorted(client.sent) in (prompts[:2], prompts[:3]), client.sent
