@@ -29,12 +29,13 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+
+from gspo_megatron.runtime.ports import free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 STEPS = 8
@@ -139,9 +140,7 @@ def command(out_dir: str, nproc: int) -> list[str]:
     args = ["-m", "gspo_megatron.train", "--config", os.path.join(REPO, "configs/demo_cpu.yaml"),
             f"output_dir={out_dir}", *OVERRIDES]
     if nproc > 1:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         args = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}", *args,
                 "parallel.ep=2"]
     return [sys.executable, *args]

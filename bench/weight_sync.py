@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,6 +44,8 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from types import SimpleNamespace
+
+from gspo_megatron.runtime.ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout
@@ -283,12 +284,6 @@ def _trainer_body(rank, mode, engines, engine_tp, cmd_queues, reply_queues, hf_d
             "layout": "tp2" if mode == "colocated" else "pp2", "checks": checks}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(mode: str, engines: int, engine_tp: int, hf_dir: str, args) -> dict:
     """One (mode, engines) case in fresh processes: 2 trainer ranks + engines * engine_tp engine ranks."""
     import multiprocessing as mp
@@ -297,7 +292,7 @@ def run_case(mode: str, engines: int, engine_tp: int, hf_dir: str, args) -> dict
     cmd = [[ctx.Queue() for _ in range(engine_tp)] for _ in range(engines)]
     rep = [ctx.Queue() for _ in range(engines)]
     result_q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_engine_rank, args=(e, tp, cmd[e][tp], rep[e], hf_dir), daemon=True)
              for e in range(engines) for tp in range(engine_tp)]
     procs += [ctx.Process(target=_trainer, args=(r, 2, port, mode, engines, engine_tp, cmd, rep, hf_dir, args,

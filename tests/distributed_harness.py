@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -24,17 +23,13 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from gspo_megatron.runtime.ports import free_port
+
 STACK_SIGNAL = signal.SIGUSR2  # SIGUSR1 is the trainer's checkpoint-and-stop signal
 
 
 class RanksTimedOut(RuntimeError):
     """The ranks did not finish in time; the message holds each live rank's Python stacks."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank, world_size, port, outdir, fn, args):
@@ -105,7 +100,7 @@ def _dump_stacks(ctx, outdir: str, world_size: int) -> str:
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 600):
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_entry, args=(world_size, _free_port(), outdir, fn, args),
+        ctx = mp.start_processes(_entry, args=(world_size, free_port(), outdir, fn, args),
                                  nprocs=world_size, join=False, start_method="spawn")
         errors = []
         deadline = time.monotonic() + timeout

@@ -26,9 +26,10 @@ from typing import Any
 import torch.distributed as dist
 
 from gspo_megatron.rollout.engine_model import prepare_engine_model_dir
-from gspo_megatron.rollout.placement import EnginePart, EngineSpec, free_port, gather_rank_infos, plan_engines
+from gspo_megatron.rollout.placement import EnginePart, EngineSpec, gather_rank_infos, plan_engines
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
 from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine, kill_server, launch_server, wait_until_healthy
+from gspo_megatron.runtime.ports import free_port
 
 logger = logging.getLogger(__name__)
 

@@ -41,13 +41,6 @@ def node_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on this host right now."""
-    with socket.socket() as s:
-        s.bind((host if host != "0.0.0.0" else "", 0))
-        return s.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class RankInfo:
     """One training rank's place: its node (torchrun GROUP_RANK), local rank, and node address."""

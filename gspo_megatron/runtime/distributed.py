@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.runtime import cpu_compat
+from gspo_megatron.runtime.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,6 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_process_group(timeout_minutes: int = 30) -> None:
     """The default torch.distributed group only (idempotent): NCCL with a GPU, else gloo; a world
     of one under plain ``python``. Every rank calls it."""
@@ -67,7 +61,7 @@ def init_process_group(timeout_minutes: int = 30) -> None:
         return
     if "RANK" not in os.environ:  # plain `python`: a world of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

@@ -4,18 +4,13 @@ configured by ``runtime.fp8``. Needs TE and an FP8-capable GPU (compute capabili
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
+from gspo_megatron.runtime.ports import free_port
+
 pytestmark = pytest.mark.gpu
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
@@ -33,7 +28,7 @@ def test_fp8_step_runs_and_matches_bf16_loss(recipe):
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     parallel_state.destroy_model_parallel()

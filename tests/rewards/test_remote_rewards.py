@@ -6,7 +6,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 from gspo_megatron.rewards.remote import RemoteRewardScorer
 from gspo_megatron.rewards.runner import InlineRewardScorer, RewardFailure, RewardRunner
+from gspo_megatron.runtime.ports import free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -128,12 +128,6 @@ def test_server_dropping_connections_is_counted_and_retried(serve):
     assert got == [1.0] * 8 and stats["reward/remote_retries"] == 1 and faults.count == 5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_reference_server(port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "gspo_megatron.rewards.reference_server", "--function",
                              "exact_match", "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE, text=True,
@@ -145,7 +139,7 @@ def _start_reference_server(port: int) -> subprocess.Popen:
 
 def test_dead_reference_server_fails_fast_counted_then_recovers():
     """The reference server as users start it (python -m), killed and restarted on its port."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/score"
     proc = _start_reference_server(port)
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,12 +11,7 @@ import time
 from gspo_megatron.rollout.sglang_client import SGLangHttpClient
 from gspo_megatron.rollout.sglang_engine import wait_until_healthy
 from gspo_megatron.runtime import children
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gspo_megatron.runtime.ports import free_port
 
 
 class CpuServer:

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from gspo_megatron.runtime.ports import free_port
 from tool_helpers import load_tool, run_tool
 
 
@@ -119,13 +120,10 @@ def test_real_exit_status_and_single_line(tmp_path):
 def test_bad_input_under_torchrun_is_printed_once(tmp_path):
     """Every rank finds the mistake; rank 0 prints it once, every rank exits with 2 (torchrun adds its
     own failure report and exits 1)."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",

@@ -28,15 +28,9 @@ import time
 import psutil
 import pytest
 
+from gspo_megatron.runtime.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _marked(marker: str) -> list[psutil.Process]:
@@ -71,7 +65,7 @@ def run_two_nodes(tmp_path, config: str, overrides: list[str], timeout_s: float 
                GSPO_AFTER_SYNC_HOOK="topology.sync_check:check", GSPO_SYNC_CHECK_FILE=str(checks),
                GSPO_TEST_MARKER=marker, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.path.join(ROOT, "tests") + os.pathsep + env["PYTHONPATH"]
-    port = _free_port()
+    port = free_port()
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     procs, logs = [], []
     for node in (0, 1):

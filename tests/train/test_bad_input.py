@@ -12,12 +12,12 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from gspo_megatron.runtime.ports import free_port
 from train_utils import FAST, REPO
 
 REWARD = "def score(prompt, response, label):\n    return float(str(label) in response)\n"
@@ -68,9 +68,7 @@ def run(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.Compl
     if nproc == 1:
         cmd = [sys.executable, "-m", "gspo_megatron.train", *args]
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={port}", "-m", "gspo_megatron.train", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
+from gspo_megatron.runtime.ports import free_port
 from subprocess_utils import run_group
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -21,12 +21,6 @@ FAST = [
 ]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_train(out_dir: str, overrides: list[str], nproc: int = 1, config: str = "configs/demo_cpu.yaml",
               timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
     args = ["--config", os.path.join(REPO, config), f"output_dir={out_dir}", *FAST, *overrides]
@@ -34,7 +28,7 @@ def run_train(out_dir: str, overrides: list[str], nproc: int = 1, config: str = 
         cmd = [sys.executable, "-m", "gspo_megatron.train", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={_port()}", "-m", "gspo_megatron.train", *args]
+               f"--master-port={free_port()}", "-m", "gspo_megatron.train", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = run_group(cmd, timeout=timeout, cwd=REPO, env=env)  # kills torchrun's ranks / engine children too
     if check and proc.returncode != 0:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from datetime import timedelta
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.runtime.ports import free_port
 from gspo_megatron.weight_sync import cuda_ipc
 from gspo_megatron.weight_sync.nccl_broadcast import (
     NcclBroadcastTransport,
@@ -139,11 +139,6 @@ def test_cuda_ipc_rejects_tp_mismatch_and_missing_client():
 
 
 # ---------------------------------------------------------------- multi-process (gloo) helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run_procs(target, args_list, timeout=120):
     ctx = mp.get_context("spawn")
@@ -189,7 +184,7 @@ def _ipc_rank(rank, world, port):
 
 
 def test_cuda_ipc_gathers_one_payload_per_engine_tp_rank(sglang_helpers):
-    port = _free_port()
+    port = free_port()
     res = _run_procs(_ipc_rank, [(0, 2, port), (1, 2, port)])
     assert "ok" in res
 
@@ -266,7 +261,7 @@ def _nccl_trainer(port, cmd_queues_per_engine, reply_queues, sizes):
     for c in clients:  # fake clients do not model sessions
         for m in ("pause_generation", "flush_cache", "begin_weight_update", "end_weight_update", "continue_generation"):
             setattr(c, m, lambda: None)
-    store = dist.TCPStore("127.0.0.1", _free_port(), 1, True)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
     t = NcclBroadcastTransport(clients, engine_world_sizes=sizes, master_address="127.0.0.1", master_port=port,
                                group_name=pp_group_name(0), backend="gloo", lock=StoreLock(store), timeout_s=60,
                                prefer_sglang_group_helper=False)  # sglang's helper: see the test below
@@ -289,7 +284,7 @@ def test_nccl_transport_broadcasts_to_fake_engines_over_gloo():
     sizes = [1, 2]
     cmd = [[ctx.Queue() for _ in range(s)] for s in sizes]
     rep = [ctx.Queue() for _ in sizes]
-    port = _free_port()
+    port = free_port()
     q = ctx.Queue()
     procs = [ctx.Process(target=_wrap, args=(_fake_engine_tp_rank, (tp, cmd[e][tp], rep[e]), q))
              for e, s in enumerate(sizes) for tp in range(s)]
@@ -304,7 +299,7 @@ def test_nccl_transport_broadcasts_to_fake_engines_over_gloo():
 
 def test_sglang_group_helper_creates_a_working_group(sglang_helpers):
     """The trainer joins with sglang's init_custom_process_group when available (1-rank world here)."""
-    port = _free_port()
+    port = free_port()
     pg = init_external_process_group("gloo", f"tcp://127.0.0.1:{port}", 1, 0, "gspo_test_group",
                                      timedelta(seconds=30), prefer_sglang=True)
     x = torch.arange(4.0)

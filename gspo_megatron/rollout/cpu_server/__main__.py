@@ -2,7 +2,8 @@
 
 This process starts the node's TP ranks (``worker.run_worker``, spawned; ranks
 ``node_rank * tp/nnodes ...``), and on node rank 0 serves HTTP once every rank has loaded its
-shards. SIGTERM / SIGINT stop every TP process; the workers die with this process even when it is
+shards. Node 0's process hosts the TP ranks' rendezvous store (bound before the ranks start, on
+``--dist-init-addr`` or an OS-assigned port). SIGTERM / SIGINT stop every TP process; the workers die with this process even when it is
 killed with SIGKILL (PR_SET_PDEATHSIG and a parent-pid watchdog). If a TP process dies, the server
 exits (code 1), as an SGLang server does when a scheduler dies.
 """
@@ -17,7 +18,7 @@ import threading
 import time
 from typing import Sequence
 
-from gspo_megatron.rollout.cpu_server.args import ServerArgs, free_port, parse_args
+from gspo_megatron.rollout.cpu_server.args import ServerArgs, parse_args
 
 
 def _stop(procs: list, grace_s: float = 5.0) -> None:
@@ -32,13 +33,21 @@ def _stop(procs: list, grace_s: float = 5.0) -> None:
             p.join(1.0)
 
 
+def _rendezvous_store(args: ServerArgs, timeout):
+    """Node 0 hosts the TP ranks' store before they start: on ``--dist-init-addr`` (multi-node), else
+    on a port the OS assigns at bind time (no window in which another process can take it)."""
+    from torch.distributed import TCPStore
+
+    host, port = (args.dist_init_addr.rsplit(":", 1) if args.dist_init_addr else ("127.0.0.1", 0))
+    return TCPStore(host, int(port), args.tp_size, True, timeout, wait_for_workers=False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args: ServerArgs = parse_args(argv)
     from gspo_megatron.rollout.cpu_server.http_front import Front, make_server
-    from gspo_megatron.rollout.cpu_server.worker import run_worker
 
     print(f"[cpu_server] CPU stand-in for sglang.launch_server (not an inference server): {vars(args)}", flush=True)
-    init_addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
+    from gspo_megatron.rollout.cpu_server.worker import IDLE_TIMEOUT, run_worker
     stopping = threading.Event()
     signalled = []
 
@@ -49,13 +58,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    server = None
+    server = store = None
     if args.node_rank == 0:
         try:
             server = make_server(None, args.host, args.port)  # bind now: a busy port fails at once
         except OSError as e:
             print(f"[cpu_server] cannot listen on {args.host}:{args.port}: {e}", flush=True)
             return 1
+        try:
+            store = _rendezvous_store(args, IDLE_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 (torch raises RuntimeError / DistNetworkError)
+            print(f"[cpu_server] cannot host the TP rendezvous at {args.dist_init_addr}: {e}", flush=True)
+            server.server_close()
+            return 1
+        init_addr = f"{store.host}:{store.port}"
+    else:
+        init_addr = args.dist_init_addr
     ctx = mp.get_context("spawn")
     front_conn, worker_conn = ctx.Pipe() if args.node_rank == 0 else (None, None)
     procs = []

@@ -8,7 +8,6 @@ sglang's own parser does. GPU-only flags are accepted and recorded (``--base-gpu
 from __future__ import annotations
 
 import argparse
-import socket
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -98,9 +97,3 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         ns.random_seed = 0
     return ServerArgs(**vars(ns))
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (for the single-node TP rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -284,8 +284,9 @@ def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{init_addr}", world_size=args.tp_size, rank=tp_rank,
-                                timeout=IDLE_TIMEOUT)
+        host, port = init_addr.rsplit(":", 1)  # node 0's server process hosts the store
+        store = dist.TCPStore(host, int(port), args.tp_size, False, IDLE_TIMEOUT)
+        dist.init_process_group("gloo", store=store, world_size=args.tp_size, rank=tp_rank, timeout=IDLE_TIMEOUT)
         t0 = time.monotonic()
         worker = TPWorker(args, tp_rank)
         worker._refresh_full_model()  # rank 0's model ready before the first health check
