@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.dist_ckpt_in_place import merge_swiglu_in_place
+from gspo_megatron.dist_ckpt_in_place import direct_reads, merge_swiglu_in_place
 from gspo_megatron.dtypes import dtype_name
 
 log = logging.getLogger(__name__)
@@ -491,8 +491,9 @@ def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool,
     if optimizer is not None:
         _prime_optimizer_state(optimizer, reset=retry)
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=md)
-    loaded = dist_checkpointing.load(state, os.path.join(ckpt_dir, DIST_SUBDIR),
-                                     strict="assume_ok_unexpected")
+    with direct_reads():  # each item read into its tensor (no buffer + torch.load + copy_)
+        loaded = dist_checkpointing.load(state, os.path.join(ckpt_dir, DIST_SUBDIR),
+                                         strict="assume_ok_unexpected")
     unwrap(model).load_state_dict(loaded["model"], strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])

@@ -1,4 +1,5 @@
-"""Loading a Megatron dist checkpoint without re-assembling the gated MLP's fc1 (one copy less).
+"""Loading a Megatron dist checkpoint with one copy per byte: each item read straight into its
+tensor (:func:`direct_reads`), and the gated MLP's fc1 not re-assembled (:func:`merge_swiglu_in_place`).
 
 Megatron-Core saves a gated (SwiGLU) ``linear_fc1.weight`` of shape ``[2*ffn, hidden]`` through a
 ``ShardedTensorFactory`` (``apply_swiglu_sharded_factory``): two ShardedTensors, ``torch.chunk``
@@ -17,7 +18,15 @@ merge otherwise (a strategy that loaded elsewhere, a flattened range, another me
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
+import sys
+
 import torch
+from torch.futures import Future
+
+from gspo_megatron.safetensors_shards import memory_bytes
 
 _SWIGLU_MERGE = ("megatron.core.transformer.mlp", "sh_ten_merge_fn")
 
@@ -63,3 +72,118 @@ def merge_swiglu_in_place(sharded_state_dict) -> int:
             v.merge_fn = _in_place(v)
             changed += 1
     return changed
+
+
+# ---------------------------------------------------------------- reading items straight into tensors
+def _read_exact(fd: int, view: memoryview, pos: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], pos + done)
+        if got <= 0:
+            raise ValueError(f"{path}: a checkpoint file ended early (offset {pos + done})")
+        done += got
+
+
+def direct_reader_class():
+    """Megatron's ``CachedMetadataFileSystemReader`` whose tensor reads go straight into the tensor
+    being loaded: one ``preadv`` per item by the kernel, where torch DCP's ``FileSystemReader``
+    buffers the item, ``torch.load``s it (a second copy) and ``copy_``s it into the target (a third).
+
+    Each saved tensor item is a ``torch.save`` archive (a zip whose data records are stored
+    uncompressed). ``torch.load(..., map_location="meta")`` reads only the archive's directory and
+    pickle, and tells the data record's offset in the archive (``_checkpoint_offset``, as torch's
+    own mmap loading uses); the wanted region is then at ``item offset + record offset + the
+    narrowed view's storage offset``. An item takes this path when nothing transforms it on disk,
+    the requested region of the stored tensor is contiguous, and the target is a contiguous CPU
+    tensor of the same dtype and shape; any other item (bytes, a GPU target, a strided slice, an
+    unexpected archive) goes through the base class unchanged. ``direct_items`` counts the tensor
+    items read directly, ``base_tensor_items`` those handed to the base class (the tests check them)."""
+    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+        CachedMetadataFileSystemReader,
+    )
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    class DirectFileSystemReader(CachedMetadataFileSystemReader):
+        direct_items = 0
+        base_tensor_items = 0
+
+        def _record(self, stream, item_md, cache: dict):
+            """(meta tensor, absolute offset of its storage) of one stored item, or None."""
+            key = (item_md.relative_path, item_md.offset)
+            if key not in cache:
+                try:
+                    meta = torch.load(self._slice_file(stream, item_md), map_location="meta", weights_only=True)
+                    rec = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+                    cache[key] = (meta, item_md.offset + rec) if isinstance(meta, torch.Tensor) and rec is not None \
+                        else None
+                except Exception:  # noqa: BLE001 (not an archive this path understands: the base class reads it)
+                    cache[key] = None
+            return cache[key]
+
+        def read_data(self, plan, planner):
+            if sys.byteorder != "little":
+                return super().read_data(plan, planner)
+            rest, records, fds = [], {}, {}
+            try:
+                for req in plan.items:
+                    item_md = self.storage_data[req.storage_index]
+                    if req.type == LoadItemType.BYTE_IO or item_md.transform_descriptors:
+                        rest.append(req)
+                        continue
+                    path = os.path.join(self.path, item_md.relative_path)
+                    if path not in fds:
+                        fds[path] = (open(path, "rb"), os.open(path, os.O_RDONLY))  # noqa: SIM115
+                    stream, fd = fds[path]
+                    found = self._record(stream, item_md, records)
+                    if found is None:
+                        rest.append(req)
+                        continue
+                    meta, base = found
+                    src = narrow_tensor_by_index(meta, req.storage_offsets, req.lengths)
+                    dst = planner.resolve_tensor(req).detach()
+                    if not (src.is_contiguous() and dst.is_contiguous() and dst.device.type == "cpu"
+                            and dst.dtype == src.dtype and dst.shape == src.shape):
+                        rest.append(req)
+                        continue
+                    if dst.numel():
+                        _read_exact(fd, memory_bytes(dst), base + src.storage_offset() * src.element_size(), path)
+                    planner.commit_tensor(req, dst)
+                    type(self).direct_items += 1
+            finally:
+                for stream, fd in fds.values():
+                    stream.close()
+                    os.close(fd)
+            type(self).base_tensor_items += sum(req.type != LoadItemType.BYTE_IO for req in rest)
+            if rest:
+                return super().read_data(dataclasses.replace(plan, items=rest), planner)
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+
+    return DirectFileSystemReader
+
+
+@contextlib.contextmanager
+def direct_reads():
+    """Within the block, Megatron's torch_dist load strategy reads through
+    :func:`direct_reader_class` (it builds its reader with the module function
+    ``_get_filesystem_reader``, which offers no other hook; with a multi-storage client enabled, or
+    a Megatron without that function, nothing changes). Yields the reader class."""
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+    cls = direct_reader_class()
+    original = getattr(mcore_torch, "_get_filesystem_reader", None)
+    msc = getattr(mcore_torch, "MultiStorageClientFeature", None)
+    if original is None or (msc is not None and msc.is_enabled()):
+        yield cls
+        return
+
+    def get_reader(checkpoint_dir, cache_metadata: bool = False):
+        return cls(checkpoint_dir) if cache_metadata else original(checkpoint_dir, cache_metadata)
+
+    mcore_torch._get_filesystem_reader = get_reader
+    try:
+        yield cls
+    finally:
+        mcore_torch._get_filesystem_reader = original

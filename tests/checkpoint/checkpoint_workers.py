@@ -189,3 +189,29 @@ def reinit_groups_job(rank: int, world: int, layouts: list[dict]) -> list[int]:
         init_distributed(ParallelLayout(**layout))
         counts.append(len(c10d._world.pg_map))
     return counts
+
+
+def direct_reads_job(rank: int, world: int, hf_dir: str, ckpt: str, save_tp: int, load_tp: int) -> dict:
+    """Convert HF -> Megatron with tp=save_tp (every rank), then load it with tp=load_tp twice: through
+    the direct reader (items read straight into the parameters) and through torch DCP's own reader
+    (``direct_reads`` made a no-op). Returns this rank's parameters both ways and the reader's counts."""
+    import contextlib
+
+    import gspo_megatron.checkpoint as checkpoint
+    import gspo_megatron.dist_ckpt_in_place as in_place
+    from gspo_megatron import convert
+    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+
+    init_distributed(ParallelLayout(tp=save_tp, ep=world // save_tp), seed=5)
+    convert.hf_to_megatron(hf_dir, ckpt, tp=save_tp, ep=world // save_tp)
+    init_distributed(ParallelLayout(tp=load_tp, ep=world // load_tp), seed=5)
+    made, make = [], in_place.direct_reader_class
+    in_place.direct_reader_class = lambda: made.append(make()) or made[-1]
+    direct, _ = convert.load_model(ckpt, tp=load_tp, ep=world // load_tp)
+    in_place.direct_reader_class = make
+    checkpoint.direct_reads = contextlib.nullcontext
+    plain, _ = convert.load_model(ckpt, tp=load_tp, ep=world // load_tp)
+    a = {k: v.detach().clone() for k, v in checkpoint.unwrap(direct).named_parameters()}
+    b = {k: v.detach().clone() for k, v in checkpoint.unwrap(plain).named_parameters()}
+    return dict(direct_items=sum(c.direct_items for c in made), base_tensor_items=sum(c.base_tensor_items for c in made),
+                readers=len(made), a=a, b=b)
