@@ -18,10 +18,15 @@ merge otherwise (a strategy that loaded elsewhere, a flattened range, another me
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import io
 import os
+import pickle
+import struct
 import sys
+import zipfile
 
 import torch
 from torch.futures import Future
@@ -84,16 +89,122 @@ def _read_exact(fd: int, view: memoryview, pos: int, path: str) -> None:
         done += got
 
 
+def _STORAGE_DTYPES() -> dict[str, torch.dtype]:  # noqa: N802 ("FloatStorage" -> torch.float32, ...)
+    from torch.storage import _storage_type_to_dtype_map
+
+    return _storage_type_to_dtype_map()
+
+
+class _TensorMetaUnpickler(pickle.Unpickler):
+    """Unpickles the ``data.pkl`` of a ``torch.save``d plain tensor into ``(dtype, storage key,
+    storage numel, storage_offset, size, stride)`` without touching its data; refuses every global
+    but the few a plain tensor's pickle names (``pickle.UnpicklingError`` otherwise)."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _tensor_meta
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES():
+            return _STORAGE_DTYPES()[name]  # a typed storage class (FloatStorage, ...) stands for its dtype
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor's pickle")
+
+    def persistent_load(self, pid):
+        kind, dtype, key, _location, numel = pid
+        if kind != "storage" or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"persistent id {kind!r}")
+        return dtype, str(key), int(numel)
+
+
+def _tensor_meta(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    if backward_hooks or metadata:
+        raise pickle.UnpicklingError("a tensor with hooks or metadata")
+    return (*storage, int(storage_offset), tuple(size), tuple(stride))
+
+
+class _Window(io.RawIOBase):
+    """The bytes ``[offset, offset + length)`` of an open file descriptor as a seekable read-only
+    file (``pread``: no shared file position). Its first and last ``edge`` bytes are read once up
+    front: a zip reader's many small reads of a torch.save archive (the directory at the end, the
+    pickle and local headers at the start) are then served from memory."""
+
+    def __init__(self, fd: int, offset: int, length: int, edge: int = 4096):
+        super().__init__()
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+        self.head = os.pread(fd, min(edge, length), offset)
+        tail_start = max(0, length - edge)
+        self.tail_start = tail_start
+        self.tail = self.head[tail_start:] if tail_start < len(self.head) else os.pread(fd, length - tail_start,
+                                                                                         offset + tail_start)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence] + pos)
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        start = self.pos
+        end = min(self.length, start + len(buf))
+        if end <= start:
+            return 0
+        if end <= len(self.head):
+            data = self.head[start:end]
+        elif start >= self.tail_start:
+            data = self.tail[start - self.tail_start:end - self.tail_start]
+        else:
+            data = os.pread(self.fd, end - start, self.offset + start)
+        buf[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def saved_tensor_layout(f) -> tuple[torch.Tensor, int]:
+    """Where the data of the plain tensor ``torch.save`` wrote into the seekable file ``f`` lies:
+    ``(meta, offset)``, a meta-device tensor with the saved dtype, shape, strides and storage offset,
+    and the byte offset of its storage in ``f``. Reads the zip directory, the pickle and one local
+    header. Raises ValueError for anything else (compressed or big-endian records, other objects)."""
+    with zipfile.ZipFile(f) as zf:
+        names = zf.namelist()
+        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pkl) != 1:
+            raise ValueError("not a torch.save archive")
+        prefix = pkl[0][: -len("data.pkl")]
+        if prefix + "byteorder" in names and zf.read(prefix + "byteorder") != b"little":
+            raise ValueError("big-endian records")
+        meta = _TensorMetaUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+        if not (isinstance(meta, tuple) and len(meta) == 6):
+            raise ValueError("not a plain tensor")
+        dtype, key, numel, storage_offset, size, stride = meta
+        info = zf.getinfo(f"{prefix}data/{key}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * itemsize:
+            raise ValueError("a compressed or mis-sized data record")
+        f.seek(info.header_offset)
+        header = f.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise ValueError("no local header")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+    tensor = torch.empty(numel, dtype=dtype, device="meta").as_strided(size, stride, storage_offset)
+    return tensor, info.header_offset + 30 + name_len + extra_len
+
+
 def direct_reader_class():
     """Megatron's ``CachedMetadataFileSystemReader`` whose tensor reads go straight into the tensor
     being loaded: one ``preadv`` per item by the kernel, where torch DCP's ``FileSystemReader``
     buffers the item, ``torch.load``s it (a second copy) and ``copy_``s it into the target (a third).
 
-    Each saved tensor item is a ``torch.save`` archive (a zip whose data records are stored
-    uncompressed). ``torch.load(..., map_location="meta")`` reads only the archive's directory and
-    pickle, and tells the data record's offset in the archive (``_checkpoint_offset``, as torch's
-    own mmap loading uses); the wanted region is then at ``item offset + record offset + the
-    narrowed view's storage offset``. An item takes this path when nothing transforms it on disk,
+    Each saved tensor item is a ``torch.save`` archive; :func:`saved_tensor_layout` reads its zip
+    directory and pickle (not its data) and tells the tensor's dtype, shape, strides and where its
+    storage lies; the wanted region is then at ``item offset + record offset + the narrowed view's
+    storage offset``. An item takes this path when nothing transforms it on disk,
     the requested region of the stored tensor is contiguous, and the target is a contiguous CPU
     tensor of the same dtype and shape; any other item (bytes, a GPU target, a strided slice, an
     unexpected archive) goes through the base class unchanged. ``direct_items`` counts the tensor
@@ -108,15 +219,13 @@ def direct_reader_class():
         direct_items = 0
         base_tensor_items = 0
 
-        def _record(self, stream, item_md, cache: dict):
+        def _record(self, fd: int, item_md, cache: dict):
             """(meta tensor, absolute offset of its storage) of one stored item, or None."""
             key = (item_md.relative_path, item_md.offset)
             if key not in cache:
                 try:
-                    meta = torch.load(self._slice_file(stream, item_md), map_location="meta", weights_only=True)
-                    rec = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-                    cache[key] = (meta, item_md.offset + rec) if isinstance(meta, torch.Tensor) and rec is not None \
-                        else None
+                    meta, rec = saved_tensor_layout(_Window(fd, item_md.offset, item_md.length))
+                    cache[key] = (meta, item_md.offset + rec)
                 except Exception:  # noqa: BLE001 (not an archive this path understands: the base class reads it)
                     cache[key] = None
             return cache[key]
@@ -133,9 +242,9 @@ def direct_reader_class():
                         continue
                     path = os.path.join(self.path, item_md.relative_path)
                     if path not in fds:
-                        fds[path] = (open(path, "rb"), os.open(path, os.O_RDONLY))  # noqa: SIM115
-                    stream, fd = fds[path]
-                    found = self._record(stream, item_md, records)
+                        fds[path] = os.open(path, os.O_RDONLY)
+                    fd = fds[path]
+                    found = self._record(fd, item_md, records)
                     if found is None:
                         rest.append(req)
                         continue
@@ -151,8 +260,7 @@ def direct_reader_class():
                     planner.commit_tensor(req, dst)
                     type(self).direct_items += 1
             finally:
-                for stream, fd in fds.values():
-                    stream.close()
+                for fd in fds.values():
                     os.close(fd)
             type(self).base_tensor_items += sum(req.type != LoadItemType.BYTE_IO for req in rest)
             if rest:
