@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import io
 import os
 import pickle
@@ -31,7 +32,7 @@ import zipfile
 import torch
 from torch.futures import Future
 
-from gspo_megatron.safetensors_shards import memory_bytes
+from gspo_megatron.safetensors_shards import memory_bytes, pread_into
 
 _SWIGLU_MERGE = ("megatron.core.transformer.mlp", "sh_ten_merge_fn")
 
@@ -80,16 +81,9 @@ def merge_swiglu_in_place(sharded_state_dict) -> int:
 
 
 # ---------------------------------------------------------------- reading items straight into tensors
-def _read_exact(fd: int, view: memoryview, pos: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], pos + done)
-        if got <= 0:
-            raise ValueError(f"{path}: a checkpoint file ended early (offset {pos + done})")
-        done += got
-
-
-def _STORAGE_DTYPES() -> dict[str, torch.dtype]:  # noqa: N802 ("FloatStorage" -> torch.float32, ...)
+@functools.cache
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """"FloatStorage" -> torch.float32, ... (the typed storage classes a tensor's pickle names)."""
     from torch.storage import _storage_type_to_dtype_map
 
     return _storage_type_to_dtype_map()
@@ -105,8 +99,8 @@ class _TensorMetaUnpickler(pickle.Unpickler):
             return _tensor_meta
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES():
-            return _STORAGE_DTYPES()[name]  # a typed storage class (FloatStorage, ...) stands for its dtype
+        if module == "torch" and name in _storage_dtypes():
+            return _storage_dtypes()[name]  # a typed storage class (FloatStorage, ...) stands for its dtype
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor's pickle")
 
     def persistent_load(self, pid):
@@ -184,8 +178,7 @@ def saved_tensor_layout(f) -> tuple[torch.Tensor, int]:
             raise ValueError("not a plain tensor")
         dtype, key, numel, storage_offset, size, stride = meta
         info = zf.getinfo(f"{prefix}data/{key}")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * itemsize:
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * dtype.itemsize:
             raise ValueError("a compressed or mis-sized data record")
         f.seek(info.header_offset)
         header = f.read(30)
@@ -256,7 +249,7 @@ def direct_reader_class():
                         rest.append(req)
                         continue
                     if dst.numel():
-                        _read_exact(fd, memory_bytes(dst), base + src.storage_offset() * src.element_size(), path)
+                        pread_into(fd, memory_bytes(dst), base + src.storage_offset() * src.element_size(), path)
                     planner.commit_tensor(req, dst)
                     type(self).direct_items += 1
             finally:

@@ -66,6 +66,17 @@ def memory_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
+def pread_into(fd: int, view: memoryview, pos: int, what: str) -> None:
+    """Fill ``view`` with the file's bytes from ``pos`` on (``preadv`` until done: the kernel copies
+    straight into ``view``); ValueError naming ``what`` when the file ends first."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], pos + done)
+        if got <= 0:
+            raise ValueError(f"{what}: the file ended early (offset {pos + done})")
+        done += got
+
+
 @dataclass
 class Shard:
     """One safetensors file: its tensors, header and each tensor's absolute byte offset."""

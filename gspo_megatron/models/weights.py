@@ -32,7 +32,7 @@ from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.mapping import Rule
 from gspo_megatron.models.registry import get_family
-from gspo_megatron.safetensors_shards import memory_bytes
+from gspo_megatron.safetensors_shards import memory_bytes, pread_into
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -169,13 +169,7 @@ class SafetensorsReader:
             if dst.is_contiguous() and src.is_contiguous():
                 where = self._where(src)
                 if where is not None:
-                    view = memory_bytes(dst)
-                    done = 0
-                    while done < len(view):
-                        got = os.preadv(where[0], [view[done:]], where[1] + done)
-                        if got <= 0:
-                            raise ValueError(f"{self.hf_dir}: a safetensors file ended early")
-                        done += got
+                    pread_into(where[0], memory_bytes(dst), where[1], f"a safetensors file in {self.hf_dir}")
                     return
             elif dst.dim() > 1 and dst.shape[0] <= 4096 and dst[0].is_contiguous() and src[0].is_contiguous():
                 for d, s_ in zip(dst, src):  # e.g. one query group of a fused QKV at a time

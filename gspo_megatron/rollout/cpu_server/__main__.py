@@ -3,9 +3,10 @@
 This process starts the node's TP ranks (``worker.run_worker``, spawned; ranks
 ``node_rank * tp/nnodes ...``), and on node rank 0 serves HTTP once every rank has loaded its
 shards. Node 0's process hosts the TP ranks' rendezvous store (bound before the ranks start, on
-``--dist-init-addr`` or an OS-assigned port). SIGTERM / SIGINT stop every TP process; the workers die with this process even when it is
-killed with SIGKILL (PR_SET_PDEATHSIG and a parent-pid watchdog). If a TP process dies, the server
-exits (code 1), as an SGLang server does when a scheduler dies.
+``--dist-init-addr`` or an OS-assigned port). SIGTERM / SIGINT stop every TP process; the workers
+die with this process even when it is killed with SIGKILL (PR_SET_PDEATHSIG and a parent-pid
+watchdog). If a TP process dies, the server exits (code 1), as an SGLang server does when a
+scheduler dies.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def _rendezvous_store(args: ServerArgs, timeout):
 def main(argv: Sequence[str] | None = None) -> int:
     args: ServerArgs = parse_args(argv)
     from gspo_megatron.rollout.cpu_server.http_front import Front, make_server
+    from gspo_megatron.rollout.cpu_server.worker import IDLE_TIMEOUT, run_worker
 
     print(f"[cpu_server] CPU stand-in for sglang.launch_server (not an inference server): {vars(args)}", flush=True)
-    from gspo_megatron.rollout.cpu_server.worker import IDLE_TIMEOUT, run_worker
     stopping = threading.Event()
     signalled = []
 
@@ -58,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    server = store = None
+    server = store = None  # store: held (and serving the ranks' rendezvous) until this process exits
     if args.node_rank == 0:
         try:
             server = make_server(None, args.host, args.port)  # bind now: a busy port fails at once
