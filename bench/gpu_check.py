@@ -55,7 +55,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQS = os.path.join(REPO, "bench", "gpu_kit", "requirements.txt")
 
 # GPU tests (pytest -m gpu) that need neither SGLang nor Transformer Engine, and those that do.
-GPU_TESTS = ["tests/losses/test_vocab_parallel_gpu.py", "tests/losses/test_fused_logprobs_gpu.py"]
+GPU_TESTS = ["tests/losses/test_vocab_parallel_gpu.py", "tests/losses/test_fused_logprobs_gpu.py",
+             "tests/checkpoint/test_direct_writes_gpu.py"]
 NEEDS_SGLANG_OR_TE = ["tests/gpu/test_sglang_gpu.py", "tests/gpu/test_fp8_te_gpu.py",
                       "tests/gpu/test_packing_gpu.py"]  # THD packing runs through Transformer Engine
 

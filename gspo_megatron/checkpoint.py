@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import random
 import re
 import shutil
@@ -39,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.dist_ckpt_in_place import direct_reads, merge_swiglu_in_place
+from gspo_megatron.dist_ckpt_writer import direct_writes
 from gspo_megatron.dtypes import dtype_name
+from gspo_megatron.runtime.files import fsync_dir, fsync_file
 
 log = logging.getLogger(__name__)
 
@@ -118,29 +119,11 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: str) -> None:
     for dirpath, _, files in os.walk(root):
         for name in files:
-            _fsync_file(os.path.join(dirpath, name))
-        _fsync_dir(dirpath)
+            fsync_file(os.path.join(dirpath, name))
+        fsync_dir(dirpath)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -151,7 +134,7 @@ def _write_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def read_meta(ckpt_dir: str) -> dict:
@@ -271,44 +254,35 @@ def _model_sharded_state_dict(model):
 
 
 @contextmanager
-def _in_process_results_queue():
-    """Give Megatron's synchronous torch_dist save an in-process results queue for its duration.
+def _write_failures_named(final_dir: str):
+    """A failed write (torch DCP's ``CheckpointException``, a BaseException raised on every rank;
+    the writing rank's cause only on the coordinator) as a CheckpointError naming the checkpoint and
+    each failing rank's cause (disk full, permissions, ...)."""
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    Going around Megatron-Core 0.16 (``strategies/filesystem_async.py``): the writer hands its
-    results to ``_get_write_results_queue()``, which on first use starts a *spawned*
-    ``multiprocessing`` Manager server; the first ``put`` then waits for that fresh interpreter to
-    import torch to unpickle the write results (2.5 s of a 3.9 s conversion of 246 MB, measured).
-    ``dist_checkpointing.save`` here is synchronous (``execute_sync`` runs the writer in this
-    process; the forked per-bucket writers report through their own fork-context queue), so a
-    thread-safe ``queue.Queue`` is all the exchange needs. A queue somebody already set (the
-    trainer's, ``runtime.children.adopt_checkpoint_writers``) is left in place."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-
-    if getattr(fa, "_results_queue", "absent") is not None:
-        yield
-        return
-    fa._results_queue = queue.Queue()
     try:
         yield
-    finally:
-        fa._results_queue = None
+    except CheckpointException as e:
+        causes = "; ".join(f"rank {r}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+        raise CheckpointError(f"writing checkpoint {final_dir} failed: "
+                              f"{causes or 'on another rank (rank 0 reports the cause)'}") from None
 
 
 def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, scheduler=None,
                          extra_state: dict | None = None, hf_assets_dir: str | None = None,
-                         save_rng: bool = True, in_process_writer: bool = False) -> str:
+                         save_rng: bool = True) -> str:
     """Write one complete checkpoint at ``final_dir`` atomically (collective). Returns its path.
 
     ``model`` is this rank's GPTModel (or a DDP wrapper of it) carrying ``hf_config``;
     ``optimizer`` a Megatron optimizer; ``scheduler`` anything with ``state_dict()``;
     ``extra_state`` a picklable dict (rank 0's is kept); ``hf_assets_dir`` an HF directory whose
-    tokenizer files and generation_config.json are copied along. ``in_process_writer`` (the
-    converter: a one-off save per process) skips the spawned Manager server Megatron's writer
-    reports through (see ``_in_process_results_queue``); the trainer keeps it (started once,
-    dying with the trainer: ``runtime.children``)."""
+    tokenizer files and generation_config.json are copied along. The tensors are written by this
+    process from their own memory (``dist_ckpt_writer.direct_writes``: no clone, no forked writer,
+    no Manager server); where that writer does not apply, Megatron's runs, its processes made to
+    die with this one (``runtime.children``)."""
     from megatron.core import dist_checkpointing
 
-    from gspo_megatron.runtime.children import adopt_checkpoint_writers, install_fork_hooks
+    from gspo_megatron.runtime.children import adopt_checkpoint_writers
 
     final_dir = os.path.abspath(final_dir)
     parent = os.path.dirname(final_dir)
@@ -326,12 +300,9 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"],
                                                           metadata=dict(_SHARDING_METADATA))
-    if in_process_writer:
-        install_fork_hooks()  # Megatron's forked writers die with this process, also on SIGKILL
-        with _in_process_results_queue():
-            dist_checkpointing.save(state, os.path.join(tmp_dir, DIST_SUBDIR))
-    else:
-        adopt_checkpoint_writers()  # Megatron's writer processes die with this one, also on SIGKILL
+    with direct_writes() as direct, _write_failures_named(final_dir):
+        if direct is None:
+            adopt_checkpoint_writers()  # Megatron's writer processes die with this one, also on SIGKILL
         dist_checkpointing.save(state, os.path.join(tmp_dir, DIST_SUBDIR))
     if save_rng:
         torch.save(capture_rng_state(), os.path.join(tmp_dir, "rng", f"rank_{_rank():05d}.pt"))
@@ -353,7 +324,7 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
             f.write(f"{step}\n")
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp_dir)
+        fsync_dir(tmp_dir)
         _replace_dir(tmp_dir, final_dir)
     _barrier()
     return final_dir
@@ -367,7 +338,7 @@ def _replace_dir(tmp_dir: str, final_dir: str) -> None:
         old = f"{final_dir}.old-{uuid.uuid4().hex[:10]}"
         os.rename(final_dir, old)
     os.rename(tmp_dir, final_dir)
-    _fsync_dir(os.path.dirname(final_dir))
+    fsync_dir(os.path.dirname(final_dir))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

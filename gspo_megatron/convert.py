@@ -14,7 +14,7 @@ gathered parameter at a time per rank, written into the shard files in place
 
 Where the time went (246 MB Qwen3-MoE, fp32, one process, 2-core machine; docs/conversion.md):
 HF -> Megatron spent 2.5 of 3.9 s waiting for the spawned Manager server of Megatron's checkpoint
-writer to start (``checkpoint._in_process_results_queue`` removes it), 0.1-0.3 s per garbage
+writer to start (``dist_ckpt_writer`` writes in this process instead), 0.1-0.3 s per garbage
 collector pass (``gc_paused``) and two or three copies per tensor (``Rule.load_into``: one);
 Megatron -> HF spent its time in dist_checkpointing's load and rank 0's sequential safetensors
 write (every owner now writes its own tensors in place).
@@ -234,8 +234,7 @@ def hf_to_megatron(hf_dir: str, output: str, tp: int = 1, pp: int = 1, ep: int =
     with gc_paused():
         model = build_empty_model(hf, tp, pp, ep, etp, 1, dtype or hf_dtype(hf))
         load_hf_into(model, hf_dir)
-        return write_checkpoint_dir(output, 0, model, hf_assets_dir=hf_dir, save_rng=False,
-                                in_process_writer=True)
+        return write_checkpoint_dir(output, 0, model, hf_assets_dir=hf_dir, save_rng=False)
 
 
 def load_model(path: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,

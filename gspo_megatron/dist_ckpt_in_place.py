@@ -160,33 +160,53 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+def _record_start(f, info: zipfile.ZipInfo) -> int:
+    """Offset in ``f`` of the bytes of the stored (uncompressed) record ``info``: after its local
+    header, whose name and extra field lengths may differ from the central directory's."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"a compressed record ({info.filename})")
+    f.seek(info.header_offset)
+    header = f.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError("no local header")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _read_record(f, info: zipfile.ZipInfo) -> bytes:
+    """A small stored record's bytes, read as they are: torch.save may leave the CRC-32 out
+    (``set_crc32_options(False)``, as ``dist_ckpt_writer`` does), which zipfile's reader would refuse."""
+    f.seek(_record_start(f, info))
+    data = f.read(info.file_size)
+    if len(data) != info.file_size:
+        raise ValueError(f"a truncated record ({info.filename})")
+    return data
+
+
 def saved_tensor_layout(f) -> tuple[torch.Tensor, int]:
     """Where the data of the plain tensor ``torch.save`` wrote into the seekable file ``f`` lies:
     ``(meta, offset)``, a meta-device tensor with the saved dtype, shape, strides and storage offset,
     and the byte offset of its storage in ``f``. Reads the zip directory, the pickle and one local
-    header. Raises ValueError for anything else (compressed or big-endian records, other objects)."""
+    header (records with or without their CRC-32). Raises ValueError for anything else (compressed
+    or big-endian records, other objects)."""
     with zipfile.ZipFile(f) as zf:
-        names = zf.namelist()
-        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
-        if len(pkl) != 1:
-            raise ValueError("not a torch.save archive")
-        prefix = pkl[0][: -len("data.pkl")]
-        if prefix + "byteorder" in names and zf.read(prefix + "byteorder") != b"little":
-            raise ValueError("big-endian records")
-        meta = _TensorMetaUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-        if not (isinstance(meta, tuple) and len(meta) == 6):
-            raise ValueError("not a plain tensor")
-        dtype, key, numel, storage_offset, size, stride = meta
-        info = zf.getinfo(f"{prefix}data/{key}")
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size != numel * dtype.itemsize:
-            raise ValueError("a compressed or mis-sized data record")
-        f.seek(info.header_offset)
-        header = f.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise ValueError("no local header")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        infos = {i.filename: i for i in zf.infolist()}
+    pkl = [n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"]
+    if len(pkl) != 1:
+        raise ValueError("not a torch.save archive")
+    prefix = pkl[0][: -len("data.pkl")]
+    if prefix + "byteorder" in infos and _read_record(f, infos[prefix + "byteorder"]) != b"little":
+        raise ValueError("big-endian records")
+    meta = _TensorMetaUnpickler(io.BytesIO(_read_record(f, infos[pkl[0]]))).load()
+    if not (isinstance(meta, tuple) and len(meta) == 6):
+        raise ValueError("not a plain tensor")
+    dtype, key, numel, storage_offset, size, stride = meta
+    info = infos.get(f"{prefix}data/{key}")
+    if info is None or info.file_size != numel * dtype.itemsize:
+        raise ValueError("a missing or mis-sized data record")
+    start = _record_start(f, info)
     tensor = torch.empty(numel, dtype=dtype, device="meta").as_strided(size, stride, storage_offset)
-    return tensor, info.header_offset + 30 + name_len + extra_len
+    return tensor, start
 
 
 def direct_reader_class():

@@ -26,17 +26,19 @@ the kernel and the children themselves can notice. Three mechanisms, all Linux:
   Python in the child.
 - ``die_with_launcher()``: first thing in a rank under torchrun: the rank dies with the agent.
 
-Megatron's checkpoint writer (``dist_checkpointing.save`` with the torch_dist strategy, which
-``checkpoint.save_checkpoint`` uses) starts processes we do not create: on the first save,
-``filesystem_async._get_write_results_queue`` spawns a ``multiprocessing`` Manager server (kept for
-the life of the trainer; with it the spawn machinery starts multiprocessing's resource tracker), and
-every save forks ``thread_count`` writer processes from the trainer.
-``adopt_checkpoint_writers()`` (every rank, before a save; idempotent) covers both: it starts that
-Manager itself with ``die_with_parent`` as the server's initializer and stores its queue where
-Megatron looks for it, and it installs ``os.register_at_fork`` hooks so that every child forked from
-the main thread of this process (Megatron's writers included) gets PR_SET_PDEATHSIG. The resource
-tracker needs nothing: it exits by itself (after unlinking leaked semaphores / shared memory) once
-every process holding its pipe -- the trainer and its spawned children -- is gone.
+Megatron's own checkpoint writer (``dist_checkpointing.save`` with the torch_dist strategy) starts
+processes we do not create: on the first save, ``filesystem_async._get_write_results_queue`` spawns
+a ``multiprocessing`` Manager server (kept for the life of the trainer; with it the spawn machinery
+starts multiprocessing's resource tracker), and every save forks ``thread_count`` writer processes.
+``checkpoint.write_checkpoint_dir`` writes through ``dist_ckpt_writer`` instead (threads of this
+process: none of these); only where that writer does not apply (a multi-storage client) does
+Megatron's run, and then ``adopt_checkpoint_writers()`` (every rank, before a save; idempotent)
+covers both: it starts that Manager itself with ``die_with_parent`` as the server's initializer
+and stores its queue where Megatron looks for it, and it installs ``os.register_at_fork`` hooks so
+that every child forked from the main thread of this process (Megatron's writers included) gets
+PR_SET_PDEATHSIG. The resource tracker needs nothing: it exits by itself (after unlinking leaked
+semaphores / shared memory) once every process holding its pipe -- the trainer and its spawned
+children -- is gone.
 
 Not covered: children forked from a non-main thread (the hook skips them: they would die when that
 thread ends) and processes that call ``setsid`` and double-fork away on their own.

@@ -215,3 +215,81 @@ def direct_reads_job(rank: int, world: int, hf_dir: str, ckpt: str, save_tp: int
     b = {k: v.detach().clone() for k, v in checkpoint.unwrap(plain).named_parameters()}
     return dict(direct_items=sum(c.direct_items for c in made), base_tensor_items=sum(c.base_tensor_items for c in made),
                 readers=len(made), a=a, b=b)
+
+
+def _storage_layout(ckpt: str) -> dict:
+    import pickle
+
+    with open(os.path.join(ckpt, "dist", ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    return {(k.fqn, k.offset, k.index): (v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
+
+
+def direct_writes_job(rank: int, world: int, hf_dir: str, root: str, tp: int) -> dict:
+    """Save one model (HF weights, tp x ep layout) twice: through ``dist_ckpt_writer`` (the default)
+    and through Megatron's own writer (``direct_writes`` made to yield None); counting the processes
+    forked and whether Megatron's Manager queue was created during each. Then load each checkpoint
+    with the direct reader and with torch DCP's reader into a fresh model. Returns this rank's
+    parameters (original and the four loads), the counts and rank 0's storage layouts."""
+    import contextlib
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    import gspo_megatron.checkpoint as checkpoint
+    import gspo_megatron.dist_ckpt_writer as writer
+    from gspo_megatron import convert
+    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+
+    layout = dict(tp=tp, ep=world // tp)
+    init_distributed(ParallelLayout(**layout), seed=5)
+    model, _ = convert.load_model(hf_dir, **layout)
+    params = lambda m: {k: v.detach().clone() for k, v in checkpoint.unwrap(m).named_parameters()}  # noqa: E731
+    forks = []
+    os.register_at_fork(before=lambda: forks.append(1))
+    made, make = [], writer.direct_writer_class
+    writer.direct_writer_class = lambda: made.append(make()) or made[-1]
+    direct = checkpoint.write_checkpoint_dir(os.path.join(root, "direct"), 0, model, save_rng=False)
+    out = dict(direct_forks=len(forks), direct_manager=fa._results_queue is not None,
+               files_written=sum(c.files_written for c in made))
+    checkpoint.direct_writes = lambda: contextlib.nullcontext(None)
+    mcore = checkpoint.write_checkpoint_dir(os.path.join(root, "mcore"), 0, model, save_rng=False)
+    out.update(mcore_forks=len(forks) - out["direct_forks"], mcore_manager=fa._results_queue is not None,
+               original=params(model))
+    if rank == 0:
+        out.update(direct_layout=_storage_layout(direct), mcore_layout=_storage_layout(mcore),
+                   direct_files=sorted(os.listdir(os.path.join(direct, "dist"))),
+                   mcore_files=sorted(os.listdir(os.path.join(mcore, "dist"))))
+    for name, ckpt in (("direct", direct), ("mcore", mcore)):
+        out[f"{name}_read_direct"] = params(convert.load_model(ckpt, **layout)[0])
+        with contextlib.ExitStack() as stack:
+            stack.callback(setattr, checkpoint, "direct_reads", checkpoint.direct_reads)
+            checkpoint.direct_reads = contextlib.nullcontext
+            out[f"{name}_read_dcp"] = params(convert.load_model(ckpt, **layout)[0])
+    return out
+
+
+def failed_write_job(rank: int, world: int, hf_dir: str, root: str) -> dict:
+    """A save whose file write fails (OSError in one bucket): what the caller sees and what is left."""
+    import gspo_megatron.checkpoint as checkpoint
+    import gspo_megatron.dist_ckpt_writer as writer
+    from gspo_megatron import convert
+    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+
+    init_distributed(ParallelLayout(), seed=5)
+    model, _ = convert.load_model(hf_dir)
+    make = writer.direct_writer_class
+
+    def failing():
+        class Failing(make()):
+            @classmethod
+            def write_bucket(cls, transforms, bucket):
+                raise OSError(28, "No space left on device", bucket[0])
+        return Failing
+
+    writer.direct_writer_class = failing
+    try:
+        checkpoint.write_checkpoint_dir(os.path.join(root, "step"), 0, model, save_rng=False)
+        error = None
+    except checkpoint.CheckpointError as e:
+        error = str(e)
+    return dict(error=error, left=sorted(os.listdir(root)))

@@ -1,5 +1,6 @@
 """kill -9 during a save loop leaves the newest complete checkpoint loadable, and no process of
-the killed saver (Megatron's checkpoint-writer Manager, forked writers, resource tracker) alive."""
+the killed saver alive (it writes in-process; with Megatron's own writer that would be its Manager,
+forked writers and resource tracker)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,31 @@
+"""Making written files durable: ``fsync_file`` (a file's data and size) and ``fsync_dir`` (a
+directory's entries: what a rename or a new file changed). Checkpoints and HF exports call them
+before a final name points at their data, so a machine crash never leaves a final name over data
+that never reached the disk."""
+
+from __future__ import annotations
+
+import os
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory; a no-op where it cannot be opened or the filesystem refuses fsync on
+    directories (some network filesystems)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
