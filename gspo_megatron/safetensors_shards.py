@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gspo_megatron.runtime.files import fsync_dir, fsync_file
+
 # safetensors' Dtype enum order (safetensors 0.4 - 0.8, Rust ``Dtype``): files sort tensors by it
 # (largest first). Only the dtypes listed here can be written.
 _DTYPE_ORDER = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32",
@@ -52,7 +54,7 @@ def nbytes(shape, dtype: torch.dtype) -> int:
     n = 1
     for d in shape:
         n *= int(d)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 def memory_bytes(t: torch.Tensor) -> memoryview:
@@ -168,20 +170,25 @@ class ShardFiles:
         return size
 
     def close(self) -> None:
+        """fsync and close the files this rank wrote into (each rank its own parts, in parallel)."""
         for fd in self._fds.values():
+            os.fsync(fd)
             os.close(fd)
         self._fds.clear()
 
 
 def finish_files(out_dir: str, shards: list[Shard]) -> list[str]:
-    """Rank 0, after every rank closed its files: the usual file mode, the final names and, when
-    sharded, ``model.safetensors.index.json``. Returns the file names."""
+    """Rank 0, after every rank closed (and fsynced) its files: each file fsynced once more (its
+    header, and the data of any rank that wrote none), the usual file mode, the final names (the
+    directory fsynced after the renames, so a crash never leaves a final name over missing data)
+    and, when sharded, ``model.safetensors.index.json``. Returns the file names."""
     umask = os.umask(0)
     os.umask(umask)
     names = final_names(shards)
     weight_map, total = {}, 0
     for i, (s, final) in enumerate(zip(shards, names)):
         tmp = os.path.join(out_dir, temp_name(i))
+        fsync_file(tmp)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, os.path.join(out_dir, final))
         weight_map.update({name: final for name, _, _ in s.tensors})
@@ -190,4 +197,7 @@ def finish_files(out_dir: str, shards: list[Shard]) -> list[str]:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_dir(out_dir)
     return names

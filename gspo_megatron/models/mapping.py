@@ -171,6 +171,8 @@ class GatedFC1(Rule):
 
     def from_shards(self, shards):
         halves = [s.chunk(2, dim=0) for s in shards]
+        if len(halves) == 1:  # the two halves as views, as the base rule returns a single shard itself
+            return list(halves[0])
         return [torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)]
 
     def _pieces(self, param, hf, rank, size):

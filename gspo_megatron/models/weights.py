@@ -361,7 +361,7 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
             if it.stack is not None:
                 out.extend(_stack_rows(pending, it, tensors))
                 continue
-            out.extend((n, t.clone() if t.data_ptr() == _ptr(mine, it) else t)
+            out.extend((n, t.clone() if _aliases_param(t, mine, it) else t)
                        for n, t in zip(it.hf_names, tensors))
         yield out if receives else None
 
@@ -402,7 +402,8 @@ def _device() -> torch.device:
     return device()
 
 
-def _ptr(mine, it) -> int:
-    """data_ptr of our own parameter for an item (to copy, never alias, a live parameter)."""
+def _aliases_param(t: torch.Tensor, mine, it) -> bool:
+    """Whether ``t`` shares memory with our own parameter for an item (the parameter itself, or a
+    view of it such as a gated fc1's half): the stream copies those, never aliasing a live parameter."""
     entry = mine.get(it.global_name)
-    return entry[1].data_ptr() if entry is not None else -1
+    return entry is not None and t.untyped_storage().data_ptr() == entry[1].untyped_storage().data_ptr()

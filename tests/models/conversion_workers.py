@@ -34,3 +34,42 @@ def convert_and_score(rank: int, world: int, jobs: list[dict], rows: list[list[i
 
 def layout_name(layout: dict) -> str:
     return "+".join(f"{k}{v}" for k, v in sorted(layout.items())) or "tp1"
+
+
+def export_aliasing(rank: int, world: int, hf_dir: str) -> dict:
+    """One rank: which exported tensors share memory with a parameter, through the weight stream
+    (``export_hf_weights``: never) and through ``gather_full`` (the HF export: a gated fc1's halves
+    are views of the parameter, no copy); and whether the streamed tensors equal the HF file's."""
+    from safetensors.torch import load_file
+
+    from gspo_megatron import convert
+    from gspo_megatron.models.mapping import GatedFC1
+    from gspo_megatron.models.weights import build_export_plan, export_hf_weights, gather_full
+    from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+
+    init_distributed(ParallelLayout())
+    model, _ = convert.load_model(hf_dir)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    streamed, aliased = {}, []
+    for bucket in export_hf_weights(model, bucket_bytes=1 << 18):
+        for name, t in bucket or []:
+            streamed[name] = t.clone()
+            if t.untyped_storage().data_ptr() in storages:
+                aliased.append(name)
+    items, mine = build_export_plan(model)
+    gated = [it for it in items if isinstance(mine[it.global_name][0], GatedFC1)]
+    views = [all(t.untyped_storage().data_ptr() == mine[it.global_name][1].untyped_storage().data_ptr()
+                 for t in gather_full(it, mine)) for it in gated]
+    import glob
+
+    hf = {}
+    for f in glob.glob(f"{hf_dir}/*.safetensors"):
+        hf.update(load_file(f))
+    return dict(aliased=aliased, gated=len(gated), views=views,
+                equal=sorted(hf) == sorted(streamed) and all(torch_equal(hf[k], streamed[k]) for k in hf))
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and torch.equal(a, b)
