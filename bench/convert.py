@@ -6,7 +6,7 @@ save_pretrained), then times
      no fsync), and the same copy followed by fsync;
   2. HF -> Megatron (gspo_megatron.convert.hf_to_megatron: build the model without random init,
      read the safetensors into it, save the dist checkpoint, which fsyncs);
-  3. Megatron -> HF (convert.megatron_to_hf: build, load the dist checkpoint, write the safetensors);
+  3. Megatron -> HF (convert.megatron_to_hf: build, load the dist checkpoint, write the safetensors and fsync them);
 each on one process and on 2 ranks under torchrun (no layout flags: the ranks split the model as
 the tools do, convert.split_layout). Each conversion runs in a worker process (python or torchrun)
 ``--repeats`` times after start-up (imports, process group, outside the timings); the table shows
