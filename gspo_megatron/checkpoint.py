@@ -40,7 +40,7 @@ import torch.distributed as dist
 from gspo_megatron.dist_ckpt_in_place import direct_reads, merge_swiglu_in_place
 from gspo_megatron.dist_ckpt_writer import direct_writes
 from gspo_megatron.dtypes import dtype_name
-from gspo_megatron.runtime.files import fsync_dir, fsync_file
+from gspo_megatron.runtime.files import fsync_dir, fsync_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -124,17 +124,6 @@ def _fsync_tree(root: str) -> None:
         for name in files:
             fsync_file(os.path.join(dirpath, name))
         fsync_dir(dirpath)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    """Write a small text file so readers see the old or the new content, never a mix."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def read_meta(ckpt_dir: str) -> dict:
@@ -365,7 +354,7 @@ def save_checkpoint(ckpt_root: str, step: int, model, optimizer=None, scheduler=
     path = write_checkpoint_dir(os.path.join(ckpt_root, step_dir_name(step)), step, model, optimizer,
                                 scheduler, extra_state, hf_assets_dir)
     if _rank() == 0:
-        _write_atomic(os.path.join(ckpt_root, LATEST_FILE), os.path.basename(path) + "\n")
+        write_atomic(os.path.join(ckpt_root, LATEST_FILE), os.path.basename(path) + "\n")
         _prune(ckpt_root, keep_last, keep=path)
     _barrier()
     return path

@@ -125,9 +125,7 @@ def direct_writer_class():
             path, storage_key, (bytes_data, tensor_data) = bucket
             results, kwargs = [], _serialization_kwargs(_write_item)
             with records_without_crc(), open(path, "wb") as stream:
-                for item, data in [*bytes_data, *tensor_data]:
-                    if item.type != WriteItemType.BYTE_IO:
-                        data = exact_storage(data)  # staged GPU tensors are exact already
+                for item, data in [*bytes_data, *tensor_data]:  # tensors made exact in prepare_write_data
                     results.append(_write_item(*transforms, stream, data, item, storage_key, **kwargs))
                 stream.flush()
                 os.fsync(stream.fileno())

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gspo_megatron.runtime.files import fsync_dir, fsync_file
+from gspo_megatron.runtime.files import fsync_dir, fsync_file, write_atomic
 
 # safetensors' Dtype enum order (safetensors 0.4 - 0.8, Rust ``Dtype``): files sort tensors by it
 # (largest first). Only the dtypes listed here can be written.
@@ -195,9 +195,6 @@ def finish_files(out_dir: str, shards: list[Shard]) -> list[str]:
         total += sum(nbytes(shape, dtype) for _, shape, dtype in s.tensors)
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomic(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2))
     fsync_dir(out_dir)
     return names

@@ -211,16 +211,22 @@ def direct_reads_job(rank: int, world: int, hf_dir: str, ckpt: str, save_tp: int
     in_place.direct_reader_class = make
     checkpoint.direct_reads = contextlib.nullcontext
     plain, _ = convert.load_model(ckpt, tp=load_tp, ep=world // load_tp)
-    a = {k: v.detach().clone() for k, v in checkpoint.unwrap(direct).named_parameters()}
-    b = {k: v.detach().clone() for k, v in checkpoint.unwrap(plain).named_parameters()}
     return dict(direct_items=sum(c.direct_items for c in made), base_tensor_items=sum(c.base_tensor_items for c in made),
-                readers=len(made), a=a, b=b)
+                readers=len(made), a=_params(direct), b=_params(plain))
+
+
+def _params(model) -> dict:
+    from gspo_megatron.checkpoint import unwrap
+
+    return {k: v.detach().clone() for k, v in unwrap(model).named_parameters()}
 
 
 def _storage_layout(ckpt: str) -> dict:
     import pickle
 
-    with open(os.path.join(ckpt, "dist", ".metadata"), "rb") as f:
+    from gspo_megatron.checkpoint import DIST_SUBDIR
+
+    with open(os.path.join(ckpt, DIST_SUBDIR, ".metadata"), "rb") as f:
         md = pickle.load(f)
     return {(k.fqn, k.offset, k.index): (v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
 
@@ -243,7 +249,6 @@ def direct_writes_job(rank: int, world: int, hf_dir: str, root: str, tp: int) ->
     layout = dict(tp=tp, ep=world // tp)
     init_distributed(ParallelLayout(**layout), seed=5)
     model, _ = convert.load_model(hf_dir, **layout)
-    params = lambda m: {k: v.detach().clone() for k, v in checkpoint.unwrap(m).named_parameters()}  # noqa: E731
     forks = []
     os.register_at_fork(before=lambda: forks.append(1))
     made, make = [], writer.direct_writer_class
@@ -254,17 +259,17 @@ def direct_writes_job(rank: int, world: int, hf_dir: str, root: str, tp: int) ->
     checkpoint.direct_writes = lambda: contextlib.nullcontext(None)
     mcore = checkpoint.write_checkpoint_dir(os.path.join(root, "mcore"), 0, model, save_rng=False)
     out.update(mcore_forks=len(forks) - out["direct_forks"], mcore_manager=fa._results_queue is not None,
-               original=params(model))
+               original=_params(model))
     if rank == 0:
         out.update(direct_layout=_storage_layout(direct), mcore_layout=_storage_layout(mcore),
-                   direct_files=sorted(os.listdir(os.path.join(direct, "dist"))),
-                   mcore_files=sorted(os.listdir(os.path.join(mcore, "dist"))))
+                   direct_files=sorted(os.listdir(os.path.join(direct, checkpoint.DIST_SUBDIR))),
+                   mcore_files=sorted(os.listdir(os.path.join(mcore, checkpoint.DIST_SUBDIR))))
     for name, ckpt in (("direct", direct), ("mcore", mcore)):
-        out[f"{name}_read_direct"] = params(convert.load_model(ckpt, **layout)[0])
+        out[f"{name}_read_direct"] = _params(convert.load_model(ckpt, **layout)[0])
         with contextlib.ExitStack() as stack:
             stack.callback(setattr, checkpoint, "direct_reads", checkpoint.direct_reads)
             checkpoint.direct_reads = contextlib.nullcontext
-            out[f"{name}_read_dcp"] = params(convert.load_model(ckpt, **layout)[0])
+            out[f"{name}_read_dcp"] = _params(convert.load_model(ckpt, **layout)[0])
     return out
 
 
