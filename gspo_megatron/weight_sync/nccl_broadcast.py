@@ -70,8 +70,21 @@ def init_external_process_group(backend: str, init_method: str | None, world_siz
     told the port).
     Uses sglang's ``init_custom_process_group`` (the same helper the engines use) when sglang is
     installed; otherwise the equivalent torch calls (torch has no public API for a second, disjoint
-    world group, hence the private helpers). Both prefix the store's keys with ``group_name``.
+    world group, hence the private helpers).
+
+    The store's keys: sglang 0.5.23 (``srt/utils/common.py``) wraps the store in
+    ``PrefixStore(group_name, ...)`` only when it made the store itself by rendezvous (the engine's
+    path: ``weight_updater.init_weights_update_group`` passes ``init_method``); a store passed in is
+    used as it is. So a store handed in here is wrapped here, with the same prefix, before either
+    helper sees it: both sides then read and write ``<group_name>/...`` and the group forms.
     """
+    from torch.distributed.distributed_c10d import PrefixStore, default_pg_timeout
+
+    if store is not None:
+        if init_method is not None:
+            raise ValueError("init_external_process_group: give init_method or store, not both")
+        store.set_timeout(timeout or default_pg_timeout)
+        store = PrefixStore(group_name, store)
     with _outside_torchelastic():
         if prefer_sglang:
             try:
@@ -109,10 +122,10 @@ def _torch_external_group(backend: str, init_method: str | None, store: Any, wor
     )
 
     timeout = timeout or default_pg_timeout
-    if store is None:
+    if store is None:  # as sglang's helper: only the store made here by rendezvous is prefixed here
         store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
+        store.set_timeout(timeout)
+        store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
                                       group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}

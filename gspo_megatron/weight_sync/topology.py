@@ -105,7 +105,7 @@ def _disaggregated(cfg, fleet, rank: int) -> SyncTopology:
             [fleet.client(e) for e in range(len(fleet.urls))], engine_world_sizes=fleet.world_sizes,
             master_address=address, master_port=0, group_name=pp_group_name(stage),
             backend="nccl" if cuda else "gloo", device=None if cuda else "cpu", fp8=cfg.rollout.sync_fp8,
-            lock=lock, manage_session=stage == 0, barrier=barrier, prefer_sglang_group_helper=cuda)
+            lock=lock, manage_session=stage == 0, barrier=barrier)
 
     def connect_all(reconnect: bool) -> None:
         # engines join one group at a time (each init blocks an engine until its rendezvous is done)

@@ -164,7 +164,7 @@ def test_update_through_broadcast_transport_gloo(tp2, model_dir, saved, config):
     client = SGLangHttpClient(tp2.url)
     transport = NcclBroadcastTransport([client], engine_world_sizes=[client.tp_size], master_address="127.0.0.1",
                                        master_port=free_port(), backend="gloo", device="cpu",
-                                       prefer_sglang_group_helper=False, timeout_s=300)
+                                       timeout_s=300)  # sglang's group helper on both sides
     names = sorted(state)
     transport.begin("1")
     for chunk in (names[:10], names[10:]):
@@ -184,7 +184,7 @@ def test_each_sample_reports_the_weight_version_of_its_tokens(tp2, saved):
         state = perturbed(saved, 10 + k)
         transport = NcclBroadcastTransport([client], engine_world_sizes=[client.tp_size],
                                            master_address="127.0.0.1", master_port=free_port(), backend="gloo",
-                                           device="cpu", prefer_sglang_group_helper=False, timeout_s=300)
+                                           device="cpu", timeout_s=300)
         transport.begin(version)
         transport.send_bucket(sorted(state.items()))
         transport.end()

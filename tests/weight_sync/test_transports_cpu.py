@@ -231,6 +231,19 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def _engine_joins(backend, addr, port, world, rank, name):
+    """The engine's side of the weight-update group: sglang's own call when sglang imports, exactly as
+    ``weight_updater.init_weights_update_group`` makes it (``init_method`` tcp://, no store: sglang
+    prefixes the rendezvous store with the group name); torch's equivalent otherwise."""
+    try:
+        from sglang.srt.utils.common import init_custom_process_group
+    except ImportError:
+        return init_external_process_group(backend, f"tcp://{addr}:{port}", world, rank, name,
+                                           timedelta(seconds=60), prefer_sglang=False)
+    return init_custom_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", world_size=world,
+                                     rank=rank, group_name=name, timeout=timedelta(seconds=60))
+
+
 def _fake_engine_tp_rank(tp_rank, cmd_q, reply_q):
     """Does what SGLang's ModelRunner does: join the group at rank_offset + tp_rank, then allocate
     per metadata and receive broadcasts from group rank 0."""
@@ -240,8 +253,7 @@ def _fake_engine_tp_rank(tp_rank, cmd_q, reply_q):
         if msg[0] == "init":
             _, addr, port, off, world, name, backend = msg
             reply_q.put("joining")  # SGLang's HTTP call returns only after joining; the trainer joins concurrently
-            group = init_external_process_group(backend, f"tcp://{addr}:{port}", world, off + tp_rank, name,
-                                                timedelta(seconds=60), prefer_sglang=False)
+            group = _engine_joins(backend, addr, port, world, off + tp_rank, name)
         elif msg[0] == "update":
             _, names, dtypes, shapes, _ = msg
             sums = {}
@@ -256,7 +268,7 @@ def _fake_engine_tp_rank(tp_rank, cmd_q, reply_q):
             return "engine-done"
 
 
-def _nccl_trainer(port, cmd_queues_per_engine, reply_queues, sizes):
+def _nccl_trainer(port, cmd_queues_per_engine, reply_queues, sizes, prefer_sglang):
     clients = [_ClientToFakeEngine(c, r) for c, r in zip(cmd_queues_per_engine, reply_queues)]
     for c in clients:  # fake clients do not model sessions
         for m in ("pause_generation", "flush_cache", "begin_weight_update", "end_weight_update", "continue_generation"):
@@ -264,7 +276,7 @@ def _nccl_trainer(port, cmd_queues_per_engine, reply_queues, sizes):
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
     t = NcclBroadcastTransport(clients, engine_world_sizes=sizes, master_address="127.0.0.1", master_port=port,
                                group_name=pp_group_name(0), backend="gloo", lock=StoreLock(store), timeout_s=60,
-                               prefer_sglang_group_helper=False)  # sglang's helper: see the test below
+                               prefer_sglang_group_helper=prefer_sglang)
     buckets = [[(n, x) for n, x in _bucket(7) if x.dtype != torch.float8_e4m3fn], _bucket(8)[:2]]
     t.begin("1")
     for b in buckets:
@@ -279,7 +291,12 @@ def _nccl_trainer(port, cmd_queues_per_engine, reply_queues, sizes):
     return "trainer-ok"
 
 
-def test_nccl_transport_broadcasts_to_fake_engines_over_gloo():
+@pytest.mark.parametrize("prefer_sglang", [True, False], ids=["sglang-helper", "torch-helper"])
+def test_nccl_transport_broadcasts_to_fake_engines_over_gloo(prefer_sglang):
+    """The trainer (group rank 0, holding the group's TCPStore) and engines that join as sglang's
+    weight updater does form one group with either helper on the trainer's side: sglang prefixes
+    only a store it made itself, so the trainer must prefix the store it hands in (issue 21,
+    defect 1: with sglang's helper on both sides the group never formed)."""
     ctx = mp.get_context("spawn")
     sizes = [1, 2]
     cmd = [[ctx.Queue() for _ in range(s)] for s in sizes]
@@ -288,7 +305,7 @@ def test_nccl_transport_broadcasts_to_fake_engines_over_gloo():
     q = ctx.Queue()
     procs = [ctx.Process(target=_wrap, args=(_fake_engine_tp_rank, (tp, cmd[e][tp], rep[e]), q))
              for e, s in enumerate(sizes) for tp in range(s)]
-    procs.append(ctx.Process(target=_wrap, args=(_nccl_trainer, (port, cmd, rep, sizes), q)))
+    procs.append(ctx.Process(target=_wrap, args=(_nccl_trainer, (port, cmd, rep, sizes, prefer_sglang), q)))
     for p in procs:
         p.start()
     results = [q.get(timeout=180) for _ in procs]
