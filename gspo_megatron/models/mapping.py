@@ -10,6 +10,13 @@ expert. A rule knows how the parameter is sharded over tensor parallel ranks, so
 Names handled here are *global* Megatron names (layer and expert indices over the whole model);
 ``weights.py`` translates the local names a pipeline stage / expert-parallel rank sees.
 The same rules serve checkpoint conversion, HF export and weight sync.
+
+A family also declares its *fuse groups* (``FuseGroup``): HF tensors that a rollout engine's loader
+combines into one parameter only when every part arrives in the same ``load_weights`` call (sglang's
+DeepSeek loader concatenates ``q_a_proj`` and ``kv_a_proj_with_mqa`` into
+``fused_qkv_a_proj_with_mqa`` and silently drops a lone half). The export stream keeps each group in
+one bucket (``weights.py``). Parts that the engine loads one shard at a time into a stacked parameter
+(sglang's ``stacked_params_mapping``: q/k/v, gate/up, experts) need no group.
 """
 
 from __future__ import annotations
@@ -281,11 +288,38 @@ class StackedExpertReplicated(Replicated):
     stacked_experts = True
 
 
-class MappingRegistry:
-    """An ordered list of rules for one model family; first match wins."""
+@dataclass(frozen=True)
+class FuseGroup:
+    """HF tensor patterns (``*`` = the layer, as in the rules) that the rollout engine must receive
+    in one ``load_weights`` call; ``why`` names the engine code that fuses them."""
 
-    def __init__(self, rules: Sequence[Rule]):
+    hf: tuple[str, ...]
+    why: str = ""
+
+    def __post_init__(self):
+        if len(self.hf) < 2:
+            raise ValueError(f"a fuse group needs at least two HF names, got {self.hf}")
+
+
+class MappingRegistry:
+    """An ordered list of rules for one model family; first match wins. ``fuse_groups``: the
+    family's ``FuseGroup``s (see the module docstring)."""
+
+    def __init__(self, rules: Sequence[Rule], fuse_groups: Sequence[FuseGroup] = ()):
         self.rules = list(rules)
+        self.fuse_groups = list(fuse_groups)
+        self._fuse = [[_pattern_regex(p) for p in g.hf] for g in self.fuse_groups]
+
+    def fuse_key(self, hf_names: Sequence[str]) -> tuple | None:
+        """A hashable key shared by every HF tensor of one fuse group instance (group index and the
+        ``*`` values, e.g. the layer), or None when none of ``hf_names`` belongs to a group."""
+        for name in hf_names:
+            for i, regexes in enumerate(self._fuse):
+                for r in regexes:
+                    m = r.match(name)
+                    if m is not None:
+                        return (i, *m.groups())
+        return None
 
     def find(self, megatron_name: str) -> tuple[Rule, tuple[str, ...]] | None:
         """The rule for a global Megatron name and the HF names it maps to; None when no rule matches."""

@@ -19,6 +19,7 @@ from gspo_megatron.models.mapping import (
     AttentionDims,
     ColumnParallel,
     FusedQKV,
+    FuseGroup,
     GatedFC1,
     PermutedRows,
     Replicated,
@@ -165,6 +166,20 @@ def mla_attention_rules(hf: dict) -> list[Rule]:
         RowParallel(f"{a}.linear_proj.weight", f"{H}.self_attn.o_proj.weight", "tp"),
     ]
     return rules
+
+
+def mla_fuse_groups(hf: dict) -> list[FuseGroup]:
+    """With ``q_lora_rank``, sglang 0.5.23 (``models/deepseek_common/deepseek_weight_loader.py``,
+    ``DeepseekV2WeightLoaderMixin.do_load_weights``) loads ``q_a_proj`` and ``kv_a_proj_with_mqa`` into
+    one ``fused_qkv_a_proj_with_mqa`` (torch.cat of the two, dim 0) only once both are cached in the
+    same ``load_weights`` call; a lone half stays in its call's cache and is dropped without a word.
+    The FP8 sync's ``weight_scale_inv`` pair is fused the same way: it is made in the bucket of its
+    weight (``weight_sync/fp8_quant.quantize_bucket_fp8``), so grouping the weights groups the scales."""
+    if not hf.get("q_lora_rank"):
+        return []
+    return [FuseGroup((f"{H}.self_attn.q_a_proj.weight", f"{H}.self_attn.kv_a_proj_with_mqa.weight"),
+                      "sglang DeepseekV2WeightLoaderMixin: fused_qkv_a_proj_with_mqa = cat(q_a_proj, "
+                      "kv_a_proj_with_mqa) within one load_weights call")]
 
 
 def router_bias_rule(hf_name: str) -> Rule:

@@ -11,7 +11,11 @@ Parameters, and the buffers a family maps (the MoE router's ``expert_bias``: Dee
 - ``export_hf_weights(model, bucket_bytes)``: a collective generator, called on every rank: gathers
   tensor-parallel (and expert-tensor-parallel) shards, renames to HF, collects the full tensors on
   global rank 0 and yields them there in buckets of at most ``bucket_bytes`` (a single larger tensor
-  gets a bucket of its own); other ranks yield ``None`` once per bucket. Stacked-expert rows are
+  gets a bucket of its own); other ranks yield ``None`` once per bucket. A family's fuse groups
+  (``mapping.FuseGroup``: HF tensors the engine fuses only when they arrive in one ``load_weights``
+  call, e.g. DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa``) are placed next to each other in the
+  plan and never cut: a group that does not fit the current bucket starts the next one, and a group
+  larger than ``bucket_bytes`` gets a bucket of its own, whole. Stacked-expert rows are
   collected on the receiving rank and yielded as the stacked tensor in the bucket of the last row. The same stream feeds HF
   export (tools/megatron_to_hf.py) and weight sync to the rollout engines.
 """
@@ -229,6 +233,7 @@ class _Item:
     dtype: torch.dtype
     owner: int  # global rank that assembles the HF tensors
     stack: tuple[int, int] | None = None  # (expert, num_experts): a row of stacked HF tensors
+    fuse: tuple | None = None  # the fuse group instance (``MappingRegistry.fuse_key``), if any
 
     @property
     def nbytes(self) -> int:
@@ -289,18 +294,52 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
         for g, hf_names, shapes, dtype, owner, stack in decl:
             if g not in items or owner < items[g].owner:
                 items[g] = _Item(_sort_key(g, hf_names, stack and stack[0]), g, tuple(hf_names), shapes,
-                                 torch_dtype(dtype), owner, stack)
-    return sorted(items.values(), key=lambda it: it.key), mine
+                                 torch_dtype(dtype), owner, stack, mapping.fuse_key(hf_names))
+    return group_fused(sorted(items.values(), key=lambda it: it.key)), mine
+
+
+def group_fused(items: list[_Item]) -> list[_Item]:
+    """``items`` with the members of each fuse group moved up to follow the group's first member
+    (in their own order); everything else keeps its place. The sorted HF names put other tensors
+    between a group's parts (DeepSeek: ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``, ...,
+    ``q_a_proj``); adjacent, ``_buckets`` can keep them in one bucket."""
+    members: dict[tuple, list[_Item]] = {}
+    for it in items:
+        if it.fuse is not None:
+            members.setdefault(it.fuse, []).append(it)
+    out, placed = [], set()
+    for it in items:
+        if it.fuse is None:
+            out.append(it)
+        elif it.fuse not in placed:
+            placed.add(it.fuse)
+            out.extend(members[it.fuse])
+    return out
+
+
+def _units(items: list[_Item]) -> Iterator[list[_Item]]:
+    """The plan in indivisible runs: one item, or the adjacent members of one fuse group."""
+    unit: list[_Item] = []
+    for it in items:
+        if unit and (it.fuse is None or it.fuse != unit[0].fuse):
+            yield unit
+            unit = []
+        unit.append(it)
+    if unit:
+        yield unit
 
 
 def _buckets(items: list[_Item], bucket_bytes: int) -> Iterator[list[_Item]]:
+    """Greedy buckets of at most ``bucket_bytes``, never cutting a fuse group (``_units``); a unit
+    larger than the limit gets a bucket of its own."""
     bucket, size = [], 0
-    for it in items:
-        if bucket and size + it.nbytes > bucket_bytes:
+    for unit in _units(items):
+        nbytes = sum(it.nbytes for it in unit)
+        if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append(it)
-        size += it.nbytes
+        bucket.extend(unit)
+        size += nbytes
     if bucket:
         yield bucket
 
@@ -329,7 +368,8 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
       items its stage owns and broadcasts them to the engines): a destination rank yields the part of
       each bucket routed to it (possibly an empty list), other ranks yield None.
     Buckets are cut from the global plan, so a destination's part of a bucket is at most
-    ``bucket_bytes`` (a single larger tensor excepted)."""
+    ``bucket_bytes`` (a single larger tensor or fuse group excepted), and a fuse group (one layer's
+    tensors, one owner) reaches its destination in one bucket."""
     items, mine = plan if plan is not None else build_export_plan(model)
     me = dist.get_rank() if dist.is_initialized() else 0
     pending: dict[str, dict[int, torch.Tensor]] = {}  # stacked HF tensor -> its expert rows so far
