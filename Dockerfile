@@ -1,5 +1,6 @@
 # GPU image for gspo-megatron: one Python 3.12 environment holding SGLang 0.5.23 (its torch 2.14.1 /
-# CUDA 13 wheels), Transformer Engine (built against that torch), megatron-core and this package.
+# CUDA 13 wheels), Transformer Engine 2.20.2 (built against that torch), megatron-core 0.16.1 (the
+# version the CPU suite runs; tests/test_gpu_pins.py keeps the `gpu` extra's pins exact) and this package.
 #   docker build -t gspo-megatron .
 #   docker run --gpus all --ipc=host --shm-size=32g -v $PWD/runs:/workspace/gspo/runs gspo-megatron \
 #       launch/torchrun.sh configs/qwen3_30b_a3b_gspo.yaml
@@ -21,7 +22,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:${PATH}
 
-# Ubuntu 24.04's Python is 3.12 (megatron-core 0.17+ and sglang's cp312 wheels need >= 3.12)
+# Ubuntu 24.04's Python is 3.12 (sglang's cp312 wheels; megatron-core 0.16.1 has a cp312 wheel too)
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3.12 python3.12-venv python3.12-dev git procps \
         shellcheck build-essential cmake ninja-build \

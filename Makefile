@@ -37,8 +37,9 @@ lint: $(STAMP)
 test-all: $(STAMP)
 	$(VENV)/bin/pytest -q $(XDIST) tests -m "not gpu" $(ARGS)
 
-# Forward compatibility: the CPU suite against the latest megatron-core 0.19.x in a separate venv
+# Forward compatibility only: the CPU suite against the latest megatron-core 0.19.x in a separate venv
 # (0.17+ declares Python >= 3.12; on 3.11 it is forced with --ignore-requires-python and needs triton).
+# Not what the GPU image runs: pyproject pins megatron-core==0.16.1 everywhere (tests/test_gpu_pins.py).
 test-mcore-latest:
 	bash tools/test_mcore_latest.sh
 

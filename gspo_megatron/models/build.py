@@ -155,15 +155,21 @@ def mark_replicated_experts(model, tp: int, ep: int, etp: int | None) -> int:
 
     Applied to every parameter of the routed-expert modules (not the shared experts, which are dense
     TP) when ``ep == 1`` and ``etp != tp``; a no-op otherwise (EP > 1: Megatron already marks them;
-    ETP = TP with EP1: both groups are the same). Returns how many parameters it marked."""
-    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
+    ETP = TP with EP1: both groups are the same). Returns how many parameters it marked.
+
+    The expert classes are looked up by name: the legacy ``GroupedMLP`` (never built here: grouped
+    GEMM is on only with Transformer Engine, i.e. ``TEGroupedMLP``) is gone from megatron-core 0.19;
+    the environment pins 0.16.1 (pyproject.toml, tests/test_gpu_pins.py), this only keeps a newer one
+    from failing at every model build."""
+    from megatron.core.transformer.moe import experts
 
     etp = tp if etp is None else etp
     if ep > 1 or etp == tp:
         return 0
+    kinds = tuple(getattr(experts, n) for n in ("GroupedMLP", "SequentialMLP", "TEGroupedMLP") if hasattr(experts, n))
     marked = 0
     for module in model.modules():
-        if isinstance(module, (GroupedMLP, SequentialMLP, TEGroupedMLP)):
+        if isinstance(module, kinds):
             for param in module.parameters():
                 param.allreduce = False
                 marked += 1
