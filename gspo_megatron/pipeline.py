@@ -3,7 +3,8 @@
 Every rank of a data-parallel replica receives the same micro-batches (the first stage reads the
 tokens, the last stage the labels and loss inputs). Layout: right-padded rows [b, s] with causal
 attention (padding sits after every real token, so it never influences them); ``s`` is rounded up
-to a multiple of the tensor-parallel size for sequence parallelism. Or packed: whole sequences
+to ``sequence_multiple`` (the tensor-parallel size for sequence parallelism; 2*cp*tp with context
+parallelism; with FP8 also what Transformer Engine's GEMMs need on every rank). Or packed: whole sequences
 concatenated in one row with per-sequence positions and attention (``gspo_megatron.packing``); the
 forward step passes such a micro-batch's ``PackedSeqParams`` to the model.
 
@@ -15,6 +16,7 @@ j (0-based) is the label at position prompt_len - 1 + j.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Callable, Sequence
 
@@ -75,10 +77,45 @@ def collate(seqs: Sequence[Sample], pad_id: int = 0, multiple: int = 1, seq_ids:
     return batch
 
 
-def sequence_multiple(tp: int, cp: int) -> int:
-    """What a padded row length must divide: tp for sequence parallelism; 2*cp chunks per row (each
-    a multiple of tp) for context parallelism's load-balanced split."""
-    return tp * 2 * cp if cp > 1 else tp
+def fp8_alignment(recipe: str = "delayed") -> int:
+    """Transformer Engine 2.20.2's alignment, in tokens, of an FP8 GEMM's token dimension: 16, 32 for
+    MXFP8 (``recipe``: ``model.fp8_recipe``).
+
+    Read from TE's source (transformer_engine/pytorch/):
+    - ``utils.py`` ``assert_dim_for_fp8_exec`` (called by ``module/linear.py`` ``_Linear.forward``,
+      ``layernorm_linear.py``, ``layernorm_mlp.py`` whenever fp8 is on, on the rank's local input
+      before any sequence-parallel all-gather): the product of all dims but the last (the tokens)
+      divisible by 8, the last dim divisible by 16. The weight-gradient GEMM consumes the transposed
+      FP8 input, whose last dim is the token dim: hence 16 for the tokens too;
+    - ``quantization.py`` ``get_align_size_for_quantization``: 32 for MXFP8 (its 1x32 scaling
+      blocks, ``constants.MXFP8_BLOCK_SCALING_SIZE``), 16 for the other built-in recipes; what
+      ``module/fp8_padding.py`` pads each grouped-GEMM split to.
+    Megatron-Core 0.16.1 agrees: ``fp8_utils.get_fp8_align_size`` (32 for mxfp8, else 16), the padding
+    its multimodal models apply for FP8 (``models/multimodal/context_parallel.py``)."""
+    return 32 if recipe == "mxfp8" else 16
+
+
+def sequence_multiple(tp: int, cp: int, fp8: str | bool | None = None, sp: bool | None = None,
+                      fp8_recipe: str = "delayed") -> int:
+    """What a padded row's length (a packed row's total length) must divide.
+
+    - sequence parallelism: tp (each TP rank holds s/tp positions);
+    - context parallelism: 2*cp chunks per row (each a multiple of tp), the load-balanced split;
+    - FP8 (``fp8`` set): the token dim of every Transformer Engine GEMM on every rank is a multiple
+      of ``fp8_alignment(fp8_recipe)`` = A. The fewest tokens a rank feeds a GEMM is its share of the
+      row after the CP split (s/cp) and, with sequence parallelism (``sp``; None: on when tp > 1,
+      as ``models.build`` resolves it), the SP scatter (s/(cp*tp)): the column-parallel layers'
+      local input. Row-parallel layers see s/cp (a multiple of that). So s must be a multiple of
+      A*cp*tp (A*cp without SP), whatever the micro-batch's number of rows b (b*s/... is then one).
+      MoE experts: Megatron pads each expert's token count itself (TEGroupedMLP's ``Fp8Padding``,
+      and ``moe_router_padding_for_quantization``, which ``runtime.fp8`` sets).
+    Padding positions carry loss_mask 0 and sit after the real tokens (or in their own packed
+    segment), so the loss and the real tokens' log-probs do not change."""
+    base = tp * 2 * cp if cp > 1 else tp
+    if not fp8:
+        return base
+    sp_size = tp if (tp > 1 if sp is None else sp) else 1
+    return math.lcm(base, fp8_alignment(fp8_recipe) * cp * sp_size)
 
 
 def split_for_context_parallel(batch: dict, cp_group=None) -> dict:

@@ -101,7 +101,12 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
     dp_rank, dp = _dp_info()
     cp = ps.get_context_parallel_world_size()
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
-    multiple = sequence_multiple(ps.get_tensor_model_parallel_world_size(), cp)
+    from megatron.core.utils import get_model_config
+
+    mc = get_model_config(model)  # an FP8 model needs its rows padded for Transformer Engine's GEMMs
+    multiple = sequence_multiple(ps.get_tensor_model_parallel_world_size(), cp, fp8=getattr(mc, "fp8", None),
+                                 sp=getattr(mc, "sequence_parallel", None),
+                                 fp8_recipe=getattr(mc, "fp8_recipe", None) or "delayed")
     if max_tokens_per_micro_batch:
         seg = 2 * cp if cp > 1 else 1
         plan = plan_micro_batches([len(r) for r in rows], dp, max_tokens_per_micro_batch, seg)[dp_rank]

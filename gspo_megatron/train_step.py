@@ -7,7 +7,9 @@ Batch layout: the N sequences are cut into ``gspo.mini_batches`` contiguous mini
 > 0): sequences go to DP ranks balancing token counts and are packed into micro-batches of at most
 the budget (``gspo_megatron.packing``), every rank running the same number of micro-batches. Either
 way each mini-batch's loss is normalized by its global sequence count (token count for token-mean),
-so the reduced gradient is exactly that of the mini-batch mean whatever the grouping.
+so the reduced gradient is exactly that of the mini-batch mean whatever the grouping. Row lengths
+(packed rows' totals) are rounded up to ``row_multiple``: the TP / CP splits, and with ``model.fp8``
+Transformer Engine's FP8 GEMM alignment on every rank (``pipeline.sequence_multiple``).
 """
 
 from __future__ import annotations
@@ -56,10 +58,19 @@ def loss_config(cfg: Config) -> PolicyLossConfig:
     return PolicyLossConfig(**values_for(PolicyLossConfig, cfg.gspo, renamed={"aggregation": "loss_agg"}))
 
 
-def split_batch(cfg: Config, records: list[Sample], dp: int, dp_rank: int, pad_id: int, multiple: int,
-                cp_group=None):
+def row_multiple(cfg: Config, tp: int, cp: int) -> int:
+    """What this run's rows (packed rows) must be padded to a multiple of: ``pipeline.sequence_multiple``
+    with ``model.fp8`` / ``model.fp8_recipe`` and sequence parallelism as ``models.build`` resolves
+    ``parallel.sequence_parallel`` (None: on when tp > 1)."""
+    return sequence_multiple(tp, cp, fp8=cfg.model.fp8, sp=cfg.parallel.sequence_parallel,
+                             fp8_recipe=cfg.model.fp8_recipe)
+
+
+def split_batch(cfg: Config, records: list[Sample], dp: int, dp_rank: int, pad_id: int,
+                multiple: int | None = None, cp_group=None, tp: int | None = None):
     """Mini-batches (lists of this rank's micro-batch dicts, each carrying its mini-batch's global
-    normalizer). ``multiple``: what a row's length must divide (``pipeline.sequence_multiple``).
+    normalizer). ``multiple``: what a row's length must divide; None: ``row_multiple(cfg, tp, cp)``
+    (``tp`` None: Megatron's tensor-parallel size), which takes ``model.fp8`` into account.
     With context parallelism (``cp_group``) every per-token tensor is this CP rank's slice.
     Every rank of a DP replica gets the same micro-batches; ``seq_ids`` index ``records``."""
     M = cfg.gspo.mini_batches
@@ -67,6 +78,12 @@ def split_batch(cfg: Config, records: list[Sample], dp: int, dp_rank: int, pad_i
     token_mean = cfg.gspo.loss_agg == "token-mean"
     budget = cfg.parallel.max_tokens_per_micro_batch or 0
     cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+    if multiple is None:
+        if tp is None:
+            from megatron.core import parallel_state as ps
+
+            tp = ps.get_tensor_model_parallel_world_size()
+        multiple = row_multiple(cfg, tp, cp)
     out = []
     for m in range(M):
         lo = m * n // M
@@ -113,7 +130,7 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[Sample]
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
-    minis = split_batch(cfg, records, dp, dp_rank, pad_id, multiple=sequence_multiple(tp, cp),
+    minis = split_batch(cfg, records, dp, dp_rank, pad_id, multiple=row_multiple(cfg, tp, cp),
                         cp_group=cp_group)
     flat = [b for mb in minis for b in mb]
     temp = cfg.rollout.temperature
