@@ -8,6 +8,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -76,7 +77,11 @@ def test_torchrun_forwards_usr1_to_training_processes(tmp_path):
     assert marker.read_text().strip() == "ckpt"
 
 
-def _fake_slurm(tmp_path: Path, nodes: list[str]) -> dict:
+def _fake_slurm(tmp_path: Path, nodes: list[str], run_training: bool = False) -> dict:
+    """Fake scontrol / srun on PATH. ``run_training``: the training step is run (its task command,
+    as node 0), with a fake torchrun (``TORCHRUN``) that runs gspo-train's config checks on the
+    training nodes' GPUs: ``--dry-run --nodes NNODES --gpus-per-node NPROC_PER_NODE`` (the config tiers
+    of ``--check`` that need no model files: static, world size, model layout; exit 2 on a bad config)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _exe(bin_dir / "scontrol", 'if [[ "$1 $2" == "show hostnames" ]]; then printf "%s\\n" ' + " ".join(nodes)
@@ -87,8 +92,17 @@ def _fake_slurm(tmp_path: Path, nodes: list[str]) -> dict:
     _exe(bin_dir / "srun", 'trap "" TERM\necho "srun $* NNODES=${NNODES:-} MASTER_ADDR=${MASTER_ADDR:-} '
          'URLS=${GSPO_SGLANG_URLS:-}" >> "$SRUN_LOG"\n'
          'if [[ -n "${GSPO_SGLANG_URLS:-}" && "$*" == *torchrun.sh* ]]; then\n'
-         '  for _ in $(seq 200); do grep -q sglang_node.sh "$SRUN_LOG" && break; sleep 0.05; done\nfi\n')
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[1-3]",
+         '  for _ in $(seq 200); do grep -q sglang_node.sh "$SRUN_LOG" && break; sleep 0.05; done\nfi\n'
+         + ('if [[ "$*" == *torchrun.sh* ]]; then\n'
+            '  while [[ "$1" == --* ]]; do shift; done\n'
+            '  export SLURM_PROCID=0\n  exec "$@"\nfi\n' if run_training else ''))
+    extra = {}
+    if run_training:
+        # torchrun --nnodes N --node-rank R --nproc-per-node G ... -m gspo_megatron.train ARGS
+        _exe(bin_dir / "fake_torchrun", f'exec "{sys.executable}" -W ignore -m gspo_megatron.train --dry-run '
+             '--nodes "$2" --gpus-per-node "$6" --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${@:13}"\n')
+        extra = {"TORCHRUN": str(bin_dir / "fake_torchrun")}
+    return {**os.environ, **extra, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[1-3]",
             "SLURM_JOB_ID": "42", "SLURM_GPUS_PER_NODE": "h100:4", "SRUN_LOG": str(tmp_path / "srun.log"),
             "GSPO_ROOT": str(ROOT), "LOG_DIR": str(tmp_path / "logs")}
 
@@ -118,3 +132,58 @@ def test_sbatch_colocated_trains_everywhere_and_checks_mode(tmp_path):
     env.update(ROLLOUT_MODE="disaggregated", SGLANG_NODES="3", MODEL_PATH="/m")
     res = subprocess.run(["bash", str(SCRIPTS[2]), "cfg.yaml"], env=env, capture_output=True, text=True)
     assert res.returncode == 2 and "SGLANG_NODES=3" in res.stderr
+
+
+def test_sbatch_output_file_needs_no_directory():
+    """Slurm opens --output before the script runs: a directory in it must exist at submission, which
+    a fresh checkout has not (the script's own mkdir comes too late). The batch log goes to the
+    submit directory instead; the steps' logs go under LOG_DIR, which the script creates."""
+    lines = [line for line in SCRIPTS[2].read_text().splitlines() if line.startswith("#SBATCH --output=")]
+    assert len(lines) == 1
+    assert os.path.dirname(lines[0].split("=", 1)[1]) == "", lines[0]
+
+
+# GPU recipes and the training nodes they are planned for (their header); one more node runs SGLang
+RECIPES = {"qwen3_30b_a3b_gspo": 2, "qwen3_30b_a3b_grpo": 2, "mixtral_8x7b_gspo": 2, "qwen3_235b_a22b_gspo": 8,
+           "glm45_355b_gspo": 16, "deepseek_v3_671b_gspo": 32}
+
+
+def test_every_gpu_recipe_is_covered():
+    shipped = {p.stem for p in (ROOT / "configs").glob("*.yaml")
+               if "engine: sglang" in p.read_text() and "engine_server: cpu" not in p.read_text()}
+    assert shipped == set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_sbatch_disaggregated_recipe_passes_the_config_checks(tmp_path, recipe):
+    """ROLLOUT_MODE=disaggregated with a shipped (colocated) recipe: the overrides the script adds
+    (engine URLs, router, sync_mode, offload_train, engine_tp, num_engines) make a config the trainer
+    accepts on the training nodes; DeepSeek-V3's recipe syncs FP8, which attached engines cannot load,
+    and is refused in one line naming the fields."""
+    train_nodes = RECIPES[recipe]
+    nodes = [f"n{i}" for i in range(1, train_nodes + 2)]
+    env = _fake_slurm(tmp_path, nodes, run_training=True)
+    env.update(ROLLOUT_MODE="disaggregated", SGLANG_NODES="1", SGLANG_TP="8", MODEL_PATH="/m",
+               SLURM_GPUS_PER_NODE="h100:8", GPU_MEMORY_GB="141" if recipe.startswith("deepseek") else "80")
+    res = subprocess.run(["bash", str(SCRIPTS[2]), str(ROOT / "configs" / f"{recipe}.yaml")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    train = next(line for line in (tmp_path / "srun.log").read_text().splitlines() if "torchrun.sh" in line)
+    assert f"NNODES={train_nodes}" in train and f"rollout.engine_urls=[http://n{train_nodes + 1}:30000]" in train
+    if recipe.startswith("deepseek"):
+        errors = [line for line in out.splitlines() if "error" in line.lower()]
+        assert res.returncode == 2 and len(errors) == 1, out[-3000:]
+        assert "rollout.sync_fp8=true is not supported with rollout.engine_urls" in errors[0]
+        return
+    assert res.returncode == 0, out[-3000:]
+    assert "error" not in out.lower() and "Traceback" not in out, out[-3000:]
+    gpus = 8 * train_nodes
+    assert f"{train_nodes} node(s) x 8 GPUs = {gpus}," in out, out[-3000:]  # the training nodes only
+    assert f"{gpus} training ranks; rollout: 1 external engine(s) (disaggregated)" in out, out[-3000:]
+
+
+def test_sbatch_disaggregated_refuses_engines_larger_than_a_node(tmp_path):
+    env = _fake_slurm(tmp_path, ["n1", "n2", "n3"])
+    env.update(ROLLOUT_MODE="disaggregated", SGLANG_NODES="1", SGLANG_TP="8", MODEL_PATH="/m")  # 4 GPUs a node
+    res = subprocess.run(["bash", str(SCRIPTS[2]), "cfg.yaml"], env=env, capture_output=True, text=True)
+    assert res.returncode == 2 and "SGLANG_TP=8 must divide the 4 GPUs of a node" in res.stderr

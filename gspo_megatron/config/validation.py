@@ -120,11 +120,22 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
         need(r.sync_mode in ("colocated", "disaggregated"),
              f"rollout.sync_mode must be colocated or disaggregated with rollout.engine=sglang, got {r.sync_mode}")
     need(not r.engine_urls or r.sync_mode == "disaggregated", "rollout.engine_urls needs rollout.sync_mode=disaggregated")
+    need(not (r.sync_fp8 and r.engine_urls),
+         "rollout.sync_fp8=true is not supported with rollout.engine_urls (attached engines): they start from the "
+         "bf16 checkpoint (launch/sglang_node.sh) without the FP8 quantization_config the trainer gives the engines "
+         "it launches, so SGLang would skip the weight_scale_inv tensors and load e4m3 bytes into bf16 weights; set "
+         "rollout.sync_fp8=false, or rollout.engine_urls=[] and rollout.num_engines=N to let the trainer launch them")
+    need(not (r.sync_fp8 and r.engine == "sglang" and r.engine_server == "cpu"),
+         "rollout.sync_fp8=true is not supported with rollout.engine_server=cpu: the CPU stand-in server does not read "
+         "the engine's FP8 quantization_config, so it would skip the weight_scale_inv tensors and load e4m3 bytes "
+         "into float weights; set rollout.sync_fp8=false (or rollout.engine_server=sglang on GPUs)")
     need(not r.engine_urls or r.num_engines in (0, len(r.engine_urls)),
          f"rollout.num_engines={r.num_engines} but rollout.engine_urls lists {len(r.engine_urls)} engines")
     need(r.sync_mode != "disaggregated" or r.num_engines >= 1 or r.engine_urls,
          "rollout.num_engines must be >= 1 (or rollout.engine_urls set) with rollout.sync_mode=disaggregated")
     non_negative("rollout.max_staleness", r.max_staleness)
+    non_negative("rollout.sync_verify_every", r.sync_verify_every)
+    non_negative("rollout.sync_verify_tol", r.sync_verify_tol)
     need(r.max_staleness == 0 or r.sync_mode == "disaggregated",
          f"rollout.max_staleness={r.max_staleness} needs rollout.sync_mode=disaggregated (got {r.sync_mode}): "
          "overlapping generation with training needs engines on their own GPUs; colocated or in-process engines "
@@ -352,10 +363,11 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
         e.append(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                  f"= {d.max_position_embeddings}")
     if r.engine == "sglang":
-        from gspo_megatron.rollout.engine_model import engine_layout_errors
+        from gspo_megatron.rollout.engine_model import engine_layout_errors, engine_model_errors
 
         if d.num_heads % r.engine_tp:
             e.append(f"rollout.engine_tp={r.engine_tp} must divide num_attention_heads = {d.num_heads}")
         e.extend(engine_layout_errors(cfg, d))
+        e.extend(engine_model_errors(cfg, hf_config))
     if e:
         raise ConfigError(e)

@@ -5,10 +5,15 @@ A family is one folder under ``models/`` (``qwen3_moe/``, ``mixtral/``, ...) hol
 - the HF ``model_type``s and model classes it accepts, and the features it refuses (``check``);
 - HF config -> Megatron-Core config (``config_fields``: ``TransformerConfig`` kwargs that come from
   the model; ``rotary_kwargs``: GPTModel's position-embedding arguments);
-- the declarative weight mapping (``mapping``), assembled from the helpers in ``rules.py``;
+- the declarative weight mapping (``mapping``), assembled from the helpers in ``rules.py``, with its
+  fuse groups (``mapping.FuseGroup``: HF tensors the engine fuses only when they arrive in one
+  ``load_weights`` call, kept in one sync bucket; DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa``);
 - the dimensions the planner needs (``dims``);
 - the checkpoint naming of routed experts the CPU engine needs (``expert_naming``);
-- the HF tensors an FP8 weight sync quantizes (``fp8_modules`` / ``fp8_excluded``);
+- the HF tensors an FP8 weight sync quantizes (``fp8_modules`` / ``fp8_excluded``), and the modules an
+  FP8 engine must keep unquantized (``fp8_engine_unquantized``);
+- what sglang 0.5.23's model class for the family builds differently from the config
+  (``sglang_ties_lm_head``, ``sglang_every_layer_sparse``; checked by ``sglang_errors``);
 - a tiny test config (``tiny``: kwargs of transformers' config class) and published configs the
   planner knows by name (``published``).
 Every other module asks the family (``gspo_megatron.models.get_family(hf)``) and names no architecture.
@@ -56,6 +61,17 @@ class ModelFamily:
     experts_stacked_in_checkpoint: bool = False
     fp8_modules: tuple[str, ...] = ()
     fp8_excluded: tuple[str, ...] = FP8_EXCLUDED
+    # modules (under ``model.layers.<i>.``) that an FP8-on-sync engine must build unquantized, listed as
+    # ``modules_to_not_convert`` in its quantization_config (sglang's Fp8Config reads it, and gives
+    # such a FusedMoE UnquantizedFusedMoEMethod): what the sync sends them is not FP8
+    fp8_engine_unquantized: tuple[str, ...] = ()
+    # sglang 0.5.23's class ties lm_head to embed_tokens when tie_word_embeddings (qwen2.py, qwen3.py,
+    # deepseek_v2.py: ``self.lm_head = self.model.embed_tokens``); False: a separate lm_head parameter,
+    # which a tied model's weight sync (no lm_head.weight) never writes
+    sglang_ties_lm_head: bool = False
+    # sglang 0.5.23's class builds routed experts in every decoder layer, ignoring mlp_only_layers /
+    # decoder_sparse_step (qwen2_moe.py / qwen3_moe.py ``stage_facts``: ``is_layer_sparse = True``)
+    sglang_every_layer_sparse: bool = False
     tiny: dict = {}
     published: dict[str, dict] = {}
 
@@ -115,6 +131,26 @@ class ModelFamily:
     # -- derived ----------------------------------------------------------------------------------
     def is_moe(self, hf: dict) -> bool:
         return hf_config.num_experts(hf) > 0
+
+    def sglang_errors(self, hf: dict) -> list[str]:
+        """One line per feature of ``hf`` that sglang 0.5.23's model class for this family would not
+        build as the trainer does (so part of the engine's model would never be written by the sync)."""
+        cls = self.architectures[0] if self.architectures else self.name
+        e = []
+        if hf.get("tie_word_embeddings", False) and not self.sglang_ties_lm_head:
+            e.append(f"config.json tie_word_embeddings=true is not supported with rollout.engine=sglang for {self.name}: "
+                     f"sglang's {cls} keeps lm_head apart from embed_tokens and the weight sync of a tied model "
+                     "sends no lm_head.weight, so the engine's lm_head would never be written; use an untied "
+                     "checkpoint (tie_word_embeddings: false, with lm_head.weight) or rollout.engine=hf")
+        if self.sglang_every_layer_sparse and self.is_moe(hf):
+            dense = [i for i, m in enumerate(moe_layer_pattern(hf)) if not m]
+            if dense:
+                e.append(f"config.json mlp_only_layers={list(hf.get('mlp_only_layers') or [])} / decoder_sparse_step="
+                         f"{hf.get('decoder_sparse_step') or 1} (dense layers {dense}) is not supported with "
+                         f"rollout.engine=sglang: sglang's {cls} builds routed experts in every layer, so those "
+                         "layers' MLPs would never be written by the weight sync; use mlp_only_layers: [] and "
+                         "decoder_sparse_step: 1, or rollout.engine=hf")
+        return e
 
     def fp8_quantizes(self, name: str) -> bool:
         """Whether an FP8 weight sync quantizes HF tensor ``name`` (a 2-D weight; the caller checks)."""

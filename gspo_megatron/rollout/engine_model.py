@@ -18,7 +18,17 @@ engine process reads the model path locally), before ``sglang.launch_server``:
   ``activation_scheme: dynamic``), and the tokenizer / generation files of ``hf_dir`` (no weights).
   ``extra_server_args`` adds ``--load-format dummy``: SGLang's dummy loader fills the FP8 weights
   with small random values and the scales with 1.0; the trainer's first sync (before any rollout, and
-  again after an engine restart) replaces every one of them.
+  again after an engine restart) replaces every one of them. Modules the sync sends unquantized that
+  sglang would otherwise build FP8 (the family's ``fp8_engine_unquantized``: gpt-oss's stacked experts,
+  which ``quant_method: fp8`` alone gives ``Fp8MoEMethod``) are listed per layer in
+  ``modules_to_not_convert`` (``Fp8Config.from_config`` reads it; ``get_quant_method`` then gives
+  them ``UnquantizedFusedMoEMethod`` / ``UnquantizedLinearMethod``).
+  Attached engines (``rollout.engine_urls``, ``launch/sglang_node.sh``) start from the bf16
+  checkpoint, so FP8 sync with them is refused by the config checks.
+
+``engine_model_errors(cfg, hf)`` lists what sglang's model class for the family builds differently
+from the trainer (``ModelFamily.sglang_errors``: a tied lm_head it keeps apart, dense layers it
+builds sparse), for every SGLang engine (the real server, the CPU stand-in, attached engines).
 
 ``engine_layout_errors(cfg, dims)`` lists what SGLang would refuse at start-up (read from sglang
 0.5.23: ``moe_ep_setup.py``, ``Fp8LinearMethod.validate_block_quant_shapes``,
@@ -57,6 +67,15 @@ def _fp8_ep_choices(dims, tp: int) -> list[int]:
             and dims.moe_ffn_hidden % (tp // ep) == 0 and (dims.moe_ffn_hidden // (tp // ep)) % BLOCK == 0]
 
 
+def _experts_fp8(dims) -> bool:
+    """Whether an FP8-on-sync engine builds the routed experts block-FP8 (not when the family keeps
+    them unquantized: ``fp8_engine_unquantized``)."""
+    from gspo_megatron.models.registry import family_for_model_type
+
+    family = family_for_model_type(dims.model_type)
+    return family is None or "mlp.experts" not in family.fp8_engine_unquantized
+
+
 def engine_layout_errors(cfg, dims) -> list[str]:
     """What an SGLang engine of ``rollout.engine_tp`` x ``rollout.engine_ep`` cannot load.
 
@@ -76,7 +95,7 @@ def engine_layout_errors(cfg, dims) -> list[str]:
         if dims.moe_ffn_hidden % moe_tp:
             e.append(f"rollout.engine_tp / rollout.engine_ep = {tp} / {ep} = {moe_tp} (SGLang's moe_tp_size) must "
                      f"divide the expert intermediate size {dims.moe_ffn_hidden}")
-        elif r.sync_fp8 and (dims.moe_ffn_hidden // moe_tp) % BLOCK:
+        elif r.sync_fp8 and _experts_fp8(dims) and (dims.moe_ffn_hidden // moe_tp) % BLOCK:
             choices = _fp8_ep_choices(dims, tp)
             hint = (f"; set rollout.engine_ep to one of {choices}" if choices
                     else "; no engine_ep works at this engine_tp: change rollout.engine_tp or set rollout.sync_fp8=false")
@@ -95,6 +114,29 @@ def engine_layout_errors(cfg, dims) -> list[str]:
                  f"rollout.engine_tp = {dims.ffn_hidden} / {tp}, must be a multiple of {BLOCK} "
                  "(SGLang's block-FP8 linear layers)")
     return e
+
+
+def engine_model_errors(cfg, hf: dict) -> list[str]:
+    """What an SGLang engine's model class would build differently from the trainer's model ``hf``
+    (config.json as a dict): one line each (``ModelFamily.sglang_errors``); empty without SGLang."""
+    from gspo_megatron.models.registry import get_family
+
+    if cfg.rollout.engine != "sglang":
+        return []
+    return get_family(hf).sglang_errors(hf)
+
+
+def fp8_quantization_config(hf: dict) -> dict:
+    """The ``quantization_config`` an FP8-on-sync engine starts with (see the module docstring)."""
+    from gspo_megatron.models import hf_config
+    from gspo_megatron.models.registry import get_family
+
+    q = dict(FP8_QUANTIZATION_CONFIG)
+    keep = get_family(hf).fp8_engine_unquantized
+    if keep:
+        layers = hf_config.get_int(hf, "num_hidden_layers")
+        q["modules_to_not_convert"] = [f"model.layers.{i}.{m}" for i in range(layers) for m in keep]
+    return q
 
 
 def engine_server_args(cfg) -> list[str]:
@@ -123,7 +165,7 @@ def prepare_engine_model_dir(cfg, hf_dir: str, out_dir: str) -> tuple[str, list[
     from gspo_megatron.models.dims import ModelDims
 
     hf = load_hf_config(hf_dir)
-    errors = engine_layout_errors(cfg, ModelDims.from_hf_config(hf))
+    errors = engine_layout_errors(cfg, ModelDims.from_hf_config(hf)) + engine_model_errors(cfg, hf)
     if errors:
         raise ConfigError(errors)
     args = engine_server_args(cfg)
@@ -140,5 +182,5 @@ def prepare_engine_model_dir(cfg, hf_dir: str, out_dir: str) -> tuple[str, list[
             continue
         shutil.copyfile(src, os.path.join(out_dir, name + ".tmp"))
         os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
-    _atomic_write_json(os.path.join(out_dir, "config.json"), {**hf, "quantization_config": dict(FP8_QUANTIZATION_CONFIG)})
+    _atomic_write_json(os.path.join(out_dir, "config.json"), {**hf, "quantization_config": fp8_quantization_config(hf)})
     return out_dir, args

@@ -304,3 +304,69 @@ def test_fp8_sync_names_and_scale_shapes_match_sglang_parameters(sglang_rules):
                 ("experts.w13_weight_scale_inv", "experts.w2_weight_scale_inv"))
         else:
             assert name.endswith(".weight_scale_inv")
+
+
+# -- issue 21 defect 7: gpt-oss with FP8 sync (only attention is quantized on sync) -----------------------
+
+@pytest.fixture(scope="module")
+def sglang_is_layer_skipped():
+    """sglang's is_layer_skipped (with _module_path_match and _FALLBACK_FUSED_SHARDS), which
+    Fp8Config.get_quant_method asks for every LinearBase and FusedMoE prefix."""
+    utils = _source("srt/layers/quantization/utils.py")
+    nodes = [_find(utils, "_module_path_match"), _find(utils, "is_layer_skipped")]
+    fallback = next(n for n in utils.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    and "_FALLBACK_FUSED_SHARDS" in ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target))
+    from types import MappingProxyType
+    from typing import List, Mapping
+
+    ns = _run([fallback, *nodes], {"Mapping": Mapping, "List": List, "MappingProxyType": MappingProxyType})
+    return ns["is_layer_skipped"]
+
+
+GPT_OSS = KNOWN_ARCHS["gpt-oss-120b"]  # 36 layers, 64 heads of 64, 8 kv heads, expert intermediate 2880
+
+
+@needs_sglang_source
+def test_gpt_oss_fp8_engine_keeps_its_experts_unquantized(tmp_path, sglang_fp8, sglang_is_layer_skipped):
+    """gpt-oss's stacked experts are synced in bf16 (only q/k/v/o are quantized): the FP8 engine's
+    quantization_config lists them in modules_to_not_convert, so sglang's Fp8Config skips them (its
+    get_quant_method then gives their FusedMoE UnquantizedFusedMoEMethod, not Fp8MoEMethod) while the
+    attention projections stay block FP8."""
+    d = tmp_path / "gpt-oss"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(GPT_OSS))
+    cfg = _cfg("rollout.sync_fp8=true", "rollout.engine_tp=2")
+    path, _ = prepare_engine_model_dir(cfg, str(d), str(tmp_path / "engine"))
+    q = json.loads(open(os.path.join(path, "config.json")).read())["quantization_config"]
+    layers = GPT_OSS["num_hidden_layers"]
+    assert q["modules_to_not_convert"] == [f"model.layers.{i}.mlp.experts" for i in range(layers)]
+    fp8 = sglang_fp8.from_config(q)
+    skipped = lambda prefix: sglang_is_layer_skipped(prefix, fp8.ignored_layers, fused_mapping={})  # noqa: E731
+    for i in range(layers):
+        assert skipped(f"model.layers.{i}.mlp.experts")
+        assert not skipped(f"model.layers.{i}.self_attn.qkv_proj") and not skipped(f"model.layers.{i}.self_attn.o_proj")
+    # the prefixes are the ones gpt-oss builds, and the FusedMoE branch honours the skip
+    src = open(os.path.join(SGLANG_DIR, "srt/models/gpt_oss.py")).read()
+    assert 'prefix=add_prefix("experts", prefix)' in src and 'prefix=add_prefix("mlp", prefix)' in src
+    quant = ast.unparse(_find(_find(_source("srt/layers/quantization/fp8.py"), "Fp8Config", ast.ClassDef),
+                              "get_quant_method"))
+    moe_branch = quant[quant.index("isinstance(layer, FusedMoE)"):]
+    assert moe_branch.index("is_layer_skipped") < moe_branch.index("UnquantizedFusedMoEMethod") < \
+        moe_branch.index("Fp8MoEMethod(self)")
+    # a family whose experts are quantized on sync keeps them FP8
+    tiny = tmp_path / "qwen"
+    tiny.mkdir()
+    (tiny / "config.json").write_text(json.dumps(TINY))
+    path, _ = prepare_engine_model_dir(cfg, str(tiny), str(tmp_path / "engine2"))
+    q = json.loads(open(os.path.join(path, "config.json")).read())["quantization_config"]
+    assert "modules_to_not_convert" not in q and not sglang_fp8.from_config(q).ignored_layers
+
+
+def test_gpt_oss_fp8_layout_checks_only_what_the_engine_quantizes():
+    """The block-FP8 MoE size rule is not applied to gpt-oss's unquantized experts (sglang applies it only
+    to configs with moe_intermediate_size, which gpt-oss has not); the attention rule still is."""
+    for tp in (1, 2, 4):
+        validate_model_layout(_cfg("rollout.sync_fp8=true", f"rollout.engine_tp={tp}"), GPT_OSS)
+    with pytest.raises(ConfigError) as err:
+        validate_model_layout(_cfg("rollout.sync_fp8=true", "rollout.engine_tp=8"), GPT_OSS)
+    assert "attention q / k / v partitions" in str(err.value) and "expert intermediate" not in str(err.value)

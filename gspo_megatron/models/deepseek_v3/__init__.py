@@ -34,6 +34,7 @@ from gspo_megatron.models.rules import (
     dense_mlp_rules,
     embedding_rules,
     mla_attention_rules,
+    mla_fuse_groups,
     pre_mlp_norm_rules,
     routed_expert_rules,
     router_bias_rule,
@@ -45,6 +46,7 @@ from gspo_megatron.models.rules import (
 class DeepseekV3(ModelFamily):
     name = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
+    sglang_ties_lm_head = True  # sglang's deepseek_v2.py: lm_head = embed_tokens when tied (engine pp 1)
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
     fp8_modules = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
                    "gate_proj", "up_proj", "down_proj")
@@ -56,7 +58,10 @@ class DeepseekV3(ModelFamily):
         routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, rope_interleave=True,
         rope_theta=10000.0, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=128, mscale=1.0,
-                          mscale_all_dim=1.0, beta_fast=32, beta_slow=1))
+                          mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
+        # in every published DeepSeek-V3 config.json (not transformers' config defaults); sglang 0.5.23's
+        # deepseek_v2.py reads all three (config.moe_layer_freq, topk_method, scoring_func)
+        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
 
     published = {
         "deepseek-v3": {  # deepseek-ai/DeepSeek-V3 (also R1 / V3-0324 / V3.1: same shapes); fp8 weights on disk
@@ -167,7 +172,8 @@ class DeepseekV3(ModelFamily):
         rules += routed_expert_rules(self.expert_naming) + [router_bias_rule("mlp.gate.e_score_correction_bias")]
         if hf.get("n_shared_experts"):
             rules += shared_expert_rules("mlp.shared_experts")
-        return MappingRegistry(rules)
+        # q_a_proj + kv_a_proj_with_mqa reach sglang in one load_weights call (rules.mla_fuse_groups)
+        return MappingRegistry(rules, mla_fuse_groups(hf))
 
     # -- planner ----------------------------------------------------------------------------------
     def dims(self, hf: dict) -> ModelDims:

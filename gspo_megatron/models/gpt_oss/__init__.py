@@ -68,6 +68,8 @@ class GptOss(GQAFamily):
     experts_stacked_in_checkpoint = True
     fp8_modules = ("q_proj", "k_proj", "v_proj", "o_proj")  # 2-D weights; stacked experts stay as they are
     fp8_excluded = GQAFamily.fp8_excluded + ("router", "sinks")
+    # the stacked experts are synced in bf16: an FP8 engine must not give them Fp8MoEMethod
+    fp8_engine_unquantized = ("mlp.experts",)
     tiny = dict(
         architectures=["GptOssForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=32,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

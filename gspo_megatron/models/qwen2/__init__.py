@@ -8,6 +8,7 @@ from gspo_megatron.models.registry import register_family
 class Qwen2(GQAFamily):
     name = "qwen2"
     architectures = ("Qwen2ForCausalLM",)
+    sglang_ties_lm_head = True  # sglang's qwen2.py: lm_head = embed_tokens when tied
     qkv_bias = True
     tiny = dict(
         architectures=["Qwen2ForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,

@@ -8,6 +8,7 @@ from gspo_megatron.models.registry import register_family
 class Qwen3(GQAFamily):
     name = "qwen3"
     architectures = ("Qwen3ForCausalLM",)
+    sglang_ties_lm_head = True  # sglang's qwen3.py: lm_head = embed_tokens when tied
     qk_norm = True
     tiny = dict(
         architectures=["Qwen3ForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
