@@ -197,12 +197,14 @@ def build_rollout(cfg: Config, run: Run) -> None:
     engine = run.rollout.engine
     syncer = WeightSyncer(run.model, run.rollout.topology, cfg.rollout.sync_bucket_mb)
     verify = None
-    if cfg.rollout.sync_verify:
-        verify = (run.model, cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype), run.pad_id)
+    if cfg.rollout.sync_verify:  # the weight version every sync; the log-prob probe on sync 1 and every N-th
+        verify = (run.model, cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype, cfg.rollout.sync_fp8),
+                  run.pad_id)
     dataset, sampler, tokenizer, rewards = run.dataset, run.sampler, run.tokenizer, run.rewards
     run.session = RolloutSession(
         syncer, engine, sampler, max_restarts=cfg.rollout.max_engine_restarts,
         colocated=cfg.rollout.sync_mode == "colocated", kv_cache_after_sync=not cfg.rollout.offload_train,
+        verify_every=cfg.rollout.sync_verify_every,
         collect=lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards),
         dead_engines=run.rollout.dead_engines, restart=run.rollout.restart, verify=verify,
         probe_prompts=[dataset[i].prompt_ids for i in range(min(4, len(dataset)))] if run.rank == 0 else None)
@@ -215,6 +217,7 @@ def build_rollout(cfg: Config, run: Run) -> None:
     # rollout.offload_train: params, grads and optimizer states leave the device while the engines generate
     if cfg.rollout.offload_train:
         run.offloader = TrainStateOffloader(run.ddp, run.optimizer)
+        run.session.offloader = run.offloader  # a probe offloads the state while the engines hold their KV cache
         # a re-sync inside the rollout (engine restarted) needs the weights back
         run.session.sync = run.offloader.loaded_call(run.session.sync)
     from gspo_megatron.evaluation import Evaluator  # eval.*: step 0, every eval.interval, the last step

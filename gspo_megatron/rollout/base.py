@@ -91,12 +91,14 @@ class RolloutEngine(abc.ABC):
     def end_weight_update(self) -> None:
         """Resume generation after a sync (no-op by default)."""
 
-    def release_memory(self) -> None:
-        """Colocated mode: free GPU memory while the trainer runs (no-op by default)."""
+    def release_memory(self, tags: Sequence[str] | None = None, engines: Sequence[int] | None = None) -> None:
+        """Colocated mode: free GPU memory while the trainer runs (``tags``: None: everything;
+        ``engines``: the replicas, None: all). No-op by default."""
 
-    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+    def resume_memory(self, tags: Sequence[str] | None = None) -> list[int] | None:
         """Colocated mode: take GPU memory back (``tags``: e.g. ["weights"] before a sync,
-        ["kv_cache"] after it; None: everything). No-op by default."""
+        ["kv_cache"] after it; None: everything). Returns the replicas that took something back
+        (None: not tracked). No-op by default."""
 
     def health_check(self) -> bool:
         """True when the engine can serve requests."""

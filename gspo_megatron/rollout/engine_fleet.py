@@ -187,13 +187,22 @@ class EngineFleet:
                 self.engine.engine_restarted(e)
 
     def dead_engines(self) -> list[int]:
-        """Rank 0: the engines that do not answer ``/health_generate``."""
-        # a busy engine answers /health_generate only after its running request: give it time
-        return [e for e, c in enumerate(self.engine.clients) if not c.health(timeout_s=HEALTH_TIMEOUT_S)]
+        """Rank 0: the engines that do not answer (see :func:`dead_engines`)."""
+        return dead_engines(self.engine)
 
     def shutdown(self) -> None:
         """Every rank: stop the server processes this rank launched."""
         self._kill_mine([s.index for s in self.specs])
+
+
+def dead_engines(engine: SGLangRolloutEngine) -> list[int]:
+    """The engines of ``engine`` that do not answer: ``/health_generate`` (a one-token generation)
+    for an engine that holds its memory; for one that released any (colocated, between a release and
+    the kv_cache resume) only ``/server_info``, a round trip to its scheduler that generates nothing:
+    sglang runs the health request on the released KV pool, an illegal memory access on a GPU."""
+    # a busy engine answers /health_generate only after its running request: give it time
+    return [e for e, c in enumerate(engine.clients)
+            if not (c.alive(timeout_s=HEALTH_TIMEOUT_S) if engine.released[e] else c.health(timeout_s=HEALTH_TIMEOUT_S))]
 
 
 def _broadcast(obj):

@@ -84,6 +84,17 @@ class SGLangHttpClient:
         except SGLangError:
             return False
 
+    def alive(self, timeout_s: float = 10.0) -> bool:
+        """True when ``/server_info`` answers: a round trip to the scheduler (its internal state)
+        that generates nothing, for an engine whose memory is released. sglang 0.5.23's
+        ``/health_generate`` and ``/health`` (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` defaults
+        on) both run a one-token request, which on a released KV cache is an illegal memory access."""
+        try:
+            self.request("GET", "server_info", timeout_s=timeout_s)
+            return True
+        except SGLangError:
+            return False
+
     def server_info(self) -> dict:
         """``/server_info`` (sglang 0.5.23; ``/get_server_info`` is its deprecated alias, kept for
         older servers)."""

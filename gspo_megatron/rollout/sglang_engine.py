@@ -289,20 +289,28 @@ class SGLangRolloutEngine(RolloutEngine):
         return [c.weight_version() for c in self.clients]
 
     # -- colocation ------------------------------------------------------------------------------
-    def release_memory(self) -> None:
+    def release_memory(self, tags: Sequence[str] | None = None, engines: Sequence[int] | None = None) -> None:
+        """Release ``tags`` (default: all memory tags) on ``engines`` (default: all)."""
+        tags = list(tags) if tags is not None else self.memory_tags
         for i, c in enumerate(self.clients):
+            if engines is not None and i not in engines:
+                continue
             c.flush_cache()
-            c.release_memory_occupation(self.memory_tags)
-            self.released[i] = set(self.memory_tags)
+            c.release_memory_occupation(tags)
+            self.released[i] |= set(tags)
 
-    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Resume ``tags`` (default: all memory tags) on the engines that released them. Order for a
-        sync: weights, sync, kv_cache."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> list[int]:
+        """Resume ``tags`` (default: all memory tags) on the engines that released them; returns
+        those engines. Order for a sync: weights, sync, kv_cache; nothing generates (the sync check,
+        ``/health_generate``) before the kv_cache is back."""
+        resumed = []
         for i, c in enumerate(self.clients):
             want = [t for t in (tags if tags is not None else self.memory_tags) if t in self.released[i]]
             if want:
                 c.resume_memory_occupation(want)
                 self.released[i] -= set(want)
+                resumed.append(i)
+        return resumed
 
     def engine_restarted(self, index: int) -> None:
         """Engine ``index`` was started again: it holds its memory (nothing to resume)."""

@@ -177,11 +177,11 @@ class SubprocessRolloutEngine(RolloutEngine):
     def end_weight_update(self) -> None:
         self._call("end_weight_update")
 
-    def release_memory(self) -> None:
-        self._call("release_memory")
+    def release_memory(self, tags=None, engines=None) -> None:
+        self._call("release_memory", tags, engines)
 
-    def resume_memory(self, tags=None) -> None:
-        self._call("resume_memory", tags)
+    def resume_memory(self, tags=None):
+        return self._call("resume_memory", tags)
 
     def weight_checksums(self, names: Iterable[str]) -> dict[str, float]:
         return self._call("weight_checksums", list(names))

@@ -55,6 +55,7 @@ READERS = {
     "rollout.sync_verify": "train.py",
     "rollout.sync_fp8": "weight_sync/topology.py",
     "rollout.sync_verify_tol": "train.py",
+    "rollout.sync_verify_every": "train.py",
     "rollout.offload_train": "train.py",
     "rollout.engine_tp": "rollout/engine_fleet.py",
     "rollout.engine_ep": "rollout/engine_model.py",

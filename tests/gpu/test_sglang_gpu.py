@@ -29,7 +29,7 @@ def _train(tmp_path, overrides: list[str], nproc: int = 1, timeout_s: float = 18
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(nproc),
                "-m", "gspo_megatron.train"]
     cmd += ["--config", os.path.join(ROOT, "configs/topology_30b_tiny.yaml"), f"output_dir={out}",
-            "rollout.engine_server=sglang", "model.dtype=bfloat16", "rollout.sync_verify=true", "train.steps=2",
+            "rollout.engine_server=sglang", "model.dtype=bfloat16", "rollout.sync_verify=true", "rollout.sync_verify_every=1", "train.steps=2",
             *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -19,7 +19,7 @@ from train_utils import FAST, read_metrics  # noqa: E402
 
 CONFIG = "configs/topology_30b_tiny.yaml"
 LAYOUT = ["parallel.tp=1", "parallel.ep=1", "parallel.sequence_parallel=false", "rollout.sync_mode=disaggregated",
-          "rollout.engine_tp=1", "rollout.num_engines=1", "rollout.sync_verify=true"]
+          "rollout.engine_tp=1", "rollout.num_engines=1", "rollout.sync_verify=true", "rollout.sync_verify_every=1"]
 
 
 def test_trainer_waits_for_an_attached_engine_then_syncs_and_trains(tmp_path):

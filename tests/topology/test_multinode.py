@@ -154,7 +154,7 @@ def _assert_synced(result: dict, steps: int, engines: int, tp: int, killed: bool
 def test_colocated_two_engines_two_nodes_with_an_engine_killed(tmp_path):
     steps = 3
     result = run_two_nodes(tmp_path, "configs/topology_30b_tiny.yaml",
-                           [f"train.steps={steps}", "rollout.sync_verify=true"], kill_engine="1.0")
+                           [f"train.steps={steps}", "rollout.sync_verify=true", "rollout.sync_verify_every=1"], kill_engine="1.0")
     _assert_synced(result, steps, engines=2, tp=2, killed=True)
     assert result["metrics"][-1]["rollout/engine_restarts"] == 1
     assert "restarted (1/" in result["logs"][0]
@@ -164,7 +164,7 @@ def test_disaggregated_two_engines_per_stage_groups(tmp_path):
     steps = 2
     result = run_two_nodes(tmp_path, "configs/topology_30b_tiny.yaml", [
         f"train.steps={steps}", "rollout.sync_mode=disaggregated", "rollout.num_engines=2", "parallel.tp=1",
-        "parallel.pp=2", "parallel.sequence_parallel=false", "rollout.sync_verify=true"])
+        "parallel.pp=2", "parallel.sequence_parallel=false", "rollout.sync_verify=true", "rollout.sync_verify_every=1"])
     _assert_synced(result, steps, engines=2, tp=2)
     # each stage's source sends only its stage's part
     m = result["metrics"][-1]
@@ -174,5 +174,5 @@ def test_disaggregated_two_engines_per_stage_groups(tmp_path):
 @pytest.mark.parametrize("steps", [2])
 def test_235b_shape_one_engine_across_nodes_with_offload(tmp_path, steps):
     result = run_two_nodes(tmp_path, "configs/topology_235b_tiny.yaml",
-                           [f"train.steps={steps}", "rollout.sync_verify=true"])
+                           [f"train.steps={steps}", "rollout.sync_verify=true", "rollout.sync_verify_every=1"])
     _assert_synced(result, steps, engines=1, tp=4)

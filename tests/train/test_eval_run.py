@@ -79,7 +79,7 @@ def test_eval_with_offload_train_keeps_the_engine_synced(tmp_path):
     # cache, then the engine is released, the state reloaded and the weights pushed again
     out = tmp_path / "offload"
     run_train(str(out), ["train.steps=2", "eval.interval=1", "eval.datasets=[task:last_digit]",
-                         "eval.max_prompts=4", "rollout.offload_train=true", "rollout.sync_verify=true"])
+                         "eval.max_prompts=4", "rollout.offload_train=true", "rollout.sync_verify=true", "rollout.sync_verify_every=1"])
     rows = read_metrics(str(out))
     assert _eval_steps(rows, "eval/last_digit/pass@1") == [0, 1, 2]
     assert [r["step"] for r in rows] == [0, 1, 2]

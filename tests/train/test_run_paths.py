@@ -159,10 +159,12 @@ def test_run_stops_after_max_bad_steps_with_the_last_good_checkpoint(tmp_path):
 
 def test_a_healthy_engine_that_raises_stops_the_run(tmp_path):
     out = str(tmp_path / "raises")
-    proc, report = drive("engine_raises_at=2", out, ["train.steps=4", "rollout.dynamic_sampling=false"])
+    # generate calls: the first sync's log-prob probe (rollout.sync_verify, on by default), step 1's
+    # rollout, then step 2's, which raises
+    proc, report = drive("engine_raises_at=3", out, ["train.steps=4", "rollout.dynamic_sampling=false"])
     assert proc.returncode != 0
     assert "rollout failed with a healthy engine: RuntimeError: injected: generate rejected the request" in proc.stderr
-    assert report["generate_calls"] == 2  # no retry: the error is a real one, not an engine death
+    assert report["generate_calls"] == 3  # no retry: the error is a real one, not an engine death
     assert [m["step"] for m in read_metrics(out)] == [1]
 
 
@@ -186,7 +188,7 @@ def test_sync_verify_stops_a_run_whose_engine_lost_a_tensor(tmp_path):
     check (greedy probe, engine log-probs vs the trainer's) stops the run naming the difference.
     Without the check the run would go on training on samples from the wrong policy."""
     out = str(tmp_path / "verify")
-    proc, report = drive("engine_corrupts_from=3", out, ["train.steps=3", "rollout.sync_verify=true"])
+    proc, report = drive("engine_corrupts_from=3", out, ["train.steps=3", "rollout.sync_verify=true", "rollout.sync_verify_every=1"])
     assert report["corrupted"], report
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "weight sync check failed: engine log-probs differ from the trainer's" in proc.stderr, proc.stderr[-3000:]

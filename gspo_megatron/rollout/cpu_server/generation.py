@@ -13,7 +13,9 @@ SGLang rules mirrored (``sampling/sampling_params.py``, ``sampling/sampling_batc
   every request has ``top_k <= 1`` (``is_all_greedy``): then ``log_softmax(logits)`` and argmax;
   the batch here is one ``/generate`` call (the CPU server runs one call at a time);
 - ``sampling_seed`` is used only with ``--enable-deterministic-inference`` (default 42 when a
-  request has none); otherwise the server's own generator (seeded by ``--random-seed``) draws;
+  request has none); otherwise the server's own generator draws, seeded by ``--random-seed`` once at
+  start (sglang's ``set_random_seed`` in ``managers/tp_worker.py``): memory release / resume and
+  weight updates do not reseed it, so each step draws a new stream;
 - generation stops at ``stop_token_ids`` and at the model's EOS ids unless ``ignore_eos``.
 """
 
@@ -115,9 +117,11 @@ def _generation_eos(model_path: str):
 class Sampler:
     """Rank 0's generation: groups requests with equal params and runs HFRolloutEngine batches."""
 
-    def __init__(self, engine: HFRolloutEngine, seed: int):
+    def __init__(self, engine: HFRolloutEngine, generator: torch.Generator):
         self.engine = engine
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # the server's generator (seeded once at start by --random-seed, kept through release /
+        # resume and weight updates, as sglang's sampling RNG is): never reseeded here
+        self.generator = generator
 
     @torch.no_grad()
     def run(self, requests: Sequence[Request]) -> list[dict]:

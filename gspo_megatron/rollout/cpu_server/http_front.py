@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import threading
 import time
 import uuid
@@ -148,7 +149,11 @@ class Front:
         return 200, (outs[0] if single else outs)
 
     def health(self, body: dict) -> tuple[int, Any]:
-        return 200, ""  # sglang: /health answers without generating unless told otherwise
+        # sglang 0.5.23 serves /health with the /health_generate function; it answers without
+        # generating only when SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is off (default on, srt/environ.py)
+        if os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() in ("0", "false", "no", "off"):
+            return 200, ""
+        return self.health_generate(body)
 
     def health_generate(self, body: dict) -> tuple[int, Any]:
         if not self._wait_unpaused(HEALTH_CHECK_TIMEOUT):
@@ -162,7 +167,9 @@ class Front:
             return 200, ""
         result = self.command("generate", requests=[{"input_ids": [0], "sampling_params":
                                                      {"max_new_tokens": 1, "temperature": 0.0}}])
-        if not result["success"] and "released" not in result.get("message", ""):
+        if not result["success"]:
+            # a failing generation, or memory released: sglang runs its one-token request on the
+            # unmapped KV pool / weights, the scheduler dies, no answer within the timeout: 503
             return 503, ""
         return 200, ""
 
