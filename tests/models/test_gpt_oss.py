@@ -164,9 +164,13 @@ def test_expert_tensor_parallel_above_one_is_refused_before_building():
     check_layout(_cfg(), tp=2, pp=1, ep=2, etp=1)
 
 
-def test_cpu_stand_in_server_refuses_engine_tp_it_cannot_shard():
-    from gspo_megatron.rollout.cpu_server.sharding import Layout
+def test_cpu_stand_in_server_shards_engine_tp_as_sglang_does():
+    """sglang 0.5.23 serves gpt-oss at engine TP > 1 (stacked experts cut by FusedMoE, sinks by
+    head); the CPU stand-in no longer refuses it (tests/rollout/test_sglang_loaders.py serves TP 2)."""
+    from gspo_megatron.rollout.cpu_server.sharding import Layout, kind_of
 
-    with pytest.raises(ValueError, match="model_type 'gpt_oss' .* use --tp-size 1"):
-        Layout.from_config(_cfg(), tp_size=2).check()
-    Layout.from_config(_cfg(), tp_size=1).check()
+    for tp, ep in ((1, 1), (2, 1), (2, 2), (4, 2)):
+        Layout.from_config(_cfg(), tp_size=tp, ep_size=ep).check()
+    assert kind_of("model.layers.0.mlp.experts.gate_up_proj") == "stacked"
+    assert kind_of("model.layers.0.self_attn.sinks") == "column"
+    assert kind_of("model.layers.0.self_attn.o_proj.bias") == "replicated"

@@ -61,7 +61,7 @@ def test_experts_tp_and_ep_by_hand():
     assert owner_ranks(w2, Layout.from_config(CFG, 4, 2)) == [2, 3]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2", "qwen3", "gpt_oss"])
 def test_every_checkpoint_name_shards_and_reassembles(family, tmp_path):
     """Names known to the server == the names transformers saves (tied lm_head aside); for tp 1, 2,
     4 (and ep 2) every tensor's owner shards put back together give the tensor."""

@@ -36,6 +36,7 @@ class ServerArgs:
     dtype: str
     load_format: str
     log_level: str
+    sglang_loader_check: str = "auto"
 
     @property
     def tp_per_node(self) -> int:
@@ -74,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights (they come by a weight update)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--sglang-loader-check", default="auto", choices=("auto", "on", "off"),
+                   help="not sglang's (CPU server only): each TP rank also holds sglang's own model class, loads "
+                        "every bucket with its load_weights and fails a weight update that leaves a parameter "
+                        "unwritten (cpu_server/sglang_models.py); auto: on when sglang imports")
     return p
 
 

@@ -17,6 +17,17 @@ Read from sglang's ``layers/linear.py`` (``ColumnParallelLinear``, ``QKVParallel
   ``moe_tp_rank = r % moe_tp`` and ``moe_ep_rank = r // moe_tp``; it holds experts
   ``[moe_ep_rank * E/ep, (moe_ep_rank + 1) * E/ep)`` and of each the intermediate slice
   ``moe_tp_rank`` (gate / up: dim 0, down: dim 1). Other experts are not on the rank (None).
+- experts stacked per layer (gpt-oss: ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate / up
+  interleaved, ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]):
+  sglang's ``models/gpt_oss.py`` ``_load_normal_weights`` transposes the weights and
+  ``FusedMoE._load_w13`` / ``_load_w2`` cut the intermediate dimension in ``moe_tp`` contiguous parts
+  (2I of gate_up as it is, interleaved, so each part keeps whole gate / up pairs): rank r holds the
+  rows of its EP rank's experts and part ``moe_tp_rank`` of dim 2 (gate_up), 1 (its bias, down);
+  ``down_proj_bias`` is held whole by MoE TP rank 0 and zero elsewhere (sglang zeroes it on the other
+  ranks, so the reduced sum adds it once).
+- attention sinks (gpt-oss ``self_attn.sinks``, one per head): cut by head like ``q_proj``.
+- a row-parallel layer's bias (gpt-oss ``o_proj.bias``): whole on every rank (``RowParallelLinear``
+  adds it on TP rank 0 after the reduction).
 - everything else (norms, ``q_norm`` / ``k_norm``, the router ``gate``): replicated.
 
 Full tensors have the HF checkpoint shape; a shard has the shape the rank stores.
@@ -33,6 +44,7 @@ import torch
 VOCAB_PADDING = 64  # sglang DEFAULT_VOCAB_PADDING_SIZE
 
 _EXPERT_RE = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_STACKED_RE = re.compile(r"\.mlp\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?$")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
 
@@ -72,11 +84,6 @@ class Layout:
             raise ValueError(f"num_key_value_heads {kv} and --tp-size {tp}: one must divide the other")
         if self.num_experts and self.num_experts % ep:
             raise ValueError(f"num_experts {self.num_experts} is not divisible by --ep-size {ep}")
-        from gspo_megatron.models.registry import experts_stacked
-
-        if tp > 1 and experts_stacked(self.model_type):
-            raise ValueError(f"model_type {self.model_type!r} (experts stacked per layer, attention sinks) is "
-                             "not sharded by this CPU stand-in yet: use --tp-size 1")
 
     @property
     def moe_tp_size(self) -> int:
@@ -87,9 +94,13 @@ class Layout:
 
 
 def kind_of(name: str) -> str:
-    """``"expert" | "column" | "kv" | "row" | "vocab" | "replicated"`` for an HF weight name."""
+    """``"expert" | "stacked" | "column" | "kv" | "row" | "vocab" | "replicated"`` for an HF weight name."""
     if _EXPERT_RE.search(name):
         return "expert"
+    if _STACKED_RE.search(name):
+        return "stacked"
+    if name.endswith("self_attn.sinks"):
+        return "column"
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         return "vocab"
     parts = name.split(".")
@@ -99,7 +110,7 @@ def kind_of(name: str) -> str:
     if proj in _COLUMN:
         return "column"
     if proj in _ROW:
-        return "row"
+        return "replicated" if name.endswith(".bias") else "row"
     return "replicated"
 
 
@@ -133,6 +144,8 @@ def shard_for_rank(name: str, full: torch.Tensor, tp_rank: int, layout: Layout) 
             head = tp_rank // (tp // kv)
             return _chunk(full, 0, kv, head).clone()
         return _chunk(full, 0, tp, tp_rank).clone()
+    if kind == "stacked":
+        return _stacked_shard(name, full, tp_rank, layout)
     if kind == "vocab":
         per = layout.padded_vocab() // tp
         out = full.new_zeros((per, *full.shape[1:]))
@@ -151,6 +164,18 @@ def shard_for_rank(name: str, full: torch.Tensor, tp_rank: int, layout: Layout) 
     return _chunk(full, dim, moe_tp, moe_tp_rank).clone()
 
 
+def _stacked_shard(name: str, full: torch.Tensor, tp_rank: int, layout: Layout) -> torch.Tensor:
+    m = _STACKED_RE.search(name)
+    moe_tp = layout.moe_tp_size
+    ep_rank, moe_tp_rank = tp_rank // moe_tp, tp_rank % moe_tp
+    per_ep = layout.num_experts // layout.ep_size
+    rows = full.narrow(0, ep_rank * per_ep, per_ep)
+    if m.group("proj") == "down_proj" and m.group("bias"):
+        return rows.clone() if moe_tp_rank == 0 else torch.zeros_like(rows)
+    dim = 1 if m.group("bias") or m.group("proj") == "down_proj" else 2
+    return _chunk(rows, dim, moe_tp, moe_tp_rank).clone()
+
+
 def owner_ranks(name: str, layout: Layout) -> list[int]:
     """The TP ranks whose shards together make the full tensor, in order (one per distinct part)."""
     tp = layout.tp_size
@@ -163,6 +188,8 @@ def owner_ranks(name: str, layout: Layout) -> list[int]:
         expert, _ = expert_of(name)  # type: ignore[misc]
         ep_rank = expert // (layout.num_experts // layout.ep_size)
         return [ep_rank * layout.moe_tp_size + i for i in range(layout.moe_tp_size)]
+    if kind == "stacked" and name.endswith("down_proj_bias"):  # whole on MoE TP rank 0 of each EP rank
+        return list(range(0, tp, layout.moe_tp_size))
     return list(range(tp))
 
 
@@ -173,6 +200,12 @@ def assemble(name: str, shards: Sequence[torch.Tensor], layout: Layout, full_sha
         return shards[0]
     if kind == "vocab":
         return torch.cat(list(shards), 0)[: full_shape[0]]
+    if kind == "stacked":  # experts of each EP rank: its moe_tp parts side by side; EP ranks stacked
+        if name.endswith("down_proj_bias"):
+            return torch.cat(list(shards), 0)
+        dim = 1 if name.endswith(("_bias", "down_proj")) else 2
+        k = layout.moe_tp_size
+        return torch.cat([torch.cat(list(shards[i:i + k]), dim) for i in range(0, len(shards), k)], 0)
     if kind == "row" or (kind == "expert" and expert_of(name)[1] in ("down_proj", "w2")):  # type: ignore[index]
         return torch.cat(list(shards), 1)
     return torch.cat(list(shards), 0)

@@ -17,6 +17,12 @@ Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` a
   by broadcast from group rank 0 in the given order, then load.
 - ``generate``: when the shards changed since the last generation, every rank sends its shards
   to rank 0 (gather), which assembles the full tensors into its transformers model; rank 0 samples.
+- sglang's own loader (``--sglang-loader-check``, on when sglang imports; ``sglang_models.py``):
+  each rank also holds sglang 0.5.23's model class for the checkpoint and hands it every bucket
+  (one ``load_weights`` call per bucket, as sglang's weight updater); ``begin`` fills its parameters
+  with NaN and ``end`` of a session that loaded anything fails, naming them, when a parameter was
+  left (partly) unwritten (e.g. DeepSeek's ``fused_qkv_a_proj_with_mqa`` when ``q_a_proj`` and
+  ``kv_a_proj_with_mqa`` came in different buckets). Generation still runs the transformers model.
 - ``release`` / ``resume``: memory tags; with ``--enable-memory-saver`` the ``weights`` tag frees
   and restores the shards' storage (contents lost, as without CPU backup) and rank 0's assembled
   model; without it only the tags are recorded (sglang's no-op memory saver).
@@ -69,12 +75,41 @@ class TPWorker:
             self.store.load_dummy(args.random_seed)
         else:
             self.store.load(iter_checkpoint(args.model_path))
+        self.sglang = self._sglang_model()
         self.groups: dict[str, Any] = {}
         self.session: dict | None = None
         self.offload_tags: set[str] = set()
         self.dirty = True  # rank 0's assembled model is out of date
         self.sampler: Sampler | None = None
+        # seeded once, as sglang seeds its sampling RNG once at start (``set_random_seed`` in
+        # managers/tp_worker.py and scheduler.py); release / resume and weight updates never reseed it
+        self.generator = torch.Generator(device="cpu").manual_seed(args.random_seed)
         self.eos_ids = eos_token_ids(args.model_path, self.config)
+
+    def _sglang_model(self):
+        """sglang's own model class for this rank (``--sglang-loader-check``), loaded from the
+        checkpoint as sglang's DefaultModelLoader does (one ``load_weights`` call over every file), or
+        None when the check is off (``auto`` and sglang does not import here)."""
+        mode = self.args.sglang_loader_check
+        if mode == "off":
+            return None
+        from gspo_megatron.rollout.cpu_server import sglang_models
+
+        why = sglang_models.import_error()
+        if why is not None:
+            if mode == "on":
+                raise RuntimeError(f"--sglang-loader-check on: {why}")
+            log(self.tp_rank, f"sglang loader check off: {why}")
+            return None
+        model = sglang_models.SglangModel(self.args.model_path, self.args.tp_size, self.tp_rank,
+                                          self.args.ep_size, self.dtype)
+        if self.args.load_format != "dummy":  # dummy: sglang's random init, written by the first sync
+            model.poison()
+            model.load(iter_checkpoint(self.args.model_path))
+            model.check_written()
+        log(self.tp_rank, f"sglang {sglang_models.SGLANG_VERSION}'s {type(model.model).__name__} holds this rank's "
+                          f"weights too (every bucket goes to its load_weights)")
+        return model
 
     # -- the full model on rank 0 ----------------------------------------------------------------
     def _refresh_full_model(self) -> None:
@@ -84,7 +119,7 @@ class TPWorker:
         if self.tp_rank == 0:
             if self.sampler is None:
                 engine = HFRolloutEngine(self.config, None, dtype=self.dtype, seed=self.args.random_seed)
-                self.sampler = Sampler(engine, self.args.random_seed)
+                self.sampler = Sampler(engine, self.generator)
             bucket = []
             for name, shape in self.store.full_shapes.items():
                 parts = [gathered[r][name] for r in owner_ranks(name, self.layout)]
@@ -103,9 +138,9 @@ class TPWorker:
         return {"success": True, "message": "ready"}
 
     def op_generate(self, requests: list[dict]) -> dict:
-        if self.store.released:
-            return {"success": False, "message": "weights are released (release_memory_occupation); "
-                                                 "resume_memory_occupation first"}
+        released = sorted(self.offload_tags) if self.args.enable_memory_saver else []
+        if released:  # sglang would run the batch on unmapped memory (see ``released_refusal``)
+            return {"success": False, "message": released_refusal(released), "released": released}
         if self.dirty:
             self._refresh_full_model()
         if self.tp_rank != 0:
@@ -121,7 +156,9 @@ class TPWorker:
         if self.session is not None:
             return {"success": False, "message": "a weight-update session is already open; "
                                                  "call end_weight_update() first"}
-        self.session = {"loaded": False}
+        self.session = {"loaded": False, "stored": 0}
+        if self.sglang is not None and not self.sglang.released:
+            self.sglang.poison()  # a full sync writes every parameter: NaN left at end = unwritten
         dist.barrier()
         return {"success": True, "message": "Success"}
 
@@ -129,14 +166,24 @@ class TPWorker:
         if self.session is None:
             return {"success": False,
                     "message": "no weight-update session is open; call begin_weight_update() first"}
+        result = {"success": True, "message": "Success"}
+        if self.sglang is not None and self.session["stored"]:  # a session that wrote nothing: no sync
+            try:
+                self.sglang.check_written()
+            except RuntimeError as e:
+                result = {"success": False, "message": f"end_weight_update: {e}"}
         self.session = None
         dist.barrier()
-        return {"success": True, "message": "Success"}
+        return result
 
     def _load(self, named) -> None:
-        self.store.load(named)
+        named = list(named)
+        stored = self.store.load(named)
+        if self.sglang is not None:  # after the store: sglang's loaders may write into the tensors
+            self.sglang.load(named)
         self.dirty = True
         self.session["loaded"] = True  # type: ignore[index]
+        self.session["stored"] += stored  # type: ignore[index]
 
     def op_update_tensor(self, serialized_named_tensors: list, load_format: str | None) -> dict:
         if self.session is None:
@@ -231,6 +278,8 @@ class TPWorker:
         self.offload_tags.update(tags)
         if "weights" in tags and self.args.enable_memory_saver and not self.store.released:
             self.store.release()
+            if self.sglang is not None:
+                self.sglang.release()
             if self.sampler is not None:  # rank 0's assembled copy goes too
                 self.sampler = None
             self.dirty = True
@@ -246,6 +295,8 @@ class TPWorker:
             return {"success": False, "message": str(e)}
         if "weights" in tags and self.args.enable_memory_saver and self.store.released:
             self.store.resume()
+            if self.sglang is not None:
+                self.sglang.resume()
             self.dirty = True
         dist.barrier()
         return {"success": True}
@@ -258,10 +309,22 @@ class TPWorker:
         if self.sampler is not None:
             assembled = sum(p.untyped_storage().nbytes() for p in self.sampler.engine.model.parameters())
         return {"success": True, "weights_bytes": self.store.resident_bytes(), "assembled_model_bytes": assembled,
+                "sglang_model_bytes": self.sglang.resident_bytes() if self.sglang is not None else 0,
                 "offload_tags": sorted(self.offload_tags)}
 
     def op_shutdown(self) -> dict:
         return {"success": True}
+
+
+def released_refusal(tags: list[str]) -> str:
+    """Why a generation is refused while memory is released. sglang 0.5.23 itself does not refuse:
+    its scheduler runs the request (``/generate``, and the one-token request of ``/health_generate``)
+    on whatever its KV pool and weights map, and after ``release_memory_occupation`` with the
+    memory saver that memory is unmapped (``scheduler_components/weight_updater.py``: torch_memory_saver
+    ``pause``), which on a GPU is an illegal memory access that ends the server."""
+    return (f"{', '.join(repr(t) for t in tags)} released (release_memory_occupation): sglang 0.5.23 would "
+            "run this generation on unmapped memory (an illegal memory access on a GPU); "
+            "resume_memory_occupation first")
 
 
 def merge(results: list[dict]) -> dict:

@@ -1,0 +1,268 @@
+"""sglang 0.5.23's own model classes on CPU, for loading weight-sync buckets with sglang's real loaders.
+
+The CPU server (and tests) hold, on each engine TP rank, the model class sglang would serve the
+checkpoint with, built the way sglang's model runner builds it, and hand every received bucket to
+its ``load_weights`` exactly as sglang's weight updater does: one call per
+``update_weights_from_tensor`` / ``update_weights_from_distributed`` bucket
+(``srt/model_executor/model_runner_components/weight_updater.py``: ``update_weights_from_tensor``,
+``_update_weights_from_flattened_bucket`` and ``load_weights_from_distributed`` each call
+``self.get_model().load_weights(named_tensors)`` once with the bucket's list). Only kernel forwards
+are GPU-only; the classes' constructors and loaders run on CPU. Nothing here generates.
+
+Pieces and the sglang source each follows:
+- :func:`install_import_stubs`: ``sgl_kernel`` (CUDA kernels) and ``torchvision`` (imported by
+  ``srt/configs/__init__.py``'s multimodal configs) are not installable on this CPU machine; any
+  import of them gets a permissive stub module. transformers' cached ``is_torchvision_available``
+  is evaluated first, so transformers (the CPU server's generation) still sees no torchvision.
+  ``SGLANG_USE_CPU_ENGINE=1`` selects sglang's CPU platform (``srt/utils/common.py`` ``is_cpu``).
+- :func:`init_parallel`: ``srt/managers/scheduler.py`` ``run_scheduler_process`` (``publish`` of the
+  server args with the rank's ``SpawnRanks``) and ``srt/model_executor/model_runner.py``
+  ``init_torch_distributed`` (``init_distributed_environment`` + ``initialize_model_parallel``),
+  on gloo over this process's existing torch.distributed world (the engine's TP ranks).
+- :class:`SglangModel`: ``srt/model_loader/loader.py`` ``DefaultModelLoader.load_model`` (the
+  class built under ``set_default_torch_dtype(model_config.dtype)`` on the target device, here
+  ``cpu``) and ``_initialize_model`` (``resolve_shared_experts_config`` + the class constructor),
+  except that the class is imported from its own module (``srt/models/<module>.py``, whose
+  ``EntryClass`` sglang's registry reads) instead of through ``srt/models/registry.py``, which
+  imports every model module (about 4 s a rank); other architectures go through the registry.
+  ``load`` is the weight updater's call; ``process_weights_after_loading`` (AMX repacking on CPU, a
+  no-op for unquantized weights on GPU) is not run.
+- The written check (not sglang's: ours, so that a partial load cannot pass silently): before a full
+  sync every parameter is filled with NaN (:meth:`SglangModel.poison`); after it, a parameter with a
+  NaN left was not (completely) written by sglang's loader (:meth:`SglangModel.unwritten`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import os
+import sys
+import types
+from typing import Iterable
+
+import torch
+
+SGLANG_VERSION = "0.5.23"
+STUBBED = ("sgl_kernel", "torchvision")
+
+# architecture -> sglang module (srt/models/<module>.py defines it in EntryClass)
+MODULES = {
+    "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v2", "DeepseekV2ForCausalLM": "deepseek_v2",
+    "Glm4MoeForCausalLM": "glm4_moe", "GptOssForCausalLM": "gpt_oss",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+}
+
+
+class _AnyMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Any()
+
+
+class _Any(metaclass=_AnyMeta):
+    """Whatever a stubbed module's attribute is asked to be: callable, subclassable, any attribute."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def __call__(self, *a, **k):
+        return _Any()
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Any()
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (_Any,), {})
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves a stub module for ``sgl_kernel[.*]`` and ``torchvision[.*]`` (only when not installed)."""
+
+    def __init__(self, roots):
+        self.roots = tuple(roots)
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.roots:
+            return importlib.util.spec_from_loader(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _StubModule(spec.name)
+
+    def exec_module(self, module):
+        module.__path__ = []
+
+
+def install_import_stubs() -> None:
+    """Idempotent: CPU platform env and the stubs for whichever of ``STUBBED`` is not installed."""
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    if any(isinstance(f, _StubFinder) for f in sys.meta_path):
+        return
+    from transformers.utils import import_utils
+
+    import_utils.is_torchvision_available()  # cached before the stub exists: transformers sees none
+    import_utils.is_torchvision_v2_available()
+    missing = [m for m in STUBBED if m not in sys.modules and importlib.util.find_spec(m) is None]
+    if missing:
+        sys.meta_path.insert(0, _StubFinder(missing))
+
+
+def import_error() -> str | None:
+    """None when sglang's model code imports here; else one line saying why not."""
+    try:
+        install_import_stubs()
+        import sglang
+        from sglang.srt.distributed import initialize_model_parallel  # noqa: F401
+        from sglang.srt.model_loader.loader import _initialize_model  # noqa: F401
+        from sglang.srt.runtime_context import publish  # noqa: F401
+    except Exception as e:  # ImportError and whatever an import chain raises
+        return (f"sglang's model classes do not import ({type(e).__name__}: {e}); install sglang=={SGLANG_VERSION} "
+                "with --no-deps and the `sglang-cpu` extra (see the Makefile)")
+    if getattr(sglang, "__version__", SGLANG_VERSION) != SGLANG_VERSION:
+        return f"sglang {sglang.__version__} is installed; the CPU server follows sglang {SGLANG_VERSION}"
+    return None
+
+
+def server_args(model_path: str, tp_size: int, ep_size: int = 1, dtype: str = "auto"):
+    """sglang's ``ServerArgs`` for this engine on CPU (no tokenizer; weights come by load)."""
+    install_import_stubs()
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=model_path, device="cpu", tp_size=tp_size, ep_size=ep_size, dtype=dtype,
+                      load_format="dummy", skip_tokenizer_init=True)
+
+
+_PARALLEL: tuple | None = None  # (tp_size, ep_size) of the groups built in this process
+
+
+def init_parallel(args, tp_rank: int) -> None:
+    """Publish ``args`` (sglang ``ServerArgs``) as this process's config at world rank ``tp_rank``
+    and, once per process, build sglang's parallel groups on gloo over the current torch.distributed
+    world (initialised here from the env:// variables when it is not yet)."""
+    global _PARALLEL
+    import torch.distributed as dist
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.runtime_context import SpawnRanks, publish
+
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
+    if _PARALLEL is not None:
+        if _PARALLEL != (args.tp_size, args.ep_size):
+            raise RuntimeError(f"sglang's parallel groups were built for tp/ep {_PARALLEL} in this process, "
+                               f"not {(args.tp_size, args.ep_size)}")
+        return
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", world_size=args.tp_size, rank=tp_rank)
+    if dist.get_world_size() != args.tp_size:
+        raise RuntimeError(f"the torch.distributed world has {dist.get_world_size()} ranks; the engine has "
+                           f"tp_size {args.tp_size}")
+    init_distributed_environment(world_size=args.tp_size, rank=tp_rank, local_rank=tp_rank, backend="gloo",
+                                 distributed_init_method=None)
+    initialize_model_parallel(backend="gloo")
+    _PARALLEL = (args.tp_size, args.ep_size)
+
+
+def model_class(model_config):
+    """The sglang class for the config's architecture (its own module, else sglang's registry)."""
+    arch = (getattr(model_config.hf_config, "architectures", None) or [None])[0]
+    module = MODULES.get(arch)
+    if module is not None:
+        entry = importlib.import_module(f"sglang.srt.models.{module}").EntryClass
+        for cls in entry if isinstance(entry, list) else [entry]:
+            if cls.__name__ == arch:
+                return cls
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    return get_model_architecture(model_config)[0]
+
+
+class SglangModel:
+    """sglang's model class for ``model_path`` at engine TP rank ``tp_rank`` of ``tp_size`` (on CPU).
+
+    ``load(named_tensors)``: one ``load_weights`` call, as sglang's weight updater per bucket.
+    ``poison()`` / ``unwritten()``: the written check of a full sync (module docstring)."""
+
+    def __init__(self, model_path: str, tp_size: int, tp_rank: int, ep_size: int = 1,
+                 dtype: torch.dtype | str | None = None):
+        install_import_stubs()
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.model_loader.loader import _get_quantization_config, resolve_shared_experts_config
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
+        from sglang.srt.runtime_context import get_model
+
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        self.args = server_args(model_path, tp_size, ep_size, dtype or "auto")
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        init_parallel(self.args, tp_rank)
+        self.model_config = ModelConfig.from_server_args(self.args)
+        load_config = LoadConfig(load_format="dummy")
+        quant_config = _get_quantization_config(self.model_config, load_config)
+        cls = model_class(self.model_config)
+        # loader.py DefaultModelLoader.load_model + _initialize_model, device "cpu"
+        with set_default_torch_dtype(self.model_config.dtype), torch.device("cpu"):
+            shared = resolve_shared_experts_config(cls, self.model_config.hf_config, quant_config)
+            with get_model().override(shared_experts=shared):
+                self.model = cls(config=self.model_config.hf_config, quant_config=quant_config)
+            self.model.shared_experts_config = shared
+        self.model.eval()
+        self.released = False
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One bucket -> one ``model.load_weights(list)`` call (weight_updater.py). sglang's loaders
+        may write into the tensors they are given (gpt-oss zeroes ``down_proj_bias`` on MoE TP ranks
+        > 0): pass tensors nothing else reads afterwards."""
+        if self.released:
+            raise RuntimeError("weights are released (release_memory_occupation); resume them before loading")
+        self.model.load_weights([(n, t) for n, t in named_tensors])
+
+    @torch.no_grad()
+    def poison(self) -> None:
+        """Fill every floating-point parameter with NaN (before a full sync)."""
+        for p in self.model.parameters():
+            if p.is_floating_point():
+                p.data.fill_(float("nan"))
+
+    @torch.no_grad()
+    def unwritten(self) -> list[str]:
+        """Parameters with a NaN left since :meth:`poison` (not, or not completely, written)."""
+        return [n for n, p in self.model.named_parameters() if p.is_floating_point() and torch.isnan(p).any()]
+
+    def check_written(self) -> None:
+        """Raise (one line naming them) when a parameter was not written since :meth:`poison`."""
+        bad = self.unwritten()
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise RuntimeError(f"sglang {SGLANG_VERSION}'s {type(self.model).__name__}.load_weights left "
+                               f"{len(bad)} parameter(s) of engine TP rank {self.tp_rank} unwritten by this "
+                               f"weight update: {', '.join(bad[:3])}{more}")
+
+    def resident_bytes(self) -> int:
+        return sum(p.untyped_storage().nbytes() for p in self.model.parameters())
+
+    def release(self) -> None:
+        """The memory saver's pause: the parameters' storage goes (contents lost)."""
+        for p in self.model.parameters():
+            p.data.untyped_storage().resize_(0)
+        self.released = True
+
+    def resume(self) -> None:
+        """Storage back, zero-filled (no CPU backup, as sglang's memory saver)."""
+        for p in self.model.parameters():
+            p.data.untyped_storage().resize_(p.numel() * p.element_size())
+            p.data.zero_()
+        self.released = False
