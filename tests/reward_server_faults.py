@@ -22,12 +22,27 @@ class Faults:
 
 def faulty_handler(faults: Faults):
     class Handler(RewardHandler):
+        done = False  # this request no longer counts as open
+
+        def _close_request(self):
+            with faults.lock:
+                if not self.done:
+                    self.done = True
+                    faults.open -= 1
+
+        def _send(self, code, payload):
+            # the request stops counting as open before its answer leaves: once the client has the
+            # answer it may send the next request while this thread is still on its way out
+            self._close_request()
+            super()._send(code, payload)
+
         def do_POST(self):  # noqa: N802
             with faults.lock:
                 faults.count += 1
                 kind = faults.plan.get(faults.count)
                 faults.open += 1
                 faults.max_open = max(faults.max_open, faults.open)
+                self.done = False
             try:
                 if kind == "hang":
                     faults.release.wait(600)
@@ -44,8 +59,7 @@ def faulty_handler(faults: Faults):
                 time.sleep(0.05)  # let requests overlap, so the in-flight bound is exercised
                 super().do_POST()
             finally:
-                with faults.lock:
-                    faults.open -= 1
+                self._close_request()
     return Handler
 
 

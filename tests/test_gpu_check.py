@@ -1,5 +1,6 @@
-"""The GPU check kit's CPU-safe parts: the pinned wheel list, the wheel-folder check, and the whole
---dry-run (list, GPU test files, collection, every benchmark command in its CPU form)."""
+"""The GPU check kit's CPU-safe parts: the pinned wheel list, the wheel-folder check and split, the
+test lists and their probes, and the whole --dry-run (list, GPU test files, collection, every benchmark
+command in its CPU form)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def test_pinned_list_is_complete_and_leaves_torch_out():
     assert problems == []
     assert gpu_check.check_core_dependencies(pins) == []
     assert pins["megatron-core"] == "0.16.1" and "pytest" in pins and "torch" not in pins
+    # sglang (installed --no-deps) and its weight-sync import chain (pyproject's sglang-cpu extra, less
+    # triton, which the CUDA torch brings)
+    assert pins["sglang"] == "0.5.23"
+    for name in ("orjson", "pybase64", "requests", "starlette", "msgspec", "pyzmq", "ipython", "aiohttp"):
+        assert name in pins, name
+    assert "triton" not in pins and "typing-extensions" not in pins
 
 
 def test_list_problems_are_named(tmp_path):
@@ -61,6 +68,70 @@ def test_wheel_folder_check(tmp_path):
     assert gpu_check.check_wheels(str(tmp_path / "nope"), pins)[0].startswith("--wheels")
 
 
+def test_wheel_folders_below_and_several(tmp_path):
+    pins = {"rich": "15.0.0", "tqdm": "4.70.1"}
+    (tmp_path / "part1").mkdir()
+    (tmp_path / "part2").mkdir()
+    (tmp_path / "part1" / "rich-15.0.0-py3-none-any.whl").write_bytes(b"")
+    (tmp_path / "part2" / "tqdm-4.70.1-py3-none-any.whl").write_bytes(b"")
+    assert gpu_check.check_wheels(str(tmp_path), pins) == []
+    assert gpu_check.wheel_dirs(str(tmp_path)) == [str(tmp_path / "part1"), str(tmp_path / "part2")]
+    assert gpu_check.check_wheels([str(tmp_path / "part1"), str(tmp_path / "part2")], pins) == []
+    assert any("tqdm==4.70.1: missing" in p for p in gpu_check.check_wheels([str(tmp_path / "part1")], pins))
+
+
+def test_split_wheels_into_parts_under_the_limit(tmp_path):
+    sizes = {"a": 5, "b": 4, "c": 3, "d": 3, "e": 1, "f": 9}  # MiB; f alone is over the limit
+    for name, mib in sizes.items():
+        (tmp_path / f"{name}-1.0-py3-none-any.whl").write_bytes(b"x" * (mib << 20))
+    parts = gpu_check.split_wheels(str(tmp_path), part_mib=8)
+    assert [os.path.basename(d) for d, _ in parts] == ["part1", "part2", "part3"]
+    assert [s >> 20 for _, s in parts] == [9, 8, 8]  # f; a + c; b + d + e (first fit, largest first)
+    assert not list(tmp_path.glob("*.whl"))
+    assert sorted(p.name[0] for p in tmp_path.glob("part*/*.whl")) == sorted(sizes)
+    # again over the parts (e.g. with another limit): every wheel is placed anew
+    parts = gpu_check.split_wheels(str(tmp_path), part_mib=100)
+    assert [s >> 20 for _, s in parts] == [25] and sorted(p.name for p in tmp_path.iterdir()) == ["part1"]
+    pins = {name: "1.0" for name in sizes}
+    assert gpu_check.check_wheels(str(tmp_path), pins) == []
+
+
+def test_every_gpu_test_file_is_in_one_list():
+    assert gpu_check.check_test_lists() == []
+    assert "tests/gpu/test_weight_payloads_gpu.py" in gpu_check.NEEDS_SGLANG
+    assert "tests/gpu/test_fp8_te_gpu.py" in gpu_check.NEEDS_TE
+    assert "tests/gpu/test_sglang_gpu.py" in gpu_check.NOT_IN_KIT  # a real SGLang server: the Docker image
+    assert set(gpu_check.STEP_PROBES) == {"gpu_tests_sglang", "gpu_tests_te"}
+
+
+@pytest.mark.parametrize("sglang_ok", [True, False])
+def test_sglang_tests_must_run_te_tests_run_when_te_imports(tmp_path, monkeypatch, sglang_ok):
+    """After the install sglang's pieces must import (it is in the list): a failing probe fails the kit;
+    Transformer Engine is the machine's own: without it its tests are recorded as skipped."""
+    py = sys.executable
+    monkeypatch.setattr(gpu_check, "environment", lambda _py: {"python": "3.12.3", "gpus": 1})
+    monkeypatch.setattr(gpu_check, "commands", lambda args, _py: [
+        (n, [py, "-c", "pass"]) for n in ("gpu_tests", "gpu_tests_sglang", "gpu_tests_te")])
+    monkeypatch.setattr(gpu_check, "STEP_PROBES", {"gpu_tests_sglang": ("pass" if sglang_ok else "import no_such_mod", True),
+                                                   "gpu_tests_te": ("import no_such_mod", False)})
+    out = tmp_path / "r.json"
+    rc = gpu_check.main(["--out", str(out), "--skip-install"])
+    res = json.loads(out.read_text())
+    steps = {s["name"]: s for s in res["steps"]}
+    assert list(steps) == ["gpu_tests", "gpu_tests_sglang", "gpu_tests_te"]
+    assert steps["gpu_tests_te"]["skipped"] and steps["gpu_tests_te"]["rc"] is None
+    assert "no_such_mod" in steps["gpu_tests_te"]["output_tail"]
+    # --skip-install: the environment is the user's, so a missing sglang is a skip there too
+    assert rc == 0 and res["ok"]
+    assert steps["gpu_tests_sglang"]["rc"] == (0 if sglang_ok else None)
+    if not sglang_ok:  # installing from the kit, the same probe failure fails the kit
+        monkeypatch.setattr(gpu_check, "check_wheels", lambda folders, pins: [])
+        rc = gpu_check.main(["--out", str(out), "--wheels", str(tmp_path)])
+        res = json.loads(out.read_text())
+        steps = {s["name"]: s for s in res["steps"]}
+        assert rc == 1 and not res["ok"] and steps["gpu_tests_sglang"]["rc"] == 1
+
+
 def test_download_command_targets_cp312_manylinux():
     cmd = gpu_check.download_command()
     assert cmd[:2] == ["pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
@@ -84,9 +155,12 @@ def test_dry_run(tmp_path):
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     res = json.loads(out.read_text())
     assert p.returncode == 0 and res["ok"], p.stdout[-3000:] + p.stderr[-3000:]
-    assert [s["name"] for s in res["steps"]] == ["gpu_tests", "bench_logprobs", "bench_gpu_config", "bench_gpu"]
+    assert [s["name"] for s in res["steps"]] == ["gpu_tests", "gpu_tests_sglang", "gpu_tests_te", "bench_logprobs",
+                                                 "bench_gpu_config", "bench_gpu"]
     collected = res["steps"][0]["output_tail"]
     assert "test_fused_logprobs_gpu.py" in collected and "test_vocab_parallel_gpu.py" in collected
+    assert "test_weight_payloads_gpu.py" in res["steps"][1]["output_tail"]
+    assert "test_fp8_te_gpu.py" in res["steps"][2]["output_tail"]
     assert {"full", "chunked", "fused"} <= set(res["bench"]["logprobs"]["results"][0]["paths"])
     assert res["bench"]["gpu"]["train_step"]["runs"]["padded"]["tokens_per_s"] > 0
     assert res["bench"]["gpu"]["weight_export"]["bytes"] > 0
