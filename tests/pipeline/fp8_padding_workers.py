@@ -12,22 +12,12 @@ from __future__ import annotations
 
 import math
 
+import packing_workers
+
 
 def make_records(seed: int = 0, vocab: int = 256) -> list:
     """Mixed lengths (3 .. 61 tokens, odd totals), prompts of 1-3 tokens."""
-    import torch
-
-    from gspo_megatron.sample import Sample
-
-    g = torch.Generator().manual_seed(seed)
-    lengths = [61, 4, 5, 33, 7, 47, 3, 13, 58, 9, 5, 21, 17]
-    out = []
-    for i, n in enumerate(lengths):
-        p = 1 + i % 3
-        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
-        out.append(Sample.from_tokens(ids, p, engine_logprobs=(-torch.rand(n - p, generator=g) * 3).tolist(),
-                                      advantage=float(torch.randn((), generator=g))))
-    return out
+    return packing_workers.make_records(seed, vocab, lengths=[61, 4, 5, 33, 7, 47, 3, 13, 58, 9, 5, 21, 17])
 
 
 def config(tp: int, budget: int, fp8: bool, mbs: int = 4, recipe: str = "delayed"):

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import math
 
+LENGTHS = [61, 4, 5, 33, 6, 47, 4, 12, 58, 7, 5, 21]
 
-def make_records(seed: int = 0, vocab: int = 256) -> list:
-    """Samples whose lengths differ by more than 10x (4 .. 61 tokens), prompts of 1-3 tokens."""
+
+def make_records(seed: int = 0, vocab: int = 256, lengths: list[int] = LENGTHS) -> list:
+    """Samples of ``lengths`` tokens (by default differing by more than 10x: 4 .. 61), prompts of 1-3 tokens."""
     import torch
 
     from gspo_megatron.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
-    lengths = [61, 4, 5, 33, 6, 47, 4, 12, 58, 7, 5, 21]
     out = []
     for i, n in enumerate(lengths):
         p = 1 + i % 3

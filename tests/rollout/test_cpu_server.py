@@ -13,11 +13,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cpu_server_util import CpuServer, alive, free_port
-from gspo_megatron.models.tiny import save_tiny_hf_model
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.cpu_server import expected_shard, read_weight_shards
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
@@ -26,18 +24,6 @@ from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport, serialize_bucke
 from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport
 
 PROMPTS = [[5, 17, 42, 9], [100, 3]]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    save_tiny_hf_model("qwen3_moe", str(d))
-    return str(d)
-
-
-@pytest.fixture(scope="module")
-def saved(model_dir):
-    return load_file(os.path.join(model_dir, "model.safetensors"))
 
 
 @pytest.fixture(scope="module")

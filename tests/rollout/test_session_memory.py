@@ -14,15 +14,11 @@ so a session that probes an engine before its KV cache is back fails here:
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from cpu_server_util import CpuServer
-from gspo_megatron.models.tiny import save_tiny_hf_model
 from gspo_megatron.rollout.engine_fleet import dead_engines
 from gspo_megatron.rollout.session import RolloutSession
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
@@ -30,18 +26,6 @@ from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 from gspo_megatron.weight_sync.cuda_ipc import serialize_bucket
 
 PROMPTS = [[5, 17, 42, 9], [100, 3]]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    save_tiny_hf_model("qwen3_moe", str(d))
-    return str(d)
-
-
-@pytest.fixture(scope="module")
-def saved(model_dir):
-    return load_file(os.path.join(model_dir, "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
