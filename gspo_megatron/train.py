@@ -333,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML config (default: built-in CPU demo settings)")
     parser.add_argument("--check", action="store_true",
                         help="check the config, model files, tokenizer, data, reward function and checkpoints; exit")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an input error")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an input error, and the known third-party warnings "
+                             "hidden otherwise (gspo_megatron/runtime/known_warnings.py)")
     parser.add_argument("--dry-run", action="store_true", help="plan the layout and memory for a cluster, and exit")
     parser.add_argument("-h", "--help", action="store_true", help="show this help and every config field")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.steps=10")
@@ -349,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     children.die_with_launcher()  # a rank never outlives a SIGKILLed torchrun agent
     parser = build_parser()
     args = parser.parse_args(argv)
+    from gspo_megatron.runtime.known_warnings import backend_note, hide_known_warnings
+
+    hidden = hide_known_warnings(args.debug)  # every rank, before Megatron is imported
     if args.help:
         parser.print_help()
         print()
@@ -377,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from gspo_megatron.runtime.distributed import destroy_distributed
 
+    note = backend_note(hidden)
+    if note and int(os.environ.get("RANK", "0")) == 0:
+        print(note, flush=True)
     try:
         train(cfg, checked=True)
     except UserInputError as e:  # met during the run on every rank (e.g. a reward failing on every call)

@@ -100,7 +100,12 @@ def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if opts.fp8_fields:
         fields.update(opts.fp8_fields)
-    return family.megatron_config_class()(**fields)
+    config_class = family.megatron_config_class()
+    if getattr(config_class, "cuda_graph_scope", None) == "full":
+        # Megatron 0.16's default, which it warns is deprecated on every config and converts to []
+        # (capture the whole layer; read only when CUDA graphs are on): pass [] directly
+        fields.setdefault("cuda_graph_scope", [])
+    return config_class(**fields)
 
 
 def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,

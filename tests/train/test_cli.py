@@ -53,3 +53,32 @@ def test_world_size_that_does_not_divide_the_layout_is_refused(tmp_path):
                    env={"WORLD_SIZE": "3"})
     assert proc.returncode != 0
     assert "parallel.ep" in proc.stderr or "world size" in proc.stderr
+
+
+def test_first_screen_is_ours_and_known_warnings_only_with_debug(tmp_path):
+    """A demo run opens with gspo-train's own lines: the known third-party warnings (Megatron's
+    "Transformer Engine and Apex are not installed", ...; runtime/known_warnings.py) are replaced
+    by one line of ours and appear only with --debug; the ones our own calls caused are gone."""
+    import subprocess
+
+    fast = ["train.steps=1", "rollout.prompts_per_step=4", "rollout.group_size=4", "parallel.micro_batch_size=4",
+            "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=0"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    outputs = {}
+    for debug in (False, True):
+        args = ["--debug"] * debug + ["--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/run{int(debug)}",
+                                      *fast]
+        proc = run_group([sys.executable, "-m", "gspo_megatron.train", *args], timeout=300, cwd=REPO, env=env,
+                         stderr=subprocess.STDOUT)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        outputs[debug] = proc.stdout
+    lines = outputs[False].splitlines()
+    assert lines[0].startswith("[gspo-train] CPU path: ") and "--debug shows them" in lines[0], lines[:5]
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/1 "))
+    assert all(line.startswith("[gspo-train] ") for line in lines[:first_step]), lines[:first_step + 1]
+    assert "Warning" not in outputs[False], outputs[False][:3000]
+    assert "Transformer Engine and Apex are not installed" in outputs[True]
+    for message in ("The .grad attribute of a Tensor that is not a leaf", "is deprecated. Please use `torch"):
+        assert message in outputs[True], message
+    assert "cuda_graph_scope" not in outputs[True]  # fixed where we build the Megatron config
