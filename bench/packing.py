@@ -93,7 +93,6 @@ def one_step(cfg, ddp, optimizer, scheduler, records, gpu: bool) -> tuple[float,
     log-prob pass, forward-backward + optimizer step. Returns (padding fraction, old-pass seconds,
     training seconds); seconds are this thread's CPU time on CPU (robust to a busy shared machine;
     one intra-op thread), wall time after synchronizing on GPU."""
-    from megatron.core import parallel_state as ps
 
     from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
     from gspo_megatron.optim import optimizer_step, zero_grads
@@ -110,7 +109,7 @@ def one_step(cfg, ddp, optimizer, scheduler, records, gpu: bool) -> tuple[float,
     (micro,) = split_batch(cfg, records, 1, 0, pad_id=0, multiple=1)
     computed, real = padding_counts(micro)
     t0 = clock()
-    _attach_logprobs(ddp, micro, "old_logprobs", cfg.rollout.temperature, ps)
+    _attach_logprobs(ddp, micro, "old_logprobs", cfg.rollout.temperature)
     t1 = clock()
     zero_grads(ddp, optimizer)
     run_schedule(ddp, micro, lambda b: make_megatron_loss_func(

@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from gspo_megatron.dist_ckpt_in_place import direct_reads, merge_swiglu_in_place
 from gspo_megatron.dist_ckpt_writer import direct_writes
 from gspo_megatron.dtypes import dtype_name
+from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.files import fsync_dir, fsync_file, write_atomic
 
 log = logging.getLogger(__name__)
@@ -67,19 +67,6 @@ class CheckpointError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # helpers (any rank, no communication unless noted)
 # --------------------------------------------------------------------------------------------
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def _broadcast(obj):
     """Rank 0's ``obj`` on every rank (collective)."""
     from gspo_megatron.runtime.distributed import broadcast_object
@@ -111,7 +98,7 @@ def current_layout() -> dict:
         ep=ps.get_expert_model_parallel_world_size(),
         etp=ps.get_expert_tensor_parallel_world_size(),
         cp=ps.get_context_parallel_world_size(),
-        world_size=_world(),
+        world_size=rdist.world_size(),
     )
 
 
@@ -276,14 +263,14 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
     final_dir = os.path.abspath(final_dir)
     parent = os.path.dirname(final_dir)
     tmp_dir = None
-    if _rank() == 0:
+    if rdist.rank() == 0:
         os.makedirs(parent, exist_ok=True)
         tmp_dir = f"{final_dir}.tmp-{uuid.uuid4().hex[:10]}"
         os.makedirs(os.path.join(tmp_dir, DIST_SUBDIR))
         if save_rng:
             os.makedirs(os.path.join(tmp_dir, "rng"))
     tmp_dir = _broadcast(tmp_dir)
-    _barrier()
+    rdist.barrier()
 
     state = {"model": _model_sharded_state_dict(model)}
     if optimizer is not None:
@@ -294,10 +281,10 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
             adopt_checkpoint_writers()  # Megatron's writer processes die with this one, also on SIGKILL
         dist_checkpointing.save(state, os.path.join(tmp_dir, DIST_SUBDIR))
     if save_rng:
-        torch.save(capture_rng_state(), os.path.join(tmp_dir, "rng", f"rank_{_rank():05d}.pt"))
-    _barrier()
+        torch.save(capture_rng_state(), os.path.join(tmp_dir, "rng", f"rank_{rdist.rank():05d}.pt"))
+    rdist.barrier()
 
-    if _rank() == 0:
+    if rdist.rank() == 0:
         torch.save({"scheduler": None if scheduler is None else scheduler.state_dict(),
                     "extra_state": extra_state}, os.path.join(tmp_dir, "trainer_state.pt"))
         copied = _copy_hf_assets(hf_assets_dir, os.path.join(tmp_dir, ASSETS_SUBDIR))
@@ -315,7 +302,7 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
             os.fsync(f.fileno())
         fsync_dir(tmp_dir)
         _replace_dir(tmp_dir, final_dir)
-    _barrier()
+    rdist.barrier()
     return final_dir
 
 
@@ -353,10 +340,10 @@ def save_checkpoint(ckpt_root: str, step: int, model, optimizer=None, scheduler=
     See ``write_checkpoint_dir`` for the arguments."""
     path = write_checkpoint_dir(os.path.join(ckpt_root, step_dir_name(step)), step, model, optimizer,
                                 scheduler, extra_state, hf_assets_dir)
-    if _rank() == 0:
+    if rdist.rank() == 0:
         write_atomic(os.path.join(ckpt_root, LATEST_FILE), os.path.basename(path) + "\n")
         _prune(ckpt_root, keep_last, keep=path)
-    _barrier()
+    rdist.barrier()
     return path
 
 
@@ -463,7 +450,7 @@ def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool,
     if scheduler is not None and trainer.get("scheduler") is not None:
         scheduler.load_state_dict(trainer["scheduler"])
     if restore_rng:
-        rng_path = os.path.join(ckpt_dir, "rng", f"rank_{_rank():05d}.pt")
+        rng_path = os.path.join(ckpt_dir, "rng", f"rank_{rdist.rank():05d}.pt")
         if meta["layout"] == here and os.path.exists(rng_path):
             restore_rng_state(torch.load(rng_path, weights_only=False))
         elif meta.get("has_rng"):
@@ -486,7 +473,7 @@ def load_checkpoint(ckpt_root_or_dir: str, model, optimizer=None, scheduler=None
                    or os.path.exists(os.path.join(ckpt_root_or_dir, MARKER_FILE)))
     if is_root and not list_checkpoints(ckpt_root_or_dir):
         return None
-    candidates = _broadcast(resolve_checkpoint(ckpt_root_or_dir) if _rank() == 0 else None)
+    candidates = _broadcast(resolve_checkpoint(ckpt_root_or_dir) if rdist.rank() == 0 else None)
     last_error = None
     for path in candidates:
         _check_compatible(path, read_meta(path), optimizer)  # same answer on every rank
@@ -499,7 +486,7 @@ def load_checkpoint(ckpt_root_or_dir: str, model, optimizer=None, scheduler=None
         except BaseException as e:  # noqa: BLE001 - torch DCP's CheckpointException is a BaseException
             error, result = (f"{type(e).__name__}: {e}".strip().splitlines() or ["?"])[0], None
         if _all_ok(error is None):
-            if path != candidates[0] and _rank() == 0:
+            if path != candidates[0] and rdist.rank() == 0:
                 log.warning("loaded %s instead of the newer %s", path, candidates[0])
             return result
         last_error = error or "failed on another rank"

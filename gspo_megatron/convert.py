@@ -47,6 +47,7 @@ from gspo_megatron.dtypes import (  # noqa: E402,F401  (DTYPE_NAMES public here 
     dtype_name,
 )
 from gspo_megatron.errors import UserInputError, agree, stop_all  # noqa: E402
+from gspo_megatron.runtime import distributed as rdist
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -182,10 +183,9 @@ def is_hf_dir(path: str) -> bool:
 # --------------------------------------------------------------------------------------------
 def _progress(total: int, desc: str, unit: str = "it", unit_scale: bool = False):
     """A tqdm bar on global rank 0 (stderr), a silent stand-in elsewhere."""
-    import torch.distributed as dist
     from tqdm import tqdm
 
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = rdist.rank() == 0
     quiet = not rank0 or os.environ.get("TQDM_DISABLE", "") not in ("", "0")
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, disable=quiet,
                 file=sys.stderr, dynamic_ncols=True)
@@ -302,13 +302,11 @@ def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int,
     (stream order, at most ``max_shard_size`` bytes, a larger single tensor alone). ``out_dir``
     must be on a filesystem every rank sees (as checkpoints already need).
     Returns the safetensors file names on rank 0, None elsewhere."""
-    import torch.distributed as dist
 
     from gspo_megatron import safetensors_shards as st
     from gspo_megatron.models.weights import build_export_plan, gather_full
 
-    multi = dist.is_initialized() and dist.get_world_size() > 1
-    me = dist.get_rank() if dist.is_initialized() else 0
+    me = rdist.rank()
     items, mine = build_export_plan(model)
     shards = st.plan_shards(hf_tensor_list(items), max_shard_size)
     if me == 0:
@@ -317,8 +315,7 @@ def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int,
             if name.startswith("model") and ".safetensors" in name or name.startswith(".part-"):
                 os.remove(os.path.join(out_dir, name))
         st.create_files(out_dir, shards)
-    if multi:
-        dist.barrier()
+    rdist.barrier()
     files = st.ShardFiles(out_dir, shards)
     total = sum(it.nbytes for it in items)
     with _progress(total, "export HF weights", "B", unit_scale=True) as bar:
@@ -329,8 +326,7 @@ def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int,
                     files.write(name, t, None if it.stack is None else it.stack[0])
             bar.update(it.nbytes)
     files.close()
-    if multi:
-        dist.barrier()
+    rdist.barrier()
     if me != 0:
         return None
     names = st.finish_files(out_dir, shards)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from gspo_megatron.config import Config, parse_eval_dataset
 from gspo_megatron.data.dataset import DatasetError, PromptDataset, decode_response
+from gspo_megatron.runtime import distributed as rdist
 
 DEFAULT_TASK_ROWS = 64
 
@@ -100,7 +101,7 @@ class Evaluator:
     def __init__(self, cfg: Config, tokenizer, engine, rewards, last_step: int = -1):
         self.cfg, self.tokenizer, self.engine, self.rewards = cfg, tokenizer, engine, rewards
         self.last_step = last_step
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = rdist.rank()
         self.sets = build_eval_sets(cfg, tokenizer) if rank == 0 and cfg.eval.interval > 0 else []
 
     def due(self, step: int) -> bool:

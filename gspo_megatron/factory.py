@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from gspo_megatron.config import Config, values_for
 from gspo_megatron.dtypes import torch_dtype
+from gspo_megatron.runtime import distributed as rdist
 
 
 def hf_init_dir(cfg: Config) -> str:
@@ -29,11 +29,10 @@ def hf_init_dir(cfg: Config) -> str:
             raise ValueError("model.init=pretrained needs model.hf_path (an HF directory)")
         return cfg.model.hf_path
     out = os.path.join(cfg.output_dir, "hf_init")
-    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.exists(
+    if rdist.rank() == 0 and not os.path.exists(
             os.path.join(out, "model.safetensors")):
         _write_random_hf_model(cfg, out)
-    if dist.is_initialized():
-        dist.barrier()
+    rdist.barrier()
     return out
 
 
@@ -49,7 +48,15 @@ def _write_random_hf_model(cfg: Config, out: str) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = hf_model_from_config(hf, torch_dtype(cfg.model.dtype))
-    model.save_pretrained(tmp)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for one small shard
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     tok_src = cfg.model.hf_path
     if tok_src and os.path.exists(os.path.join(tok_src, "tokenizer_config.json")):
         for name in os.listdir(tok_src):
@@ -128,7 +135,7 @@ def build_rollout(cfg: Config, hf_dir: str) -> Rollout:
       by URL; colocated or disaggregated sync (``weight_sync.topology``)."""
     from gspo_megatron.weight_sync.topology import build_sync_topology
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rdist.rank()
     if cfg.rollout.engine == "hf":
         engine = _build_hf_engine(cfg, hf_dir) if rank == 0 else None
         return Rollout(engine, build_sync_topology(cfg, engine=engine),

@@ -16,8 +16,13 @@ import sys
 import time
 from typing import Any, Mapping
 
-# The key numbers shown on the console line, in order (shown when present).
-CONSOLE_KEYS = ("reward/mean", "loss", "time/step")
+# The key numbers shown on the console line, in order (shown when present). Each is a key the trainer
+# logs every step (rollout_step, train_step, train, weight_sync.sync); tests/train/test_console_keys.py
+# checks that a short run produces all of them.
+CONSOLE_KEYS = (
+    "reward/mean", "loss/total", "gspo/clip_frac", "train/grad_norm", "rollout/logprob_abs_diff",
+    "perf/step_time_s", "sync/total_s",
+)
 
 
 def truncate_metrics_file(path: str, resume_step: int) -> int:

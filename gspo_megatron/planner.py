@@ -304,7 +304,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
     else:
         kv_heads = max(1, dims.num_kv_heads // r.engine_tp)  # SGLang replicates KV heads when tp > kv heads
         kv_per_token = 2 * dims.num_layers * kv_heads * dims.head_dim * 2  # K and V, bf16
-    notes = _notes(cfg, dims, args, train_world)
+    notes = _notes(cfg, dims, args)
     kv_min = min((s.kv_cache for s in stages + [engine_gpu] if s is not None and s.rollout_items), default=None)
     if kv_min is not None and 0 < kv_min < r.group_size * cfg.model.max_seq_len * kv_per_token:
         notes.append(f"the KV cache holds fewer than group_size={r.group_size} sequences of model.max_seq_len per "
@@ -314,7 +314,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
                 args["micro_batches"], stages, engine_gpu, kv_per_token, notes)
 
 
-def _notes(cfg: Config, d: ModelDims, args: dict, train_world: int) -> list[str]:
+def _notes(cfg: Config, d: ModelDims, args: dict) -> list[str]:
     p, r = cfg.parallel, cfg.rollout
     notes = []
     if p.pp > 1 and args["micro_batches"] < p.pp:

@@ -23,6 +23,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.runtime import distributed as rdist
+
 
 class InputError(ValueError):
     """A bad input row; the message names the file and line."""
@@ -133,10 +135,10 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
                 if i is not None:
                     results.append((i, lp))
     gathered: list = [results]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if rdist.world_size() > 1:
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(results if _is_reporter() else [], gathered, dst=0)
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if rdist.rank() != 0:
         return None
     by_index = dict(item for part in gathered for item in part)
     missing = [i for i in range(len(rows)) if i not in by_index]
@@ -150,7 +152,7 @@ def score_to_file(model, rows: Sequence[Sequence[int]], output_path: str, micro_
     """Score ``rows`` (from ``read_rows``) into the JSONL ``output_path`` (collective; rank 0
     writes, atomically), ``chunk_rows`` rows at a time so that memory stays bounded.
     ``max_tokens_per_micro_batch`` > 0 packs rows (see :func:`score_rows`). Returns the number of rows."""
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = rdist.rank() == 0
     tmp = f"{output_path}.tmp"
     f = open(tmp, "w") if rank0 else None
     try:

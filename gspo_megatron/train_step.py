@@ -109,7 +109,7 @@ def split_batch(cfg: Config, records: list[Sample], dp: int, dp_rank: int, pad_i
     return out
 
 
-def _attach_logprobs(model, batches, key, temperature, ps, fused: bool = True) -> None:
+def _attach_logprobs(model, batches, key, temperature, fused: bool = True) -> None:
     """batch[key] = the model's log-probs of the labels (last stage; zeros elsewhere, unused)."""
     out = compute_logprobs(model, batches, temperature=temperature, fused_logprobs=fused)
     for i, b in enumerate(batches):
@@ -138,9 +138,9 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[Sample]
     if behaviour is not None and any(int(v) != behaviour.current for r in records for v in r.behaviour_version):
         behaviour.attach_old_logprobs(ddp, flat, records, temp, fused)
     else:
-        _attach_logprobs(ddp, flat, "old_logprobs", temp, ps, fused)
+        _attach_logprobs(ddp, flat, "old_logprobs", temp, fused)
     if ref_model is not None:
-        _attach_logprobs(ref_model, flat, "ref_logprobs", temp, ps, fused)
+        _attach_logprobs(ref_model, flat, "ref_logprobs", temp, fused)
     # the engine gap is summed over every CP rank's tokens; the loss metrics are exact over CP
     gap_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     reporter = gap_reporter and ps.get_context_parallel_rank() == 0

@@ -28,7 +28,6 @@ from gspo_megatron.config.schema import (
     values_for,
 )
 from gspo_megatron.config.validation import (
-    BUILTIN_REWARDS,
     data_parallel_size,
     engine_count,
     micro_batches_per_rank,
@@ -38,7 +37,7 @@ from gspo_megatron.config.validation import (
 )
 
 __all__ = [
-    "BUILTIN_REWARDS", "DEFAULT_CLIP", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "GSPOConfig",
+    "DEFAULT_CLIP", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "GSPOConfig",
     "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
     "TrainConfig", "config_help", "data_parallel_size", "engine_count", "load_config", "micro_batches_per_rank",
     "parse_eval_dataset", "save_config", "validate", "validate_model_layout", "values_for",

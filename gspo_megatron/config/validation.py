@@ -12,7 +12,11 @@ import os
 
 from gspo_megatron.config.schema import Config, ConfigError
 
-BUILTIN_REWARDS = ("math", "exact_match")
+
+def _builtin_rewards() -> list[str]:
+    from gspo_megatron.rewards.builtin import BUILTIN_REWARDS
+
+    return list(BUILTIN_REWARDS)
 
 
 def _builtin_tasks() -> list[str]:
@@ -200,8 +204,9 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     if ":" in fn:
         callable_spec("reward.function", fn)
     else:
-        need(fn in BUILTIN_REWARDS or fn in tasks, f"reward.function {fn!r} is not built in; use one of "
-             f"{', '.join(BUILTIN_REWARDS + tuple(tasks))}, 'path/to/file.py:fn' or 'package.module:fn'")
+        rewards = _builtin_rewards()
+        need(fn in rewards or fn in tasks, f"reward.function {fn!r} is not built in; use one of "
+             f"{', '.join(rewards + tasks)}, 'path/to/file.py:fn' or 'package.module:fn'")
     positive("reward.timeout_s", cfg.reward.timeout_s)
     non_negative("reward.num_workers", cfg.reward.num_workers)
     need(0 < cfg.reward.max_failure_share <= 1,

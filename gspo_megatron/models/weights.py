@@ -36,6 +36,7 @@ from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.mapping import Rule
 from gspo_megatron.models.registry import get_family
+from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.safetensors_shards import memory_bytes, pread_into
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -272,7 +273,7 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
     mapping = get_family(model.hf_config).mapping(model.hf_config)
     mine: dict[str, tuple[Rule, torch.nn.Parameter]] = {}
     declared = []
-    me = dist.get_rank() if dist.is_initialized() else 0
+    me = rdist.rank()
     for _, g, rule, hf_names, param in _mapped(model, mapping):
         if not rule.export or not _is_dp_first(rule.parallel):
             continue
@@ -284,7 +285,7 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
             expert = rule.expert_index(g)
             stack = None if expert is None else (expert, hf_config.num_experts(model.hf_config))
             declared.append((g, hf_names, shapes, dtype_name(param.dtype), me, stack))
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if rdist.world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, declared)
     else:
@@ -371,7 +372,7 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
     ``bucket_bytes`` (a single larger tensor or fuse group excepted), and a fuse group (one layer's
     tensors, one owner) reaches its destination in one bucket."""
     items, mine = plan if plan is not None else build_export_plan(model)
-    me = dist.get_rank() if dist.is_initialized() else 0
+    me = rdist.rank()
     pending: dict[str, dict[int, torch.Tensor]] = {}  # stacked HF tensor -> its expert rows so far
     owners = {it.owner for it in items}
     destinations = {_destination(dst, o) for o in owners}
@@ -384,7 +385,7 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
             if target is None:  # every rank gets the item
                 if tensors is None:
                     tensors = [torch.empty(s, dtype=it.dtype, device=_device()) for s in it.hf_shapes]
-                if dist.is_initialized() and dist.get_world_size() > 1:
+                if rdist.world_size() > 1:
                     tensors = [t.contiguous() for t in tensors]
                     for t in tensors:
                         dist.broadcast(t, src=it.owner)
@@ -418,7 +419,7 @@ def gather_full(it: _Item, mine: dict) -> list[torch.Tensor] | None:
         dist.all_gather(shards, param.data.contiguous(), group=group)
     else:
         shards = [param.data]
-    me = dist.get_rank() if dist.is_initialized() else 0
+    me = rdist.rank()
     return rule.from_shards(shards) if me == it.owner else None
 
 

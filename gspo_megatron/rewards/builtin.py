@@ -2,6 +2,8 @@
 
 - ``math_reward``: 1.0 when math-verify finds the response's final answer equal to the label.
 - ``exact_match_reward``: 1.0 when the normalized response equals the normalized label.
+
+:data:`BUILTIN_REWARDS` maps each built-in spec name to its function.
 """
 
 from __future__ import annotations
@@ -60,3 +62,8 @@ def math_reward(prompt: str, response: str, label) -> float:
     if not answer:
         return 0.0
     return float(mv.verify(gold, answer, timeout_seconds=None))
+
+
+# The built-in reward specs (``reward.function``), the one list: the registry resolves them, config
+# validation accepts them.
+BUILTIN_REWARDS = {"math": math_reward, "exact_match": exact_match_reward}

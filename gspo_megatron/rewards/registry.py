@@ -15,12 +15,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from gspo_megatron.data.tasks import TASKS
-from gspo_megatron.rewards.builtin import exact_match_reward, math_reward
+from gspo_megatron.rewards.builtin import BUILTIN_REWARDS
 from gspo_megatron.user_code import load_callable  # noqa: F401 (re-exported)
 
 RewardFn = Callable[[str, str, Any], float]
-
-BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match_reward}
 
 
 def get_reward_fn(spec: str) -> RewardFn:

@@ -37,9 +37,8 @@ import threading
 import time
 from typing import Callable
 
-import torch.distributed as dist
-
 from gspo_megatron.behaviour_policy import WeightHistory
+from gspo_megatron.runtime import distributed as rdist
 
 
 class AsyncProducer:
@@ -185,8 +184,7 @@ class Overlap:
         waited = self.producer.hold_for_sync(target) if self.producer is not None else None
         pushed = None
         try:
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.barrier()  # no rank's transport pauses an engine while rank 0 generates
+            rdist.barrier()  # no rank's transport pauses an engine while rank 0 generates
             metrics = dict(self._inner_sync())
             if waited is not None:
                 metrics["rollout/sync_wait_s"] = waited

@@ -29,6 +29,7 @@ from gspo_megatron.rollout.engine_model import prepare_engine_model_dir
 from gspo_megatron.rollout.placement import EnginePart, EngineSpec, gather_rank_infos, plan_engines
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
 from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine, kill_server, launch_server, wait_until_healthy
+from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -37,14 +38,8 @@ HEALTH_TIMEOUT_S = 60.0
 SERVER_MODULES = {"sglang": "sglang.launch_server", "cpu": "gspo_megatron.rollout.cpu_server"}
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _all_gather(obj) -> list:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if rdist.world_size() == 1:
         return [obj]
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -59,7 +54,7 @@ class EngineFleet:
     def __init__(self, cfg, model_path: str, server_args: dict[str, Any] | None = None,
                  log_dir: str | None = None):
         r = cfg.rollout
-        self.rank, self.world = _world()
+        self.rank, self.world = rdist.rank(), rdist.world_size()
         self.colocated = r.sync_mode == "colocated"
         self.wait_s = r.engine_launch_timeout_s
         self.request_timeout_s = r.engine_timeout_s
@@ -91,7 +86,7 @@ class EngineFleet:
         sizes = None
         if self.rank == 0:
             sizes = [SGLangHttpClient(u).world_size for u in self.urls]
-        self.world_sizes: list[int] = _broadcast(sizes)
+        self.world_sizes: list[int] = rdist.broadcast_object(sizes)
         self.engine = None
         if self.rank == 0:
             router = r.router_url if self.attached else None
@@ -177,10 +172,10 @@ class EngineFleet:
                 for e in engines:
                     wait_until_healthy(SGLangHttpClient(self.urls[e]), None, self.wait_s)
                     self.engine.engine_restarted(e)
-            _barrier()
+            rdist.barrier()
             return
         self._kill_mine(engines)
-        _barrier()  # every part of a multi-node engine is down before any is started again
+        rdist.barrier()  # every part of a multi-node engine is down before any is started again
         self._launch(engines)
         if self.engine is not None:
             for e in engines:
@@ -203,15 +198,4 @@ def dead_engines(engine: SGLangRolloutEngine) -> list[int]:
     # a busy engine answers /health_generate only after its running request: give it time
     return [e for e, c in enumerate(engine.clients)
             if not (c.alive(timeout_s=HEALTH_TIMEOUT_S) if engine.released[e] else c.health(timeout_s=HEALTH_TIMEOUT_S))]
-
-
-def _broadcast(obj):
-    from gspo_megatron.runtime.distributed import broadcast_object
-
-    return broadcast_object(obj) if dist.is_initialized() else obj
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 

@@ -277,16 +277,6 @@ class HFRolloutEngine(RolloutEngine):
         token = torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(logits.device)
         return token, logp.gather(-1, token[:, None])[:, 0]
 
-    @torch.no_grad()
-    def teacher_forced_logprobs(
-        self, prompt_ids: Sequence[int], response_ids: Sequence[int], temperature: float = 1.0
-    ) -> list[float]:
-        """log_softmax(logits / T)[y_t] of each response token under one unpadded forward."""
-        ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=self.device)
-        logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
-        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-        return logp.gather(-1, ids[0, len(prompt_ids) :, None])[:, 0].tolist()
-
 
 def _check_params(params: SamplingParams, n: int) -> None:
     if n < 1:

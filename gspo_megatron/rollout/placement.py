@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from gspo_megatron.runtime import distributed as rdist
+
 
 def node_address() -> str:
     """The address other nodes reach this node's engines / sync groups at (see module docstring)."""
@@ -53,10 +55,10 @@ class RankInfo:
 
 def gather_rank_infos() -> list[RankInfo]:
     """Every rank's RankInfo, indexed by global rank (collective: one all_gather_object)."""
-    me = RankInfo(rank=dist.get_rank() if dist.is_initialized() else 0,
+    me = RankInfo(rank=rdist.rank(),
                   node=int(os.environ.get("GROUP_RANK", "0")),
                   local_rank=int(os.environ.get("LOCAL_RANK", "0")), address=node_address())
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if rdist.world_size() == 1:
         return [me]
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, me)

@@ -19,9 +19,8 @@ import traceback
 from contextlib import contextmanager
 from typing import Callable
 
-import torch.distributed as dist
-
 from gspo_megatron.errors import UserInputError
+from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.distributed import broadcast_object as broadcast
 
 
@@ -52,7 +51,7 @@ class RolloutSession:
         self.kv_cache_after_sync = kv_cache_after_sync  # False with offload_train: after the offload
         self.verify_every = verify_every
         self.offloader = None  # rollout.offload_train: the TrainStateOffloader (train.py sets it)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = rdist.rank()
         self.restarts = 0
         self.syncs = 0  # successful syncs so far
         self.probe_owed = False  # an engine was restarted: its first sync is probed
@@ -173,7 +172,7 @@ class RolloutSession:
         offloader = self.offloader if self.offloader is not None and not self.offloader.offloaded else None
         if offloader is not None:
             offloader.offload()
-            _barrier()  # every rank's state is off its GPU before the engines take their KV cache back
+            rdist.barrier()  # every rank's state is off its GPU before the engines take their KV cache back
         resumed = None
         if self.rank == 0:
             try:
@@ -186,7 +185,7 @@ class RolloutSession:
             if self.rank == 0 and resumed:  # only those that were released (a restarted engine holds its memory)
                 self._quietly(lambda: self.engine.release_memory(["kv_cache"], engines=resumed))
             if offloader is not None:
-                _barrier()  # the KV cache is released before any rank's state comes back
+                rdist.barrier()  # the KV cache is released before any rank's state comes back
                 offloader.reload()
 
     def _after_sync(self, metrics: dict) -> dict:
@@ -224,8 +223,3 @@ class RolloutSession:
                 return msg[1], (batch.metrics if batch is not None else None)
             self._act(msg)
             self.sync()
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -195,10 +195,6 @@ class _TorchProxy(types.ModuleType):
 _ACTIVE = False
 
 
-def is_active() -> bool:
-    return _ACTIVE
-
-
 def activate(force: bool = False) -> bool:
     """Install the CPU redirections when CUDA is unavailable (or ``force``). Returns whether active."""
     global _ACTIVE

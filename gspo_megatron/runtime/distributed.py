@@ -137,9 +137,26 @@ def _accepts_force_reset(fn) -> bool:
     return "force_reset_rng" in inspect.signature(fn).parameters
 
 
+def rank() -> int:
+    """This process's global rank (0 when torch.distributed is not initialized)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of global ranks (1 when torch.distributed is not initialized)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    """Wait for every global rank (collective; a no-op in a world of one or without
+    torch.distributed)."""
+    if world_size() > 1:
+        dist.barrier()
+
+
 def broadcast_object(obj, src: int = 0):
     """Rank ``src``'s picklable ``obj`` on every rank (collective; returns ``obj`` in a world of one)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -148,7 +165,7 @@ def broadcast_object(obj, src: int = 0):
 
 def any_rank(flag: bool) -> bool:
     """True when ``flag`` is set on any rank (collective; the flag itself in a world of one)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return bool(flag)
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device())  # NCCL needs the GPU
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

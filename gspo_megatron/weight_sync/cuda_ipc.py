@@ -29,6 +29,7 @@ from gspo_megatron.rollout.sglang_compat import (
     multiprocessing_serializer,
     patch_torch_reductions,
 )
+from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 from gspo_megatron.weight_sync.transport import WeightTransport
 
@@ -95,8 +96,8 @@ class CudaIpcTransport(WeightTransport):
     def __init__(self, client: Any = None, *, gather_group: Any = None, gather_src: int | None = None,
                  fp8: bool = False, manage_session: bool = True):
         self.group = gather_group
-        self.src = gather_src if gather_src is not None else (dist.get_rank() if dist.is_initialized() else 0)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.src = gather_src if gather_src is not None else (rdist.rank())
+        self.rank = rdist.rank()
         self.is_src = self.rank == self.src
         if self.is_src and client is None:
             raise ValueError(f"CudaIpcTransport: rank {self.rank} is gather_src but client is None")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from gspo_megatron.dtypes import dtype_name
 from gspo_megatron.rollout.sglang_client import close_weight_update, open_weight_update
+from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 from gspo_megatron.weight_sync.transport import WeightTransport
 
@@ -138,7 +139,7 @@ class StoreLock:
 
     def __init__(self, store: Any, key: str = "gspo_weight_sync_lock", poll_s: float = 0.05):
         self.store, self.key, self.poll_s = store, key, poll_s
-        self.token = f"held-by-{dist.get_rank() if dist.is_initialized() else 0}-{id(self)}"
+        self.token = f"held-by-{rdist.rank()}-{id(self)}"
 
     def __enter__(self) -> "StoreLock":
         while True:

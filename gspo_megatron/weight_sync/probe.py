@@ -29,9 +29,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
-import torch.distributed as dist
-
 from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.distributed import broadcast_object
 
 
@@ -72,7 +71,7 @@ def check_engines(model, engine, version: str, prompts: list[list[int]] | None, 
     entered on every rank around rank 0's generation (the engines' KV cache must be resumed there)."""
     from gspo_megatron.score import score_rows
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rdist.rank()
     rows, samples, problem = None, None, None
     if rank == 0:
         problem = check_versions(engine, version)

@@ -19,6 +19,7 @@ import time
 import torch.distributed as dist
 
 from gspo_megatron.models.weights import build_export_plan, export_hf_weights
+from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.distributed import any_rank
 
 
@@ -37,7 +38,7 @@ class WeightSyncer:
     def sync(self) -> dict:
         """Collective. Returns the sync metrics; ``self.errors`` (rank 0) is non-empty on failure."""
         t0 = time.perf_counter()
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = rdist.rank()
         transport = self.topology.transport
         self.version += 1
         error: BaseException | None = None
@@ -82,7 +83,7 @@ def bucket_nbytes(bucket) -> int:
 
 
 def _gather_to_rank0(obj) -> list:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if rdist.world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
@@ -91,7 +92,7 @@ def _gather_to_rank0(obj) -> list:
 
 def _reduce_over_ranks(value: float) -> tuple[float, float]:
     """(largest, sum) of ``value`` over all ranks: the bytes the busiest sender moved, and all."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if rdist.world_size() == 1:
         return value, value
     import torch
 

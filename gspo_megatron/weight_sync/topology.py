@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.models.weights import ALL_RANKS
+from gspo_megatron.runtime import distributed as rdist
 
 
 @dataclass
@@ -47,7 +48,7 @@ def build_sync_topology(cfg, engine=None, fleet=None) -> SyncTopology:
     """Collective. ``engine``: the in-process engine (rank 0, inprocess mode); ``fleet``: the
     ``EngineFleet`` (every rank, SGLang modes)."""
     mode = cfg.rollout.sync_mode
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rdist.rank()
     if mode == "inprocess":
         from gspo_megatron.weight_sync.transport import InProcessTransport
 
@@ -79,7 +80,7 @@ def stage_sources() -> tuple[dict[int, int], list[int]]:
     me = (ps.get_pipeline_model_parallel_rank(),
           ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
     everyone: list = [me]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if rdist.world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, me)
     stage_of = {r: s for r, (s, _) in enumerate(everyone)}

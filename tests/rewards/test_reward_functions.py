@@ -59,6 +59,19 @@ def test_registry_builtins_tasks_and_user_files(tmp_path):
     assert load_callable("gspo_megatron.rewards.builtin:exact_match_reward") is exact_match_reward
 
 
+def test_every_builtin_reward_is_accepted_by_config_and_resolved():
+    """One list of built-in reward names (rewards.builtin.BUILTIN_REWARDS): config validation accepts
+    each, the registry resolves each to its function, and an unknown name's error lists them all."""
+    from gspo_megatron.config import ConfigError, load_config
+
+    assert builtin.BUILTIN_REWARDS == {"math": math_reward, "exact_match": exact_match_reward}
+    for name, fn in builtin.BUILTIN_REWARDS.items():
+        load_config(None, [f"reward.function={name}"])
+        assert get_reward_fn(name) is fn
+    with pytest.raises(ConfigError, match="use one of math, exact_match, "):
+        load_config(None, ["reward.function=maths"])
+
+
 @pytest.mark.parametrize(
     "spec,error,match",
     [
