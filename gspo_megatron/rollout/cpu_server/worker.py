@@ -71,11 +71,15 @@ class TPWorker:
         self.layout.check()
         self.dtype = resolve_dtype(args.dtype, self.config)
         self.store = ShardStore(self.config, self.layout, tp_rank, self.dtype)
-        if args.load_format == "dummy":
-            self.store.load_dummy(args.random_seed)
-        else:
-            self.store.load(iter_checkpoint(args.model_path))
         self.sglang = self._sglang_model()
+        if args.load_format == "dummy":  # sglang's model: random init, written by the first sync
+            self.store.load_dummy(args.random_seed)
+        elif self.sglang is None:
+            self.store.load(iter_checkpoint(args.model_path))
+        else:  # one read of the checkpoint for both, in one load_weights call as sglang's DefaultModelLoader
+            self.sglang.poison()
+            self._load_both(iter_checkpoint(args.model_path))
+            self.sglang.check_written()
         self.groups: dict[str, Any] = {}
         self.session: dict | None = None
         self.offload_tags: set[str] = set()
@@ -87,9 +91,8 @@ class TPWorker:
         self.eos_ids = eos_token_ids(args.model_path, self.config)
 
     def _sglang_model(self):
-        """sglang's own model class for this rank (``--sglang-loader-check``), loaded from the
-        checkpoint as sglang's DefaultModelLoader does (one ``load_weights`` call over every file), or
-        None when the check is off (``auto`` and sglang does not import here)."""
+        """sglang's own model class for this rank (``--sglang-loader-check``; the caller loads the
+        checkpoint into it), or None when the check is off (``auto`` and sglang does not import here)."""
         mode = self.args.sglang_loader_check
         if mode == "off":
             return None
@@ -103,10 +106,6 @@ class TPWorker:
             return None
         model = sglang_models.SglangModel(self.args.model_path, self.args.tp_size, self.tp_rank,
                                           self.args.ep_size, self.dtype)
-        if self.args.load_format != "dummy":  # dummy: sglang's random init, written by the first sync
-            model.poison()
-            model.load(iter_checkpoint(self.args.model_path))
-            model.check_written()
         log(self.tp_rank, f"sglang {sglang_models.SGLANG_VERSION}'s {type(model.model).__name__} holds this rank's "
                           f"weights too (every bucket goes to its load_weights)")
         return model
@@ -176,11 +175,17 @@ class TPWorker:
         dist.barrier()
         return result
 
-    def _load(self, named) -> None:
+    def _load_both(self, named) -> int:
+        """One bucket into the shard store, then (when held) one ``load_weights`` call of sglang's
+        model; returns how many tensors the store kept on this rank."""
         named = list(named)
         stored = self.store.load(named)
         if self.sglang is not None:  # after the store: sglang's loaders may write into the tensors
             self.sglang.load(named)
+        return stored
+
+    def _load(self, named) -> None:
+        stored = self._load_both(named)
         self.dirty = True
         self.session["loaded"] = True  # type: ignore[index]
         self.session["stored"] += stored  # type: ignore[index]
