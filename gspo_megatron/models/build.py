@@ -15,6 +15,7 @@ from gspo_megatron.models import hf_config
 from gspo_megatron.models.hf_config import load_hf_config  # noqa: F401  (public here too)
 from gspo_megatron.models.registry import get_family
 from gspo_megatron.parallel_layout import layout_errors
+from gspo_megatron.runtime import distributed as rdist
 
 
 @dataclass
@@ -139,6 +140,11 @@ def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
     )
     model.hf_config = hf  # the mapping and export read it back
     mark_replicated_experts(model, tp, ep, etp)
+    # Megatron's own get_model (megatron/training/training.py) moves every chunk to the current GPU
+    # after building it: modules the spec builds without a device (torch.nn.RMSNorm, through Megatron's
+    # WrappedTorchNorm on the local spec) start on the CPU. Megatron's DDP buffer happens to move the
+    # trained model's parameters; a model used without DDP (the KL reference, conversion) needs this.
+    model.to(rdist.device())
     return model
 
 
