@@ -156,7 +156,7 @@ def metrics_steps(out_dir: str) -> list[int]:
 
 def latest_step(out_dir: str) -> int:
     sys.path.insert(0, REPO)
-    from gspo_megatron.checkpoint import latest_checkpoint, read_meta
+    from gspo_megatron.checkpoint.manager import latest_checkpoint, read_meta
 
     path = latest_checkpoint(os.path.join(out_dir, "checkpoints"))
     return int(read_meta(path)["step"]) if path else 0

@@ -123,8 +123,8 @@ def _build(args, packed: bool):
 
     from gspo_megatron import factory
     from gspo_megatron.config import load_config
-    from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
 
     cfg = load_config(None, overrides(args, packed))
     init_distributed(ParallelLayout(), seed=cfg.seed)
@@ -138,7 +138,7 @@ def bench_train(args) -> dict:
     import torch
 
     from gspo_megatron.sample import Sample
-    from gspo_megatron.train_step import train_on_batch
+    from gspo_megatron.trainer.step import train_on_batch
 
     hf = hf_config(args.tiny)
     pc = param_counts(hf)

@@ -7,7 +7,7 @@ steps so both see the same machine load:
 - padded: ``parallel.micro_batch_size`` rows per micro-batch, each right-padded to its longest row
   (records in rollout order, as the trainer takes them);
 - packed: ``parallel.max_tokens_per_micro_batch`` = micro_batch_size * max_seq_len (the same
-  worst-case micro-batch), whole sequences concatenated (``gspo_megatron.packing``).
+  worst-case micro-batch), whole sequences concatenated (``gspo_megatron.trainer.packing``).
 
 Records: P prompts x G responses; prompt lengths uniform in [16, 48]; response lengths long-tailed
 like RL's: log-normal (median 40 tokens, sigma 1.2), capped at the budget (max_seq_len - prompt),
@@ -95,10 +95,10 @@ def one_step(cfg, ddp, optimizer, scheduler, records, gpu: bool) -> tuple[float,
     one intra-op thread), wall time after synchronizing on GPU."""
 
     from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
-    from gspo_megatron.optim import optimizer_step, zero_grads
-    from gspo_megatron.packing import padding_counts
-    from gspo_megatron.pipeline import run_schedule
-    from gspo_megatron.train_step import _attach_logprobs, loss_config, split_batch
+    from gspo_megatron.trainer.micro_batches import run_schedule
+    from gspo_megatron.trainer.optimizer import optimizer_step, zero_grads
+    from gspo_megatron.trainer.packing import padding_counts
+    from gspo_megatron.trainer.step import _attach_logprobs, loss_config, split_batch
 
     def clock():
         if gpu:
@@ -138,8 +138,8 @@ def main(argv=None) -> int:
     from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
     from gspo_megatron.models.tiny import save_tiny_hf_model
     from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
 
     gpu = torch.cuda.is_available()
     if not gpu:

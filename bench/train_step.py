@@ -203,9 +203,9 @@ class OursInProcess:
         from gspo_megatron.data.dataset import PromptSampler
         from gspo_megatron.models.build import load_hf_config
         from gspo_megatron.models.weights import load_hf_weights
-        from gspo_megatron.optim import OptimOptions, setup_training
         from gspo_megatron.planner import model_hf_config
         from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+        from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
         from gspo_megatron.weight_sync.sync import WeightSyncer
 
         warnings.filterwarnings("ignore", module=r"megatron\.")  # CPU-fallback notices (no apex / TE)
@@ -235,8 +235,8 @@ class OursInProcess:
         """One step of train.py's loop: rollout -> records to every rank -> train -> weight sync."""
         import torch.distributed as dist
 
-        from gspo_megatron.rollout_step import collect_rollouts
-        from gspo_megatron.train_step import train_on_batch
+        from gspo_megatron.rollout.batch import collect_rollouts
+        from gspo_megatron.trainer.step import train_on_batch
 
         self.steps_done += 1
         t0 = time.perf_counter()

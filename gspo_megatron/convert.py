@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from gspo_megatron.checkpoint import (
+from gspo_megatron.checkpoint.manager import (
     ASSETS_SUBDIR,
     HF_ASSET_FILES,
     CheckpointError,
@@ -303,7 +303,7 @@ def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int,
     must be on a filesystem every rank sees (as checkpoints already need).
     Returns the safetensors file names on rank 0, None elsewhere."""
 
-    from gspo_megatron import safetensors_shards as st
+    from gspo_megatron.checkpoint import safetensors_shards as st
     from gspo_megatron.models.weights import build_export_plan, gather_full
 
     me = rdist.rank()

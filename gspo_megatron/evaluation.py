@@ -110,7 +110,7 @@ class Evaluator:
         return is_due(step, cfg.eval.interval, cfg.train.steps) and step > self.last_step
 
     def sampling_params(self, step: int, chunk: int):
-        from gspo_megatron.rollout_step import sampling_params
+        from gspo_megatron.rollout.batch import sampling_params
 
         cfg = self.cfg
         params = sampling_params(cfg, self.tokenizer, seed=(cfg.seed * 1_000_003 + 500_009 + step * 1009 + chunk)

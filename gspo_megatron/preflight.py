@@ -256,7 +256,7 @@ def model_config_difference(stored: dict, current: dict) -> list[str]:
 
 
 def _newest_checkpoint(root: str, field: str, required: bool) -> tuple[str, dict] | None:
-    from gspo_megatron.checkpoint import CheckpointError, list_checkpoints, read_meta, resolve_checkpoint
+    from gspo_megatron.checkpoint.manager import CheckpointError, list_checkpoints, read_meta, resolve_checkpoint
 
     if not os.path.exists(root):
         if required:

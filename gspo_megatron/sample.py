@@ -2,21 +2,21 @@
 
 Where a Sample is made and what fills it (rank 0 unless said otherwise):
 
-- ``rollout_step._records``: one per engine response (``rollout.base.RolloutSample``): prompt and
+- ``rollout.batch._records``: one per engine response (``rollout.base.RolloutSample``): prompt and
   response ids, the engine's log-probs, finish reason, the engine's weight version per token, and the
   reward ``rewards.score`` gave it;
 - ``rollout.custom.check_result``: one per call of the user's rollout hook (rollout.custom_function),
   converted from the hook's documented dict at that boundary: response ids, ``loss_mask``, the
   engine's log-probs on the policy's tokens, the hook's reward (or None: ``rollout_step`` scores it
   with reward.function), its metrics and its number of generate calls;
-- ``rollout_step.collect_rollouts``: ``advantage`` (group-relative, ``losses.advantages``) once the
+- ``rollout.batch.collect_rollouts``: ``advantage`` (group-relative, ``losses.advantages``) once the
   whole group is scored; dynamic sampling keeps or drops whole groups; the hook's ``metrics`` are
   averaged into the batch's metrics and cleared (they are not broadcast);
 - ``rollout.async_producer.AsyncProducer.take`` (off-policy runs): ``behaviour_version`` from
   ``token_versions``.
 
-``RolloutSession.rollout`` broadcasts the list to every rank; ``train_step.split_batch`` cuts it into
-mini- and micro-batches and ``pipeline.collate`` / ``packing.collate_packed`` lay each Sample on a
+``RolloutSession.rollout`` broadcasts the list to every rank; ``trainer.step.split_batch`` cuts it into
+mini- and micro-batches and ``trainer.micro_batches.collate`` / ``trainer.packing.collate_packed`` lay each Sample on a
 row: tokens, labels, ``loss_mask`` and every field of :data:`PER_TOKEN_FIELDS` that the first Sample
 of the micro-batch carries become [b, s] tensors of the same name, ``advantage`` the [b] tensor
 ``advantages``. Position t of a row predicts token t+1, so response token j (0-based) is the label at

@@ -7,7 +7,7 @@ Data parallel: with world size = tp*pp*cp*dp, each chunk of rows is split over t
 (row i goes to replica i % dp; replicas are padded to the same number of rows, since expert
 parallel spans replicas and every replica must run the same number of micro-batches). With a token
 budget (``max_tokens_per_micro_batch`` > 0) rows are instead balanced over the replicas by tokens
-and packed into micro-batches of whole rows (``gspo_megatron.packing``; replicas with fewer get
+and packed into micro-batches of whole rows (``gspo_megatron.trainer.packing``; replicas with fewer get
 empty micro-batches). The last
 pipeline stage's TP-rank-0 of each replica sends its results to global rank 0, which writes them
 in input order.
@@ -81,7 +81,7 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
     per-row lists (input order) on global rank 0, None elsewhere."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.pipeline import (
+    from gspo_megatron.trainer.micro_batches import (
         collate,
         compute_logprobs,
         gather_context_parallel,
@@ -92,13 +92,13 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
 
     if micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
-    from gspo_megatron.packing import (
+    from gspo_megatron.sample import Sample
+    from gspo_megatron.trainer.packing import (
         collate_packed,
         gather_packed_context_parallel,
         is_packed,
         plan_micro_batches,
     )
-    from gspo_megatron.sample import Sample
 
     dp_rank, dp = _dp_info()
     cp = ps.get_context_parallel_world_size()

@@ -108,8 +108,8 @@ def build_trainer(cfg: Config) -> Run:
     (random init) wrapped in Megatron DDP with its optimizer and LR schedule."""
     from gspo_megatron import factory
     from gspo_megatron.models.build import load_hf_config
-    from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
 
     p = cfg.parallel
     init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
@@ -136,7 +136,7 @@ def resume(cfg: Config, run: Run) -> None:
     weights of model.hf_path (or the random init written by factory.hf_init_dir). With gspo.kl_coef > 0
     also the frozen reference model, from the starting policy (never from a resumed one)."""
     from gspo_megatron import factory
-    from gspo_megatron.checkpoint import load_checkpoint
+    from gspo_megatron.checkpoint.manager import load_checkpoint
     from gspo_megatron.models.weights import load_hf_weights
 
     resume_from = cfg.checkpoint.load or run.ckpt_root
@@ -170,10 +170,10 @@ def build_rollout(cfg: Config, run: Run) -> None:
     from exactly the trainer's weights). Rank 0 also: the dataset and its sampler (resumed), the
     reward functions, the metrics logger."""
     from gspo_megatron import factory
-    from gspo_megatron.offload import TrainStateOffloader
+    from gspo_megatron.rollout.batch import collect_rollouts
     from gspo_megatron.rollout.session import RolloutSession
-    from gspo_megatron.rollout_step import collect_rollouts
     from gspo_megatron.runtime.gpu_monitor import GpuMonitor
+    from gspo_megatron.trainer.offload import TrainStateOffloader
     from gspo_megatron.weight_sync.probe import default_tolerance
     from gspo_megatron.weight_sync.sync import WeightSyncer
 
@@ -233,7 +233,7 @@ def run_step(cfg: Config, run: Run, step: int) -> bool:
     """Every rank, one step: rollout -> train -> weight sync -> metrics -> checkpoint. Returns True
     when a stop signal ended the run (after its checkpoint); raises when optimizer.max_bad_steps
     consecutive steps had a skipped update."""
-    from gspo_megatron.train_step import train_on_batch
+    from gspo_megatron.trainer.step import train_on_batch
 
     t0 = time.perf_counter()
     session, offloader = run.session, run.offloader
@@ -297,7 +297,7 @@ def save_trainer_checkpoint(cfg: Config, run: Run, step: int) -> None:
     """Every rank: the distributed checkpoint of ``step`` with the trainer state (rank 0's sampler
     position after the last batch trained on (off-policy: pending batches are regenerated), the
     bad-step streak, the last evaluated step) and the HF assets of the starting model."""
-    from gspo_megatron.checkpoint import save_checkpoint
+    from gspo_megatron.checkpoint.manager import save_checkpoint
 
     state = {"sampler": run.session.sampler.state_dict() if run.rank == 0 else None, "bad_streak": run.bad_streak,
              "eval_last_step": run.evaluator.last_step}

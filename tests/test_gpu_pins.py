@@ -7,7 +7,7 @@ and in the core dependencies (whatever its environment marker), must be one exac
 - megatron-core: the version installed in this test environment;
 - sglang: the version installed here (with --no-deps, Makefile) = ``SGLANG_VERSION_TESTED``;
 - transformer-engine: ``TE_VERSION_READ`` (it does not install without CUDA; the version whose source
-  the FP8 rules were read from: pipeline.py, tests/pipeline/test_fp8_padding.py).
+  the FP8 rules were read from: trainer/micro_batches.py, tests/pipeline/test_fp8_padding.py).
 """
 
 from __future__ import annotations

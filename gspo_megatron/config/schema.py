@@ -92,7 +92,7 @@ class RolloutConfig:
     sync_verify_every: int = _f(10, "with sync_verify: run the log-prob probe on the first sync of a run (or resume), on the first sync after an engine restart, and then every N-th sync; 1 = every sync; 0 = never (weight version check only)")
     sync_verify_tol: float = _f(0.0, "sync_verify tolerance on the max abs log-prob difference; 0 = by dtype (1e-3 float32, 0.25 bfloat16/float16; 1.0 with sync_fp8)")
     sync_fp8: bool = _f(False, "quantize weights to FP8 on sync (sglang engines the trainer launches; not with rollout.engine_urls, which start from the bf16 checkpoint)")
-    offload_train: bool = _f(False, "colocated (or in-process) engines: move training weights/grads/optimizer states to host memory while the engines generate (gspo_megatron/offload.py)")
+    offload_train: bool = _f(False, "colocated (or in-process) engines: move training weights/grads/optimizer states to host memory while the engines generate (gspo_megatron/trainer/offload.py)")
     engine_tp: int = _f(1, "tensor parallel size of one engine")
     engine_ep: int = _f(1, "expert parallel size inside one SGLang engine (its --ep-size; divides engine_tp); with sync_fp8 an MoE model needs moe_intermediate_size / (engine_tp / engine_ep) to be a multiple of 128")
     num_engines: int = _f(0, "number of engines; 0 = auto (colocated: training GPUs / engine_tp; hf: 1)")

@@ -32,12 +32,12 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.checkpoint.safetensors_shards import memory_bytes, pread_into
 from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.mapping import Rule
 from gspo_megatron.models.registry import get_family
 from gspo_megatron.runtime import distributed as rdist
-from gspo_megatron.safetensors_shards import memory_bytes, pread_into
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")

@@ -14,7 +14,7 @@ SGLang's ``/pause_generation`` in its default mode aborts running requests, whic
 So every sample is produced by one weight version; the engines report it per token (sglang 0.5.23's
 ``meta_info.weight_versions``) and the trainer checks it against the bound when it takes the batch.
 
-Which log-probs the ratio uses is ``gspo_megatron.behaviour_policy``'s business (the trainer's forward
+Which log-probs the ratio uses is ``gspo_megatron.trainer.behaviour_policy``'s business (the trainer's forward
 with the generating weights).
 
 Resume: batches generated but not trained on are not checkpointed; they are regenerated. The
@@ -37,8 +37,8 @@ import threading
 import time
 from typing import Callable
 
-from gspo_megatron.behaviour_policy import WeightHistory
 from gspo_megatron.runtime import distributed as rdist
+from gspo_megatron.trainer.behaviour_policy import WeightHistory
 
 
 class AsyncProducer:

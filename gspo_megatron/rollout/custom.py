@@ -1,6 +1,6 @@
 """Custom rollouts (``rollout.custom_function: path/to/file.py:function``): multi-turn, tool calls.
 
-Called on global rank 0 (from ``rollout_step.collect_rollouts``). The hook is called once per sample
+Called on global rank 0 (from ``rollout.batch.collect_rollouts``). The hook is called once per sample
 (G times per prompt), each call in its own thread::
 
     def my_rollout(generate, sample) -> dict
@@ -30,7 +30,7 @@ in this sample's generate calls, in call order (a call's output used whole or cu
 be left out). This is checked, and the engine log-probs of those tokens are taken from the calls
 themselves. :class:`Trajectory` builds such a result. ``check_result`` converts it to the trainer's
 record (``gspo_megatron.sample.Sample``). The loss then counts only the trained tokens:
-the Sample's ``loss_mask`` becomes the micro-batch loss mask (``pipeline.collate``), so the GSPO
+the Sample's ``loss_mask`` becomes the micro-batch loss mask (``trainer.micro_batches.collate``), so the GSPO
 length normalization |y_i|, old log-probs, the engine gap and TIS all cover exactly those tokens.
 """
 

@@ -13,8 +13,8 @@ import torch
 def _setup(hf_dir: str, layout: dict):
     from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
 
     init_distributed(ParallelLayout(**layout), seed=5)
     model = build_model(load_hf_config(hf_dir), opts=ModelOptions(), **layout)
@@ -26,7 +26,7 @@ def _setup(hf_dir: str, layout: dict):
 
 def _fake_step(ddp, opt, sched, seed: int) -> None:
     """One optimizer step with deterministic pseudo-gradients (same on every layout rank)."""
-    from gspo_megatron.optim import optimizer_step, zero_grads
+    from gspo_megatron.trainer.optimizer import optimizer_step, zero_grads
 
     zero_grads(ddp, opt)
     g = torch.Generator().manual_seed(seed)
@@ -60,7 +60,7 @@ def resume_job(rank: int, world: int, hf_dir: str, root: str, layout: dict, othe
     """Train, checkpoint, continue; then resume from the checkpoint in a fresh model/optimizer and
     continue the same way. Also: keep_last pruning, fallback from a corrupt newest checkpoint,
     model-only load into another layout, and refusal to resume the optimizer in another layout."""
-    from gspo_megatron import checkpoint as ck
+    from gspo_megatron.checkpoint import manager as ck
     from gspo_megatron.runtime.distributed import destroy_distributed
 
     res = {}
@@ -146,8 +146,8 @@ def in_place_merge_job(rank: int, world: int, hf_dir: str, ckpt: str) -> dict:
     read into the parameter itself (Megatron's swiglu merge replaced) and every weight comes back.
     Also: the replaced merge falls back to Megatron's cat for halves that are not the parameter."""
     from gspo_megatron import convert
-    from gspo_megatron.checkpoint import load_checkpoint, unwrap
-    from gspo_megatron.dist_ckpt_in_place import merge_swiglu_in_place
+    from gspo_megatron.checkpoint.in_place_reads import merge_swiglu_in_place
+    from gspo_megatron.checkpoint.manager import load_checkpoint, unwrap
     from gspo_megatron.models.build import load_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 
@@ -162,7 +162,7 @@ def in_place_merge_job(rank: int, world: int, hf_dir: str, ckpt: str) -> dict:
     halves = [t.clone() for t in fc1[0].data.chunk(2)]
     fallback = fc1[0].merge_fn(halves)  # copies, not views of the parameter: Megatron's torch.cat
     fallback_ok = fallback.data_ptr() != fc1[0].data.data_ptr() and torch.equal(fallback, fc1[0].data)
-    import gspo_megatron.dist_ckpt_in_place as in_place
+    import gspo_megatron.checkpoint.in_place_reads as in_place
 
     seen, check = [], in_place._halves_are_data
     in_place._halves_are_data = lambda parts, data: seen.append(check(parts, data)) or seen[-1]
@@ -197,8 +197,8 @@ def direct_reads_job(rank: int, world: int, hf_dir: str, ckpt: str, save_tp: int
     (``direct_reads`` made a no-op). Returns this rank's parameters both ways and the reader's counts."""
     import contextlib
 
-    import gspo_megatron.checkpoint as checkpoint
-    import gspo_megatron.dist_ckpt_in_place as in_place
+    import gspo_megatron.checkpoint.in_place_reads as in_place
+    import gspo_megatron.checkpoint.manager as checkpoint
     from gspo_megatron import convert
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 
@@ -216,7 +216,7 @@ def direct_reads_job(rank: int, world: int, hf_dir: str, ckpt: str, save_tp: int
 
 
 def _params(model) -> dict:
-    from gspo_megatron.checkpoint import unwrap
+    from gspo_megatron.checkpoint.manager import unwrap
 
     return {k: v.detach().clone() for k, v in unwrap(model).named_parameters()}
 
@@ -224,7 +224,7 @@ def _params(model) -> dict:
 def _storage_layout(ckpt: str) -> dict:
     import pickle
 
-    from gspo_megatron.checkpoint import DIST_SUBDIR
+    from gspo_megatron.checkpoint.manager import DIST_SUBDIR
 
     with open(os.path.join(ckpt, DIST_SUBDIR, ".metadata"), "rb") as f:
         md = pickle.load(f)
@@ -241,8 +241,8 @@ def direct_writes_job(rank: int, world: int, hf_dir: str, root: str, tp: int) ->
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    import gspo_megatron.checkpoint as checkpoint
-    import gspo_megatron.dist_ckpt_writer as writer
+    import gspo_megatron.checkpoint.manager as checkpoint
+    import gspo_megatron.checkpoint.writer as writer
     from gspo_megatron import convert
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 
@@ -275,8 +275,8 @@ def direct_writes_job(rank: int, world: int, hf_dir: str, root: str, tp: int) ->
 
 def failed_write_job(rank: int, world: int, hf_dir: str, root: str) -> dict:
     """A save whose file write fails (OSError in one bucket): what the caller sees and what is left."""
-    import gspo_megatron.checkpoint as checkpoint
-    import gspo_megatron.dist_ckpt_writer as writer
+    import gspo_megatron.checkpoint.manager as checkpoint
+    import gspo_megatron.checkpoint.writer as writer
     from gspo_megatron import convert
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 

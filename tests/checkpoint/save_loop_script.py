@@ -7,7 +7,7 @@ Prints "saved <step>" after each completed save.
 import sys
 
 if __name__ == "__main__":  # dist_checkpointing's save starts a multiprocessing manager
-    from gspo_megatron.checkpoint import save_checkpoint
+    from gspo_megatron.checkpoint.manager import save_checkpoint
     from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed

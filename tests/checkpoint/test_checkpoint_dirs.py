@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from gspo_megatron import checkpoint as ck
+from gspo_megatron.checkpoint import manager as ck
 
 
 def fake_checkpoint(path, step: int, marker: bool = True, meta: bool | str = True) -> str:

@@ -24,7 +24,7 @@ import fault_injection  # noqa: E402
 def load_latest(rank, world, hf_dir, root):
     import torch
 
-    from gspo_megatron import checkpoint as ck
+    from gspo_megatron.checkpoint import manager as ck
     from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 

@@ -50,7 +50,7 @@ def test_resharded_load_equals_dcp_reader(hf_dir, tmp_path, save_tp, load_tp):
 def test_saved_tensor_layout_locates_the_bytes_torch_save_wrote(make):
     import io
 
-    from gspo_megatron.dist_ckpt_in_place import saved_tensor_layout
+    from gspo_megatron.checkpoint.in_place_reads import saved_tensor_layout
 
     t = make()
     buf = io.BytesIO()
@@ -72,7 +72,7 @@ def test_saved_tensor_layout_refuses_what_is_not_a_plain_tensor(obj):
     import pickle
     import zipfile
 
-    from gspo_megatron.dist_ckpt_in_place import saved_tensor_layout
+    from gspo_megatron.checkpoint.in_place_reads import saved_tensor_layout
 
     buf = io.BytesIO()
     if isinstance(obj, bytes):

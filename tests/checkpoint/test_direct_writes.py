@@ -1,5 +1,5 @@
 """Saving a dist checkpoint from the tensors' own memory, in the saving process
-(gspo_megatron/dist_ckpt_writer.py): the checkpoint Megatron's writer makes (same files, same items
+(gspo_megatron/checkpoint/writer.py): the checkpoint Megatron's writer makes (same files, same items
 at the same offsets, bitwise the same tensors through either reader), without a forked writer or a
 Manager server, and a failed write reported to the caller with nothing published."""
 
@@ -52,7 +52,7 @@ def test_a_failed_write_raises_and_publishes_nothing(hf_dir, tmp_path):
 
 
 def test_exact_storage_shares_the_views_memory():
-    from gspo_megatron.dist_ckpt_writer import exact_storage
+    from gspo_megatron.checkpoint.writer import exact_storage
 
     w = torch.arange(24.0).reshape(6, 4)
     gate, up = torch.chunk(w, 2, dim=0)  # how Megatron shards a gated fc1
@@ -71,8 +71,8 @@ def test_exact_storage_shares_the_views_memory():
 
 
 def test_torch_save_of_the_exact_view_writes_only_its_bytes_and_loads_back():
-    from gspo_megatron.dist_ckpt_in_place import saved_tensor_layout
-    from gspo_megatron.dist_ckpt_writer import exact_storage, records_without_crc
+    from gspo_megatron.checkpoint.in_place_reads import saved_tensor_layout
+    from gspo_megatron.checkpoint.writer import exact_storage, records_without_crc
 
     big = torch.randn(1000, 64)
     view = big[400:410]

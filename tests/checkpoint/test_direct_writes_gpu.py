@@ -1,4 +1,4 @@
-"""GPU test: a checkpoint of CUDA parameters written by gspo_megatron/dist_ckpt_writer.py (tensors
+"""GPU test: a checkpoint of CUDA parameters written by gspo_megatron/checkpoint/writer.py (tensors
 staged to host memory by Megatron's own ``preload_tensors``, then written by the saving process) is
 the checkpoint Megatron's writer makes: same files, same items at the same offsets, and bitwise the
 same parameters back through the direct reader and torch DCP's reader. The CPU version of the same

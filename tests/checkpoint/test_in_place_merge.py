@@ -1,5 +1,5 @@
 """Loading a dist checkpoint reads each gated fc1's two halves into the parameter itself
-(gspo_megatron/dist_ckpt_in_place.py: Megatron's swiglu merge would torch.cat them into a new
+(gspo_megatron/checkpoint/in_place_reads.py: Megatron's swiglu merge would torch.cat them into a new
 tensor and copy it back) and still restores every weight exactly; halves that are not the
 parameter's memory go through Megatron's merge."""
 

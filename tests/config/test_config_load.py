@@ -183,7 +183,7 @@ def test_tiny_topology_configs_keep_the_recipes_keys():
 
 def test_component_options_are_read_from_the_config_by_name():
     """OptimOptions, PolicyLossConfig and ModelOptions get every field from the config by name
-    (config.values_for, as train.py, train_step.py and factory.py call it): a changed config value
+    (config.values_for, as train.py, trainer/step.py and factory.py call it): a changed config value
     reaches them, and a field that no section has is refused naming it."""
     import dataclasses
 
@@ -192,8 +192,8 @@ def test_component_options_are_read_from_the_config_by_name():
     from gspo_megatron.config import values_for
     from gspo_megatron.losses.policy_loss import PolicyLossConfig
     from gspo_megatron.models.build import ModelOptions
-    from gspo_megatron.optim import OptimOptions
-    from gspo_megatron.train_step import loss_config
+    from gspo_megatron.trainer.optimizer import OptimOptions
+    from gspo_megatron.trainer.step import loss_config
 
     cfg = load_config(None, ["optimizer.lr=0.25", "optimizer.adam_beta2=0.5", "parallel.grad_reduce_in_fp32=false",
                              "gspo.mode=grpo", "gspo.loss_agg=token-mean", "gspo.tis_cap=2.0",

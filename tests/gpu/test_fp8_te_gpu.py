@@ -46,13 +46,14 @@ def fp8_step(rank: int, world: int, recipe: str) -> dict:
     from megatron.core.utils import get_model_config
 
     from fp8_padding_workers import make_records
-    from gspo_megatron import factory, train_step
+    from gspo_megatron import factory
     from gspo_megatron.models.arch import model_hf_config
-    from gspo_megatron.optim import OptimOptions, setup_training
-    from gspo_megatron.pipeline import sequence_multiple
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.score import score_rows
-    from gspo_megatron.train_step import train_on_batch
+    from gspo_megatron.trainer import step as train_step
+    from gspo_megatron.trainer.micro_batches import sequence_multiple
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
+    from gspo_megatron.trainer.step import train_on_batch
 
     init_distributed(ParallelLayout(), seed=0)
     fp8_cfg, bf16_cfg = _config(recipe, BUDGET), _config(None, BUDGET)

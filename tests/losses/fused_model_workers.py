@@ -31,9 +31,15 @@ def fused_vs_logits(rank: int, world: int, overrides: list[str], tied: bool) -> 
     from gspo_megatron import factory
     from gspo_megatron.config import load_config
     from gspo_megatron.losses import PolicyLossConfig, make_megatron_loss_func
-    from gspo_megatron.pipeline import collate, compute_logprobs, run_schedule, sequence_multiple, to_device
     from gspo_megatron.planner import model_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
+    from gspo_megatron.trainer.micro_batches import (
+        collate,
+        compute_logprobs,
+        run_schedule,
+        sequence_multiple,
+        to_device,
+    )
 
     cfg = load_config(None, overrides)
     p = cfg.parallel

@@ -10,9 +10,9 @@ import torch
 
 from gspo_megatron.config import Config
 from gspo_megatron.losses.policy_loss import PolicyLossConfig, policy_loss_flat
-from gspo_megatron.pipeline import collate
 from gspo_megatron.sample import Sample
-from gspo_megatron.train_step import split_batch
+from gspo_megatron.trainer.micro_batches import collate
+from gspo_megatron.trainer.step import split_batch
 
 LOW, HIGH = 3e-4, 4e-4
 

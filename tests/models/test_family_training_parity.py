@@ -13,7 +13,7 @@ ranks, expert-data-parallel size 2; gpt_oss's only TP2 layout, as Megatron-Core 
 with ETP1 only). Three Megatron-Core 0.16.1 bugs this catches, fixed in the package: replicated experts
 (EP1, ETP < TP) whose gradients were never summed over the TP ranks (models/build.py
 ``mark_replicated_experts``); the expert optimizer's norm dropping non-split expert parameters (biases)
-on dense TP rank 1 (optim.py ``use_expert_tp_group_for_norm``); MLA's RoPE key losing the other TP
+on dense TP rank 1 (trainer/optimizer.py ``use_expert_tp_group_for_norm``); MLA's RoPE key losing the other TP
 ranks' heads' gradient on the local spec (deepseek_v3/local_attention.py).
 
 Cost: every family's checkpoint is built once, all single-rank references run in one spawned process

@@ -106,13 +106,14 @@ def score_and_train_many(rank: int, world: int, jobs: list[tuple], rows: list[li
 def score_and_train(rank: int, world: int, hf_dir: str, layouts: list[dict], rows: list[list[int]],
                     records: list, overrides: list[str], capture_grads: bool = False,
                     destroy: bool = True) -> dict:
-    from gspo_megatron import factory, train_step
+    from gspo_megatron import factory
     from gspo_megatron.config import load_config
     from gspo_megatron.models.build import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.score import score_rows
+    from gspo_megatron.trainer import step as train_step
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
 
     hf = load_hf_config(hf_dir)
     results = {}

@@ -55,8 +55,8 @@ def run_pass(ddp, cfg, records: list, ps) -> dict:
     import torch.distributed as dist
 
     from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
-    from gspo_megatron.pipeline import compute_logprobs, response_values, run_schedule
-    from gspo_megatron.train_step import loss_config, split_batch
+    from gspo_megatron.trainer.micro_batches import compute_logprobs, response_values, run_schedule
+    from gspo_megatron.trainer.step import loss_config, split_batch
 
     dp = ps.get_data_parallel_world_size()
     # no ``multiple``: split_batch pads as the trainer does (train_step.row_multiple, model.fp8 included)
@@ -89,9 +89,9 @@ def fp8_vs_plain(rank: int, world: int, layouts: list[dict], hf_dir: str, budget
 
     from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
-    from gspo_megatron.train_step import train_on_batch
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
+    from gspo_megatron.trainer.step import train_on_batch
 
     records = make_records()
     results = []
@@ -132,7 +132,7 @@ def cp_rows(rank: int, world: int, tp: int, budget: int) -> list:
     trainer's split_batch with ``model.fp8`` on, ``tp`` given; this CP rank's [b, s/cp] shapes."""
     import torch.distributed as dist
 
-    from gspo_megatron.train_step import split_batch
+    from gspo_megatron.trainer.step import split_batch
 
     dist.init_process_group("gloo")
     (micro,) = split_batch(config(tp, budget, True), make_records(), 1, 0, pad_id=0, cp_group=dist.group.WORLD,

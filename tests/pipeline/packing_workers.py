@@ -42,8 +42,8 @@ def run_pass(ddp, cfg, records: list, ps) -> dict:
     import torch.distributed as dist
 
     from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
-    from gspo_megatron.pipeline import compute_logprobs, response_values, run_schedule, sequence_multiple
-    from gspo_megatron.train_step import loss_config, split_batch
+    from gspo_megatron.trainer.micro_batches import compute_logprobs, response_values, run_schedule, sequence_multiple
+    from gspo_megatron.trainer.step import loss_config, split_batch
 
     dp, tp = ps.get_data_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     (micro,) = split_batch(cfg, records, dp, ps.get_data_parallel_rank(), pad_id=0,
@@ -84,9 +84,9 @@ def packed_vs_padded(rank: int, world: int, layouts: list[dict], hf_dir: str, bu
 
     from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.score import score_rows
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
 
     records = make_records()
     results = []
@@ -119,8 +119,8 @@ def cp_round_trip(rank: int, world: int) -> tuple:
     """Context parallel on a packed micro-batch: this rank's share and the gathered row."""
     import torch.distributed as dist
 
-    from gspo_megatron.packing import collate_packed, gather_packed_context_parallel
-    from gspo_megatron.pipeline import sequence_multiple, split_for_context_parallel
+    from gspo_megatron.trainer.micro_batches import sequence_multiple, split_for_context_parallel
+    from gspo_megatron.trainer.packing import collate_packed, gather_packed_context_parallel
 
     dist.init_process_group("gloo")
     recs = make_records()[:5]

@@ -31,7 +31,12 @@ def _records():
 def _worker(rank, world):
     import torch.distributed as dist
 
-    from gspo_megatron.pipeline import collate, gather_context_parallel, sequence_multiple, split_for_context_parallel
+    from gspo_megatron.trainer.micro_batches import (
+        collate,
+        gather_context_parallel,
+        sequence_multiple,
+        split_for_context_parallel,
+    )
 
     dist.init_process_group("gloo")
     batch = collate(_records(), multiple=sequence_multiple(tp=1, cp=world))

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
-from gspo_megatron.pipeline import fp8_alignment, sequence_multiple
+from gspo_megatron.trainer.micro_batches import fp8_alignment, sequence_multiple
 
 RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 

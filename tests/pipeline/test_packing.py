@@ -1,4 +1,4 @@
-"""Sequence packing (gspo_megatron/packing.py): the plan's balance and budget, the packed layout, and
+"""Sequence packing (gspo_megatron/trainer/packing.py): the plan's balance and budget, the packed layout, and
 packed == padded through the real model and trainer code (per-token log-probs, loss, gradients
 within 1e-5 in fp32; the scorer's log-probs too) on one rank and in tp2, pp2, ep2, dp2, on sequences whose lengths differ 15x."""
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
-from gspo_megatron.packing import (
+from gspo_megatron.trainer.micro_batches import collate
+from gspo_megatron.trainer.packing import (
     balance_over_ranks,
     collate_packed,
     context_parallel_index,
     pack_first_fit,
     plan_micro_batches,
 )
-from gspo_megatron.pipeline import collate
 from packing_workers import make_records, packed_vs_padded
 
 

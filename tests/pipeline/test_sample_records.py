@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 
-from gspo_megatron.packing import collate_packed
-from gspo_megatron.pipeline import collate
 from gspo_megatron.sample import PER_TOKEN_FIELDS, Sample
+from gspo_megatron.trainer.micro_batches import collate
+from gspo_megatron.trainer.packing import collate_packed
 
 
 def _sample(p=3, r=4, **kw):

@@ -18,9 +18,9 @@ from gspo_megatron.data.tasks import get_task
 from gspo_megatron.data.tokenizer import build_demo_tokenizer
 from gspo_megatron.errors import UserInputError
 from gspo_megatron.rewards.runner import InlineRewardScorer
+from gspo_megatron.rollout.batch import collect_rollouts
 from gspo_megatron.rollout.custom import load_hook
 from gspo_megatron.rollout.hf_engine import HFRolloutEngine
-from gspo_megatron.rollout_step import collect_rollouts
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOOL_HOOK = "gspo_megatron.data.tool_calc:tool_calc_rollout"

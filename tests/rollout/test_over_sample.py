@@ -13,8 +13,8 @@ from gspo_megatron.data.dataset import PromptDataset, PromptSampler
 from gspo_megatron.data.tokenizer import build_demo_tokenizer
 from gspo_megatron.rewards.runner import InlineRewardScorer
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+from gspo_megatron.rollout.batch import collect_rollouts
 from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
-from gspo_megatron.rollout_step import collect_rollouts
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""gspo_megatron.safetensors_shards writes, tensor by tensor and in any order (as N ranks do), the
+"""gspo_megatron.checkpoint.safetensors_shards writes, tensor by tensor and in any order (as N ranks do), the
 very bytes safetensors.torch.save_file writes for the same tensors, and cuts shards as a sequential
 writer does."""
 
@@ -11,7 +11,7 @@ import random
 import torch
 from safetensors.torch import save_file
 
-from gspo_megatron import safetensors_shards as st
+from gspo_megatron.checkpoint import safetensors_shards as st
 
 
 def _tensors():

@@ -16,7 +16,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _inner(optimizer):
-    from gspo_megatron.offload import _inner_optimizers
+    from gspo_megatron.trainer.offload import _inner_optimizers
 
     return list(_inner_optimizers(optimizer))
 
@@ -60,9 +60,9 @@ def offload_roundtrip(rank: int, world: int, hf_dir: str) -> dict:
     taken with and without an offload in between (from the same state)."""
     from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.offload import TrainStateOffloader
-    from gspo_megatron.optim import OptimOptions, optimizer_step, setup_training, zero_grads
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+    from gspo_megatron.trainer.offload import TrainStateOffloader
+    from gspo_megatron.trainer.optimizer import OptimOptions, optimizer_step, setup_training, zero_grads
 
     init_distributed(ParallelLayout(ep=2), seed=5)
     results = {}

@@ -68,7 +68,7 @@ def _observe(report: dict) -> callable:
 
 
 def _nan_loss_from(n: int, report: dict) -> callable:
-    from gspo_megatron import train_step
+    from gspo_megatron.trainer import step as train_step
 
     calls = {"train_on_batch": 0}
     make_loss, train_on_batch = train_step.make_megatron_loss_func, train_step.train_on_batch

@@ -1,6 +1,6 @@
 """No process outlives a SIGKILLed trainer: the rollout engine (forkserver child), the fork server,
 the reward worker and multiprocessing's resource tracker all end when `gspo-train` is killed with
-SIGKILL (checkpoints are written by the trainer itself: gspo_megatron/dist_ckpt_writer.py)
+SIGKILL (checkpoints are written by the trainer itself: gspo_megatron/checkpoint/writer.py)
 
 - during generation (between a finished checkpoint and the next step's first reward call),
 - inside a reward call (the user's reward function sleeps; it reports its pid),

@@ -23,9 +23,9 @@ def _worker(rank, world, out_dir):
     from gspo_megatron.config import load_config
     from gspo_megatron.models.build import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.optim import OptimOptions, setup_training
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
-    from gspo_megatron.train_step import train_on_batch
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
+    from gspo_megatron.trainer.step import train_on_batch
 
     cfg = load_config(None, [f"output_dir={out_dir}", "parallel.micro_batch_size=2", "gspo.mini_batches=2",
                              f"parallel.ep={world}"])

@@ -64,7 +64,7 @@ def test_next_step_unchanged_by_offload(roundtrip, variant):
 
 def test_moved_bytes_cover_the_state():
     """One process, fp32, no DDP bookkeeping: the bytes moved are exactly params + grads + Adam."""
-    from gspo_megatron.offload import TrainStateOffloader
+    from gspo_megatron.trainer.offload import TrainStateOffloader
 
     class Chunk(torch.nn.Module):  # the attributes the offloader reads from a Megatron DDP module
         buffers: list = []
@@ -119,7 +119,7 @@ def test_walks_into_chained_and_hybrid_optimizers():
     walked into. (The real HybridDeviceOptimizer needs CUDA streams, so its shape is mimicked here.)"""
     from types import SimpleNamespace
 
-    from gspo_megatron.offload import TrainStateOffloader
+    from gspo_megatron.trainer.offload import TrainStateOffloader
 
     dense, expert_main, expert_sub = (torch.nn.Parameter(torch.randn(4)) for _ in range(3))
 
@@ -148,7 +148,7 @@ def test_walks_into_chained_and_hybrid_optimizers():
 def test_loaded_call_brings_the_state_back_for_the_call():
     from types import SimpleNamespace
 
-    from gspo_megatron.offload import TrainStateOffloader
+    from gspo_megatron.trainer.offload import TrainStateOffloader
 
     p = torch.nn.Parameter(torch.arange(4.0))
     chunk = SimpleNamespace(buffers=[], expert_parallel_buffers=[], parameters=lambda: [p])

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gspo_megatron.dist_ckpt_in_place import direct_reads, merge_swiglu_in_place
-from gspo_megatron.dist_ckpt_writer import direct_writes
+from gspo_megatron.checkpoint.in_place_reads import direct_reads, merge_swiglu_in_place
+from gspo_megatron.checkpoint.writer import direct_writes
 from gspo_megatron.dtypes import dtype_name
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.files import fsync_dir, fsync_file, write_atomic
@@ -253,7 +253,7 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
     ``optimizer`` a Megatron optimizer; ``scheduler`` anything with ``state_dict()``;
     ``extra_state`` a picklable dict (rank 0's is kept); ``hf_assets_dir`` an HF directory whose
     tokenizer files and generation_config.json are copied along. The tensors are written by this
-    process from their own memory (``dist_ckpt_writer.direct_writes``: no clone, no forked writer,
+    process from their own memory (``checkpoint.writer.direct_writes``: no clone, no forked writer,
     no Manager server); where that writer does not apply, Megatron's runs, its processes made to
     die with this one (``runtime.children``)."""
     from megatron.core import dist_checkpointing

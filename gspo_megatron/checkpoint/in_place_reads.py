@@ -32,7 +32,7 @@ import zipfile
 import torch
 from torch.futures import Future
 
-from gspo_megatron.safetensors_shards import memory_bytes, pread_into
+from gspo_megatron.checkpoint.safetensors_shards import memory_bytes, pread_into
 
 _SWIGLU_MERGE = ("megatron.core.transformer.mlp", "sh_ten_merge_fn")
 

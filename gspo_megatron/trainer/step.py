@@ -5,11 +5,11 @@ Batch layout: the N sequences are cut into ``gspo.mini_batches`` contiguous mini
 (``parallel.max_tokens_per_micro_batch`` 0): in each, data-parallel rank r takes sequences r, r+dp,
 ...; those are cut into right-padded micro-batches of ``parallel.micro_batch_size``. Packed (budget
 > 0): sequences go to DP ranks balancing token counts and are packed into micro-batches of at most
-the budget (``gspo_megatron.packing``), every rank running the same number of micro-batches. Either
+the budget (``gspo_megatron.trainer.packing``), every rank running the same number of micro-batches. Either
 way each mini-batch's loss is normalized by its global sequence count (token count for token-mean),
 so the reduced gradient is exactly that of the mini-batch mean whatever the grouping. Row lengths
 (packed rows' totals) are rounded up to ``row_multiple``: the TP / CP splits, and with ``model.fp8``
-Transformer Engine's FP8 GEMM alignment on every rank (``pipeline.sequence_multiple``).
+Transformer Engine's FP8 GEMM alignment on every rank (``trainer.micro_batches.sequence_multiple``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch.distributed as dist
 from gspo_megatron.config import Config, values_for
 from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
 from gspo_megatron.losses.policy_loss import PolicyLossConfig
-from gspo_megatron.optim import optimizer_step, zero_grads
-from gspo_megatron.packing import collate_packed, plan_micro_batches
-from gspo_megatron.pipeline import (
+from gspo_megatron.runtime.distributed import device
+from gspo_megatron.sample import Sample
+from gspo_megatron.trainer.micro_batches import (
     collate,
     compute_logprobs,
     run_schedule,
@@ -34,8 +34,8 @@ from gspo_megatron.pipeline import (
     split_for_context_parallel,
     to_device,
 )
-from gspo_megatron.runtime.distributed import device
-from gspo_megatron.sample import Sample
+from gspo_megatron.trainer.optimizer import optimizer_step, zero_grads
+from gspo_megatron.trainer.packing import collate_packed, plan_micro_batches
 
 _MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref",
               "engine_logprob_absdiff", "tis_weight_mean", "tis_capped_fraction")
@@ -59,7 +59,7 @@ def loss_config(cfg: Config) -> PolicyLossConfig:
 
 
 def row_multiple(cfg: Config, tp: int, cp: int) -> int:
-    """What this run's rows (packed rows) must be padded to a multiple of: ``pipeline.sequence_multiple``
+    """What this run's rows (packed rows) must be padded to a multiple of: ``trainer.micro_batches.sequence_multiple``
     with ``model.fp8`` / ``model.fp8_recipe`` and sequence parallelism as ``models.build`` resolves
     ``parallel.sequence_parallel`` (None: on when tp > 1)."""
     return sequence_multiple(tp, cp, fp8=cfg.model.fp8, sp=cfg.parallel.sequence_parallel,

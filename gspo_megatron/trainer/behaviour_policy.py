@@ -20,7 +20,7 @@ starts at the checkpoint's step). The engines name weights by the weight sync's 
 maps one to the other.
 
 Every rank builds one :class:`WeightHistory` and calls ``synced`` after each weight sync,
-``attach_old_logprobs`` and ``trained`` from ``train_step.train_on_batch`` (collectively: the
+``attach_old_logprobs`` and ``trained`` from ``trainer.step.train_on_batch`` (collectively: the
 forward passes are Megatron schedules).
 """
 
@@ -104,7 +104,7 @@ class WeightHistory:
         over every micro-batch per distinct version in ``records`` (the step's Samples, their
         ``behaviour_version`` set; identical on every rank, so the
         collectives line up); zeros off the last pipeline stage. Returns {version: token count}."""
-        from gspo_megatron.pipeline import compute_logprobs
+        from gspo_megatron.trainer.micro_batches import compute_logprobs
 
         counts: dict[int, int] = {}
         for r in records:

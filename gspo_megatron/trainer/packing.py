@@ -15,7 +15,7 @@ context parallelism splits every segment into 2*cp chunks); the row is completed
 sits after a segment's real tokens (causal: nothing real attends to it) or in its own segment, and
 has loss_mask 0, so it changes no real token's log-prob, loss or gradient.
 
-The per-token keys and their meaning are those of ``pipeline.collate`` (labels, loss_mask,
+The per-token keys and their meaning are those of ``trainer.micro_batches.collate`` (labels, loss_mask,
 seq_index, old/engine/ref log-probs); ``seq_index`` numbers the micro-batch's sequences 0..S-1
 (padding: 0, masked). Extra keys: ``cu_seqlens``, ``max_seqlen``, ``num_seqs`` (S),
 ``num_real_tokens`` (sum of the sequences' lengths; for ``perf/padding_frac``) and ``seq_ids``
@@ -131,7 +131,7 @@ def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int,
 def collate_packed(seqs: Sequence[Sample], pad_id: int = 0, seg_multiple: int = 1, row_multiple: int = 1,
                    seq_ids: Sequence | None = None) -> dict:
     """One packed micro-batch (module docstring) from Samples (``gspo_megatron.sample``; as in
-    ``pipeline.collate``, the optional per-token fields and advantage of the first Sample decide
+    ``trainer.micro_batches.collate``, the optional per-token fields and advantage of the first Sample decide
     which keys the batch has). An empty ``seqs``
     gives an empty micro-batch: one padding segment, num_seqs 1 with advantage 0, no loss tokens.
 

@@ -5,7 +5,7 @@ tokens, the last stage the labels and loss inputs). Layout: right-padded rows [b
 attention (padding sits after every real token, so it never influences them); ``s`` is rounded up
 to ``sequence_multiple`` (the tensor-parallel size for sequence parallelism; 2*cp*tp with context
 parallelism; with FP8 also what Transformer Engine's GEMMs need on every rank). Or packed: whole sequences
-concatenated in one row with per-sequence positions and attention (``gspo_megatron.packing``); the
+concatenated in one row with per-sequence positions and attention (``gspo_megatron.trainer.packing``); the
 forward step passes such a micro-batch's ``PackedSeqParams`` to the model.
 
 The sequences are :class:`gspo_megatron.sample.Sample` records (prompt and response ids, optional
@@ -22,14 +22,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from gspo_megatron.packing import (  # noqa: F401 (PAD_LABEL, TOKEN_KEYS re-exported)
+from gspo_megatron.sample import PER_TOKEN_FIELDS, Sample
+from gspo_megatron.trainer.packing import (  # noqa: F401 (PAD_LABEL, TOKEN_KEYS re-exported)
     PAD_LABEL,
     TOKEN_KEYS,
     advantages_of,
     per_token_values,
     response_mask,
 )
-from gspo_megatron.sample import PER_TOKEN_FIELDS, Sample
 
 
 def collate(seqs: Sequence[Sample], pad_id: int = 0, multiple: int = 1, seq_ids: Sequence | None = None) -> dict:
@@ -122,11 +122,11 @@ def split_for_context_parallel(batch: dict, cp_group=None) -> dict:
     """This context-parallel rank's share of every [b, s] tensor: the row cut into 2*cp chunks, rank
     r keeping chunks r and 2*cp-1-r (Megatron's get_batch_on_this_cp_rank, the layout its CP
     attention expects). Other keys (advantages, normalizer) are kept whole. A packed micro-batch is
-    cut per segment instead (``packing.split_packed_for_context_parallel``, TE's THD layout)."""
+    cut per segment instead (``trainer.packing.split_packed_for_context_parallel``, TE's THD layout)."""
     import torch.distributed as dist
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from gspo_megatron.packing import is_packed, split_packed_for_context_parallel
+    from gspo_megatron.trainer.packing import is_packed, split_packed_for_context_parallel
 
     if is_packed(batch):
         if cp_group is None:
@@ -157,7 +157,7 @@ def gather_context_parallel(local: torch.Tensor, cp_group) -> torch.Tensor:
 def response_values(batch: dict, values: torch.Tensor) -> list[list[float]]:
     """Per-sequence lists (seq_ids order) of ``values`` [b, s] at the response positions
     (loss_mask == 1), for padded and packed micro-batches."""
-    from gspo_megatron.packing import sequence_values
+    from gspo_megatron.trainer.packing import sequence_values
 
     return sequence_values(batch, values)
 
@@ -172,7 +172,7 @@ def to_device(batch: dict) -> dict:
 
 def _forward_step(loss_func_factory: Callable[[dict], Callable], fused_logprobs: bool, data_iterator, model):
     from gspo_megatron.models.lm_head import lm_forward
-    from gspo_megatron.packing import packed_seq_params
+    from gspo_megatron.trainer.packing import packed_seq_params
 
     batch = to_device(next(data_iterator))
     # fused: hidden states [b, s, H] + the output weight shard, bound to the loss function
