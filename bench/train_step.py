@@ -219,12 +219,13 @@ class OursInProcess:
         self.ddp, self.optimizer, self.scheduler = setup_training(model, OptimOptions(**values_for(
             OptimOptions, cfg.optimizer, cfg.parallel, total_steps=cfg.train.steps * cfg.gspo.mini_batches)))
         load_hf_weights(model, hf_dir)
+        self.optimizer.reload_model_params()  # bf16: the fp32 main params from the loaded weights (train.resume)
         self.tokenizer = factory.build_tokenizer(hf_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.dataset = factory.build_dataset(cfg, self.tokenizer)
         self.sampler = PromptSampler(len(self.dataset), seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.rewards = factory.build_rewards(cfg)
-        rollout = factory.build_rollout(cfg, hf_dir)
+        rollout = factory.build_engines(cfg, hf_dir)
         self.engine = rollout.engine
         self.syncer = WeightSyncer(model, rollout.topology, cfg.rollout.sync_bucket_mb)
         self.syncer.sync()  # the engine starts from the trainer's weights

@@ -14,7 +14,7 @@ gathered parameter at a time per rank, written into the shard files in place
 
 Where the time went (246 MB Qwen3-MoE, fp32, one process, 2-core machine; docs/conversion.md):
 HF -> Megatron spent 2.5 of 3.9 s waiting for the spawned Manager server of Megatron's checkpoint
-writer to start (``dist_ckpt_writer`` writes in this process instead), 0.1-0.3 s per garbage
+writer to start (``checkpoint.writer`` writes in this process instead), 0.1-0.3 s per garbage
 collector pass (``gc_paused``) and two or three copies per tensor (``Rule.load_into``: one);
 Megatron -> HF spent its time in dist_checkpointing's load and rank 0's sequential safetensors
 write (every owner now writes its own tensors in place).
@@ -208,11 +208,15 @@ def gc_paused():
             gc.enable()
 
 
-def build_empty_model(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int, dtype: str):
-    """This rank's model with uninitialized weights (no random init; filled right after)."""
+def build_empty_model(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int, dtype: str,
+                      lora: dict | None = None):
+    """This rank's model with uninitialized weights (no random init; filled right after). ``lora``: a
+    LoRA checkpoint's ``model.lora`` (its metadata): the adapters are built, loaded and merged on export."""
     from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.lora import LoraOptions
 
-    return build_model(hf, tp, pp, ep, etp, cp, opts=ModelOptions(dtype=dtype, perform_initialization=False))
+    return build_model(hf, tp, pp, ep, etp, cp, opts=ModelOptions(
+        dtype=dtype, perform_initialization=False, lora=LoraOptions(**lora) if lora else None))
 
 
 def load_hf_into(model, hf_dir: str) -> None:
@@ -250,7 +254,7 @@ def load_model(path: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
         return model, hf
     _, meta = checkpoint_meta(path)
     hf = meta["hf_config"]
-    model = build_empty_model(hf, tp, pp, ep, etp, cp, dtype or meta.get("dtype") or hf_dtype(hf))
+    model = build_empty_model(hf, tp, pp, ep, etp, cp, dtype or meta.get("dtype") or hf_dtype(hf), meta.get("lora"))
     load_checkpoint(path, model, restore_rng=False)  # a root falls back past a corrupt newest step
     return model, hf
 
@@ -258,7 +262,9 @@ def load_model(path: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
 def write_hf_dir_files(out_dir: str, hf: dict, dtype: str, assets_dir: str | None) -> None:
     """config.json (the checkpoint's HF config, dtype set to what was written) and the tokenizer /
     generation-config files kept with the checkpoint. Rank 0 only."""
-    cfg = dict(hf)
+    from gspo_megatron.models.hf_config import file_config
+
+    cfg = dict(file_config(hf))  # a vision-language config as its file holds it (text fields not lifted)
     for key in ("torch_dtype", "dtype"):
         if key in cfg or key == "dtype":
             cfg[key] = dtype
@@ -300,15 +306,19 @@ def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int,
     owners write disjoint parts of the files at once. The files are the bytes
     ``safetensors.torch.save_file`` writes for the same tensors, cut into shards exactly as before
     (stream order, at most ``max_shard_size`` bytes, a larger single tensor alone). ``out_dir``
-    must be on a filesystem every rank sees (as checkpoints already need).
+    must be on a filesystem every rank sees (as checkpoints already need). The MTP layers of
+    ``assets_dir`` (a checkpoint's ``hf_assets/carried.safetensors`` or the source HF directory's own
+    shards: ``models/carried.py``) are written unchanged by rank 0, after the trained tensors.
     Returns the safetensors file names on rank 0, None elsewhere."""
 
     from gspo_megatron.checkpoint import safetensors_shards as st
+    from gspo_megatron.models.carried import CarriedTensors
     from gspo_megatron.models.weights import build_export_plan, gather_full
 
     me = rdist.rank()
     items, mine = build_export_plan(model)
-    shards = st.plan_shards(hf_tensor_list(items), max_shard_size)
+    carried = CarriedTensors(assets_dir, hf)  # the MTP layers, unchanged (models/carried.py); rank 0 writes them
+    shards = st.plan_shards(hf_tensor_list(items) + carried.entries(), max_shard_size)
     if me == 0:
         os.makedirs(out_dir, exist_ok=True)
         for name in os.listdir(out_dir):  # a previous export's shards would mix with ours
@@ -325,6 +335,10 @@ def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int,
                 for name, t in zip(it.hf_names, tensors):
                     files.write(name, t, None if it.stack is None else it.stack[0])
             bar.update(it.nbytes)
+    if me == 0:
+        for name in carried.names:
+            files.write(name, carried.get(name))
+    carried.close()
     files.close()
     rdist.barrier()
     if me != 0:
@@ -361,9 +375,10 @@ def cli_errors(prog: str) -> Iterator[None]:
     try:
         yield
     except EXPECTED_ERRORS as e:
-        if not dist.is_initialized():
+        together = not dist.is_initialized()  # agree() makes every rank stop with the first error
+        if together:
             e = agree(e)
-        raise SystemExit(stop_all(prog, e, debug=False)) from None
+        raise SystemExit(stop_all(prog, e, debug=False, together=together)) from None
 
 
 def add_layout_args(parser, with_cp: bool = False) -> None:

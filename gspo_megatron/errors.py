@@ -88,20 +88,19 @@ def agree(error: BaseException | None) -> BaseException | None:
     first = next((m for m in messages if m), None)
     if first is None:
         return None
-    agreed = error if error is not None and one_line(error) == first else UserInputError(first)
-    agreed._gspo_agreed = True
-    return agreed
+    return error if error is not None and one_line(error) == first else UserInputError(first)
 
 
-def stop_all(prog: str, error: BaseException, debug: bool = False) -> int:
-    """Report ``error`` (rank 0 prints), and when every rank stops together (the error went through
-    :func:`agree`, or a broadcast made every rank raise it) wait for rank 0 to have printed, then
-    leave the process groups. Returns :data:`EXIT_USER_ERROR`."""
+def stop_all(prog: str, error: BaseException, debug: bool = False, *, together: bool = False) -> int:
+    """Report ``error`` (rank 0 prints), and when every rank stops together (``together``: the
+    caller says so, because the error is what :func:`agree` returned, or a broadcast made every rank
+    raise it) wait for rank 0 to have printed, then leave the process groups. Returns
+    :data:`EXIT_USER_ERROR`."""
     code = report(prog, error, debug)
     import torch.distributed as dist
 
     if dist.is_initialized():
-        if getattr(error, "_gspo_agreed", False):
+        if together:
             dist.barrier()
         from gspo_megatron.runtime.distributed import destroy_distributed
 

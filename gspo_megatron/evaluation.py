@@ -30,8 +30,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from gspo_megatron.config import Config, parse_eval_dataset
 from gspo_megatron.data.dataset import DatasetError, PromptDataset, decode_response
 from gspo_megatron.runtime import distributed as rdist
@@ -159,21 +157,11 @@ class Evaluator:
         metrics["perf/eval_s"] = time.perf_counter() - t0
         return _EvalBatch(metrics)
 
-    def run(self, session, step: int, offloader=None) -> dict:
-        """Every rank: evaluate at ``step`` through ``session`` (rank 0 generates); returns rank 0's
-        metrics ({} elsewhere). With ``rollout.offload_train`` (``offloader``) the training state
-        leaves the device while the engines take their KV cache, and after the evaluation the
-        engines release their memory, the state comes back and the weights are pushed again (the
-        state the loop expects after a step's sync)."""
-        if offloader is not None:
-            offloader.offload()
-            dist.barrier()
-            session.resume_kv_cache()
-        _, metrics = session.rollout(step, collect=self.collect)
-        if offloader is not None:
-            session.release_engines()
-            dist.barrier()
-            offloader.reload()
-            session.sync()
+    def run(self, session, step: int) -> dict:
+        """Every rank: evaluate at ``step`` through ``session.evaluate`` (rank 0 generates); returns
+        rank 0's metrics ({} elsewhere). The session's colocation moves memory around it (with
+        ``rollout.offload_train`` the training state leaves the device while the engines hold their
+        KV cache, and the weights are pushed again after: the state the loop expects after a sync)."""
+        metrics = session.evaluate(step, self.collect)
         self.last_step = step
         return metrics or {}

@@ -112,7 +112,7 @@ def build_rewards(cfg: Config):
 
 
 @dataclass
-class Rollout:
+class Engines:
     """The run's engines as this rank sees them. engine: what rank 0 generates with (None on other
     ranks); topology: this rank's part of the weight sync; dead_engines() (rank 0) and restart(dead)
     (collective) serve ``RolloutSession``; shutdown() on every rank stops what this rank started."""
@@ -124,7 +124,7 @@ class Rollout:
     shutdown: Callable[[], None]
 
 
-def build_rollout(cfg: Config, hf_dir: str) -> Rollout:
+def build_engines(cfg: Config, hf_dir: str) -> Engines:
     """Every rank: the rollout engines and the weight-sync topology (weights arrive through the
     first sync, not from files).
 
@@ -138,21 +138,30 @@ def build_rollout(cfg: Config, hf_dir: str) -> Rollout:
     rank = rdist.rank()
     if cfg.rollout.engine == "hf":
         engine = _build_hf_engine(cfg, hf_dir) if rank == 0 else None
-        return Rollout(engine, build_sync_topology(cfg, engine=engine),
+        return Engines(engine, build_sync_topology(cfg, engine=engine),
                        dead_engines=lambda: [] if engine.health_check() else [0],
                        restart=lambda dead: engine.restart() if rank == 0 else None,
                        shutdown=lambda: engine.shutdown() if rank == 0 else None)
     from gspo_megatron.rollout.engine_fleet import EngineFleet
 
-    fleet = EngineFleet(cfg, hf_dir, server_args=dict(random_seed=cfg.seed),
-                        log_dir=os.path.join(cfg.output_dir, "engine_logs"))
+    server_args, route_spec = dict(random_seed=cfg.seed), None
+    if cfg.rollout.routing_replay == "r3":  # the engines return each token's routed experts (rollout/routing.py)
+        from gspo_megatron.models.hf_config import load_hf_config
+        from gspo_megatron.rollout.routing import route_spec_of
+
+        server_args["enable_return_routed_experts"] = True
+        route_spec = route_spec_of(load_hf_config(hf_dir))
+        if route_spec.index_topk:  # DSA models: the indexer's selection too (trainer replays it)
+            server_args["enable_return_indexer_topk"] = True
+    fleet = EngineFleet(cfg, hf_dir, server_args=server_args,
+                        log_dir=os.path.join(cfg.output_dir, "engine_logs"), route_spec=route_spec)
     topology = build_sync_topology(cfg, fleet=fleet)
 
     def restart(dead: list[int]) -> None:
         fleet.restart(dead)
         topology.reconnect_all()
 
-    return Rollout(fleet.engine, topology, dead_engines=fleet.dead_engines, restart=restart, shutdown=fleet.shutdown)
+    return Engines(fleet.engine, topology, dead_engines=fleet.dead_engines, restart=restart, shutdown=fleet.shutdown)
 
 
 def _build_hf_engine(cfg: Config, hf_dir: str):
@@ -183,6 +192,13 @@ def build_model(cfg: Config, hf: dict):
     # even though the weights are loaded right after: Megatron sets the tensor-parallel attributes of
     # its parameters (used by the grad norm / clipping to skip TP duplicates) only inside its init
     # functions; without them a TP>1 grad norm misses every shard but rank 0's.
+    lora = cfg.model.lora
+    lora_opts = None
+    if lora.rank > 0:  # adapters on the local spec's linears, the rest frozen (models/lora.py)
+        from gspo_megatron.models.lora import LoraOptions
+
+        lora_opts = LoraOptions(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                target_modules=list(lora.target_modules), seed=cfg.seed)
     opts = ModelOptions(**values_for(ModelOptions, cfg.model, cfg.parallel, fp8_fields=fp8_fields,
-                                     perform_initialization=True))
+                                     perform_initialization=True, lora=lora_opts))
     return _build(hf, p.tp, p.pp, p.ep, p.etp, p.cp, opts)

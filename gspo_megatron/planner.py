@@ -43,12 +43,13 @@ from gspo_megatron.config import (
 )
 from gspo_megatron.dtypes import DTYPE_BYTES  # noqa: F401  (public here too)
 from gspo_megatron.errors import UserInputError
+from gspo_megatron.losses.chunking import DEFAULT_CHUNK_BYTES
 from gspo_megatron.models.arch import KNOWN_ARCHS, detect_arch, model_hf_config, supported_model_types  # noqa: F401
 from gspo_megatron.models.dims import ModelDims as _ModelDims
+from gspo_megatron.weight_sync.modes import sync_mode
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD_GIB = 4.0
-FUSED_CHUNK_BYTES = 256 * 2**20  # losses.vocab_parallel.DEFAULT_CHUNK_BYTES: one [chunk, V/tp] fp32 temporary
 
 
 class PlanError(UserInputError):
@@ -86,14 +87,35 @@ def layer_params(d: ModelDims, layer: int) -> LayerParams:
         q, kv = d.q_size, d.kv_size
         attn = d.hidden * q + 2 * d.hidden * kv + q * d.hidden
         attn += (q + 2 * kv) * d.qkv_bias + d.hidden * d.o_bias
-        norms = 2 * d.hidden + 2 * d.head_dim * d.qk_norm
+        # q/k norms: per head (head_dim each), or over all heads at once (MiniMax-M2: q_size + kv_size)
+        norms = 2 * d.hidden + ((q + kv) if d.qk_norm_full_width else 2 * d.head_dim) * d.qk_norm
     attn += d.num_heads * d.attention_sinks  # sinks: split over TP with the heads
+    # DSA lightning indexer (DeepSeek-V3.2 / GLM-5): wq_b, wk, k_norm (+ bias), weights_proj; replicated over TP
+    norms += (d.q_lora_rank * d.index_n_heads * d.index_head_dim + d.hidden * d.index_head_dim
+              + 2 * d.index_head_dim + d.hidden * d.index_n_heads)
+    attn += d.hidden * d.q_size * d.attention_output_gate  # gated attention: q_proj also gives the gates
+    if layer in d.linear_layers:  # Gated DeltaNet instead of attention (Qwen3-Next / Qwen3.5)
+        attn, norms = _gated_delta_net_params(d), 2 * d.hidden + d.linear_value_dim
     if layer in d.moe_layers:
         one_expert = 3 * d.hidden * d.moe_ffn_hidden + (2 * d.moe_ffn_hidden + d.hidden) * d.expert_bias
         shared = 3 * d.hidden * d.shared_expert_ffn
         router = d.hidden * d.num_experts + d.hidden * d.shared_expert_gate + d.num_experts * d.router_bias
         return LayerParams(attn + shared, norms + router, d.num_experts * one_expert, d.topk * one_expert)
     return LayerParams(attn + 3 * d.hidden * d.ffn_hidden, norms, 0, 0)
+
+
+def _gated_delta_net_params(d: ModelDims) -> int:
+    """One Gated DeltaNet layer's TP-sharded weights: in_proj hidden -> [q, k (Hk*dk each), v, z (Hv*dv each),
+    b, a (Hv each)], the depthwise conv over [q, k, v] (K taps), dt_bias and A_log (Hv), out_proj Hv*dv -> hidden."""
+    qk, v, hv = d.linear_key_heads * d.linear_key_dim, d.linear_value_heads * d.linear_value_dim, d.linear_value_heads
+    return d.hidden * (2 * qk + 2 * v + 2 * hv) + (2 * qk + v) * d.linear_conv_kernel + 2 * hv + v * d.hidden
+
+
+def gated_delta_net_state_bytes(d: ModelDims) -> int:
+    """Per sequence, all Gated DeltaNet layers: the recurrent state Hv x dk x dv (fp32) and the conv
+    history (K - 1) x (2*Hk*dk + Hv*dv) (bf16) that an engine keeps instead of a KV cache."""
+    conv = (d.linear_conv_kernel - 1) * (2 * d.linear_key_heads * d.linear_key_dim + d.linear_value_heads * d.linear_value_dim)
+    return len(d.linear_layers) * (4 * d.linear_value_heads * d.linear_key_dim * d.linear_value_dim + 2 * conv)
 
 
 def _mla_params(d: ModelDims) -> tuple[int, int]:
@@ -138,6 +160,7 @@ class StageMemory:
     rollout_items: list[tuple[str, float]] = field(default_factory=list)
     kv_cache: float = 0.0
     host_optimizer: float = 0.0  # optimizer bytes offloaded to host memory
+    host_delta: float = 0.0  # rollout.sync_delta: host copies of the model on the busiest GPU's node share
     in_flight: int = 0  # micro-batches whose activations are held at once (1F1B)
 
     @property
@@ -203,6 +226,57 @@ def _activation_bytes_per_layer(d: ModelDims, cfg: Config, layer: int, tokens: f
     return per_token * tokens * act
 
 
+def route_bytes_per_sample(d: ModelDims, tokens: int) -> int:
+    """Routing replay: one sample's routed experts, int32 [tokens - 1, layers, top-k] (the engine
+    routes every token but the last; ``rollout/routing.py``): (tokens - 1) x layers x top-k x 4 bytes."""
+    return max(tokens - 1, 0) * d.num_layers * d.topk * 4
+
+
+def indexer_bytes_per_sample(d: ModelDims, tokens: int) -> int:
+    """Routing replay r3 on a DSA model (DeepSeek-V3.2, GLM-5): one sample's indexer selection, int32
+    [tokens - 1, layers, index_topk] (sglang's ``meta_info["indexer_topk"]``, ``rollout/routing.py``):
+    (tokens - 1) x layers x index_topk x 4 bytes; 0 without an indexer."""
+    return max(tokens - 1, 0) * d.num_layers * int(getattr(d, "index_topk", 0) or 0) * 4
+
+
+def _route_bytes(cfg: Config, d: ModelDims, dp: int, stage_layers: int) -> tuple[str, float]:
+    """The GPU row of ``rollout.routing_replay`` on one rank: the step's DP share of samples, each at
+    ``model.max_seq_len`` tokens, cut over CP. r3: the engine's routes of every layer on the step's
+    micro-batches (int32, :func:`route_bytes_per_sample`); r2: the old forward's record of this stage's
+    layers (int64 [tokens / (cp * sp), top-k] per layer, ``trainer/route_replay.py``)."""
+    p = cfg.parallel
+    n = cfg.step_batch_size / max(dp, 1)
+    if cfg.rollout.routing_replay == "r3":
+        return ("routing replay r3: engine routes (int32 [tokens - 1, layers, top-k] per sample, step's DP share)",
+                n * route_bytes_per_sample(d, cfg.model.max_seq_len) / p.cp)
+    sp = p.tp if p.sequence_parallel else 1
+    return ("routing replay r2: old forward's routes (int64 [tokens, top-k] per stage layer, step's DP share)",
+            n * cfg.model.max_seq_len / (p.cp * sp) * stage_layers * d.topk * 8)
+
+
+def lora_layer_params(d: ModelDims, layer: int, rank: int) -> tuple[int, int]:
+    """(dense, routed-expert) LoRA parameters of one layer, r * (in + out) per adapted linear, with
+    ``model.lora.target_modules`` at its default (every attention / MLP / expert linear; the adapters
+    counted whole on every TP rank: A or B of each is replicated, an upper bound)."""
+    h, r = d.hidden, rank
+    if layer in d.linear_layers:
+        attn = 0  # linear-attention layers (Gated DeltaNet) have no adapted projection
+    elif d.mla:
+        qk = d.qk_nope_head_dim + d.qk_rope_head_dim
+        q = (h + d.q_lora_rank) + (d.q_lora_rank + d.num_heads * qk) if d.q_lora_rank else h + d.num_heads * qk
+        attn = q + (h + d.kv_lora_rank + d.qk_rope_head_dim) + (d.kv_lora_rank + d.num_heads * (d.qk_nope_head_dim + d.v_head_dim)) \
+            + (d.num_heads * d.v_head_dim + h)
+    else:
+        attn = (h + (d.num_heads + 2 * d.num_kv_heads) * d.head_dim) + (d.num_heads * d.head_dim + h)
+
+    def mlp(ffn: int) -> int:
+        return (h + 2 * ffn) + (ffn + h) if ffn else 0
+
+    if layer in d.moe_layers:
+        return r * (attn + mlp(d.shared_expert_ffn)), r * d.num_experts * mlp(d.moe_ffn_hidden)
+    return r * (attn + mlp(d.ffn_hidden)), 0
+
+
 def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     cfg: Config = plan_args["cfg"]
     d: ModelDims = plan_args["dims"]
@@ -217,18 +291,25 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
         dense += d.hidden + (0 if d.tie_embeddings and p.pp == 1 else d.vocab_size * d.hidden / p.tp)
     expert = sum(lp.expert for lp in layers) / (p.ep * p.etp)
     params = dense + expert
+    trained_dense, trained_expert = dense, expert
+    if m.lora.rank > 0:  # frozen base (weights only); gradients and optimizer state for the adapters
+        adapters = [lora_layer_params(d, i, m.lora.rank) for i in range(first, last)]
+        trained_dense, trained_expert = sum(a for a, _ in adapters), sum(e for _, e in adapters) / p.ep
+    trained = trained_dense + trained_expert
+    adapter_weights = trained if m.lora.rank > 0 else 0
     wb = DTYPE_BYTES[m.dtype]
     grad_b = 4 if (p.grad_reduce_in_fp32 or m.dtype == "float32") else wb
     opt_b = 8 + (4 if m.dtype != "float32" else 0)
     dp, edp = plan_args["dp"], plan_args["edp"]
-    opt = opt_b * (dense / dp + expert / edp) if p.use_distributed_optimizer else opt_b * params
+    opt = opt_b * (trained_dense / dp + trained_expert / edp) if p.use_distributed_optimizer else opt_b * trained
     opt_gpu = opt * (1 - o.cpu_offload_fraction)
     s = StageMemory(stage, (first, last), int(params), host_optimizer=opt - opt_gpu)
     precision = "fp32 master+m+v" if m.dtype != "float32" else "fp32 m+v"
     shard = f"/DP {dp}, experts /EDP {edp}" if p.use_distributed_optimizer else "not sharded"
     offl = f", {o.cpu_offload_fraction:.0%} on host" if o.cpu_offload_fraction else ""
-    static = [(f"weights ({m.dtype})", params * wb),
-              (f"gradients ({'fp32' if grad_b == 4 else m.dtype} main_grad)", params * grad_b),
+    static = [(f"weights ({m.dtype})" + (", + LoRA adapters" if adapter_weights else ""),
+               (params + adapter_weights) * wb),
+              (f"gradients ({'fp32' if grad_b == 4 else m.dtype} main_grad)", trained * grad_b),
               (f"optimizer ({precision}, {shard}{offl})", opt_gpu)]
     if cfg.gspo.kl_coef > 0:
         static.append(("reference model (frozen copy)", params * wb))
@@ -246,14 +327,22 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     s.in_flight = in_flight
     s.train_items = static + [(f"activations ({how}; pp - stage micro-batches in flight)", acts)]
     if stage == p.pp - 1 and m.fused_logprobs:  # losses/fused_logprobs.py: no [tokens, V/tp] tensor
-        s.train_items.append(("fused log-prob head (chunks + fp32 grad_W)", FUSED_CHUNK_BYTES * 3
+        s.train_items.append(("fused log-prob head (chunks + fp32 grad_W)", DEFAULT_CHUNK_BYTES * 3
                                + d.vocab_size / p.tp * d.hidden * 4 + tokens * d.hidden * wb))
     elif stage == p.pp - 1:
         s.train_items.append(("logits + grad (vocab-parallel)", tokens * d.vocab_size / p.tp * 2 * wb))
     s.train_items.append(("runtime overhead (CUDA context, NCCL, allocator)", RUNTIME_OVERHEAD_GIB * GIB))
-    if r.sync_mode == "colocated":
+    if r.routing_replay != "off":
+        s.train_items.append(_route_bytes(cfg, d, plan_args["dp"], per_stage))
+    if r.routing_replay == "r3" and getattr(d, "index_topk", 0):  # DSA: the indexer's selection travels too
+        s.train_items.append(("routing replay r3: engine indexer selection (int32 [tokens - 1, layers, index_topk] "
+                              "per sample, step's DP share)", cfg.step_batch_size / max(plan_args["dp"], 1)
+                              * indexer_bytes_per_sample(d, cfg.model.max_seq_len) / p.cp))
+    if sync_mode(r.sync_mode).colocated:  # the engines' rows on the training GPUs
         resident = 0.0 if r.offload_train else sum(b for _, b in static)
         _engine_rows(plan_args, s, resident, "training states" + (" (offloaded)" if r.offload_train else ""))
+    if r.sync_delta:  # weight_sync/delta.py: the engine TP rank's copy + the trainer's on an engine's first rank
+        s.host_delta = 2 * plan_args["counts"].total * 2
     return s
 
 
@@ -278,9 +367,10 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
         if v <= 0:
             raise PlanError(f"{name} must be > 0, got {v}")
     r, p = cfg.rollout, cfg.parallel
+    launched_apart = sync_mode(r.sync_mode).separate_gpus and not r.engine_urls  # engines on GPUs of their own
     total = nodes * gpus_per_node
     engine_gpus = 0
-    if r.sync_mode == "disaggregated" and not r.engine_urls:
+    if launched_apart:
         engine_gpus = r.num_engines * r.engine_tp
         if engine_gpus >= total:
             raise ConfigError(f"rollout.num_engines * rollout.engine_tp = {r.num_engines} * {r.engine_tp} = "
@@ -296,17 +386,19 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
                 edp=train_world // (p.ep * p.etp * p.pp), micro_batches=micro_batches_per_rank(cfg, train_world))
     stages = [_stage_memory(args, 0)] + ([_stage_memory(args, p.pp - 1)] if p.pp > 1 else [])
     engine_gpu = None
-    if r.sync_mode == "disaggregated" and not r.engine_urls:
+    if launched_apart:
         engine_gpu = StageMemory(-1, (0, 0), 0)
         _engine_rows(args, engine_gpu, 0.0, "training states (none on engine GPUs)")
     if dims.mla:  # SGLang caches MLA's latent (kv_lora + rope) per layer, on every TP rank
         kv_per_token = dims.num_layers * (dims.kv_lora_rank + dims.qk_rope_head_dim) * 2
     else:
         kv_heads = max(1, dims.num_kv_heads // r.engine_tp)  # SGLang replicates KV heads when tp > kv heads
-        kv_per_token = 2 * dims.num_layers * kv_heads * dims.head_dim * 2  # K and V, bf16
+        # K and V, bf16, in the attention layers (Gated DeltaNet layers keep a fixed state per sequence instead)
+        kv_per_token = 2 * (dims.num_layers - len(dims.linear_layers)) * kv_heads * dims.head_dim * 2
     notes = _notes(cfg, dims, args)
     kv_min = min((s.kv_cache for s in stages + [engine_gpu] if s is not None and s.rollout_items), default=None)
-    if kv_min is not None and 0 < kv_min < r.group_size * cfg.model.max_seq_len * kv_per_token:
+    state = gated_delta_net_state_bytes(dims) / r.engine_tp  # the engines' Gated DeltaNet state, per sequence
+    if kv_min is not None and 0 < kv_min < r.group_size * (cfg.model.max_seq_len * kv_per_token + state):
         notes.append(f"the KV cache holds fewer than group_size={r.group_size} sequences of model.max_seq_len per "
                      "engine: generation will be slow (raise rollout.engine_mem_fraction, or offload_train)")
     return Plan(cfg, dims, counts, source, nodes, gpus_per_node, gpu_memory_gib * GIB, train_world, engine_gpus,
@@ -322,11 +414,20 @@ def _notes(cfg: Config, d: ModelDims, args: dict) -> list[str]:
                      "large pipeline bubble (raise rollout.prompts_per_step or lower parallel.micro_batch_size)")
     if cfg.model.fp8:
         notes.append("fp8: Transformer Engine's FP8 weight copies and scaling state are not included")
-    if r.sync_mode == "inprocess":
+    if sync_mode(r.sync_mode).in_process:
         notes.append(f"in-process HF engine: a full model copy ({param_counts(d).total * DTYPE_BYTES[cfg.model.dtype] / GIB:.1f} "
                      "GiB) on global rank 0, not included above")
     if r.engine_urls:
         notes.append(f"engines at rollout.engine_urls ({len(r.engine_urls)}) run outside this cluster")
+    if r.routing_replay == "r3":
+        host = cfg.step_batch_size * route_bytes_per_sample(d, cfg.model.max_seq_len)
+        notes.append(f"routing replay r3: every rank's host memory holds the step's routes ({cfg.step_batch_size} "
+                     f"samples x (max_seq_len - 1) x {d.num_layers} layers x top-{d.topk} x 4 B = {host / GIB:.2f} GiB)")
+        if getattr(d, "index_topk", 0):
+            host = cfg.step_batch_size * indexer_bytes_per_sample(d, cfg.model.max_seq_len)
+            notes.append(f"routing replay r3 (DSA): every rank's host memory holds the step's indexer selection "
+                         f"({cfg.step_batch_size} samples x (max_seq_len - 1) x {d.num_layers} layers x "
+                         f"index_topk {d.index_topk} x 4 B = {host / GIB:.2f} GiB)")
     return notes
 
 
@@ -351,10 +452,14 @@ def format_plan(plan: Plan) -> str:
     out.append(f"         {_count(c.total)} params total, {_count(c.active)} active; {d.num_layers} layers, "
                f"hidden {d.hidden}, {d.num_heads} heads / {d.num_kv_heads} kv heads{moe}")
     total = plan.nodes * plan.gpus_per_node
-    engines = {"inprocess": "in-process HF engine on rank 0",
-               "colocated": f"{plan.num_engines} engine(s) x engine_tp {r.engine_tp} on the same GPUs",
-               "disaggregated": (f"{plan.num_engines} engine(s) x engine_tp {r.engine_tp} on {plan.engine_gpus} separate GPUs"
-                                 if plan.engine_gpus else f"{plan.num_engines} external engine(s)")}[r.sync_mode]
+    sm = sync_mode(r.sync_mode)
+    if sm.in_process:
+        engines = "in-process HF engine on rank 0"
+    elif sm.colocated:
+        engines = f"{plan.num_engines} engine(s) x engine_tp {r.engine_tp} on the same GPUs"
+    else:
+        engines = (f"{plan.num_engines} engine(s) x engine_tp {r.engine_tp} on {plan.engine_gpus} separate GPUs"
+                   if plan.engine_gpus else f"{plan.num_engines} external engine(s)")
     out.append(f"cluster  {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {total}, {plan.gpu_bytes / GIB:g} GiB each; "
                f"{plan.train_world} training ranks; rollout: {engines} ({r.sync_mode})")
     out.append(f"layout   TP {p.tp}  PP {p.pp}  CP {p.cp}  EP {p.ep}  ETP {p.etp}  DP {plan.dp}  expert-DP {plan.edp}  "
@@ -387,14 +492,18 @@ def format_plan(plan: Plan) -> str:
             out.append(f"   {lbl[:66]:<66}" + "".join(f"{'-':>12}" if v is None else f"{_gib(v):>12}" for v in vals))
         out.append(f"   {'= peak':<66}" + "".join(f"{_gib(getattr(s, peak)):>12}" if getattr(s, attr) else f"{'-':>12}" for s in cols))
 
-    rows("training phase" + (" (engines released)" if r.sync_mode == "colocated" else ""), "train_items", "train_peak")
+    rows("training phase" + (" (engines released)" if sm.colocated else ""), "train_items", "train_peak")
     rows("rollout phase (engines generating)", "rollout_items", "rollout_peak")
     if p.pp > 1:
         out.append("   micro-batches in flight: " + ", ".join(f"stage {s.stage}: {s.in_flight}" for s in plan.stages))
     host = max(s.host_optimizer for s in cols)
     if host:
         out.append(f"   host memory per GPU for offloaded optimizer states: {host / GIB:.2f} GiB")
-    if r.sync_mode in ("colocated", "disaggregated") and plan.kv_per_token:
+    delta = max(s.host_delta for s in cols)
+    if delta:
+        out.append(f"   host memory per GPU for rollout.sync_delta's copies of the model (bf16; the engine TP rank's, "
+                   f"and the trainer's on each engine's first GPU): up to {delta / GIB:.2f} GiB")
+    if not sm.in_process and plan.kv_per_token:  # SGLang engines: a KV cache
         kv = min(s.kv_cache for s in cols if s.rollout_items) if any(s.rollout_items for s in cols) else 0.0
         if kv > 0:
             tokens = kv / plan.kv_per_token
@@ -418,7 +527,7 @@ def _advice(plan: Plan) -> str:
     tips = []
     if any(s.rollout_items and s.kv_cache <= 0 for s in plan.stages + [plan.engine_gpu] if s):
         tips.append("no room for the KV cache: raise rollout.engine_mem_fraction or rollout.engine_tp"
-                    + (", or set rollout.offload_train=true" if cfg.rollout.sync_mode == "colocated" and not cfg.rollout.offload_train else ""))
+                    + (", or set rollout.offload_train=true" if sync_mode(cfg.rollout.sync_mode).colocated and not cfg.rollout.offload_train else ""))
     if plan.worst.peak > plan.gpu_bytes:
         if not cfg.model.recompute:
             tips.append("model.recompute=true")

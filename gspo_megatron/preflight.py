@@ -22,8 +22,9 @@ or the file and line):
    ``fn(generate, sample)``, and one call on the first data row with a stand-in engine that ends
    every turn at once returns a well-formed result (:func:`check_custom_rollout`);
 7. checkpoints to resume from (``checkpoint.load`` or ``output_dir/checkpoints``) and
-   ``model.checkpoint``: the model config stored with them equals this model's, and a resume uses
-   the layout the optimizer state was written in (:func:`check_checkpoints`).
+   ``model.checkpoint``: the model config stored with them equals this model's, their ``model.lora``
+   (metadata) equals the config's (:func:`check_lora_matches`), and a resume uses the layout the
+   optimizer state was written in (:func:`check_checkpoints`).
 """
 
 from __future__ import annotations
@@ -273,9 +274,42 @@ def _newest_checkpoint(root: str, field: str, required: bool) -> tuple[str, dict
         raise UserInputError(f"{field}: {e}") from None
 
 
+LORA_KEYS = ("rank", "alpha", "dropout", "target_modules")  # what a checkpoint's adapters depend on
+
+
+def lora_of(lora) -> dict | None:
+    """``model.lora`` as compared with a checkpoint's metadata (its ``lora``): None when off (rank 0
+    or absent), else {rank, alpha, dropout, target_modules} (the init seed does not matter once the
+    adapters are loaded)."""
+    if lora is None:
+        return None
+    get = lora.get if isinstance(lora, dict) else lambda k: getattr(lora, k)
+    if not get("rank"):
+        return None
+    return dict(rank=int(get("rank")), alpha=float(get("alpha")), dropout=float(get("dropout")),
+                target_modules=list(get("target_modules")))
+
+
+def check_lora_matches(cfg: Config, meta: dict, field: str, path: str) -> None:
+    """A checkpoint holds exactly the adapters its ``model.lora`` built (the model loads strictly):
+    a different ``model.lora`` is refused here, before any model is built, with both values."""
+    here, stored = lora_of(cfg.model.lora), lora_of(meta.get("lora"))
+    if here == stored:
+        return
+    hint = ("resume with the checkpoint's model.lora" if field != "model.checkpoint" else
+            "start from the checkpoint's model.lora, or export it (tools/megatron_to_hf.py: the adapters merged) "
+            "and start from model.hf_path")
+    if here and stored:
+        what = ", ".join(f"{k} {here[k]} here vs {stored[k]}" for k in LORA_KEYS if here[k] != stored[k])
+    else:
+        what = f"{here or 'off (rank 0)'} here vs {stored or 'off (rank 0)'}"
+    raise UserInputError(f"model.lora differs from the one {field}'s checkpoint {path} was trained with "
+                         f"({what} in the checkpoint); {hint}")
+
+
 def check_checkpoints(cfg: Config, hf: dict) -> None:
-    """The newest checkpoint a run would resume from (and model.checkpoint) fits this model; the
-    resumed optimizer state needs the layout it was written in."""
+    """The newest checkpoint a run would resume from (and model.checkpoint) fits this model and its
+    ``model.lora``; the resumed optimizer state needs the layout it was written in."""
     p = cfg.parallel
     here = dict(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, cp=p.cp)
     resume_field = "checkpoint.load" if cfg.checkpoint.load else "output_dir"
@@ -294,6 +328,7 @@ def check_checkpoints(cfg: Config, hf: dict) -> None:
                 f"{resume_field}: {path} was written with layout {stored}, this run uses {here}; resuming "
                 "the optimizer needs the same layout (to change it, start a new output_dir with "
                 f"model.checkpoint={path}: the weights load into any layout)")
+        check_lora_matches(cfg, meta, resume_field, path)
     if cfg.model.checkpoint:
         found = _newest_checkpoint(cfg.model.checkpoint, "model.checkpoint", required=True)
         path, meta = found
@@ -301,3 +336,4 @@ def check_checkpoints(cfg: Config, hf: dict) -> None:
         if diff:
             raise UserInputError(f"model.checkpoint: {path} holds another model than the config's "
                                  f"({'; '.join(diff)})")
+        check_lora_matches(cfg, meta, "model.checkpoint", path)

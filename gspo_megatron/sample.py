@@ -7,13 +7,15 @@ Where a Sample is made and what fills it (rank 0 unless said otherwise):
   reward ``rewards.score`` gave it;
 - ``rollout.custom.check_result``: one per call of the user's rollout hook (rollout.custom_function),
   converted from the hook's documented dict at that boundary: response ids, ``loss_mask``, the
-  engine's log-probs on the policy's tokens, the hook's reward (or None: ``rollout_step`` scores it
+  engine's log-probs on the policy's tokens, the hook's reward (or None: ``rollout.batch`` scores it
   with reward.function), its metrics and its number of generate calls;
 - ``rollout.batch.collect_rollouts``: ``advantage`` (group-relative, ``losses.advantages``) once the
   whole group is scored; dynamic sampling keeps or drops whole groups; the hook's ``metrics`` are
   averaged into the batch's metrics and cleared (they are not broadcast);
 - ``rollout.async_producer.AsyncProducer.take`` (off-policy runs): ``behaviour_version`` from
-  ``token_versions``.
+  ``token_versions``;
+- ``rollout.batch._records``: ``routed_experts``, the engine's MoE routes, when the engine was asked
+  for them (``SGLangRolloutEngine(route_spec=...)``; decoded and validated in ``rollout/routing.py``).
 
 ``RolloutSession.rollout`` broadcasts the list to every rank; ``trainer.step.split_batch`` cuts it into
 mini- and micro-batches and ``trainer.micro_batches.collate`` / ``trainer.packing.collate_packed`` lay each Sample on a
@@ -26,6 +28,7 @@ position ``prompt_len - 1 + j``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 #: the optional per-response-token float fields of a Sample that collate lays on the label positions
 #: of its row, each as a [b, s] float tensor of the same name
@@ -55,6 +58,12 @@ class Sample:
     generate_calls: how many generate calls the custom hook made for it; None for engine samples.
     old_logprobs / ref_logprobs: list[float] [R], given by tests and tools (the trainer computes both
         on the collated batch instead).
+    routed_experts: int32 numpy [P + R - 1, num_layers, topk], the engine's top-k expert ids of
+        token t (the input at row position t) in row t: sglang's ``[0, seqlen - 1)``, the last token
+        has none (``rollout/routing.py``); None when the engine was not asked for routes.
+    indexer_topk: DSA models, int32 numpy [P + R - 1, num_layers, index_topk], the key positions
+        the engine's indexer selected for query t in row t (-1 where fewer keys exist; sglang's
+        ``meta_info["indexer_topk"]``, ``rollout/routing.py``); None when not asked for.
     """
 
     prompt_ids: list[int]
@@ -70,6 +79,8 @@ class Sample:
     generate_calls: int | None = None
     old_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None
+    routed_experts: Any = None
+    indexer_topk: Any = None
 
     @classmethod
     def from_tokens(cls, tokens, prompt_len: int, **fields) -> "Sample":

@@ -76,9 +76,12 @@ def _is_reporter() -> bool:
 @torch.no_grad()
 def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
                temperature: float = 1.0, pad_id: int = 0,
-               max_tokens_per_micro_batch: int = 0) -> list[list[float]] | None:
+               max_tokens_per_micro_batch: int = 0, routes: Sequence | None = None,
+               indexer: Sequence | None = None) -> list[list[float]] | None:
     """Log-probs of every row (collective: every rank passes the same ``rows``). Returns the
-    per-row lists (input order) on global rank 0, None elsewhere."""
+    per-row lists (input order) on global rank 0, None elsewhere. ``routes``: per row, the engine's
+    routed experts int32 [len(row) - 1, layers, topk] (``rollout/routing.py``), laid on the
+    micro-batches for a model whose routing replay is in a replaying phase (the sync probe, r3)."""
     from megatron.core import parallel_state as ps
 
     from gspo_megatron.trainer.micro_batches import (
@@ -100,6 +103,10 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
         plan_micro_batches,
     )
 
+    def _sample(i: int) -> Sample:
+        return Sample.from_tokens(rows[i], 1, routed_experts=routes[i] if routes is not None else None,
+                                  indexer_topk=indexer[i] if indexer is not None else None)
+
     dp_rank, dp = _dp_info()
     cp = ps.get_context_parallel_world_size()
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
@@ -112,7 +119,7 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
     if max_tokens_per_micro_batch:
         seg = 2 * cp if cp > 1 else 1
         plan = plan_micro_batches([len(r) for r in rows], dp, max_tokens_per_micro_batch, seg)[dp_rank]
-        batches = [collate_packed([Sample.from_tokens(rows[i], 1) for i in idx], pad_id=pad_id,
+        batches = [collate_packed([_sample(i) for i in idx], pad_id=pad_id,
                                   seg_multiple=seg, row_multiple=multiple, seq_ids=idx) for idx in plan]
     else:
         per_replica = math.ceil(len(rows) / dp) if rows else 0
@@ -120,7 +127,7 @@ def score_rows(model, rows: Sequence[Sequence[int]], micro_batch_size: int = 4,
         # pad with a copy of row 0 (result dropped) so that every replica runs the same micro-batches
         slots = mine + [None] * (per_replica - len(mine))
         chunks = [slots[s:s + micro_batch_size] for s in range(0, len(slots), micro_batch_size)]
-        batches = [collate([Sample.from_tokens(rows[i if i is not None else 0], 1)
+        batches = [collate([_sample(i if i is not None else 0)
                             for i in chunk], pad_id=pad_id, multiple=multiple, seq_ids=chunk) for chunk in chunks]
     local = batches if cp_group is None else [split_for_context_parallel(b, cp_group) for b in batches]
     out = compute_logprobs(model, local, temperature=temperature)  # one pipelined schedule

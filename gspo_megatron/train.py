@@ -20,13 +20,34 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
 from gspo_megatron.config import Config, config_help, load_config, save_config, values_for
 from gspo_megatron.runtime.distributed import any_rank, broadcast_object
 from gspo_megatron.sample import Sample
+from gspo_megatron.weight_sync.modes import sync_mode
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from transformers import PreTrainedTokenizerBase
+
+    from gspo_megatron.data.dataset import PromptDataset, PromptSampler
+    from gspo_megatron.evaluation import Evaluator
+    from gspo_megatron.factory import Engines
+    from gspo_megatron.metrics import MetricsLogger
+    from gspo_megatron.rewards.remote import RemoteRewardScorer
+    from gspo_megatron.rewards.runner import InlineRewardScorer, RewardRunner
+    from gspo_megatron.rollout.async_producer import Overlap
+    from gspo_megatron.rollout.session import RolloutSession
+    from gspo_megatron.runtime.gpu_monitor import GpuMonitor
+    from gspo_megatron.trainer.offload import TrainStateOffloader
+
+    RewardScorer = InlineRewardScorer | RewardRunner | RemoteRewardScorer  # factory.build_rewards
 
 
 class _Stop:
@@ -53,14 +74,16 @@ def check_before_start(cfg: Config) -> None:
     preflight.run_all(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def train(cfg: Config, *, checked: bool = False) -> dict:
+def train(cfg: Config, *, checked: bool = False, after_sync: Callable[[Any], None] | None = None) -> dict:
     """Run (or resume) a training job. Every rank calls it. Returns the last step's metrics.
-    ``checked``: the caller already ran :func:`check_before_start` (main() does)."""
+    ``checked``: the caller already ran :func:`check_before_start` (main() does). ``after_sync``:
+    test instrumentation, ``after_sync(syncer)`` on every rank after each successful weight sync
+    (``RolloutSession``'s argument; no config key or CLI flag sets it)."""
     if not checked:
         check_before_start(cfg)
     run = build_trainer(cfg)  # process groups, run dir, model, optimizer (weights not loaded yet)
     resume(cfg, run)  # the starting weights and step: a checkpoint, model.checkpoint or model.hf_path
-    build_rollout(cfg, run)  # tokenizer, data, rewards, metrics, engines, weight sync; engines get the weights
+    build_rollout_side(cfg, run, after_sync=after_sync)  # data, rewards, metrics, engines, session; first sync
     stopped = False
     for step in range(run.start_step + 1, cfg.train.steps + 1):
         stopped = run_step(cfg, run, step)
@@ -72,34 +95,34 @@ def train(cfg: Config, *, checked: bool = False) -> dict:
 
 @dataclass
 class Run:
-    """Everything one training job holds; built by :func:`build_trainer` / :func:`build_rollout`,
+    """Everything one training job holds; built by :func:`build_trainer` / :func:`build_rollout_side`,
     filled by :func:`resume`, advanced by :func:`run_step`. Fields marked rank 0 are None elsewhere."""
 
     rank: int
     hf_dir: str
     hf: dict
-    model: Any
-    ddp: Any
-    optimizer: Any
-    scheduler: Any
+    model: GPTModel  # this rank's chunk (its pipeline stage, its experts)
+    ddp: DistributedDataParallel
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
     ckpt_root: str
-    ref_model: Any = None
+    ref_model: GPTModel | None = None  # gspo.kl_coef > 0
     start_step: int = 0
     resumed: bool = False
     extra: dict = field(default_factory=dict)  # trainer state saved with the checkpoint
     bad_streak: int = 0  # consecutive steps with a skipped (non-finite) update
-    tokenizer: Any = None
+    tokenizer: PreTrainedTokenizerBase | None = None
     pad_id: int = 0
-    dataset: Any = None  # rank 0
-    sampler: Any = None  # rank 0
-    rewards: Any = None  # rank 0
-    logger: Any = None  # rank 0
-    rollout: Any = None  # factory.Rollout: engines and sync topology
-    session: Any = None  # rollout.session.RolloutSession
-    offloader: Any = None  # rollout.offload_train
-    gpu_monitor: Any = None
-    overlap: Any = None  # rollout.max_staleness >= 1: rollout.async_producer.Overlap
-    evaluator: Any = None  # evaluation.Evaluator (eval.*)
+    dataset: PromptDataset | None = None  # rank 0
+    sampler: PromptSampler | None = None  # rank 0
+    rewards: RewardScorer | None = None  # rank 0
+    logger: MetricsLogger | None = None  # rank 0
+    rollout: Engines | None = None  # the engines and this rank's sync topology
+    session: RolloutSession | None = None
+    offloader: TrainStateOffloader | None = None  # rollout.offload_train
+    gpu_monitor: GpuMonitor | None = None
+    overlap: Overlap | None = None  # rollout.max_staleness >= 1
+    evaluator: Evaluator | None = None  # eval.*
     metrics: dict = field(default_factory=dict)  # the last step's
 
 
@@ -155,6 +178,9 @@ def resume(cfg: Config, run: Run) -> None:
         run.optimizer.reload_model_params()
     else:
         load_hf_weights(run.model, run.hf_dir)
+        # bf16 / fp16: the optimizer's fp32 main params were copied from build_model's init when the
+        # optimizer was made; without this the first step writes that init (+ the update) back
+        run.optimizer.reload_model_params()
     if cfg.gspo.kl_coef > 0:  # a frozen copy of the starting policy
         run.ref_model = factory.build_model(cfg, run.hf)
         if cfg.model.checkpoint:
@@ -164,18 +190,13 @@ def resume(cfg: Config, run: Run) -> None:
         run.ref_model.requires_grad_(False)
 
 
-def build_rollout(cfg: Config, run: Run) -> None:
+def build_rollout_side(cfg: Config, run: Run, after_sync: Callable[[Any], None] | None = None) -> None:
     """Every rank: the tokenizer, the engines (colocated ones start on the nodes that share their GPUs),
-    this rank's part of the weight sync, the rollout session, then the first sync (the engines start
-    from exactly the trainer's weights). Rank 0 also: the dataset and its sampler (resumed), the
+    the rollout session (:func:`build_session`), then the first sync (the engines start from exactly
+    the trainer's weights), the evaluator. Rank 0 also: the dataset and its sampler (resumed), the
     reward functions, the metrics logger."""
     from gspo_megatron import factory
-    from gspo_megatron.rollout.batch import collect_rollouts
-    from gspo_megatron.rollout.session import RolloutSession
     from gspo_megatron.runtime.gpu_monitor import GpuMonitor
-    from gspo_megatron.trainer.offload import TrainStateOffloader
-    from gspo_megatron.weight_sync.probe import default_tolerance
-    from gspo_megatron.weight_sync.sync import WeightSyncer
 
     run.tokenizer = factory.build_tokenizer(run.hf_dir)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
@@ -193,40 +214,64 @@ def build_rollout(cfg: Config, run: Run) -> None:
                                    console="auto" if cfg.logging.progress else "plain",
                                    console_every=cfg.train.log_interval,
                                    wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
-    run.rollout = factory.build_rollout(cfg, run.hf_dir)
-    engine = run.rollout.engine
-    syncer = WeightSyncer(run.model, run.rollout.topology, cfg.rollout.sync_bucket_mb)
-    verify = None
-    if cfg.rollout.sync_verify:  # the weight version every sync; the log-prob probe on sync 1 and every N-th
-        verify = (run.model, cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype, cfg.rollout.sync_fp8),
-                  run.pad_id)
-    dataset, sampler, tokenizer, rewards = run.dataset, run.sampler, run.tokenizer, run.rewards
-    run.session = RolloutSession(
-        syncer, engine, sampler, max_restarts=cfg.rollout.max_engine_restarts,
-        colocated=cfg.rollout.sync_mode == "colocated", kv_cache_after_sync=not cfg.rollout.offload_train,
-        verify_every=cfg.rollout.sync_verify_every,
-        collect=lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards),
-        dead_engines=run.rollout.dead_engines, restart=run.rollout.restart, verify=verify,
-        probe_prompts=[dataset[i].prompt_ids for i in range(min(4, len(dataset)))] if run.rank == 0 else None)
-    from gspo_megatron.rollout.async_producer import attach_overlap
-
-    # rollout.max_staleness >= 1: rank 0 generates the next batches while every rank trains
-    run.overlap = attach_overlap(cfg, run.session, run.model, run.start_step)
+    run.rollout = factory.build_engines(cfg, run.hf_dir)
+    run.session = build_session(cfg, run, after_sync=after_sync)
     run.session.sync()
     run.gpu_monitor = GpuMonitor()  # a quiet no-op without a GPU
-    # rollout.offload_train: params, grads and optimizer states leave the device while the engines generate
-    if cfg.rollout.offload_train:
-        run.offloader = TrainStateOffloader(run.ddp, run.optimizer)
-        run.session.offloader = run.offloader  # a probe offloads the state while the engines hold their KV cache
-        # a re-sync inside the rollout (engine restarted) needs the weights back
-        run.session.sync = run.offloader.loaded_call(run.session.sync)
     from gspo_megatron.evaluation import Evaluator  # eval.*: step 0, every eval.interval, the last step
 
-    run.evaluator = Evaluator(cfg, tokenizer, engine, rewards, last_step=int(run.extra.get("eval_last_step", -1)))
+    run.evaluator = Evaluator(cfg, run.tokenizer, run.rollout.engine, run.rewards,
+                              last_step=int(run.extra.get("eval_last_step", -1)))
     if run.evaluator.due(run.start_step):  # (a resume evaluates its start step only if that was not done)
-        eval_metrics = run.evaluator.run(run.session, run.start_step, run.offloader)
+        eval_metrics = run.evaluator.run(run.session, run.start_step)
         if run.rank == 0:
             run.logger.log(run.start_step, eval_metrics)
+
+
+def build_session(cfg: Config, run: Run, after_sync: Callable[[Any], None] | None = None) -> RolloutSession:
+    """Every rank: the ``RolloutSession`` composed once from what the config asks (nothing of it is
+    replaced later); sets ``run.overlap`` and ``run.offloader``.
+
+    - collector: rank 0's synchronous rollout (``rollout.batch.collect_rollouts``), or with
+      ``rollout.max_staleness`` >= 1 the overlap (rank 0 generates the next batches while every rank
+      trains), which also brackets every sync (``rollout.async_producer``);
+    - colocation: colocated engines release their memory after each rollout and take it back around
+      the sync; ``rollout.offload_train``: the training state leaves the devices while the engines
+      generate (``trainer.offload.TrainStateOffloader``), and a sync inside a rollout (engine
+      restarted) brings it back for the push (``rollout.colocation``);
+    - verifier: ``rollout.sync_verify``: the weight version every sync; the log-prob probe on sync 1
+      and every ``rollout.sync_verify_every``-th (``weight_sync.probe.SyncVerifier``)."""
+    from gspo_megatron.rollout.async_producer import build_overlap
+    from gspo_megatron.rollout.batch import collect_rollouts
+    from gspo_megatron.rollout.colocation import Colocation
+    from gspo_megatron.rollout.session import RolloutSession, SyncCollector
+    from gspo_megatron.trainer.offload import TrainStateOffloader
+    from gspo_megatron.weight_sync.probe import SyncVerifier, default_tolerance
+    from gspo_megatron.weight_sync.sync import WeightSyncer
+
+    engine = run.rollout.engine
+    syncer = WeightSyncer(run.model, run.rollout.topology, cfg.rollout.sync_bucket_mb)
+    collector = None
+    if run.rank == 0:
+        dataset, sampler, tokenizer, rewards = run.dataset, run.sampler, run.tokenizer, run.rewards
+        collector = SyncCollector(
+            lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards), sampler)
+    run.overlap = build_overlap(cfg, run.model, syncer, collector, run.start_step)
+    if cfg.rollout.offload_train:
+        run.offloader = TrainStateOffloader(run.ddp, run.optimizer)
+    colocation = Colocation(engine, colocated=sync_mode(cfg.rollout.sync_mode).colocated, offloader=run.offloader)
+    verifier = None
+    if cfg.rollout.sync_verify:
+        verifier = SyncVerifier(
+            run.model, cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype, cfg.rollout.sync_fp8),
+            run.pad_id, every=cfg.rollout.sync_verify_every, routing_replay=cfg.rollout.routing_replay,
+            probe_prompts=[run.dataset[i].prompt_ids for i in range(min(4, len(run.dataset)))]
+            if run.rank == 0 else None)
+    overlap = run.overlap
+    return RolloutSession(
+        syncer, engine, overlap if overlap is not None else collector, max_restarts=cfg.rollout.max_engine_restarts,
+        dead_engines=run.rollout.dead_engines, restart=run.rollout.restart, colocation=colocation,
+        verifier=verifier, sync_hooks=[overlap.around_sync] if overlap is not None else [], after_sync=after_sync)
 
 
 def run_step(cfg: Config, run: Run, step: int) -> bool:
@@ -236,16 +281,10 @@ def run_step(cfg: Config, run: Run, step: int) -> bool:
     from gspo_megatron.trainer.step import train_on_batch
 
     t0 = time.perf_counter()
-    session, offloader = run.session, run.offloader
-    if offloader is not None:  # (after the previous step's sync and checkpoint)
-        offloader.offload()
-        dist.barrier()  # every rank's state is off its GPU before the engines take their KV cache back
-        session.resume_kv_cache()
+    session = run.session
+    # (the session's colocation: with offload_train the state leaves the GPUs before and comes back
+    # after; colocated engines release their weights and KV cache after it)
     records, rollout_metrics = session.rollout(step)
-    session.release_engines()  # colocated: the engines' weights and KV cache leave the GPUs
-    if offloader is not None:  # back before training, once rank 0 has released the engines' memory
-        dist.barrier()
-        offloader.reload()
     result = train_on_batch(cfg, run.ddp, run.optimizer, run.scheduler, records, run.pad_id, ref_model=run.ref_model,
                             behaviour=run.overlap.history if run.overlap is not None else None)
     sync_metrics = session.sync()  # (colocated: takes the engines' memory back around the sync)
@@ -253,7 +292,7 @@ def run_step(cfg: Config, run: Run, step: int) -> bool:
     step_time = time.perf_counter() - t0
     run.metrics = _step_metrics(run, step, result.metrics, sync_metrics, rollout_metrics, records, step_time)
     if run.evaluator.due(step):  # on this step's weights (after its sync); every rank
-        run.metrics.update(run.evaluator.run(session, step, offloader))
+        run.metrics.update(run.evaluator.run(session, step))
     if run.rank == 0:
         run.logger.log(step, run.metrics)
 
@@ -345,7 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, after_sync: Callable[[Any], None] | None = None) -> int:
+    """The ``gspo-train`` command. ``after_sync``: test instrumentation passed to :func:`train` by a
+    test's launcher script (tests/topology/sync_check.py), never by the command line."""
     from gspo_megatron.runtime import children
 
     children.die_with_launcher()  # a rank never outlives a SIGKILLed torchrun agent
@@ -374,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         error = e
     error = agree(error)  # under torchrun: every rank learns whether any rank's checks failed
     if error is not None:
-        return stop_all("gspo-train", error, args.debug)
+        return stop_all("gspo-train", error, args.debug, together=True)
     if args.check:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config OK: {args.config or '(defaults)'} (config, output_dir, model, tokenizer, data, "
@@ -386,10 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     if note and int(os.environ.get("RANK", "0")) == 0:
         print(note, flush=True)
     try:
-        train(cfg, checked=True)
+        train(cfg, checked=True, after_sync=after_sync)
     except UserInputError as e:  # met during the run on every rank (e.g. a reward failing on every call)
-        e._gspo_agreed = True  # raised on every rank together (RolloutSession broadcasts it)
-        return stop_all("gspo-train", e, args.debug)
+        return stop_all("gspo-train", e, args.debug, together=True)  # (RolloutSession broadcasts it)
     if dist.is_initialized():
         destroy_distributed()
     return 0

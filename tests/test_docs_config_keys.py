@@ -2,8 +2,8 @@
 the config schema (issue 21: docs/gpu.md named ``rollout.sglang.urls``, which no config has).
 
 A ``section.name`` that is not a config key is accepted only when it names something else that exists:
-a module file (``train.py``), a function or attribute of the module of that name
-(``train.run_step``, ``checkpoint.save_checkpoint``), a file name (``model.safetensors``), or one of
+a module file (``train.py``), a module (``rollout.batch``), a function or attribute of a module
+(``train.run_step``, ``checkpoint.manager.save_checkpoint``), a file name (``model.safetensors``), or one of
 the few outside names listed in OTHER_NAMES."""
 
 from __future__ import annotations
@@ -32,13 +32,18 @@ def _sections() -> dict[str, object]:
 def _is_other_name(token: str, section: str, rest: str) -> bool:
     if token in OTHER_NAMES or token.endswith(FILE_SUFFIXES):
         return True
-    if section == "model" and rest.startswith(("layers.", "embed_tokens.", "norm.")):
+    if section == "model" and rest.split(".")[0] in ("layers", "embed_tokens", "norm", "visual", "language_model"):
         return True  # a Hugging Face tensor name (model.layers.2.self_attn...), not a config key
-    try:
-        module = importlib.import_module(f"gspo_megatron.{section}")
-    except ImportError:
-        return False
-    return hasattr(module, rest.split(".")[0])
+    parts = [section] + rest.split(".")
+    for k in range(len(parts), 0, -1):  # the longest importable module prefix, then its attributes
+        try:
+            obj = importlib.import_module("gspo_megatron." + ".".join(parts[:k]))
+        except ImportError:
+            continue
+        if k == len(parts):
+            return True  # a module (rollout.batch)
+        return hasattr(obj, parts[k])  # a function or attribute of it (rollout.batch.collect_rollouts)
+    return False
 
 
 def test_docs_name_only_config_keys_that_exist():
@@ -52,6 +57,9 @@ def test_docs_name_only_config_keys_that_exist():
                 section, rest = m.group(1), m.group(2)
                 key = rest.split(".")[0]
                 if "." not in rest and hasattr(sections[section], key):
+                    continue
+                sub = getattr(sections[section], key, None)  # a nested section: model.lora.rank
+                if dataclasses.is_dataclass(sub) and rest.count(".") == 1 and hasattr(sub, rest.split(".")[1]):
                     continue
                 if not _is_other_name(m.group(0), section, rest):
                     wrong.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)}")

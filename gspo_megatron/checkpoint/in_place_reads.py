@@ -175,7 +175,7 @@ def _record_start(f, info: zipfile.ZipInfo) -> int:
 
 def _read_record(f, info: zipfile.ZipInfo) -> bytes:
     """A small stored record's bytes, read as they are: torch.save may leave the CRC-32 out
-    (``set_crc32_options(False)``, as ``dist_ckpt_writer`` does), which zipfile's reader would refuse."""
+    (``set_crc32_options(False)``, as ``checkpoint.writer`` does), which zipfile's reader would refuse."""
     f.seek(_record_start(f, info))
     data = f.read(info.file_size)
     if len(data) != info.file_size:

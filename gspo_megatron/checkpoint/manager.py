@@ -292,7 +292,8 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
         meta = dict(format_version=FORMAT_VERSION, step=int(step), hf_config=unwrap(model).hf_config,
                     layout=current_layout(), dtype=dtype_name(params),
                     has_optimizer=optimizer is not None, has_rng=save_rng, hf_assets=copied,
-                    sharding_metadata=_SHARDING_METADATA)
+                    sharding_metadata=_SHARDING_METADATA,
+                    lora=getattr(unwrap(model), "lora", None))  # model.lora (models/lora.py), or None
         with open(os.path.join(tmp_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
         _fsync_tree(tmp_dir)
@@ -329,6 +330,10 @@ def _copy_hf_assets(src: str | None, dst: str) -> list[str]:
             os.makedirs(dst, exist_ok=True)
             shutil.copy2(path, os.path.join(dst, name))
             copied.append(name)
+    from gspo_megatron.models.carried import CARRIED_FILE, save_carried
+
+    if save_carried(src, dst):  # the published MTP layers, kept unchanged (models/carried.py)
+        copied.append(CARRIED_FILE)
     return copied
 
 

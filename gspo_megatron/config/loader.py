@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from gspo_megatron.config.schema import DEFAULT_CLIP, Config, ConfigError
+from gspo_megatron.config.schema import Config, ConfigError
 from gspo_megatron.config.validation import _static_errors
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -26,6 +26,14 @@ def _hints(cls: type) -> dict[str, Any]:
     if cls not in _HINTS:
         _HINTS[cls] = typing.get_type_hints(cls)
     return _HINTS[cls]
+
+
+def _field_type(cls: type, key: str) -> Any:
+    """The type the loader checks for ``cls.key``: its annotation, or a Literal of the values its
+    ``choices`` registry holds now (``schema._f(..., choices=...)``: gspo.mode, rollout.sync_mode)."""
+    f = cls.__dataclass_fields__.get(key)
+    choices = f.metadata.get("choices") if f is not None else None
+    return Literal[tuple(choices())] if choices else _hints(cls)[key]
 
 
 def _is_section(tp: Any) -> bool:
@@ -53,6 +61,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         return _coerce(value, inner[0], name)  # our unions are always `X | None`
     bad = ConfigError(f"{name} must be {_type_name(tp)}, got {value!r}")
     if origin is Literal:
+        if value is False and "off" in args:  # YAML 1.1 reads a bare `off` as false
+            return "off"
         if value in args:
             return value
         close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
@@ -95,7 +105,7 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str, errors: list[str]) -> No
         if key not in hints:
             errors.append(_did_you_mean(key, list(hints), prefix))
             continue
-        tp, name = hints[key], prefix + key
+        tp, name = _field_type(type(obj), key), prefix + key
         if _is_section(tp):
             if not isinstance(value, dict):
                 errors.append(f"{name} must be a mapping of its keys, got {value!r}")
@@ -180,9 +190,8 @@ def config_help() -> str:
     lines = ["Config fields (YAML sections; override any as section.key=value):"]
 
     def walk(cls: type, prefix: str) -> None:
-        hints = _hints(cls)
         for f in dataclasses.fields(cls):
-            tp = hints[f.name]
+            tp = _field_type(cls, f.name)
             if _is_section(tp):
                 lines.append(f"\n[{prefix}{f.name}]")
                 walk(tp, f"{prefix}{f.name}.")
@@ -197,7 +206,9 @@ def config_help() -> str:
 
 def _resolve(cfg: Config) -> None:
     """Fill the automatic values (written as null in YAML) so the saved config shows what ran."""
-    low, high = DEFAULT_CLIP[cfg.gspo.mode]
+    from gspo_megatron.losses.objectives import policy_objective
+
+    low, high = policy_objective(cfg.gspo.mode, "gspo.mode").default_clip
     if cfg.gspo.clip_low is None:
         cfg.gspo.clip_low = low
     if cfg.gspo.clip_high is None:

@@ -9,16 +9,30 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from gspo_megatron.errors import ConfigError  # noqa: F401  (public here too; defined in errors.py: no cycle)
 
 
-def _f(default: Any, help: str) -> Any:
-    """A dataclass field whose one-line description feeds :func:`config_help`."""
+def _f(default: Any, help: str, choices: Callable[[], tuple[str, ...]] | None = None) -> Any:
+    """A dataclass field whose one-line description feeds :func:`config_help`. ``choices``: the allowed
+    values, asked of a registry when the config is loaded (the loader checks them like a Literal's)."""
+    meta: dict[str, Any] = {"help": help} if choices is None else {"help": help, "choices": choices}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _policy_loss_modes() -> tuple[str, ...]:
+    from gspo_megatron.losses.objectives import policy_loss_modes
+
+    return policy_loss_modes()
+
+
+def _sync_modes() -> tuple[str, ...]:
+    from gspo_megatron.weight_sync.modes import sync_mode_names
+
+    return sync_mode_names()
 
 
 def values_for(target: type, *sections: Any, renamed: dict[str, str] | None = None, **given: Any) -> dict[str, Any]:
@@ -40,8 +54,13 @@ def values_for(target: type, *sections: Any, renamed: dict[str, str] | None = No
     return out
 
 
-# (clip_low, clip_high) per gspo.mode when the config leaves them null; the loss module reads it too.
-DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.2)}
+@dataclass
+class LoraConfig:
+    # -- LoRA adapters, the base frozen (gspo_megatron/models/lora.py; docs/training.md "LoRA")
+    rank: int = _f(0, "LoRA rank r; 0 = off (every parameter trained)")
+    alpha: float = _f(16.0, "LoRA alpha: the adapter output is scaled by alpha / rank")
+    dropout: float = _f(0.0, "dropout on the adapter input (training forward only)")
+    target_modules: list[str] = _f(["linear_qkv", "linear_proj", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_fc1", "linear_fc2"], "Megatron linear layers that get adapters: a module name (linear_fc1: dense MLP, shared and routed experts) or a dotted suffix of its path (experts.linear_fc1: routed experts only; shared_experts.linear_fc2; self_attention.linear_qkv); each entry must match a layer of the model")
 
 
 @dataclass
@@ -59,6 +78,7 @@ class ModelConfig:
     recompute: bool = _f(False, "full activation recomputation (store only each layer's input)")
     fused_logprobs: bool = _f(True, "log-probs / entropy straight from the last hidden states, the output layer fused in and recomputed per token chunk in backward (no [tokens, V/tp] logits; gspo_megatron/losses/fused_logprobs.py); false: the output layer's logits, then the chunked vocab-parallel log-probs")
     max_seq_len: int = _f(64, "max prompt + response tokens of one sequence: must cover data.max_prompt_len + rollout.max_new_tokens and fit the model's max_position_embeddings; the memory planner sizes activations and KV cache with it")
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -86,12 +106,13 @@ class RolloutConfig:
     top_k: int = _f(-1, "top-k sampling; -1 = off")
     max_new_tokens: int = _f(8, "max response tokens")
     stop: list[str] = _f([], "extra stop strings (the tokenizer's EOS always stops)")
-    sync_mode: Literal["inprocess", "colocated", "disaggregated"] = _f("inprocess", "weight sync transport: inprocess (hf engine), colocated (CUDA IPC, engines share the training GPUs), disaggregated (NCCL broadcast to separate GPUs)")
+    sync_mode: str = _f("inprocess", "weight sync transport (weight_sync/modes.py): inprocess (hf engine), colocated (CUDA IPC, engines share the training GPUs), disaggregated (NCCL broadcast to separate GPUs)", choices=_sync_modes)
     sync_bucket_mb: float = _f(512.0, "weight-sync bucket size in MiB")
     sync_verify: bool = _f(True, "check every engine after each sync: every sync, that it reports the weight version just pushed (one /model_info call per engine); on the syncs sync_verify_every picks, also its log-probs of a greedy probe batch against the trainer's (max abs difference <= sync_verify_tol); false = no check")
     sync_verify_every: int = _f(10, "with sync_verify: run the log-prob probe on the first sync of a run (or resume), on the first sync after an engine restart, and then every N-th sync; 1 = every sync; 0 = never (weight version check only)")
     sync_verify_tol: float = _f(0.0, "sync_verify tolerance on the max abs log-prob difference; 0 = by dtype (1e-3 float32, 0.25 bfloat16/float16; 1.0 with sync_fp8)")
     sync_fp8: bool = _f(False, "quantize weights to FP8 on sync (sglang engines the trainer launches; not with rollout.engine_urls, which start from the bf16 checkpoint)")
+    sync_delta: bool = _f(False, "send per tensor only the elements changed since the last sync (weight_sync/delta.py; sync_mode=colocated; the trainer's sending ranks and every engine TP rank keep a host copy of the model in the engine dtype; full syncs at start, on resume and after an engine restart; not with sync_fp8)")
     offload_train: bool = _f(False, "colocated (or in-process) engines: move training weights/grads/optimizer states to host memory while the engines generate (gspo_megatron/trainer/offload.py)")
     engine_tp: int = _f(1, "tensor parallel size of one engine")
     engine_ep: int = _f(1, "expert parallel size inside one SGLang engine (its --ep-size; divides engine_tp); with sync_fp8 an MoE model needs moe_intermediate_size / (engine_tp / engine_ep) to be a multiple of 128")
@@ -110,11 +131,13 @@ class RolloutConfig:
     max_staleness: int = _f(0, "0 = synchronous loop (rollout -> train -> sync); N >= 1 (sync_mode=disaggregated only): the engines generate the next batches while the trainer trains, and no sample in an optimizer step was generated by weights more than N steps old")
     over_sample: float = _f(1.0, "with dynamic_sampling: draw ceil(over_sample * needed) prompts at once and stop generating once enough groups with unequal rewards are in (1.0 = off: resample in rounds)")
     custom_function: str | None = _f(None, "custom rollout hook 'path/to/file.py:fn' or 'package.module:fn', called as fn(generate, sample) -> dict per sample (multi-turn, tools; gspo_megatron/rollout/custom.py; the rollout.* sampling settings, max_new_tokens included, are the defaults of each generate call); null = one generate call per sample")
+    routing_replay: Literal["off", "r2", "r3"] = _f("off", "MoE routing replay (gspo_megatron/trainer/route_replay.py, docs/training.md \"Routing replay\"): off; r3: the engines return each token's routed experts (sglang --enable-return-routed-experts) and both trainer forwards (old policy, policy) replay them; r2: the trainer's old-policy forward records its own routes and the policy forward replays them. MoE models only; not with model.recompute")
+    lora_sync: Literal["merged", "adapter"] = _f("merged", "with model.lora: merged: the export stream merges the adapters into the base weights and the existing sync sends the merged model (every engine, every sync mode); adapter: send only the adapters (not yet implemented: refused)")
 
 
 @dataclass
 class GSPOConfig:
-    mode: Literal["gspo", "gspo_token", "grpo"] = _f("gspo", "policy loss: sequence ratio (gspo), per-token GSPO (gspo_token), token ratio (grpo)")
+    mode: str = _f("gspo", "policy loss (losses/objectives.py, or any registered with register_policy_loss): sequence ratio (gspo), per-token GSPO (gspo_token), token ratio (grpo)", choices=_policy_loss_modes)
     clip_low: float | None = _f(None, "eps_low, clip range [1 - clip_low, 1 + clip_high]; null = 3e-4 (gspo modes) / 0.2 (grpo)")
     clip_high: float | None = _f(None, "eps_high; null = 4e-4 (gspo modes) / 0.2 (grpo)")
     kl_coef: float = _f(0.0, "coefficient of the KL to a frozen reference policy (0 = off, no reference model)")
@@ -123,6 +146,8 @@ class GSPOConfig:
     std_normalize: bool = _f(True, "divide advantages by the group's reward std")
     adv_eps: float = _f(1e-6, "eps in A = (r - mean) / (std + eps)")
     tis_cap: float | None = _f(None, "truncated importance sampling cap on pi_trainer_old / pi_engine; null = off")
+    tis_level: Literal["token", "sequence"] | None = _f(None, "with tis_cap: the weight per sequence (the geometric mean of the response tokens' ratios exp(mean_t(old - engine)), never their product) or per token; null = the mode's own (sequence for gspo / gspo_token, token for grpo); gspo takes only sequence")
+    tis_mode: Literal["truncate", "mask"] = _f("truncate", "with tis_cap: truncate (w = min(ratio, tis_cap)) or mask (w = ratio where ratio <= tis_cap, else 0: the sequence or token is dropped from the loss)")
     mini_batches: int = _f(2, "optimizer steps per rollout batch (>= 1)")
     loss_agg: Literal["seq-mean-token-mean", "token-mean"] = _f("seq-mean-token-mean", "loss aggregation: seq-mean-token-mean (each sequence's token mean, averaged over the mini-batch's sequences) or token-mean (sum over the mini-batch's response tokens / their global count; mode grpo only)")
 

@@ -11,12 +11,30 @@ import difflib
 import os
 
 from gspo_megatron.config.schema import Config, ConfigError
+from gspo_megatron.weight_sync.modes import SYNC_MODES, modes_where
+
+
+def _modes(**props: object) -> str:
+    """The sync modes with ``props`` (weight_sync/modes.py), for a message: 'a or b'."""
+    return " or ".join(sorted(modes_where(**props)))
 
 
 def _builtin_rewards() -> list[str]:
     from gspo_megatron.rewards.builtin import BUILTIN_REWARDS
 
     return list(BUILTIN_REWARDS)
+
+
+def _policy_objective(mode: str, errors: list[str]):
+    """The registered objective (losses/objectives.py) of ``gspo.mode``; None (and one line in ``errors``
+    naming the registered modes) when there is none."""
+    from gspo_megatron.losses.objectives import policy_objective
+
+    try:
+        return policy_objective(mode, "gspo.mode")
+    except ValueError as err:
+        errors.append(str(err))
+        return None
 
 
 def _builtin_tasks() -> list[str]:
@@ -116,14 +134,14 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
 
     if r.custom_function is not None:
         callable_spec("rollout.custom_function", r.custom_function)
+    sm = SYNC_MODES.get(r.sync_mode)  # None: unknown (only in a Config built in Python; the loader refuses it)
+    need(sm is not None and sm.engine == r.engine,
+         f"rollout.sync_mode must be {_modes(engine=r.engine)} with rollout.engine={r.engine}, got {r.sync_mode}")
     if r.engine == "hf":
-        need(r.sync_mode == "inprocess", f"rollout.sync_mode must be inprocess with rollout.engine=hf, got {r.sync_mode}")
         need(not r.sync_fp8, "rollout.sync_fp8 needs rollout.engine=sglang")
         need(r.num_engines in (0, 1), f"rollout.num_engines must be 0 or 1 with rollout.engine=hf, got {r.num_engines}")
-    else:
-        need(r.sync_mode in ("colocated", "disaggregated"),
-             f"rollout.sync_mode must be colocated or disaggregated with rollout.engine=sglang, got {r.sync_mode}")
-    need(not r.engine_urls or r.sync_mode == "disaggregated", "rollout.engine_urls needs rollout.sync_mode=disaggregated")
+    need(not r.engine_urls or (sm is not None and sm.attaches),
+         f"rollout.engine_urls needs rollout.sync_mode={_modes(attaches=True)}")
     need(not (r.sync_fp8 and r.engine_urls),
          "rollout.sync_fp8=true is not supported with rollout.engine_urls (attached engines): they start from the "
          "bf16 checkpoint (launch/sglang_node.sh) without the FP8 quantization_config the trainer gives the engines "
@@ -133,22 +151,53 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
          "rollout.sync_fp8=true is not supported with rollout.engine_server=cpu: the CPU stand-in server does not read "
          "the engine's FP8 quantization_config, so it would skip the weight_scale_inv tensors and load e4m3 bytes "
          "into float weights; set rollout.sync_fp8=false (or rollout.engine_server=sglang on GPUs)")
+    need(not r.sync_delta or sm is None or sm.delta,
+         f"rollout.sync_delta=true needs rollout.sync_mode={_modes(delta=True)}, got {r.sync_mode}: sglang 0.5.23 applies "
+         "a custom weight loader only in update_weights_from_tensor (update_weights_from_distributed always calls "
+         "model.load_weights); set rollout.sync_delta=false")
+    need(not (r.sync_delta and r.sync_fp8),
+         "rollout.sync_delta=true is not supported with rollout.sync_fp8=true (block scales change with every "
+         "update, so an FP8 delta is no smaller; the engine would need the FP8 copy too); set one of them to false")
     need(not r.engine_urls or r.num_engines in (0, len(r.engine_urls)),
          f"rollout.num_engines={r.num_engines} but rollout.engine_urls lists {len(r.engine_urls)} engines")
-    need(r.sync_mode != "disaggregated" or r.num_engines >= 1 or r.engine_urls,
-         "rollout.num_engines must be >= 1 (or rollout.engine_urls set) with rollout.sync_mode=disaggregated")
+    need(sm is None or not sm.separate_gpus or r.num_engines >= 1 or r.engine_urls,
+         f"rollout.num_engines must be >= 1 (or rollout.engine_urls set) with rollout.sync_mode={r.sync_mode}")
     non_negative("rollout.max_staleness", r.max_staleness)
     non_negative("rollout.sync_verify_every", r.sync_verify_every)
     non_negative("rollout.sync_verify_tol", r.sync_verify_tol)
-    need(r.max_staleness == 0 or r.sync_mode == "disaggregated",
-         f"rollout.max_staleness={r.max_staleness} needs rollout.sync_mode=disaggregated (got {r.sync_mode}): "
+    need(r.max_staleness == 0 or (sm is not None and sm.allows_staleness),
+         f"rollout.max_staleness={r.max_staleness} needs rollout.sync_mode={_modes(allows_staleness=True)} (got {r.sync_mode}): "
          "overlapping generation with training needs engines on their own GPUs; colocated or in-process engines "
          "share the training devices and cannot generate while the trainer trains")
     need(r.max_staleness == 0 or r.custom_function is None,
          "rollout.max_staleness >= 1 with rollout.custom_function is not supported: the hook's records do not carry "
          "the weight version of each token, which off-policy training needs")
-    need(not r.offload_train or r.sync_mode != "disaggregated",
-         "rollout.offload_train needs engines on the training devices (rollout.sync_mode colocated or inprocess), got disaggregated")
+    need(r.routing_replay != "r3" or r.engine == "sglang",
+         "rollout.routing_replay=r3 needs rollout.engine=sglang (the engines must return their routed experts; "
+         "rollout.engine_server=cpu on CPU); the in-process hf engine does not (use r2 or off)")
+    need(r.routing_replay == "off" or not m.recompute,
+         f"rollout.routing_replay={r.routing_replay} with model.recompute=true is not supported: the forward "
+         "recomputed in backward would route without the replayed experts")
+    lora = cfg.model.lora
+    need(lora.rank >= 0, f"model.lora.rank must be >= 0 (0 = off), got {lora.rank}")
+    if lora.rank > 0:
+        from gspo_megatron.config.schema import LoraConfig
+
+        known = LoraConfig().target_modules
+        need(lora.alpha > 0, f"model.lora.alpha must be > 0, got {lora.alpha}")
+        need(0.0 <= lora.dropout < 1.0, f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
+        need(bool(lora.target_modules), "model.lora.target_modules must name at least one layer")
+        for t in lora.target_modules:
+            need(t.split(".")[-1] in known, f"model.lora.target_modules entry {t!r} must end in one of {', '.join(known)}")
+        need(m.transformer_impl != "transformer_engine" and not m.fp8,
+             "model.lora needs Megatron's local layer spec (model.transformer_impl=local or auto without "
+             "Transformer Engine, no model.fp8): the adapters wrap its ColumnParallelLinear / RowParallelLinear")
+    need(r.lora_sync != "adapter",
+         "rollout.lora_sync=adapter is not implemented yet (next step: adapter tensors through sglang's "
+         "/load_lora_adapter_from_tensors); use rollout.lora_sync=merged")
+    need(not r.offload_train or sm is None or not sm.separate_gpus,
+         "rollout.offload_train needs engines on the training devices "
+         f"(rollout.sync_mode {_modes(separate_gpus=False)}), got {r.sync_mode}")
     need(m.max_seq_len >= cfg.data.max_prompt_len + r.max_new_tokens,
          f"model.max_seq_len={m.max_seq_len} must be >= data.max_prompt_len + rollout.max_new_tokens "
          f"= {cfg.data.max_prompt_len} + {r.max_new_tokens}")
@@ -163,9 +212,13 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     if g.tis_cap is not None:
         positive("gspo.tis_cap", g.tis_cap)
     need(g.mini_batches >= 1, f"gspo.mini_batches must be >= 1, got {g.mini_batches}")
-    need(g.mode == "grpo" or g.loss_agg == "seq-mean-token-mean",
+    objective = _policy_objective(g.mode, e)
+    need(objective is None or objective.config_token_mean or g.loss_agg == "seq-mean-token-mean",
          f"gspo.loss_agg={g.loss_agg} is not allowed with gspo.mode={g.mode}: GSPO weighs every sequence "
          "equally, use seq-mean-token-mean (token-mean is for mode grpo)")
+    need(objective is None or not objective.sequence_ratio or g.tis_level in (None, "sequence"),
+         f"gspo.tis_level={g.tis_level} is not allowed with gspo.mode={g.mode}: it has one ratio per sequence, "
+         "so the engine/trainer weight is per sequence too (tis_level: sequence)")
     step = cfg.step_batch_size
     if g.mini_batches >= 1 and p.micro_batch_size >= 1 and not budget:
         need(step % (g.mini_batches * p.micro_batch_size) == 0, _batch_rule(cfg, dp=1))
@@ -321,7 +374,7 @@ def engine_count(cfg: Config, world_size: int) -> int:
         return r.num_engines
     if r.engine_urls:
         return len(r.engine_urls)
-    return world_size // r.engine_tp if r.sync_mode == "colocated" else 1
+    return world_size // r.engine_tp if SYNC_MODES[r.sync_mode].colocated else 1
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -343,7 +396,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if not p.max_tokens_per_micro_batch and \
                 cfg.step_batch_size % (cfg.gspo.mini_batches * dp * p.micro_batch_size):
             e.append(_batch_rule(cfg, dp))
-    if r.sync_mode == "colocated":
+    if SYNC_MODES[r.sync_mode].colocated:
         if world_size % r.engine_tp:
             e.append(f"rollout.engine_tp={r.engine_tp} must divide the number of training GPUs {world_size} "
                      "(colocated engines share them)")
@@ -367,6 +420,8 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
     if cfg.model.max_seq_len > d.max_position_embeddings and d.rope_type == "default":
         e.append(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
                  f"= {d.max_position_embeddings}")
+    if r.routing_replay != "off" and not d.moe_layers:
+        e.append(f"rollout.routing_replay={r.routing_replay} needs an MoE model; this one is dense (no routed experts)")
     if r.engine == "sglang":
         from gspo_megatron.rollout.engine_model import engine_layout_errors, engine_model_errors
 

@@ -10,6 +10,7 @@ from gspo_megatron.losses.megatron_loss import (
     make_megatron_logprob_func,
     make_megatron_loss_func,
 )
+from gspo_megatron.losses.objectives import ObjectiveTerms, policy_loss_modes, register_policy_loss
 from gspo_megatron.losses.policy_loss import (
     PolicyLossConfig,
     PolicyLossOutput,
@@ -22,6 +23,7 @@ from gspo_megatron.losses.vocab_parallel import vocab_parallel_logprobs
 
 __all__ = [
     "GroupAdvantages",
+    "ObjectiveTerms",
     "PolicyLossConfig",
     "PolicyLossOutput",
     "check_megatron_config",
@@ -30,7 +32,9 @@ __all__ = [
     "make_megatron_logprob_func",
     "make_megatron_loss_func",
     "policy_loss",
+    "policy_loss_modes",
     "policy_loss_flat",
+    "register_policy_loss",
     "seq_index_for_rows",
     "seq_index_from_cu_seqlens",
     "vocab_parallel_logprobs",

@@ -40,14 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gspo_megatron.losses.chunking import chunk_tokens, local_targets, softmax_chunk_grad
 from gspo_megatron.losses.reductions import group_rank, group_size
-from gspo_megatron.losses.vocab_parallel import DEFAULT_CHUNK_BYTES, _local_targets
-
-
-def _chunk_tokens(chunk_size: int | None, vocab_local: int) -> int:
-    if chunk_size is None:
-        return max(1, DEFAULT_CHUNK_BYTES // (4 * max(vocab_local, 1)))
-    return chunk_size
 
 
 class _FusedVocabParallelLogprobs(torch.autograd.Function):
@@ -63,7 +57,7 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
             vocab_size = vocab_local * group_size(tp_group)
         valid_cols = max(0, min(vocab_local, vocab_size - vocab_start))  # Megatron's vocab padding left out
         w = weight[:valid_cols]
-        col, in_shard = _local_targets(targets, vocab_start, valid_cols)
+        col, in_shard = local_targets(targets, vocab_start, valid_cols)
 
         dev = hidden.device
         m_loc = torch.full((n,), -torch.inf, dtype=cdt, device=dev)
@@ -124,17 +118,9 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
             hi = min(lo + chunk, n)
             h = hidden[lo:hi].to(weight.dtype)
             logp = (h @ w.t()).to(norm.dtype).div_(temperature).sub_(norm[lo:hi, None])  # log p_v
-            p = torch.exp(logp)
-            if use_entropy:  # dH/dz = -p (log p + H)
-                g = logp.add_(entropy[lo:hi, None]).mul_(p).mul_(-grad_entropy[lo:hi, None])
-                if grad_logprobs is not None:
-                    g.sub_(p.mul_(grad_logprobs[lo:hi, None]))
-            else:
-                g = p.mul_(-grad_logprobs[lo:hi, None])
-            del p
-            if grad_logprobs is not None:
-                g_y = torch.where(in_shard[lo:hi], grad_logprobs[lo:hi], torch.zeros_like(grad_logprobs[lo:hi]))
-                g.scatter_add_(1, col[lo:hi, None], g_y[:, None])
+            g = softmax_chunk_grad(logp, entropy[lo:hi] if use_entropy else None,
+                                   None if grad_logprobs is None else grad_logprobs[lo:hi],
+                                   grad_entropy[lo:hi] if use_entropy else None, col[lo:hi], in_shard[lo:hi])
             g = g.div_(temperature).to(weight.dtype)  # [c, V/tp]: the logits' gradient, GEMM dtype
             if need_h:
                 grad_hidden[lo:hi] = (g @ w).to(hidden.dtype)
@@ -194,7 +180,7 @@ def fused_vocab_parallel_logprobs(
     lead = targets.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1).long()
-    chunk = _chunk_tokens(chunk_size, weight.shape[0])
+    chunk = chunk_tokens(chunk_size, weight.shape[0])
     logprobs, entropy = _FusedVocabParallelLogprobs.apply(
         flat_h, weight, flat_t, tp_group, float(temperature), chunk, with_entropy, vocab_size)
     return logprobs.view(lead), (entropy.view(lead) if with_entropy else None)

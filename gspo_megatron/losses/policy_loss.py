@@ -1,5 +1,9 @@
 """The policy-gradient losses: GSPO (sequence ratio), GSPO-token, and the GRPO baseline.
 
+The objective J of each mode is a small registered function (:mod:`gspo_megatron.losses.objectives`);
+this module holds the shared preparation (masking, per-sequence sums and their CP all-reduce, TIS
+weights, the normalizer), the KL / entropy terms and the metrics.
+
 Core representation (covers padded, packed/THD and context-parallel batches alike): flat per-token
 tensors [N] with ``seq_index`` [N] (the micro-batch sequence each token belongs to; masked tokens may
 carry any value) and advantages per sequence [S] (or per token [N]). :func:`policy_loss` is the
@@ -10,21 +14,26 @@ Loss = -J + kl_coef * KL_ref - entropy_coef * H, each term aggregated the same w
 - "seq-mean-token-mean" (default): sum over sequences with >= 1 response token of that sequence's
   token mean, divided by ``normalizer`` (default: the number of such sequences in the micro-batch).
 - "token-mean": sum over all response tokens divided by ``normalizer`` (default: the token count).
-  Only for the token-ratio modes; with mode="gspo" it is refused (a sequence ratio has no tokens to sum).
+  Only for the token-ratio modes; a ``sequence_ratio`` mode ("gspo") refuses it (a sequence ratio has
+  no tokens to sum).
 
 With ``normalizer`` = the count over the whole global batch (sequences, or tokens for "token-mean"),
 the sum of the losses of all micro-batches and DP ranks is exactly the global-batch loss.
 
-Modes (s = sequence ratio, r = token ratio, A = advantage, clip to [1 - clip_low, 1 + clip_high]):
+Built-in modes (s = sequence ratio, r = token ratio, A = advantage, clip to [1 - clip_low, 1 + clip_high]):
 
 - "gspo":       log s_i = (1/|y_i|) sum_t (logp - old);  J_i = min(s_i A_i, clip(s_i) A_i)
 - "gspo_token": log s_it = sg[log s_i] + logp_t - sg[logp_t];  J_i = mean_t min(s_it A_it, clip(s_it) A_it)
 - "grpo":       r_t = exp(logp_t - old_t);  J_i = mean_t min(r_t A_it, clip(r_t) A_it)
 
-Truncated importance sampling (engine vs trainer), cap C, detached weights multiplying J:
-token modes use w_t = min(exp(old_t - engine_t), C) for "grpo"; "gspo" and "gspo_token" use the
-sequence weight w_i = min(exp(mean_t(old_t - engine_t)), C) (the seq-mean log-ratio, matching the
-length-normalized sequence ratio; this keeps gspo_token == gspo for uniform token advantages).
+Truncated importance sampling (engine vs trainer), cap C (``tis_cap``), detached weights multiplying J.
+``tis_level`` "sequence" (default of "gspo" and "gspo_token"): rho_i = exp(mean_t(old_t - engine_t)),
+the geometric mean of the per-token ratios over the response tokens (length-normalized like s_i;
+never the product exp(sum_t), whose spread grows with the length), one weight per sequence (this
+keeps gspo_token == gspo for uniform token advantages); "token" (default of "grpo"; not for "gspo"):
+rho_t = exp(old_t - engine_t) per token. ``tis_mode`` "truncate": w = min(rho, C); "mask": w = rho
+where rho <= C, else 0 (the sequence, or token, is dropped from the loss). The sequence weight uses
+the CP-all-reduced per-sequence sum (exact over CP); each sequence lives on one DP rank.
 
 KL to the reference policy, per token with d = logp - ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d.
 
@@ -52,10 +61,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gspo_megatron.config import DEFAULT_CLIP
+from gspo_megatron.losses.objectives import TIS_LEVELS, TIS_MODES, LossInputs, ObjectiveTerms, policy_objective
 from gspo_megatron.losses.reductions import all_reduce_sum, all_reduce_sum_, segment_sum
 
-MODES = ("gspo", "gspo_token", "grpo")
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -63,8 +71,10 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """Hyper-parameters of the loss. ``clip_low``/``clip_high`` None -> the mode's default
-    (gspo / gspo_token: 3e-4 / 4e-4 as in the paper; grpo: 0.2 / 0.2). ``tis_cap`` None: no TIS."""
+    """Hyper-parameters of the loss. ``mode``: a registered objective (``objectives.policy_loss_modes()``).
+    ``clip_low``/``clip_high`` None -> the mode's ``default_clip`` (gspo / gspo_token: 3e-4 / 4e-4 as in
+    the paper; grpo: 0.2 / 0.2). ``tis_cap`` None: no TIS. ``tis_level`` None -> the mode's default
+    ("sequence" for gspo / gspo_token, "token" for grpo); ``tis_mode``: "truncate" or "mask"."""
 
     mode: str = "gspo"
     clip_low: float | None = None
@@ -74,11 +84,12 @@ class PolicyLossConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    tis_level: str | None = None
+    tis_mode: str = "truncate"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        low, high = DEFAULT_CLIP[self.mode]
+        objective = policy_objective(self.mode, "mode")
+        low, high = objective.default_clip
         object.__setattr__(self, "clip_low", low if self.clip_low is None else float(self.clip_low))
         object.__setattr__(self, "clip_high", high if self.clip_high is None else float(self.clip_high))
         for name in ("clip_low", "clip_high"):
@@ -91,10 +102,10 @@ class PolicyLossConfig:
             raise ValueError(f"clip_low must be < 1 (lower clip bound 1 - clip_low > 0), got {self.clip_low}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if self.mode == "gspo" and self.aggregation != "seq-mean-token-mean":
+        if objective.sequence_ratio and self.aggregation != "seq-mean-token-mean":
             raise ValueError(
                 f"aggregation={self.aggregation!r} sums token terms across sequences, which is incompatible "
-                "with mode='gspo' (one length-normalized ratio per sequence); use 'seq-mean-token-mean'"
+                f"with mode={self.mode!r} (one length-normalized ratio per sequence); use 'seq-mean-token-mean'"
             )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
@@ -106,6 +117,15 @@ class PolicyLossConfig:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.tis_cap is not None and not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
             raise ValueError(f"tis_cap must be a finite value > 0 (or None), got {self.tis_cap}")
+        level = objective.tis_level if self.tis_level is None else self.tis_level
+        if level not in TIS_LEVELS:
+            raise ValueError(f"tis_level must be one of {TIS_LEVELS} (or None), got {self.tis_level!r}")
+        if objective.sequence_ratio and level != "sequence":
+            raise ValueError(f"tis_level={level!r} weights tokens, but mode={self.mode!r} has one ratio per "
+                             "sequence; use tis_level='sequence'")
+        object.__setattr__(self, "tis_level", level)
+        if self.tis_mode not in TIS_MODES:
+            raise ValueError(f"tis_mode must be one of {TIS_MODES}, got {self.tis_mode!r}")
 
 
 class PolicyLossOutput(NamedTuple):
@@ -113,6 +133,17 @@ class PolicyLossOutput(NamedTuple):
 
     loss: Tensor  # scalar, differentiable: this rank's share of the global-batch loss
     metrics: dict[str, float]
+
+
+def tis_weights(log_rho: Tensor, cap: float, mode: str) -> tuple[Tensor, Tensor]:
+    """Engine/trainer importance weights from log rho (any shape: [S] per-sequence mean log-ratios
+    mean_t(old_t - engine_t), or [N] per-token old_t - engine_t). Returns (w, capped): "truncate"
+    w = min(rho, cap), capped = rho >= cap; "mask" w = rho * [rho <= cap], capped = rho > cap (dropped)."""
+    rho = torch.exp(log_rho)
+    if mode == "mask":
+        capped = rho > cap
+        return torch.where(capped, torch.zeros_like(rho), rho), capped
+    return rho.clamp(max=cap), rho >= cap
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
@@ -125,13 +156,6 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tenso
     if estimator == "k3":
         return torch.expm1(-d) + d
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-
-
-def _clipped_objective(ratio: Tensor, adv: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
-    """(min(ratio * A, clip(ratio) * A), whether the clip cuts the gradient off)."""
-    obj = torch.minimum(ratio * adv, ratio.clamp(1.0 - low, 1.0 + high) * adv)
-    cut = ((adv > 0) & (ratio > 1.0 + high)) | ((adv < 0) & (ratio < 1.0 - low))
-    return obj, cut
 
 
 def _check_shapes(n: int, named: dict[str, Tensor | None]) -> None:
@@ -162,7 +186,7 @@ def policy_loss_flat(
     Args:
         logprobs: [N] current policy log-probs (differentiable).
         old_logprobs, ref_logprobs, engine_logprobs: [N] (detached inside).
-        advantages: [S] per sequence, or [N] per token (not for mode="gspo").
+        advantages: [S] per sequence, or [N] per token (not for a ``sequence_ratio`` mode: "gspo").
         response_mask: [N] nonzero on response tokens.
         seq_index: [N] int, in [0, num_seqs) on response tokens.
         num_seqs: S, sequences in the micro-batch (the same on every CP rank).
@@ -176,6 +200,7 @@ def policy_loss_flat(
     Returns (loss, metrics): see the module docstring.
     """
     cfg = config
+    spec = policy_objective(cfg.mode, "mode")
     n = logprobs.shape[0] if logprobs.dim() == 1 else -1
     if logprobs.dim() != 1:
         raise ValueError(f"logprobs must be 1-D [N], got {tuple(logprobs.shape)}")
@@ -191,9 +216,9 @@ def policy_loss_flat(
             f"advantages must have shape [{num_seqs}] (per sequence) or [{n}] (per token), "
             f"got {tuple(advantages.shape)}"
         )
-    if token_advantages and cfg.mode == "gspo":
+    if token_advantages and spec.sequence_ratio:
         raise ValueError(
-            "advantages must be per sequence [S] for mode='gspo'; use mode='gspo_token' for token advantages"
+            f"advantages must be per sequence [S] for mode={cfg.mode!r}; use mode='gspo_token' for token advantages"
         )
     if cfg.kl_coef != 0 and ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs ref_logprobs")
@@ -218,8 +243,8 @@ def policy_loss_flat(
     ref = masked(ref_logprobs.detach()) if ref_logprobs is not None else None
     delta = lp - old
 
-    # One CP all-reduce of per-sequence sums [K, S]; row 0 is differentiable for "gspo".
-    rows: dict[str, Tensor] = {"logratio": delta if cfg.mode == "gspo" else delta.detach(), "count": maskf}
+    # One CP all-reduce of per-sequence sums [K, S]; row 0 is differentiable for a sequence_ratio mode.
+    rows: dict[str, Tensor] = {"logratio": delta if spec.sequence_ratio else delta.detach(), "count": maskf}
     with torch.no_grad():
         rows["k3_old"] = masked(kl_estimate(old, lp, "k3"))  # KL(old || new) from old's samples
         if engine_logprobs is not None:
@@ -231,7 +256,7 @@ def policy_loss_flat(
             rows["kl_ref"] = masked(kl_estimate(lp, ref, cfg.kl_estimator))
     names = list(rows)
     local = segment_sum(torch.stack([rows[k] for k in names]), seq, num_seqs)
-    if cfg.mode == "gspo":
+    if spec.sequence_ratio:
         seq_sums = all_reduce_sum(local, cp_group)
     else:
         seq_sums = all_reduce_sum_(local.detach().clone(), cp_group)
@@ -255,37 +280,27 @@ def policy_loss_flat(
             raise ValueError(f"normalizer must be > 0 (global sequence or token count), got {normalizer}")
         denom = torch.tensor(float(normalizer), dtype=f32, device=logprobs.device)
 
+    adv_seq = None
     if token_advantages:
         adv_tok = masked(advantages.detach())
     else:
         adv_seq = torch.where(valid, advantages.detach().to(f32), zero)  # [S]; empty sequences' A unused
         adv_tok = adv_seq[seq]
-    log_seq_ratio = sums["logratio"] / count_safe  # [S]; differentiable for "gspo"
+    log_seq_ratio = sums["logratio"] / count_safe  # [S]; differentiable for a sequence_ratio mode
     seq_ratio = torch.exp(log_seq_ratio)
-    tis_seq = tis_tok = None
+    tis_seq = tis_tok = tis = None
     if cfg.tis_cap is not None:
-        tis_seq = torch.exp(sums["engine_gap"] / count_safe).clamp(max=cfg.tis_cap)
-        tis_tok = torch.exp(rows["engine_gap"]).clamp(max=cfg.tis_cap)
+        tis = tis_weights(sums["engine_gap"] / count_safe if cfg.tis_level == "sequence" else rows["engine_gap"],
+                          cfg.tis_cap, cfg.tis_mode)
+        tis_seq, tis_tok = (tis[0], tis[0][seq]) if cfg.tis_level == "sequence" else (None, tis[0])
 
     # Per-token aggregation weight: 1/|y_i| (seq-mean-token-mean) or 1 (token-mean), 0 off the response.
     tok_w = maskf / count_safe[seq] if cfg.aggregation == "seq-mean-token-mean" else maskf
-    if cfg.mode == "gspo":
-        obj_seq, cut_seq = _clipped_objective(seq_ratio, adv_seq, cfg.clip_low, cfg.clip_high)
-        if tis_seq is not None:
-            obj_seq = obj_seq * tis_seq
-        share = local[1].detach() / count_safe  # this CP rank's fraction of each sequence's tokens
-        objective = (share * obj_seq).sum()
-        cut_tok = None
-    else:
-        if cfg.mode == "gspo_token":
-            ratio_tok = torch.exp(log_seq_ratio.detach()[seq] + lp - lp.detach())
-        else:
-            ratio_tok = torch.exp(delta)
-        obj_tok, cut_tok = _clipped_objective(ratio_tok, adv_tok, cfg.clip_low, cfg.clip_high)
-        if tis_seq is not None:
-            obj_tok = obj_tok * (tis_tok if cfg.mode == "grpo" else tis_seq[seq])
-        objective = (tok_w * obj_tok).sum()
-        cut_seq = None
+    terms = spec.fn(LossInputs(lp=lp, delta=delta, seq=seq, tok_w=tok_w, adv_seq=adv_seq, adv_tok=adv_tok,
+                               log_seq_ratio=log_seq_ratio, seq_ratio=seq_ratio, local_count=local[1],
+                               count_safe=count_safe, tis_seq=tis_seq, tis_tok=tis_tok),
+                    cfg.clip_low, cfg.clip_high)
+    objective = terms.objective
     loss = -objective
     if cfg.kl_coef != 0:
         loss = loss + cfg.kl_coef * (tok_w * kl_estimate(lp, ref, cfg.kl_estimator)).sum()
@@ -300,15 +315,16 @@ def policy_loss_flat(
                 checks[name] = (~torch.isfinite(t.detach()) & mask).any()
         adv_ok = torch.isfinite(advantages.detach())
         checks["advantages"] = (~adv_ok & mask).any() if token_advantages else (~adv_ok & valid).any()
-    metrics = _metrics(cfg, loss, objective / denom, sums, valid, num_valid, seq_ratio, cut_seq, cut_tok, mask,
-                       tis_seq, tis_tok, checks)
+    metrics = _metrics(cfg, loss, objective / denom, sums, valid, num_valid, seq_ratio, terms, mask, tis, checks)
     return PolicyLossOutput(loss=loss, metrics=metrics)
 
 
 def _metrics(cfg: PolicyLossConfig, loss: Tensor, objective: Tensor, sums: dict[str, Tensor], valid: Tensor,
-             num_valid: Tensor, seq_ratio: Tensor, cut_seq: Tensor | None, cut_tok: Tensor | None, mask: Tensor,
-             tis_seq: Tensor | None, tis_tok: Tensor | None, checks: dict[str, Tensor]) -> dict[str, float]:
-    """All metrics in one tensor and one device sync; raises for failed ``checks`` (naming the argument)."""
+             num_valid: Tensor, seq_ratio: Tensor, terms: ObjectiveTerms, mask: Tensor,
+             tis: tuple[Tensor, Tensor] | None, checks: dict[str, Tensor]) -> dict[str, float]:
+    """All metrics in one tensor and one device sync; raises for failed ``checks`` (naming the argument).
+    tis: (weights, capped) of :func:`tis_weights` at ``cfg.tis_level`` ([S] or [N]), or None."""
+    cut_seq, cut_tok = terms.cut_seq, terms.cut_tok
     with torch.no_grad():
         f32 = torch.float32
         nv = num_valid.clamp(min=1.0)
@@ -337,13 +353,13 @@ def _metrics(cfg: PolicyLossConfig, loss: Tensor, objective: Tensor, sums: dict[
         for key, name in (("entropy", "entropy"), ("kl_ref", "kl_ref"), ("engine_absgap", "engine_logprob_absdiff")):
             if key in sums:
                 vals[name] = seq_mean(sums[key] / count_safe)
-        if tis_seq is not None:
-            if cfg.mode == "grpo":
-                vals["tis_weight_mean"] = (tis_tok * mask).sum() / ntok
-                vals["tis_capped_fraction"] = ((tis_tok >= cfg.tis_cap) & mask).sum() / ntok
+        if tis is not None:
+            if cfg.tis_level == "token":
+                vals["tis_weight_mean"] = (tis[0] * mask).sum() / ntok
+                vals["tis_capped_fraction"] = (tis[1] & mask).sum() / ntok
             else:
-                vals["tis_weight_mean"] = seq_mean(tis_seq)
-                vals["tis_capped_fraction"] = seq_mean(tis_seq >= cfg.tis_cap)
+                vals["tis_weight_mean"] = seq_mean(tis[0])
+                vals["tis_capped_fraction"] = seq_mean(tis[1])
         for name, flag in checks.items():
             vals["_bad_" + name] = flag
         floats = torch.stack([v.to(f32).reshape(()) for v in vals.values()]).tolist()
@@ -373,6 +389,8 @@ def policy_loss(
     entropy_coef: float = 0.0,
     engine_logprobs: Tensor | None = None,
     tis_cap: float | None = None,
+    tis_level: str | None = None,
+    tis_mode: str = "truncate",
     normalizer: float | Tensor | None = None,
     cp_group: dist.ProcessGroup | None = None,
     check_finite: bool = True,
@@ -381,12 +399,13 @@ def policy_loss(
 
     Args:
         logprobs, old_logprobs, response_mask: [B, T]; ref_logprobs, entropy, engine_logprobs: [B, T].
-        advantages: [B] (per sequence) or [B, T] (per token; "gspo_token", "grpo").
+        advantages: [B] (per sequence) or [B, T] (per token; not for a ``sequence_ratio`` mode: "gspo").
         Other options: see :class:`PolicyLossConfig` and :func:`policy_loss_flat`.
     Returns ``(loss, metrics)``: loss = -J (scalar tensor), metrics: dict of floats.
     """
     cfg = PolicyLossConfig(mode=mode, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
-                           kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, tis_cap=tis_cap)
+                           kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, tis_cap=tis_cap,
+                           tis_level=tis_level, tis_mode=tis_mode)
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     b, t = logprobs.shape
@@ -395,8 +414,8 @@ def policy_loss(
         if x is not None and x.shape != (b, t):
             raise ValueError(f"{name} must have the shape of logprobs [B, T] = [{b}, {t}], got {tuple(x.shape)}")
     if advantages.shape == (b, t):
-        if mode == "gspo":
-            raise ValueError("advantages must be [B] for mode='gspo'; token advantages [B, T] need mode='gspo_token'")
+        if policy_objective(cfg.mode).sequence_ratio:
+            raise ValueError(f"advantages must be [B] for mode={mode!r}; token advantages [B, T] need mode='gspo_token'")
         adv = advantages.reshape(-1)
     elif advantages.shape == (b,):
         adv = advantages

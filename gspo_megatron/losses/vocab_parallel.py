@@ -25,22 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gspo_megatron.losses.chunking import chunk_tokens, local_targets, softmax_chunk_grad
 from gspo_megatron.losses.reductions import group_rank, group_size
-
-DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 budget of one [chunk, V/tp] temporary
-
-
-def _chunk_tokens(chunk_size: int | None, vocab_local: int) -> int:
-    if chunk_size is None:
-        return max(1, DEFAULT_CHUNK_BYTES // (4 * max(vocab_local, 1)))
-    return chunk_size
-
-
-def _local_targets(targets: Tensor, vocab_start: int, vocab_local: int) -> tuple[Tensor, Tensor]:
-    """(column of the target in this shard, clamped to a valid column; whether it is in this shard)."""
-    local = targets - vocab_start
-    in_shard = (local >= 0) & (local < vocab_local)
-    return torch.where(in_shard, local, torch.zeros_like(local)), in_shard
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
@@ -66,7 +52,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
         # Pass 2: sum exp, target logit, sum exp * z (all shifted by the global max).
         stats = torch.zeros(3 if with_entropy else 2, n, dtype=cdt, device=logits.device)
-        col, in_shard = _local_targets(targets, vocab_start, valid_cols)
+        col, in_shard = local_targets(targets, vocab_start, valid_cols)
         for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
             z = logits[lo:hi].to(cdt, copy=True).div_(temperature).sub_(shift[lo:hi, None])  # [c, V/tp]
@@ -115,18 +101,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             # log p_v = z_v - m - log S, recomputed for this chunk only.
             logp = logits[lo:hi].to(shift.dtype, copy=True).div_(temperature)
             logp.sub_(shift[lo:hi, None] + log_sum[lo:hi, None])
-            p = torch.exp(logp)
-            if use_entropy:
-                # dH/dz = -p * (log p + H)
-                g = logp.add_(entropy[lo:hi, None]).mul_(p).mul_(-grad_entropy[lo:hi, None])
-                if grad_logprobs is not None:
-                    g.sub_(p.mul_(grad_logprobs[lo:hi, None]))
-            else:
-                g = p.mul_(-grad_logprobs[lo:hi, None])
-            del p
-            if grad_logprobs is not None:
-                g_y = torch.where(in_shard[lo:hi], grad_logprobs[lo:hi], torch.zeros_like(grad_logprobs[lo:hi]))
-                g.scatter_add_(1, col[lo:hi, None], g_y[:, None])
+            g = softmax_chunk_grad(logp, entropy[lo:hi] if use_entropy else None,
+                                   None if grad_logprobs is None else grad_logprobs[lo:hi],
+                                   grad_entropy[lo:hi] if use_entropy else None, col[lo:hi], in_shard[lo:hi])
             grad_logits[lo:hi] = g.div_(temperature)
             del g
         return grad_logits_all, None, None, None, None, None, None
@@ -180,7 +157,7 @@ def vocab_parallel_logprobs(
     lead = targets.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_targets = targets.reshape(-1).long()
-    chunk = _chunk_tokens(chunk_size, flat_logits.shape[1])
+    chunk = chunk_tokens(chunk_size, flat_logits.shape[1])
     logprobs, entropy = _VocabParallelLogprobs.apply(
         flat_logits, flat_targets, tp_group, float(temperature), chunk, with_entropy, vocab_size
     )

@@ -32,6 +32,8 @@ class ModelOptions:
     # False skips the random init (conversion tools), but Megatron then also skips setting the
     # tensor-parallel attributes of the parameters: never train such a model with TP > 1.
     perform_initialization: bool = True
+    # model.lora: adapters on the local spec's linears, every other parameter frozen (models/lora.py)
+    lora: "LoraOptions | None" = None  # noqa: F821
 
 
 def use_transformer_engine(impl: str) -> bool:
@@ -139,12 +141,24 @@ def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
         **family.rotary_kwargs(hf),
     )
     model.hf_config = hf  # the mapping and export read it back
+    model.lora = None
+    if opts.lora is not None and opts.lora.rank > 0:
+        from gspo_megatron.models.lora import apply_lora, check_targets_used
+
+        apply_lora(model, opts.lora)
+        everyone = [model.lora_unused_targets]
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            everyone = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, model.lora_unused_targets)
+        check_targets_used(everyone)
     mark_replicated_experts(model, tp, ep, etp)
     # Megatron's own get_model (megatron/training/training.py) moves every chunk to the current GPU
     # after building it: modules the spec builds without a device (torch.nn.RMSNorm, through Megatron's
     # WrappedTorchNorm on the local spec) start on the CPU. Megatron's DDP buffer happens to move the
     # trained model's parameters; a model used without DDP (the KL reference, conversion) needs this.
-    model.to(rdist.device())
+    device = rdist.device()
+    if device.type != "cpu":  # on CPU every parameter is already there (or on meta, for shape-only builds)
+        model.to(device)
     return model
 
 

@@ -41,6 +41,25 @@ class ModelDims:
     expert_bias: bool = False
     router_bias: bool = False
     attention_sinks: bool = False
+    # MiniMax-M2: the q/k norm spans all heads (weights [num_heads * head_dim] and
+    # [num_kv_heads * head_dim], TP-split with the heads) instead of one [head_dim] weight each
+    qk_norm_full_width: bool = False
+    # DeepSeek Sparse Attention (DeepSeek-V3.2 / GLM-5): the lightning indexer of every layer (wq_b
+    # [H*D, q_lora_rank], wk [D, hidden], k_norm LayerNorm [D] + bias, weights_proj [H, hidden]); 0: none
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    # Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): full attention with an output gate (q_proj twice as
+    # wide); the layers in ``linear_layers`` are Gated DeltaNet instead: in_proj [2*Hk*dk + 2*Hv*dv + 2*Hv,
+    # hidden], conv1d [2*Hk*dk + Hv*dv, 1, K], dt_bias / A_log [Hv], norm [dv], out_proj [hidden, Hv*dv];
+    # recurrent state per sequence Hv * dk * dv (fp32) plus the conv history (K - 1) * conv channels
+    attention_output_gate: bool = False
+    linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
 
     @property
     def mla(self) -> bool:

@@ -103,6 +103,17 @@ class ModelFamily:
         """Give a tiny transformers model's family-specific parameters random values where
         transformers initializes them to zeros or near-constants (so tests exercise them)."""
 
+    def tiny_hf_config(self, cfg: dict) -> dict:
+        """The config dict transformers builds the tiny model from, given ``tiny`` + overrides (a
+        family with a vision-language checkpoint nests the text fields under ``text_config``)."""
+        return cfg
+
+    def carried_prefixes(self, hf: dict) -> tuple[str, ...]:
+        """HF name prefixes of checkpoint tensors that are not trained and are carried through
+        conversion and export unchanged (a vision tower: ``model.visual.``), as the MTP layers are
+        (``models/carried.py`` keeps both)."""
+        return ()
+
     def check_layout(self, hf: dict, tp: int, pp: int, ep: int, etp: int | None) -> None:
         """Raise ValueError naming the ``parallel.*`` field of a layout Megatron-Core cannot build for
         this family (beyond divisibility, which ``build.check_layout`` checks)."""

@@ -1,7 +1,9 @@
 """Every spelling of an HF ``config.json`` field that transformers 4.x and 5.x write, read in one place.
 
 The trainer, the planner, the conversion tools and the families read config fields only through
-these functions, on the raw ``config.json`` dict (never rewritten: checkpoints store it as it came).
+these functions, on the ``config.json`` dict as it came, except that a vision-language config's
+``text_config`` fields are lifted to the top level (``lift_text_config``, undone by ``file_config`` when
+a config.json is written).
 Spellings handled (first present wins):
 
 - experts: ``num_experts`` (Qwen-MoE, 4.x and 5.x), ``num_local_experts`` (Mixtral; Qwen3-MoE as
@@ -10,7 +12,9 @@ Spellings handled (first present wins):
   ``rope_type``); 5.x writes one ``rope_parameters`` dict holding ``rope_type``, ``rope_theta`` and
   the scaling keys (``factor``, ``original_max_position_embeddings``, ...). ``rope_parameters(hf)``
   merges them into one dict whose ``rope_type`` is always set ("default" when unscaled);
-- ``partial_rotary_factor`` at the top level (4.x) or inside ``rope_parameters`` (5.x);
+- ``partial_rotary_factor`` at the top level (4.x) or inside ``rope_parameters`` (5.x); without one,
+  a legacy ``rotary_dim`` (MiniMax-M2's published config.json) means ``rotary_dim / head_dim``, as
+  transformers' ``MiniMaxM2Config.convert_rope_params_to_dict`` reads it;
 - ``head_dim`` absent or null -> hidden_size / num_attention_heads; ``num_key_value_heads`` absent
   or null -> num_attention_heads.
 (The checkpoint dtype, ``torch_dtype`` (4.x) or ``dtype`` (5.x), is read by ``convert.hf_dtype``.)
@@ -46,7 +50,33 @@ def load_hf_config(path: str) -> dict:
         raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
+    return lift_text_config(cfg)
+
+
+#: key of a lifted config (``lift_text_config``): the names lifted from ``text_config`` to the top level
+LIFTED = "_lifted_from_text_config"
+
+
+def lift_text_config(cfg: dict) -> dict:
+    """A vision-language config.json (``text_config`` beside ``vision_config``, e.g.
+    ``Qwen3_5MoeForConditionalGeneration``) as the code reads it: the language model's fields
+    (``text_config``'s keys the top level lacks) lifted to the top level, their names listed under
+    :data:`LIFTED` so that :func:`file_config` gives back the file's dict (export writes that). The top
+    level keeps ``model_type``, ``architectures``, ``tie_word_embeddings``, ``dtype``. A config
+    without a ``text_config`` dict, or one already lifted, is returned unchanged."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or LIFTED in cfg:
+        return cfg
+    lifted = sorted(k for k in text if k not in cfg)
+    return {**cfg, **{k: text[k] for k in lifted}, LIFTED: lifted}
+
+
+def file_config(cfg: dict) -> dict:
+    """The config.json dict of ``cfg`` (the inverse of :func:`lift_text_config`)."""
+    if LIFTED not in cfg:
+        return cfg
+    drop = set(cfg[LIFTED]) | {LIFTED}
+    return {k: v for k, v in cfg.items() if k not in drop}
 
 
 def _what(hf: dict) -> str:
@@ -112,6 +142,8 @@ def rope_parameters(hf: dict) -> dict:
             raise HFConfigError(f"{_what(hf)}: {key} nested per layer type ({', '.join(d)}) is not "
                                 "supported")
         out.update(d)
+    if out.get("partial_rotary_factor") is None and hf.get("rotary_dim") is not None:
+        out["partial_rotary_factor"] = int(hf["rotary_dim"]) / head_dim(hf)
     kind = out.pop("type", None)
     out["rope_type"] = out.get("rope_type") or kind or "default"
     out["rope_theta"] = float(out.get("rope_theta", 10000.0))

@@ -36,11 +36,12 @@ def save_tiny_hf_model(kind: str, out_dir: str, seed: int = 0, dtype=torch.float
     """Build a tiny random ``kind`` model (a family name) and ``save_pretrained`` it. Router, gate
     norm weights and expert-score correction biases are randomized too, so routing, gates and norms are
 exercised."""
-    family = family_for_model_type(kind)
+    family = next((f for f in families() if f.name == kind), None) or family_for_model_type(kind)
     if family is None or not family.tiny:
         raise ValueError(f"no tiny config for {kind!r}; known: {', '.join(TINY_CONFIGS)}")
-    cfg = dict(family.tiny, model_type=family.name)
+    cfg = dict(family.tiny, model_type=family.model_types[0])  # (qwen3_5_moe: the text model's qwen3_5_moe_text)
     cfg.update(overrides)
+    cfg = family.tiny_hf_config(cfg)
     torch.manual_seed(seed)
     model = hf_model_from_config(cfg, dtype)
     with torch.no_grad():

@@ -3,7 +3,7 @@
 Parameters, and the buffers a family maps (the MoE router's ``expert_bias``: DeepSeek's
 ``e_score_correction_bias``, not trained by the policy loss), travel alike.
 
-- ``global_names(model)``: local parameter (and buffer) name -> global name (layer and expert indices over the
+- ``global_names(model)`` (``models/param_names.py``): local parameter (and buffer) name -> global name (layer and expert indices over the
   whole model, independent of the pipeline stage and expert-parallel rank).
 - ``load_hf_weights(model, hf_dir)``: every rank fills its own shards from HF safetensors, reading
   one tensor at a time (bounded memory); of a tensor that stacks every expert of a layer (gpt-oss,
@@ -36,36 +36,16 @@ from gspo_megatron.checkpoint.safetensors_shards import memory_bytes, pread_into
 from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.mapping import Rule
+from gspo_megatron.models.param_names import LAYER, global_names, named_tensors
 from gspo_megatron.models.registry import get_family
 from gspo_megatron.runtime import distributed as rdist
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-_GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 
-
-def global_names(model) -> dict[str, str]:
-    """Map each local parameter name of ``model`` (one GPTModel chunk) to its global name."""
-    out = {}
-    layers = model.decoder.layers if hasattr(model, "decoder") else []
-    for name, _ in _named_tensors(model):
-        g = name
-        m = _LAYER.match(name)
-        if m:
-            layer = layers[int(m.group(1))]
-            g = f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
-            experts = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
-            if experts is not None:
-                g = _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.local_experts.{experts[int(e.group(1))]}.", g)
-                g = _GROUPED_EXPERT.sub(lambda e: f"{e.group(1)}{experts[int(e.group(2))]}", g)
-        out[name] = g
-    return out
-
-
-def _named_tensors(model):
-    """named_parameters, then named_buffers (a buffer is moved only when a mapping rule names it)."""
-    yield from model.named_parameters()
-    yield from model.named_buffers()
+def weight_data(param) -> torch.Tensor:
+    """What the export stream reads of a parameter: its merged weight ``W_t + s B_t A_t`` when it is a
+    LoRA base weight (``param.lora_merged``, set by ``models.lora``), else its data."""
+    merged = getattr(param, "lora_merged", None)
+    return merged() if merged is not None else param.data
 
 
 def _mapped(model, mapping):
@@ -73,7 +53,9 @@ def _mapped(model, mapping):
     and of every buffer that has one."""
     names = global_names(model)
     params = {n for n, _ in model.named_parameters()}
-    for local, t in _named_tensors(model):
+    for local, t in named_tensors(model):
+        if getattr(t, "lora_adapter", False):  # LoRA A/B: merged into their base weight on export
+            continue
         found = mapping.resolve(names[local]) if local in params else mapping.find(names[local])
         if found is not None:
             yield local, names[local], found[0], found[1], t
@@ -248,7 +230,7 @@ class _Item:
 
 
 def _sort_key(global_name: str, hf_names, expert: int | None = None) -> tuple:
-    m = _LAYER.match(global_name)
+    m = LAYER.match(global_name)
     if global_name.startswith("embedding."):
         return (-1, hf_names[0])
     if m:
@@ -415,10 +397,11 @@ def gather_full(it: _Item, mine: dict) -> list[torch.Tensor] | None:
     group = _group(rule.parallel)
     size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     if size > 1:
-        shards = [torch.empty_like(param.data) for _ in range(size)]
-        dist.all_gather(shards, param.data.contiguous(), group=group)
+        data = weight_data(param)  # a LoRA base weight: this rank's merged shard (models/lora.py)
+        shards = [torch.empty_like(data) for _ in range(size)]
+        dist.all_gather(shards, data.contiguous(), group=group)
     else:
-        shards = [param.data]
+        shards = [weight_data(param)]
     me = rdist.rank()
     return rule.from_shards(shards) if me == it.owner else None
 

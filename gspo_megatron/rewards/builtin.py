@@ -3,7 +3,9 @@
 - ``math_reward``: 1.0 when math-verify finds the response's final answer equal to the label.
 - ``exact_match_reward``: 1.0 when the normalized response equals the normalized label.
 
-:data:`BUILTIN_REWARDS` maps each built-in spec name to its function.
+:data:`BUILTIN_REWARDS` maps each built-in spec name (``reward.function``) to its function; a
+function joins it with ``@builtin_reward("name")`` where it is defined (the one list: the registry
+resolves the names, config validation accepts them).
 """
 
 from __future__ import annotations
@@ -12,6 +14,19 @@ import logging
 import re
 import string
 import unicodedata
+
+BUILTIN_REWARDS: dict = {}
+
+
+def builtin_reward(name: str):
+    """Register ``fn(prompt, response, label) -> float`` as the built-in reward spec ``name``."""
+    def register(fn):
+        if name in BUILTIN_REWARDS:
+            raise ValueError(f"built-in reward {name!r} is registered twice")
+        BUILTIN_REWARDS[name] = fn
+        return fn
+    return register
+
 
 _PUNCT_TABLE = str.maketrans("", "", string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -26,14 +41,6 @@ def normalize_answer(text: str) -> str:
     return _SPACES.sub(" ", text).strip()
 
 
-def exact_match_reward(prompt: str, response: str, label) -> float:
-    """1.0 if ``normalize_answer(response) == normalize_answer(label)`` (label may be a list of
-    accepted answers), else 0.0."""
-    labels = label if isinstance(label, (list, tuple)) else [label]
-    got = normalize_answer(response)
-    return float(any(got == normalize_answer(str(lab)) for lab in labels))
-
-
 def _math_verify():
     try:
         import math_verify
@@ -46,6 +53,7 @@ def _math_verify():
     return math_verify
 
 
+@builtin_reward("math")
 def math_reward(prompt: str, response: str, label) -> float:
     """1.0 if math-verify judges the response's answer (boxed or last expression) equal to ``label``
     (a number or LaTeX string), else 0.0. math-verify's own timeouts are disabled: the reward
@@ -64,6 +72,10 @@ def math_reward(prompt: str, response: str, label) -> float:
     return float(mv.verify(gold, answer, timeout_seconds=None))
 
 
-# The built-in reward specs (``reward.function``), the one list: the registry resolves them, config
-# validation accepts them.
-BUILTIN_REWARDS = {"math": math_reward, "exact_match": exact_match_reward}
+@builtin_reward("exact_match")
+def exact_match_reward(prompt: str, response: str, label) -> float:
+    """1.0 if ``normalize_answer(response) == normalize_answer(label)`` (label may be a list of
+    accepted answers), else 0.0."""
+    labels = label if isinstance(label, (list, tuple)) else [label]
+    got = normalize_answer(response)
+    return float(any(got == normalize_answer(str(lab)) for lab in labels))

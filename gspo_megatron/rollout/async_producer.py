@@ -171,24 +171,30 @@ class AsyncProducer:
 
 
 class Overlap:
-    """Wires the overlap into a ``RolloutSession`` (every rank; see ``attach_overlap``)."""
+    """The off-policy collector and sync hook of a ``RolloutSession`` (every rank; built by
+    :func:`build_overlap` and handed to the session at construction): ``collect`` / ``sampler``
+    are the producer's (rank 0), ``around_sync`` brackets every sync."""
 
-    def __init__(self, session, history: WeightHistory, producer: AsyncProducer | None):
-        self.session, self.history, self.producer = session, history, producer
-        self._inner_sync = session.sync
+    def __init__(self, syncer, history: WeightHistory, producer: AsyncProducer | None):
+        self.syncer, self.history, self.producer = syncer, history, producer
 
-    def sync(self) -> dict:
-        """The session's sync, bracketed: rank 0 holds the engines idle (finish first), every rank
+    @property
+    def sampler(self) -> AsyncProducer | None:
+        """Rank 0: the producer (the consumed prompt position; restoring it drops pending batches)."""
+        return self.producer
+
+    def around_sync(self, sync: Callable[[], dict]) -> dict:
+        """Sync hook: ``sync()`` bracketed: rank 0 holds the engines idle (finish first), every rank
         waits for it, then every rank records the pushed version in its weight history."""
         target = self.history.current
         waited = self.producer.hold_for_sync(target) if self.producer is not None else None
         pushed = None
         try:
             rdist.barrier()  # no rank's transport pauses an engine while rank 0 generates
-            metrics = dict(self._inner_sync())
+            metrics = dict(sync())
             if waited is not None:
                 metrics["rollout/sync_wait_s"] = waited
-            self.history.synced(self.session.syncer.version)
+            self.history.synced(self.syncer.version)
             pushed = target
         finally:
             if self.producer is not None:
@@ -203,21 +209,16 @@ class Overlap:
             self.producer.close()
 
 
-def attach_overlap(cfg, session, model, start_step: int) -> Overlap | None:
-    """Every rank, after building the ``RolloutSession`` and before its first sync: with
-    ``rollout.max_staleness`` >= 1 the session's collect / sampler / sync become the overlapped ones;
-    returns the ``Overlap`` (its ``history`` goes to ``train_on_batch(behaviour=...)``), or None for
-    the synchronous loop."""
+def build_overlap(cfg, model, syncer, collector, start_step: int) -> Overlap | None:
+    """Every rank, before the ``RolloutSession`` is built: with ``rollout.max_staleness`` >= 1 the
+    ``Overlap`` that replaces ``collector`` (rank 0's synchronous ``SyncCollector``: its ``collect``
+    and ``sampler`` feed the producer; None elsewhere) and brackets every sync; its ``history``
+    goes to ``train_on_batch(behaviour=...)``. None for the synchronous loop."""
     n = cfg.rollout.max_staleness
     if n <= 0:
         return None
     history = WeightHistory(model, n, start_step)
     producer = None
-    if session.rank == 0:
-        producer = AsyncProducer(session.collect, session.sampler, n, start_step, cfg.train.steps, history)
-    overlap = Overlap(session, history, producer)
-    session.sync = overlap.sync
-    if producer is not None:
-        session.collect = overlap.collect
-        session.sampler = producer
-    return overlap
+    if collector is not None:
+        producer = AsyncProducer(collector.collect, collector.sampler, n, start_step, cfg.train.steps, history)
+    return Overlap(syncer, history, producer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -38,7 +38,10 @@ class RolloutSample:
     ended it); response_logprobs: the engine's log p(response_ids[t] | ...), len == len(response_ids);
     finish_reason: "stop" (a stop token) or "length" (max_new_tokens); token_versions: the engine's
     weight version (the sync's version string) that produced each response token, None when the
-    engine does not report it.
+    engine does not report it; routed_experts: the engine's MoE routes, int32 numpy
+    [P + R - 1, num_layers, topk] (``rollout/routing.py``), None unless asked for; indexer_topk:
+    DSA models, the engine's indexer selection, int32 numpy [P + R - 1, num_layers, index_topk] (key
+    positions, -1 where fewer keys exist), None unless asked for.
     """
 
     prompt_ids: list[int]
@@ -46,6 +49,8 @@ class RolloutSample:
     response_logprobs: list[float]
     finish_reason: str
     token_versions: list[str] | None = None
+    routed_experts: Any = None
+    indexer_topk: Any = None
 
 
 class RolloutEngine(abc.ABC):

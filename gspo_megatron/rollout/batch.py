@@ -62,7 +62,9 @@ def _records(samples, scores, k0) -> list[Sample]:
         recs.append(Sample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
                            engine_logprobs=list(s.response_logprobs), reward=float(scores[k0 + j]),
                            finish_reason=s.finish_reason,
-                           token_versions=list(s.token_versions) if s.token_versions is not None else None))
+                           token_versions=list(s.token_versions) if s.token_versions is not None else None,
+                           routed_experts=getattr(s, "routed_experts", None),
+                           indexer_topk=getattr(s, "indexer_topk", None)))
     return recs
 
 

@@ -32,6 +32,10 @@ themselves. :class:`Trajectory` builds such a result. ``check_result`` converts 
 record (``gspo_megatron.sample.Sample``). The loss then counts only the trained tokens:
 the Sample's ``loss_mask`` becomes the micro-batch loss mask (``trainer.micro_batches.collate``), so the GSPO
 length normalization |y_i|, old log-probs, the engine gap and TIS all cover exactly those tokens.
+With ``rollout.routing_replay=r3`` each call's routed experts come back with it, and the Sample's
+``routed_experts`` are composed from them (``rollout.routing.compose_routes``): every token the
+engine ran, prompt, policy turns and tool output (routed by the next call's prefill), carries the
+route the engine used; tokens after the last call carry none (the trainer routes them itself).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import Any, Callable, Sequence
 
 from gspo_megatron.errors import UserInputError
 from gspo_megatron.rollout.base import RolloutSample, SamplingParams
+from gspo_megatron.rollout.routing import compose_routes
 from gspo_megatron.sample import Sample
 
 FIELD = "rollout.custom_function"
@@ -327,10 +332,19 @@ def check_result(result: Any, sample: HookSample, calls: Sequence[_Call], spec: 
     truncated = result.get("truncated")
     if truncated is None:
         truncated = bool(calls) and calls[-1].result is not None and calls[-1].result.finish_reason == "length"
+    # routing replay r3: each position's route from the call that ran it (tool output: the next call's prefill)
+    routes = compose_routes(list(sample.prompt_ids) + [int(t) for t in ids],
+                            [(c.prompt_ids, c.result.response_ids, c.result.routed_experts)
+                             for c in calls if c.result is not None])
+    # DSA models: the indexer's selection composes the same way (query t's keys depend on tokens 0..t only)
+    indexer = compose_routes(list(sample.prompt_ids) + [int(t) for t in ids],
+                             [(c.prompt_ids, c.result.response_ids, getattr(c.result, "indexer_topk", None))
+                              for c in calls if c.result is not None])
     return Sample(prompt_ids=list(sample.prompt_ids), response_ids=[int(t) for t in ids],
                   loss_mask=[int(m) for m in mask], engine_logprobs=engine_lps, reward=reward,
                   metrics={k: float(v) for k, v in metrics.items()},
-                  finish_reason="length" if truncated else "stop", generate_calls=len(calls))
+                  finish_reason="length" if truncated else "stop", generate_calls=len(calls),
+                  routed_experts=routes, indexer_topk=indexer)
 
 
 def match_sampled(ids: list[int], mask: list[int], calls: Sequence[_Call]) -> list[float] | str:

@@ -31,6 +31,8 @@ from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
 from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine, kill_server, launch_server, wait_until_healthy
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.ports import free_port
+from gspo_megatron.weight_sync.delta_loader import LOADER_NAME as DELTA_LOADER
+from gspo_megatron.weight_sync.modes import sync_mode
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +51,14 @@ def _all_gather(obj) -> list:
 class EngineFleet:
     """See the module docstring. ``model_path``: the HF directory the engines start from (its config
     and tokenizer; weights are then synced). ``server_args``: extra SGLang server args for every part
-    (e.g. ``random_seed``, ``enable_deterministic_inference``, quantization)."""
+    (e.g. ``random_seed``, ``enable_deterministic_inference``, quantization). ``route_spec``: the policy's
+    ``rollout.routing.RouteSpec`` with routing replay r3 (every request asks for its routed experts)."""
 
     def __init__(self, cfg, model_path: str, server_args: dict[str, Any] | None = None,
-                 log_dir: str | None = None):
+                 log_dir: str | None = None, route_spec: Any = None):
         r = cfg.rollout
         self.rank, self.world = rdist.rank(), rdist.world_size()
-        self.colocated = r.sync_mode == "colocated"
+        self.colocated = sync_mode(r.sync_mode).colocated  # engines share the training GPUs
         self.wait_s = r.engine_launch_timeout_s
         self.request_timeout_s = r.engine_timeout_s
         self.log_dir = log_dir
@@ -65,7 +68,8 @@ class EngineFleet:
         self.attached = bool(r.engine_urls)
         self.base_args = dict(model_path=model_path, tp_size=r.engine_tp, skip_server_warmup=True,
                               enable_memory_saver=self.colocated, mem_fraction_static=r.engine_mem_fraction,
-                              enable_deterministic_inference=r.engine_deterministic, **(server_args or {}))
+                              enable_deterministic_inference=r.engine_deterministic,
+                              custom_weight_loader=[DELTA_LOADER] if r.sync_delta else None, **(server_args or {}))
         if self.attached:
             self.specs = [EngineSpec(e, r.engine_tp, (), ()) for e in range(len(r.engine_urls))]
             self.urls = list(r.engine_urls)
@@ -93,7 +97,7 @@ class EngineFleet:
             self.engine = SGLangRolloutEngine(
                 [SGLangHttpClient(u, timeout_s=self.request_timeout_s) for u in self.urls],
                 router=SGLangHttpClient(router, timeout_s=self.request_timeout_s) if router else None,
-                send_seeds=r.engine_deterministic)
+                send_seeds=r.engine_deterministic, route_spec=route_spec)
 
     # -- launching -------------------------------------------------------------------------------------
     def _choose_ports(self) -> dict[int, tuple[int, int]]:
@@ -129,6 +133,8 @@ class EngineFleet:
                     os.makedirs(self.log_dir, exist_ok=True)
                     log = os.path.join(self.log_dir, f"engine{spec.index}_node{part.node_rank}.log")
                 env = dict(os.environ, GSPO_ENGINE=f"{spec.index}.{part.node_rank}")  # names the process
+                if self.base_args.get("enable_return_indexer_topk"):  # sglang's indexer ids as positions, not
+                    env.setdefault("SGLANG_DSA_FUSE_TOPK", "0")  # KV-pool slots (rollout/routing.py)
                 # the engine's own model dir (FP8-on-sync engines start quantized) and extra flags
                 model_path, extra_cli = prepare_engine_model_dir(
                     self.cfg, self.model_path, os.path.join(self.output_dir, "engine_model", f"rank{self.rank}"))

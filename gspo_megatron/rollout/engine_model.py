@@ -182,5 +182,8 @@ def prepare_engine_model_dir(cfg, hf_dir: str, out_dir: str) -> tuple[str, list[
             continue
         shutil.copyfile(src, os.path.join(out_dir, name + ".tmp"))
         os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
-    _atomic_write_json(os.path.join(out_dir, "config.json"), {**hf, "quantization_config": fp8_quantization_config(hf)})
+    from gspo_megatron.models.hf_config import file_config  # (a vision-language config: as its file holds it)
+
+    _atomic_write_json(os.path.join(out_dir, "config.json"),
+                       {**file_config(hf), "quantization_config": fp8_quantization_config(hf)})
     return out_dir, args

@@ -14,7 +14,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -206,8 +206,15 @@ class HFRolloutEngine(RolloutEngine):
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+        recorder: Any = None, indexer_recorder: Any = None,
     ) -> list[RolloutSample]:
+        """recorder: a ``cpu_server.routes.RouteRecorder`` on this model, or None; with one, each
+        sample's ``routed_experts`` is int32 [P + R - 1, num_hidden_layers, topk]: the prompt's
+        routes from the prefill, then each output token's but the last from the decode step that
+        fed it in (sglang's ``[0, seqlen - 1)``). indexer_recorder: a ``cpu_server.routes.IndexerRecorder``
+        (DSA models) or None; with one, ``indexer_topk`` int32 [P + R - 1, num_hidden_layers,
+        index_topk] the same way: each query's selected key positions (-1 where fewer keys exist)."""
         batch, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.zeros(batch, width, dtype=torch.long)
         mask = torch.zeros(batch, width, dtype=torch.long)
@@ -222,6 +229,9 @@ class HFRolloutEngine(RolloutEngine):
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
         step_ids, step_pos = input_ids, positions
+        step_routes: list[torch.Tensor] = []  # per forward: [batch, step_len, layers, topk]
+        step_index: list[torch.Tensor] = []  # per forward: [batch, step_len, layers, index_topk]
+        pads = torch.tensor([width - len(p) for p in prompts])
         for _ in range(params.max_new_tokens):
             out = self.model(
                 input_ids=step_ids,
@@ -232,6 +242,10 @@ class HFRolloutEngine(RolloutEngine):
                 logits_to_keep=1,
             )
             cache = out.past_key_values
+            if recorder is not None:
+                step_routes.append(recorder.take(batch, step_ids.shape[1]))
+            if indexer_recorder is not None:
+                step_index.append(indexer_recorder.take(pads, step_pos))
             token, logprob = self._sample(out.logits[:, -1, :].float(), params, generator)
             tokens_out.append(torch.where(finished, -1, token))
             logprobs_out.append(logprob)
@@ -249,12 +263,22 @@ class HFRolloutEngine(RolloutEngine):
         result = []
         for i in range(batch):
             keep = tokens[i] >= 0
+            routes = selection = None
+            n_out = int(keep.sum())
+            if recorder is not None:
+                parts = [step_routes[0][i, width - len(prompts[i]):]] + [r[i] for r in step_routes[1:n_out]]
+                routes = torch.cat(parts).to(torch.int32).numpy()
+            if indexer_recorder is not None:
+                parts = [step_index[0][i, width - len(prompts[i]):]] + [r[i] for r in step_index[1:n_out]]
+                selection = torch.cat(parts).to(torch.int32).numpy()
             result.append(
                 RolloutSample(
                     prompt_ids=prompts[i],
                     response_ids=tokens[i][keep].tolist(),
                     response_logprobs=logprobs[i][keep].tolist(),
                     finish_reason="stop" if bool(stopped[i]) else "length",
+                    routed_experts=routes,
+                    indexer_topk=selection,
                 )
             )
         return result

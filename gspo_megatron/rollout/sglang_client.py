@@ -133,21 +133,27 @@ class SGLangHttpClient:
 
     def generate(
         self, input_ids: Sequence[Sequence[int]], sampling_params: Sequence[dict], return_logprob: bool = True,
-        batch: bool = True,
+        batch: bool = True, return_routed_experts: bool = False, return_indexer_topk: bool = False,
     ) -> list[dict]:
         """``/generate`` from token ids; one output dict per input, in order. ``batch``: one request
         with lists of ``input_ids`` and ``sampling_params`` (the SGLang server's batch form);
         otherwise one request per input with a single ``input_ids`` list and ``sampling_params``
         object (the form the SGLang router's ``/generate`` accepts: its request type takes one
-        sampling-params object)."""
+        sampling-params object). ``return_routed_experts``: ask for ``meta_info["routed_experts"]``
+        over the whole sequence (``routed_experts_start_len`` 0; ``rollout/routing.py``);
+        ``return_indexer_topk`` (DSA models): ``meta_info["indexer_topk"]``, always ``[0, seqlen - 1)``."""
+        extra = {"return_routed_experts": True, "routed_experts_start_len": 0} if return_routed_experts else {}
+        if return_indexer_topk:
+            extra["return_indexer_topk"] = True
         if batch:
             out = self.post("generate", {"input_ids": [list(map(int, ids)) for ids in input_ids],
-                                         "sampling_params": list(sampling_params), "return_logprob": return_logprob})
+                                         "sampling_params": list(sampling_params), "return_logprob": return_logprob,
+                                         **extra})
             return out if isinstance(out, list) else [out]
         outs = []
         for ids, sp in zip(input_ids, sampling_params):
             out = self.post("generate", {"input_ids": list(map(int, ids)), "sampling_params": dict(sp),
-                                         "return_logprob": return_logprob})
+                                         "return_logprob": return_logprob, **extra})
             outs.append(out[0] if isinstance(out, list) else out)
         return outs
 

@@ -34,9 +34,18 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Sequence
 
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+from gspo_megatron.rollout.routing import (
+    INDEXER_META_KEY,
+    META_KEY,
+    decode_indexer_topk,
+    decode_routed_experts,
+    route_tokens,
+)
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient, close_weight_update, open_weight_update
 
 MEMORY_TAGS = ("weights", "kv_cache")
+ROUTES_KEY = "_routed_experts_decoded"  # an answer's decoded routes, set by SGLangRolloutEngine._dispatch
+INDEXER_KEY = "_indexer_topk_decoded"  # an answer's decoded indexer selection (DSA models), likewise
 
 
 def server_args_to_cli(server_args: dict[str, Any]) -> list[str]:
@@ -151,7 +160,8 @@ def parse_output(prompt_ids: Sequence[int], out: dict) -> RolloutSample:
     if "output_ids" in out and list(out["output_ids"]) != ids:
         raise SGLangError(f"output_ids {out['output_ids']} disagree with output_token_logprobs ids {ids}")
     return RolloutSample(prompt_ids=list(prompt_ids), response_ids=ids, response_logprobs=logps,
-                         finish_reason=kind, token_versions=token_versions(meta, len(ids)))
+                         finish_reason=kind, token_versions=token_versions(meta, len(ids)),
+                         routed_experts=out.get(ROUTES_KEY), indexer_topk=out.get(INDEXER_KEY))
 
 
 def token_versions(meta: dict, n: int) -> list[str] | None:
@@ -179,10 +189,13 @@ class SGLangRolloutEngine(RolloutEngine):
     clients: one ``SGLangHttpClient`` per engine (or any object with its methods). router: optional
     client of the SGLang router, used for generation only. send_seeds: send per-sample
     ``sampling_seed`` (only meaningful with deterministic-inference servers, see the module docstring).
+    route_spec: ``rollout.routing.RouteSpec`` of the policy model when routing replay is on (R3):
+    every request asks for its routed experts, each answer's are decoded and validated here
+    (``RoutedExpertsError`` names the engine and the request) and land on ``RolloutSample.routed_experts``.
     """
 
     def __init__(self, clients: Sequence[Any], *, router: Any = None, max_concurrency: int = 64,
-                 memory_tags: Sequence[str] = MEMORY_TAGS, send_seeds: bool = False):
+                 memory_tags: Sequence[str] = MEMORY_TAGS, send_seeds: bool = False, route_spec: Any = None):
         if not clients:
             raise ValueError("SGLangRolloutEngine: clients is empty")
         self.clients = list(clients)
@@ -190,6 +203,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.max_concurrency = max(1, int(max_concurrency))
         self.memory_tags = list(memory_tags)
         self.send_seeds = send_seeds
+        self.route_spec = route_spec
         self.served = [0] * len(self.clients)  # generate requests answered per engine (not the router)
         self.released: list[set[str]] = [set() for _ in self.clients]  # memory tags each engine released
 
@@ -257,11 +271,18 @@ class SGLangRolloutEngine(RolloutEngine):
         def run(g: int) -> None:
             idx = groups[g]
             target = targets[g % len(targets)]
+            kw = {"return_routed_experts": True} if self.route_spec is not None else {}
+            if self.route_spec is not None and getattr(self.route_spec, "index_topk", 0):
+                kw["return_indexer_topk"] = True
             res = target.generate([ids[k] for k in idx], [sps[k] for k in idx], return_logprob=True,
-                                  batch=target is not self.router)
+                                  batch=target is not self.router, **kw)
             if len(res) != len(idx):
                 raise SGLangError(f"{target} returned {len(res)} outputs for {len(idx)} inputs")
             for k, r in zip(idx, res):
+                if self.route_spec is not None:
+                    r = dict(r, **{ROUTES_KEY: self._routes(target, k, ids[k], r)})
+                    if getattr(self.route_spec, "index_topk", 0):
+                        r[INDEXER_KEY] = self._indexer(target, k, ids[k], r)
                 outputs[k] = r
             if target in self.clients:
                 self.served[self.clients.index(target)] += 1
@@ -269,6 +290,27 @@ class SGLangRolloutEngine(RolloutEngine):
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(groups))) as pool:
             list(pool.map(run, range(len(groups))))
         return outputs  # type: ignore[return-value]
+
+    def _routes(self, target: Any, k: int, prompt: list[int], out: dict):
+        """The decoded, validated routes of one answer: int32 [P + R - 1, layers, topk]."""
+        meta = out.get("meta_info") or {}
+        n_out = len(meta.get("output_token_logprobs") or out.get("output_ids") or [])
+        spec = self.route_spec
+        return decode_routed_experts(meta.get(META_KEY), num_tokens=route_tokens(len(prompt), n_out),
+                                     num_layers=spec.num_layers, topk=spec.topk, num_experts=spec.num_experts,
+                                     engine=getattr(target, "base_url", str(target)),
+                                     request=f"{meta.get('id', '?')} (input {k} of the call)",
+                                     moe_layers=getattr(spec, "moe_layers", None))
+
+    def _indexer(self, target: Any, k: int, prompt: list[int], out: dict):
+        """The decoded, validated indexer selection of one answer (DSA): int32 [P + R - 1, layers, index_topk]."""
+        meta = out.get("meta_info") or {}
+        n_out = len(meta.get("output_token_logprobs") or out.get("output_ids") or [])
+        spec = self.route_spec
+        return decode_indexer_topk(meta.get(INDEXER_META_KEY), num_tokens=route_tokens(len(prompt), n_out),
+                                   num_layers=spec.num_layers, index_topk=spec.index_topk,
+                                   engine=getattr(target, "base_url", str(target)),
+                                   request=f"{meta.get('id', '?')} (input {k} of the call)")
 
     def take_served(self) -> list[int]:
         """Requests each engine answered since the last call (the router's are not attributed)."""

@@ -30,7 +30,7 @@ Megatron's own checkpoint writer (``dist_checkpointing.save`` with the torch_dis
 processes we do not create: on the first save, ``filesystem_async._get_write_results_queue`` spawns
 a ``multiprocessing`` Manager server (kept for the life of the trainer; with it the spawn machinery
 starts multiprocessing's resource tracker), and every save forks ``thread_count`` writer processes.
-``checkpoint.write_checkpoint_dir`` writes through ``dist_ckpt_writer`` instead (threads of this
+``checkpoint.manager.write_checkpoint_dir`` writes through ``checkpoint.writer`` instead (threads of this
 process: none of these); only where that writer does not apply (a multi-storage client) does
 Megatron's run, and then ``adopt_checkpoint_writers()`` (every rank, before a save; idempotent)
 covers both: it starts that Manager itself with ``die_with_parent`` as the server's initializer

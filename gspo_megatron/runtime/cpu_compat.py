@@ -53,6 +53,7 @@ _PROXIED_MODULES = (
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.ssm.gated_delta_net",  # Qwen3-Next / Qwen3.5: parameters built on torch.cuda.current_device()
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.distributed.distributed_data_parallel",

@@ -23,10 +23,14 @@ from typing import Callable, Sequence
 import torch
 
 from gspo_megatron.sample import PER_TOKEN_FIELDS, Sample
+from gspo_megatron.trainer import route_replay
 from gspo_megatron.trainer.packing import (  # noqa: F401 (PAD_LABEL, TOKEN_KEYS re-exported)
+    INDEXER_KEY,
     PAD_LABEL,
+    ROUTES_KEY,
     TOKEN_KEYS,
     advantages_of,
+    lay_routes,
     per_token_values,
     response_mask,
 )
@@ -39,8 +43,11 @@ def collate(seqs: Sequence[Sample], pad_id: int = 0, multiple: int = 1, seq_ids:
     ``loss_mask`` on its response, 0 on prompt and padding), seq_index [b, s] long, and
     old_logprobs / engine_logprobs / ref_logprobs / behaviour_version [b, s] float and advantages [b]
     when the first Sample carries them;
-    num_seqs (b), num_real_tokens (sum of the sequence lengths) and seq_ids (the caller's id of
-    each row; default 0..b-1).
+    num_seqs (b), num_real_tokens (sum of the sequence lengths), seq_lens (each row's sequence
+    length, list of b ints: what a DSA model's indexer needs, :func:`row_padding_mask`) and seq_ids
+    (the caller's id of each row; default 0..b-1); ``routed_experts`` int32 [b, s, L, K] when the Samples carry the
+    engine's routes (``trainer.packing.lay_routes``: token t's route at position t, NO_ROUTE on the
+    last token and the right padding).
     """
     if not seqs:
         raise ValueError("collate needs at least one sequence")
@@ -70,8 +77,13 @@ def collate(seqs: Sequence[Sample], pad_id: int = 0, multiple: int = 1, seq_ids:
         **per_token,
         num_seqs=b,
         num_real_tokens=sum(s.length for s in seqs),
+        seq_lens=[s.length for s in seqs],
         seq_ids=list(seq_ids) if seq_ids is not None else list(range(b)),
     )
+    for key in (ROUTES_KEY, INDEXER_KEY):
+        routes = lay_routes(seqs, b, width, [(i, 0) for i in range(b)], key)
+        if routes is not None:
+            batch[key] = routes
     if seqs[0].advantage is not None:
         batch["advantages"] = advantages_of(seqs)
     return batch
@@ -170,14 +182,38 @@ def to_device(batch: dict) -> dict:
     return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def row_padding_mask(model, batch: dict) -> torch.Tensor | None:
+    """The ``attention_mask`` a padded micro-batch passes to the model: None (causal attention alone;
+    right padding never influences a real token), except for a model with DeepSeek Sparse Attention
+    (``experimental_attention_variant == "dsa"``), whose indexer must see each row's sequence alone:
+    its top-k breaks exact ties by the length of the row it runs on (``models/deepseek_v32/indexer.py``).
+    Then a key-padding mask [b, 1, 1, s] bool, True at key t >= the row's ``seq_lens`` (right padding);
+    the DSA core attention reads the lengths from it and builds its own causal mask."""
+    from megatron.core.utils import get_model_config
+
+    from gspo_megatron.trainer.packing import is_packed
+
+    if is_packed(batch) or getattr(get_model_config(model), "experimental_attention_variant", None) != "dsa":
+        return None
+    if "seq_lens" not in batch:
+        raise ValueError("a padded micro-batch for a DSA model needs seq_lens (trainer.micro_batches.collate)")
+    b, s = batch["tokens"].shape
+    lens = torch.as_tensor(batch["seq_lens"], device=batch["tokens"].device).view(b, 1)
+    return (torch.arange(s, device=lens.device).view(1, s) >= lens).view(b, 1, 1, s)
+
+
 def _forward_step(loss_func_factory: Callable[[dict], Callable], fused_logprobs: bool, data_iterator, model):
     from gspo_megatron.models.lm_head import lm_forward
     from gspo_megatron.trainer.packing import packed_seq_params
 
-    batch = to_device(next(data_iterator))
+    raw = next(data_iterator)
+    batch = to_device(raw)  # a new dict: r2's record is kept in ``raw`` too (after_forward)
+    route_replay.before_forward(model, batch)  # routing replay (rollout.routing_replay): this batch's targets
     # fused: hidden states [b, s, H] + the output weight shard, bound to the loss function
     output, weight = lm_forward(model, batch["tokens"], batch["position_ids"], fused=fused_logprobs,
-                                attention_mask=None, packed_seq_params=packed_seq_params(batch))
+                                attention_mask=row_padding_mask(model, batch),
+                                packed_seq_params=packed_seq_params(batch))
+    route_replay.after_forward(model, batch, keep_in=raw)
     loss_func = loss_func_factory(batch)
     return output, (loss_func if weight is None else partial(loss_func, output_weight=weight))
 

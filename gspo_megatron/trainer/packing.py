@@ -35,13 +35,21 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from gspo_megatron.sample import PER_TOKEN_FIELDS, Sample
 
 PAD_LABEL = -100
-# every [b, s] tensor of a micro-batch (padded or packed): what a CP split or reorder must cut
-TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", *PER_TOKEN_FIELDS)
+#: the engine's routed experts laid on a micro-batch: int32 [b, s, L, K] (``lay_routes``)
+ROUTES_KEY = "routed_experts"
+NO_ROUTE = -1  # = rollout.routing.NO_ROUTE
+#: DSA models: the engine's indexer selection laid the same way: int32 [b, s, L, index_topk] of key
+#: positions within each sequence (``lay_routes(..., attr="indexer_topk")``)
+INDEXER_KEY = "indexer_topk"
+# every [b, s(, ...)] tensor of a micro-batch (padded or packed): what a CP split or reorder must cut
+TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", *PER_TOKEN_FIELDS, ROUTES_KEY,
+              INDEXER_KEY)
 
 
 def response_mask(values, n: int, i: int) -> torch.Tensor:
@@ -74,6 +82,34 @@ def advantages_of(seqs: Sequence[Sample]) -> torch.Tensor:
     if missing:
         raise ValueError(f"sequence {missing[0]}: advantage is None while the micro-batch's first sequence has one")
     return torch.tensor([float(s.advantage) for s in seqs])
+
+
+def lay_routes(seqs: Sequence[Sample], rows: int, width: int, starts: Sequence[tuple[int, int]],
+               attr: str = ROUTES_KEY) -> torch.Tensor | None:
+    """The Samples' ``routed_experts`` (int32 [n - 1, L, K] for a sequence of n tokens: the engine's
+    route of token t in row t, ``rollout/routing.py``) laid on a micro-batch: int32 [rows, width, L, K],
+    sequence i's token t at row ``starts[i][0]``, position ``starts[i][1] + t``; NO_ROUTE (-1) on the
+    last token of each sequence and on every padding position, so padding is never replayed. None
+    when the first Sample has no routes; ValueError naming the sequence when another has none or a
+    shape that does not fit its tokens. ``attr`` ``"indexer_topk"`` (:data:`INDEXER_KEY`): the DSA
+    indexer selection [n - 1, L, index_topk], laid by the same rules (its values are key positions
+    within the sequence, unchanged by the row offset)."""
+    if not seqs or getattr(seqs[0], attr) is None:
+        return None
+    first = np.asarray(getattr(seqs[0], attr))
+    if first.ndim != 3:
+        raise ValueError(f"sequence 0: {attr} must be [tokens - 1, layers, topk], got shape {first.shape}")
+    L, K = first.shape[1:]
+    out = torch.full((rows, width, L, K), NO_ROUTE, dtype=torch.int32)
+    for i, (s, (row, a)) in enumerate(zip(seqs, starts)):
+        if getattr(s, attr) is None:
+            raise ValueError(f"sequence {i}: {attr} is None while the micro-batch's first sequence has them")
+        r = np.asarray(getattr(s, attr), dtype=np.int32)
+        if r.shape != (s.length - 1, L, K):
+            raise ValueError(f"sequence {i}: {attr} has shape {r.shape} for {s.length} tokens; expected "
+                             f"{(s.length - 1, L, K)} (the engine's values of tokens 0 .. n-2)")
+        out[row, a:a + s.length - 1] = torch.from_numpy(r)
+    return out
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -137,7 +173,8 @@ def collate_packed(seqs: Sequence[Sample], pad_id: int = 0, seg_multiple: int = 
 
     Returns tokens/position_ids/labels/seq_index [1, T] long, loss_mask [1, T] float, the per-token
     float keys present in the Samples [1, T], advantages [S], cu_seqlens [K+1] int32, max_seqlen,
-    num_seqs, num_real_tokens, seq_ids."""
+    num_seqs, num_real_tokens, seq_ids; ``routed_experts`` int32 [1, T, L, K] when the Samples carry
+    routes (``lay_routes``)."""
     if row_multiple % seg_multiple:
         raise ValueError(f"row_multiple {row_multiple} must be a multiple of seg_multiple {seg_multiple}")
     segs = [round_up(s.length, seg_multiple) for s in seqs]
@@ -176,6 +213,10 @@ def collate_packed(seqs: Sequence[Sample], pad_id: int = 0, seg_multiple: int = 
         num_real_tokens=sum(s.length for s in seqs),
         seq_ids=list(seq_ids) if seq_ids is not None else list(range(len(seqs))),
     )
+    for key in (ROUTES_KEY, INDEXER_KEY):
+        routes = lay_routes(seqs, 1, total, [(0, a) for a in bounds[:len(seqs)]], key)
+        if routes is not None:
+            batch[key] = routes
     if seqs and seqs[0].advantage is not None:
         batch["advantages"] = advantages_of(seqs)
     elif not seqs:

@@ -10,6 +10,15 @@ way each mini-batch's loss is normalized by its global sequence count (token cou
 so the reduced gradient is exactly that of the mini-batch mean whatever the grouping. Row lengths
 (packed rows' totals) are rounded up to ``row_multiple``: the TP / CP splits, and with ``model.fp8``
 Transformer Engine's FP8 GEMM alignment on every rank (``trainer.micro_batches.sequence_multiple``).
+
+Routing replay (``rollout.routing_replay``, ``trainer.route_replay``): the Samples' routes travel with
+their tokens into every micro-batch (``routed_experts`` [b, s, L, K]); the old-policy forward runs in
+phase "old", the training forwards in phase "policy"; ``rollout/route_agreement`` is the share of
+(token, layer) top-k sets where the trainer's own routing (before replay, old-policy forward) equals
+the engine's, over every rank's routers (r3 only); ``rollout/indexer_agreement`` the same for the DSA
+indexer's key selections. The KL reference model (``gspo.kl_coef`` > 0)
+replays the same routes as the old-policy forward (r3: the engine's; r2: the old forward's record),
+so that its KL term compares the two policies on one routing.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from gspo_megatron.trainer.micro_batches import (
 )
 from gspo_megatron.trainer.optimizer import optimizer_step, zero_grads
 from gspo_megatron.trainer.packing import collate_packed, plan_micro_batches
+from gspo_megatron.trainer.route_replay import replay_phase, route_replay_for
 
 _MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref",
               "engine_logprob_absdiff", "tis_weight_mean", "tis_capped_fraction")
@@ -135,17 +145,37 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[Sample]
     flat = [b for mb in minis for b in mb]
     temp = cfg.rollout.temperature
     fused = cfg.model.fused_logprobs
+    replay = route_replay_for(ddp, cfg.rollout.routing_replay)  # None: off
+    if replay is not None:
+        if replay.mode == "r3":
+            missing = [i for i, r in enumerate(records) if r.routed_experts is None]
+            if missing:
+                raise ValueError(f"rollout.routing_replay=r3: sample {missing[0]} (of {len(records)}) has no "
+                                 "routed_experts; the engines must be asked for them (rollout.engine=sglang)")
+            missing = [i for i, r in enumerate(records) if replay.indexers and r.indexer_topk is None]
+            if missing:  # DSA: the indexer's selection is replayed too (trainer/route_replay.py)
+                raise ValueError(f"rollout.routing_replay=r3: sample {missing[0]} (of {len(records)}) has no "
+                                 "indexer_topk; a DSA model's engines must return it (return_indexer_topk)")
+        replay.phase = "old"  # r3: replay the engine's routes; r2: record the trainer's own
     if behaviour is not None and any(int(v) != behaviour.current for r in records for v in r.behaviour_version):
         behaviour.attach_old_logprobs(ddp, flat, records, temp, fused)
     else:
         _attach_logprobs(ddp, flat, "old_logprobs", temp, fused)
-    if ref_model is not None:
-        _attach_logprobs(ref_model, flat, "ref_logprobs", temp, fused)
+    if replay is not None:
+        replay.phase = "policy"  # the training forwards replay (r3: the engine's routes, r2: the recorded ones)
+    if ref_model is not None:  # the old forward's routes (r3: the engine's; r2: the record of the old forward)
+        with replay_phase(ref_model, cfg.rollout.routing_replay, "policy"):
+            _attach_logprobs(ref_model, flat, "ref_logprobs", temp, fused)
     # the engine gap is summed over every CP rank's tokens; the loss metrics are exact over CP
     gap_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     reporter = gap_reporter and ps.get_context_parallel_rank() == 0
-    # [engine gap sum, its token count, computed tokens, real tokens]; one collective for both
-    gap = torch.zeros(4, dtype=torch.float64, device=device())  # collectives need NCCL's device
+    # [engine gap sum, its token count, computed tokens, real tokens, agreeing and compared (token,
+    # layer) routes of this rank's routers (disjoint over ranks: summed), agreeing and compared
+    # (token, layer) DSA indexer selections (r3)]; one collective for all
+    gap = torch.zeros(8, dtype=torch.float64, device=device())  # collectives need NCCL's device
+    if replay is not None:
+        gap[4], gap[5] = replay.take_agreement()
+        gap[6], gap[7] = replay.take_indexer_agreement()
     if gap_reporter:
         for b in flat:
             gap[0] += ((b["old_logprobs"] - b["engine_logprobs"]).abs() * b["loss_mask"]).sum().double()
@@ -175,12 +205,16 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[Sample]
         "rollout/logprob_abs_diff": float(torch_gap[0] / max(torch_gap[1], 1.0)),
         # fraction of the tokens the model computes (per pass) that are padding
         "perf/padding_frac": float(1.0 - torch_gap[3] / max(torch_gap[2], 1.0)),
+        **({"rollout/route_agreement": float(torch_gap[4] / torch_gap[5])} if torch_gap[5] > 0 else {}),
+        **({"rollout/indexer_agreement": float(torch_gap[6] / torch_gap[7])} if torch_gap[7] > 0 else {}),
         "train/skipped_updates": float(sum(not a for a in applied)),
         "train/grad_norm": _mean_finite(grad_norms),
         "train/lr": float(optimizer.param_groups[0]["lr"]),
         "perf/old_logprob_s": t_old,
         "perf/train_s": time.perf_counter() - t0 - t_old,
     })
+    if replay is not None:
+        replay.phase = None
     if behaviour is not None:
         behaviour.trained()
     return StepResult(metrics=metrics, nonfinite=not all(applied))

@@ -14,6 +14,13 @@ named shared-memory segments (``sglang_compat.use_cpu_shared_memory``) instead o
 Ranks: every training rank colocated with an engine calls begin / send_bucket / end (they are
 collective over ``gather_group``); only ``src`` talks to the engine, and it also pauses the engine,
 flushes its cache and opens/closes SGLang's weight-update session in begin / end.
+
+Delta sync (``rollout.sync_delta``, ``weight_sync.delta``): ``src`` keeps the host copy of what it
+last sent and encodes each bucket (changed elements only); the encoded entries that are not a full
+tensor go to the other ranks of the group by one ``broadcast_object_list`` (small: the changed
+elements), the full ones each rank takes from its own bucket. Each rank serializes the plain entry
+list for its engine TP rank and the engine is called with ``load_format`` = the delta loader's
+dotted name (sglang's ``--custom-weight-loader`` route; no flattening: that route takes a list).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from gspo_megatron.rollout.sglang_compat import (
     patch_torch_reductions,
 )
 from gspo_megatron.runtime import distributed as rdist
+from gspo_megatron.weight_sync.delta import PREFIX as DELTA_PREFIX
+from gspo_megatron.weight_sync.delta import DeltaEncoder
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 from gspo_megatron.weight_sync.transport import WeightTransport
 
@@ -91,10 +100,11 @@ class CudaIpcTransport(WeightTransport):
     fp8: quantize the big projections blockwise (``fp8_quant``) before sending.
     manage_session: on ``gather_src``, pause + flush + begin session in ``begin`` and the reverse
     in ``end`` (turn off when the trainer brackets the sync itself).
+    delta: send changed elements only (module docstring); the engines must run the delta loader.
     """
 
     def __init__(self, client: Any = None, *, gather_group: Any = None, gather_src: int | None = None,
-                 fp8: bool = False, manage_session: bool = True):
+                 fp8: bool = False, manage_session: bool = True, delta: bool = False):
         self.group = gather_group
         self.src = gather_src if gather_src is not None else (rdist.rank())
         self.rank = rdist.rank()
@@ -109,6 +119,15 @@ class CudaIpcTransport(WeightTransport):
         self.fp8 = fp8
         self.manage_session = manage_session
         self.load_format = "flattened_bucket" if flattened_bucket_class() is not None else None
+        if delta and fp8:
+            raise ValueError("CudaIpcTransport: delta sync of FP8-quantized weights is not supported "
+                             "(rollout.sync_delta with rollout.sync_fp8)")
+        self.delta = delta
+        self.encoder = DeltaEncoder() if delta and self.is_src else None
+        if delta:
+            from gspo_megatron.weight_sync.delta_loader import LOADER_NAME
+
+            self.load_format = LOADER_NAME
         self.failed: BaseException | None = None
         self.weight_version = "0"
 
@@ -129,13 +148,15 @@ class CudaIpcTransport(WeightTransport):
     def begin(self, version: str) -> None:
         self.weight_version = version
         self.failed: BaseException | None = None
+        if self.encoder is not None:
+            self.encoder.begin()
         if self.is_src and self.manage_session:
             self._engine_call(open_weight_update, self.client)
 
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.fp8:
             bucket = quantize_bucket_fp8(bucket)
-        payloads = serialize_bucket(bucket)
+        payloads = self._delta_payloads(bucket) if self.delta else serialize_bucket(bucket)
         if self.group is not None:
             gathered = [None] * self.group_size if self.is_src else None
             dist.gather_object(payloads, gathered, dst=self.src, group=self.group)
@@ -155,6 +176,32 @@ class CudaIpcTransport(WeightTransport):
         del payloads, bucket
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
+
+    def _delta_payloads(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+        """The delta entries of ``bucket`` (encoded on ``src``, shared with the group) as one plain
+        serialized list for this rank's engine TP rank."""
+        plan = None
+        if self.is_src:
+            # full tensors (plain HF names) every rank has in its own bucket: only the deltas travel
+            plan = [(n, t if n.startswith(DELTA_PREFIX) else None) for n, t in self.encoder.encode_bucket(bucket)]
+        if self.group is not None:
+            box = [plan]
+            dist.broadcast_object_list(box, src=self.src, group=self.group)
+            plan = box[0]
+        local = dict(bucket)
+        device = bucket[0][1].device if bucket else torch.device("cpu")
+        entries = [(n, (local[n] if t is None else t.to(device)).detach().contiguous()) for n, t in plan]
+        patch_torch_reductions([t for _, t in entries])
+        return [multiprocessing_serializer().serialize(entries, output_str=True)]
+
+    def delta_metrics(self) -> dict[str, float]:
+        """This rank's delta-sync totals of the last sync (``src`` only; empty elsewhere)."""
+        return self.encoder.stats.metrics() if self.encoder is not None else {}
+
+    def reset_delta(self) -> None:
+        """The engines may hold anything (a failed sync, a restart): the next sync is full."""
+        if self.encoder is not None:
+            self.encoder.reset()
 
     def end(self) -> None:
         if self.is_src and self.manage_session:

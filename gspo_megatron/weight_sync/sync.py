@@ -18,6 +18,7 @@ import time
 
 import torch.distributed as dist
 
+from gspo_megatron.models.lora import adapter_nbytes
 from gspo_megatron.models.weights import build_export_plan, export_hf_weights
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.distributed import any_rank
@@ -32,6 +33,8 @@ class WeightSyncer:
         self.topology = topology
         self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
         self.plan = build_export_plan(model)
+        # model.lora: what an adapter-only sync would send (every adapter once, unsharded)
+        self.lora_bytes = adapter_nbytes(model) if _lora_of(model) else 0
         self.version = 0
         self.errors: list[str] = []  # on rank 0 after a failed sync: one text per failing rank
 
@@ -67,14 +70,34 @@ class WeightSyncer:
         if transport is not None and (error is None or keeps_step):
             guard(transport.end)
         failed = any_rank(error is not None)
+        if failed:  # delta sync: the engines may hold anything now, the next sync is full
+            self.engines_restarted()
         self.errors = []
         if failed:
             texts = _gather_to_rank0(f"rank {rank}: {type(error).__name__}: {error}" if error else None)
             self.errors = [t for t in texts if t] if rank == 0 else []
         most, total = _reduce_over_ranks(float(nbytes))
+        delta = getattr(transport, "delta_metrics", None)
         return {"sync/total_s": time.perf_counter() - t0, "sync/bytes": float(nbytes),
                 "sync/bytes_max_rank": most, "sync/bytes_total": total, "sync/buckets": float(nbuckets),
-                "sync/bucket_s_max": max(bucket_times, default=0.0), "sync/version": float(self.version)}
+                "sync/bucket_s_max": max(bucket_times, default=0.0), "sync/version": float(self.version),
+                **({"sync/lora_adapter_bytes": float(self.lora_bytes)} if self.lora_bytes else {}),
+                **(delta() if delta is not None else {})}
+
+    def engines_restarted(self) -> None:
+        """After a failed sync or an engine restart (every rank): a delta-sync transport forgets
+        what it sent, so the next sync is full (``weight_sync.delta``)."""
+        reset = getattr(self.topology.transport, "reset_delta", None)
+        if reset is not None:
+            reset()
+
+
+def _lora_of(model):
+    """``model.lora`` of the GPTModel inside DDP / Float16Module wrappers (set on every rank by
+    ``models.build``), or None."""
+    while not hasattr(model, "lora") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "lora", None)
 
 
 def bucket_nbytes(bucket) -> int:

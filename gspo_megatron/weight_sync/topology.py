@@ -1,5 +1,8 @@
 """Which training ranks send which weights to which engines, per sync mode (built once per run).
 
+Each mode's :class:`~gspo_megatron.weight_sync.modes.SyncMode` names its builder here
+(``function(cfg, rank, engine=None, fleet=None) -> SyncTopology``); :func:`build_sync_topology` calls it.
+
 - ``inprocess`` (the CPU transformers engine on global rank 0): the export stream assembles every
   HF tensor on rank 0, which hands the buckets to the engine object (``InProcessTransport``).
 - ``colocated``: engine e shares the GPUs of training ranks ``[e*tp, (e+1)*tp)``. Every rank gets
@@ -28,6 +31,7 @@ import torch.distributed as dist
 
 from gspo_megatron.models.weights import ALL_RANKS
 from gspo_megatron.runtime import distributed as rdist
+from gspo_megatron.weight_sync.modes import sync_mode
 
 
 @dataclass
@@ -47,18 +51,17 @@ class SyncTopology:
 def build_sync_topology(cfg, engine=None, fleet=None) -> SyncTopology:
     """Collective. ``engine``: the in-process engine (rank 0, inprocess mode); ``fleet``: the
     ``EngineFleet`` (every rank, SGLang modes)."""
-    mode = cfg.rollout.sync_mode
-    rank = rdist.rank()
-    if mode == "inprocess":
-        from gspo_megatron.weight_sync.transport import InProcessTransport
-
-        return SyncTopology(mode, 0, InProcessTransport(engine) if rank == 0 else None)
-    if mode == "colocated":
-        return _colocated(cfg, fleet, rank)
-    return _disaggregated(cfg, fleet, rank)
+    build = sync_mode(cfg.rollout.sync_mode).build_topology()
+    return build(cfg, rdist.rank(), engine=engine, fleet=fleet)
 
 
-def _colocated(cfg, fleet, rank: int) -> SyncTopology:
+def inprocess_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopology:
+    from gspo_megatron.weight_sync.transport import InProcessTransport
+
+    return SyncTopology(cfg.rollout.sync_mode, 0, InProcessTransport(engine) if rank == 0 else None)
+
+
+def colocated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopology:
     from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport
 
     transport = None
@@ -68,8 +71,8 @@ def _colocated(cfg, fleet, rank: int) -> SyncTopology:
         if rank in ranks:
             client = fleet.client(spec.index) if rank == spec.src_rank else None
             transport = CudaIpcTransport(client, gather_group=group, gather_src=spec.src_rank,
-                                         fp8=cfg.rollout.sync_fp8)
-    return SyncTopology("colocated", ALL_RANKS, transport, sources=[s.src_rank for s in fleet.specs],
+                                         fp8=cfg.rollout.sync_fp8, delta=cfg.rollout.sync_delta)
+    return SyncTopology(cfg.rollout.sync_mode, ALL_RANKS, transport, sources=[s.src_rank for s in fleet.specs],
                         engine_urls=list(fleet.urls))
 
 
@@ -89,7 +92,7 @@ def stage_sources() -> tuple[dict[int, int], list[int]]:
     return stage_of, sources
 
 
-def _disaggregated(cfg, fleet, rank: int) -> SyncTopology:
+def disaggregated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopology:
     from gspo_megatron.rollout.placement import node_address
     from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport, StoreLock, pp_group_name
 
@@ -117,5 +120,5 @@ def _disaggregated(cfg, fleet, rank: int) -> SyncTopology:
                 barrier()
 
     connect_all(False)
-    return SyncTopology("disaggregated", lambda owner: sources[stage_of[owner]], transport,
+    return SyncTopology(cfg.rollout.sync_mode, lambda owner: sources[stage_of[owner]], transport,
                         sources=sources, reconnect_all=lambda: connect_all(True), engine_urls=list(fleet.urls))

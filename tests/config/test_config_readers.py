@@ -28,6 +28,10 @@ READERS = {
     "model.transformer_impl": "factory.py",
     "model.moe_token_dispatcher": "factory.py",
     "model.moe_aux_loss_coeff": "factory.py",
+    "model.lora.rank": "factory.py",  # LoraOptions -> models/lora.py (validation.py checks them)
+    "model.lora.alpha": "factory.py",
+    "model.lora.dropout": "factory.py",
+    "model.lora.target_modules": "factory.py",
     "model.recompute": "factory.py",
     "model.fused_logprobs": "trainer/step.py",
     "model.max_seq_len": "planner.py",  # activation and KV-cache sizes (and the config's own checks)
@@ -54,6 +58,7 @@ READERS = {
     "rollout.sync_bucket_mb": "train.py",
     "rollout.sync_verify": "train.py",
     "rollout.sync_fp8": "weight_sync/topology.py",
+    "rollout.sync_delta": "weight_sync/topology.py",
     "rollout.sync_verify_tol": "train.py",
     "rollout.sync_verify_every": "train.py",
     "rollout.offload_train": "train.py",
@@ -72,6 +77,8 @@ READERS = {
     "rollout.max_resample_rounds": "rollout/batch.py",
     "rollout.over_sample": "rollout/batch.py",
     "rollout.custom_function": "rollout/batch.py",
+    "rollout.routing_replay": "trainer/step.py",  # and factory.py (r3: the engines return routes)
+    "rollout.lora_sync": "config/validation.py",  # merged: the export stream merges (models/lora.py); adapter refused
     "rollout.max_staleness": "rollout/async_producer.py",
     "gspo.mode": "trainer/step.py",
     "gspo.clip_low": "trainer/step.py",
@@ -82,6 +89,8 @@ READERS = {
     "gspo.std_normalize": "rollout/batch.py",
     "gspo.adv_eps": "rollout/batch.py",
     "gspo.tis_cap": "trainer/step.py",
+    "gspo.tis_level": "trainer/step.py",
+    "gspo.tis_mode": "trainer/step.py",
     "gspo.mini_batches": "trainer/step.py",
     "gspo.loss_agg": "trainer/step.py",
     "optimizer.lr": "train.py",
@@ -148,8 +157,8 @@ def reads(source: str, name: str) -> bool:
     *section, leaf = name.split(".")
     if not section:
         return re.search(rf"\bcfg\.{leaf}\b(?!\s*=[^=])", source) is not None
-    sec = section[0]
-    aliases = ["cfg." + sec] + re.findall(rf"^\s*(\w+)\s*=\s*cfg\.{sec}\s*$", source, re.M)
+    sec = ".".join(section)  # a nested section (model.lora): its full path
+    aliases = ["cfg." + sec] + re.findall(rf"^\s*(\w+)\s*=\s*cfg\.{re.escape(sec)}\s*$", source, re.M)
     return any(re.search(rf"(?<![\w.]){re.escape(a)}\.{leaf}\b(?!\s*=[^=])", source) for a in aliases) or \
         read_by_name(source, sec, leaf, aliases)
 

@@ -46,7 +46,8 @@ def _cfg(*overrides):
 
 
 def _hf(name: str, **changes) -> dict:
-    return {**family_for_model_type(name).tiny, "model_type": name, **changes}
+    f = next(f for f in families() if f.name == name)  # (qwen3_5_moe: model_type qwen3_5_moe_text)
+    return {**f.tiny, "model_type": f.model_types[0], **changes}
 
 
 def _error(cfg, hf) -> str:
@@ -96,8 +97,8 @@ def test_qwen_moe_dense_layers_are_refused_with_sglang_engines(engine, family, c
 
 
 # -- defect 10 (b): tied embeddings --------------------------------------------------------------------------
-UNTIED_IN_SGLANG = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss"]
-TIED_IN_SGLANG = ["qwen2", "qwen3", "deepseek_v3"]
+UNTIED_IN_SGLANG = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_next"]
+TIED_IN_SGLANG = ["qwen2", "qwen3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -124,7 +125,8 @@ def test_every_family_is_classified():
 # -- the flags agree with sglang 0.5.23's model classes -------------------------------------------------------
 SGLANG_FILES = {"qwen3_moe": "qwen3_moe.py", "qwen2_moe": "qwen2_moe.py", "mixtral": "mixtral.py",
                 "glm4_moe": "glm4_moe.py", "gpt_oss": "gpt_oss.py", "qwen2": "qwen2.py", "qwen3": "qwen3.py",
-                "deepseek_v3": "deepseek_v2.py"}
+                "deepseek_v3": "deepseek_v2.py", "deepseek_v32": "deepseek_v2.py", "minimax_m2": "minimax_m2.py",
+                "qwen3_next": "qwen3_next.py"}
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:
@@ -145,7 +147,8 @@ def test_family_flags_agree_with_sglang_source(family):
     assert ("self.lm_head = self.model.embed_tokens" in init) == f.sglang_ties_lm_head, family
     if f.sglang_every_layer_sparse:  # the decoder layer declares every layer sparse, whatever the config
         layer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("DecoderLayer"))
-        facts = ast.unparse(next(n for n in layer.body if isinstance(n, ast.FunctionDef) and n.name == "stage_facts"))
+        funcs = {n.name: n for n in layer.body if isinstance(n, ast.FunctionDef)}
+        facts = ast.unparse(funcs.get("stage_facts") or funcs["__init__"])  # qwen3_next.py: set in __init__
         assert "is_layer_sparse = True" in facts and "mlp_only_layers" not in facts
         assert "decoder_sparse_step" not in open(os.path.join(SGLANG_DIR, "srt/models", SGLANG_FILES[family])).read()
 

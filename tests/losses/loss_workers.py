@@ -14,6 +14,8 @@ CASES = [
     ("gspo_token", dict(kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01, tis_cap=1.01)),
     ("grpo", dict(kl_coef=0.05, kl_estimator="k1", entropy_coef=0.01, tis_cap=1.1)),
     ("grpo", dict(aggregation="token-mean", entropy_coef=0.02)),
+    ("gspo", dict(tis_cap=1.02, tis_mode="mask")),  # half the sequences dropped; the weight from the CP-reduced sum
+    ("grpo", dict(tis_cap=1.05, tis_level="sequence", tis_mode="mask")),
 ]
 
 

@@ -7,7 +7,13 @@ scaling, a shared expert, a dense first layer) and its variant without q_lora_ra
 and rope_interleave=false, glm4_moe (q/k/v bias, QK-norm, partial rotary, the same router, shared
 expert, dense first layer) and its plain variant, qwen2 with tied embeddings, qwen3 in bfloat16,
 gpt_oss (attention sinks, sliding-window layers, YaRN with truncate=false, router bias, experts
-stacked in the checkpoint with biases and the clamped SwiGLU), qwen3_moe and qwen3 with YaRN) are
+stacked in the checkpoint with biases and the clamped SwiGLU), qwen3_moe and qwen3 with YaRN,
+minimax_m2 (q/k RMSNorm over all heads, TP-split; partial rotary; sigmoid router with a random
+correction bias; Mixtral-named experts), qwen3_next (Gated DeltaNet layers mixed with gated full
+attention, zero-centered norms, partial rotary, shared expert with a gate), qwen3_5_moe (the same with
+the split Gated DeltaNet projections and multimodal RoPE on text), deepseek_v32 (deepseek_v3
+plus the DSA lightning indexer with index_topk below the rows' lengths; padded rows of mixed lengths),
+glm_moe_dsa (the same with GLM-5's interleaved-RoPE indexer)) are
 converted to Megatron checkpoints in one layout (TP2 x DP2)
 and read back in others (TP2, PP2, EP2, TP2 x EP2 with ETP1, DP4). In each layout:
 - the scorer's log-probs (vocab-parallel, pipelined, data-parallel split) match transformers'
@@ -41,7 +47,10 @@ CASES = [("qwen3_moe", torch.float32, MOE_LAYOUTS), ("mixtral", torch.float32, M
          ("glm4_moe", torch.float32, MOE_LAYOUTS), ("glm4_moe_plain", torch.float32, [dict(tp=2)]),
          ("qwen2", torch.float32, DENSE_LAYOUTS), ("qwen3", torch.bfloat16, [dict(pp=2)]),
          ("gpt_oss", torch.float32, ETP1_LAYOUTS), ("qwen3_moe_yarn", torch.float32, [dict(tp=2), dict(ep=2)]),
-         ("qwen3_yarn", torch.float32, [dict(tp=2, pp=2)])]
+         ("qwen3_yarn", torch.float32, [dict(tp=2, pp=2)]), ("minimax_m2", torch.float32, MOE_LAYOUTS),
+         ("qwen3_next", torch.float32, MOE_LAYOUTS), ("qwen3_5_moe", torch.float32, MOE_LAYOUTS),
+         ("deepseek_v32", torch.float32, MOE_LAYOUTS),
+         ("glm_moe_dsa", torch.float32, MOE_LAYOUTS)]
 # case name -> (family, overrides of its tiny config)
 VARIANTS = {"deepseek_v3_plain": ("deepseek_v3", dict(q_lora_rank=None, rope_scaling=None, rope_interleave=False)),
             "glm4_moe_plain": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0,

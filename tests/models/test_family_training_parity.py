@@ -5,7 +5,10 @@ parameter), the same grad norm on every rank, and the scorer's log-probs equal t
 Families: the MoE ones with their own architecture pieces (deepseek_v3: MLA, sigmoid router with
 correction bias, shared expert, dense layer; glm4_moe: q/k/v bias, QK-norm, partial rotary, shared
 expert; qwen2_moe: gated shared expert; gpt_oss: attention sinks (TP-split: their gradients count once
-per rank in the norm), sliding window, YaRN, biased experts with the clamped SwiGLU, router bias).
+per rank in the norm), sliding window, YaRN, biased experts with the clamped SwiGLU, router bias;
+minimax_m2: the q/k norm over all heads, its weight TP-split and its statistic all-reduced over TP;
+deepseek_v32: deepseek_v3 + the DSA indexer (frozen: no gradient) on right-padded rows of mixed lengths;
+glm_moe_dsa: the same with GLM-5's interleaved-RoPE indexer).
 Expert loads are uneven (random tokens).
 
 Layouts on 2 gloo ranks: tp2 (ETP = TP), ep2, and tp2 x etp1 (experts replicated over the two TP
@@ -30,11 +33,13 @@ from test_uneven_expert_layouts import OVERRIDES, make_records
 from uneven_expert_workers import score_and_train_many
 
 ROWS = make_rows(seed=3, n=5)
-FAMILIES = ["gpt_oss", "deepseek_v3", "glm4_moe", "qwen2_moe"]
+FAMILIES = ["gpt_oss", "deepseek_v3", "glm4_moe", "qwen2_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"]
 TP2, EP2, TP2_ETP1 = dict(tp=2), dict(ep=2), dict(tp=2, etp=1)
 # gpt_oss: Megatron-Core allows expert biases only with expert tensor parallel size 1
 LAYOUTS = {"gpt_oss": [TP2_ETP1, EP2], "deepseek_v3": [TP2, EP2, TP2_ETP1], "glm4_moe": [TP2, EP2],
-           "qwen2_moe": [TP2, EP2, TP2_ETP1]}
+           "qwen2_moe": [TP2, EP2, TP2_ETP1], "minimax_m2": [TP2, EP2, TP2_ETP1],
+           "qwen3_next": [TP2, EP2], "qwen3_5_moe": [TP2], "deepseek_v32": [TP2, EP2, TP2_ETP1],
+           "glm_moe_dsa": [TP2, EP2]}
 PARAMS = [(k, "+".join(f"{a}{b}" for a, b in sorted(lay.items()))) for k in FAMILIES for lay in LAYOUTS[k]]
 
 

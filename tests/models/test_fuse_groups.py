@@ -80,7 +80,7 @@ def test_every_fuse_group_names_tensors_its_family_exports():
     """A declared group is made of HF patterns the family's rules produce (no typo hides a group)."""
     from gspo_megatron.models.registry import families, published_configs
 
-    configs = {f.name: [dict(f.tiny, model_type=f.name)] for f in families() if f.tiny}
+    configs = {f.name: [dict(f.tiny, model_type=f.model_types[0])] for f in families() if f.tiny}
     for cfg in published_configs().values():
         if cfg.get("model_type") in configs:
             configs[cfg["model_type"]].append(cfg)

@@ -17,6 +17,7 @@ several (key, hf_dir, layouts) jobs in one set of spawned ranks (one start-up fo
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from conversion_workers import layout_name
@@ -41,6 +42,17 @@ def _gated_halves_in_order(parts: list, dim: int) -> list:
     """TP shards of a gated (SwiGLU) fc1 each hold [gate_r; up_r]: reorder to [gate_0..; up_0..]."""
     halves = [q.chunk(2, dim=dim) for q in parts]
     return [h[0] for h in halves] + [h[1] for h in halves]
+
+
+def _gated_delta_net_parts_in_order(parts: list, config, name: str) -> list:
+    """TP shards of a Gated DeltaNet ``in_proj`` hold [q_r; k_r; v_r; z_r; beta_r; alpha_r] (``conv1d``:
+    [q_r; k_r; v_r]): reorder to [q_0..; k_0..; ...] (models/qwen3_next/rules.py)."""
+    qk = config.linear_num_key_heads * config.linear_key_head_dim // len(parts)
+    v = config.linear_num_value_heads * config.linear_value_head_dim // len(parts)
+    h = config.linear_num_value_heads // len(parts)
+    sizes = [qk, qk, v, v, h, h] if ".in_proj." in name else [qk, qk, v]
+    split = [torch.split(q, sizes, dim=0) for q in parts]
+    return [s[i] for i in range(len(sizes)) for s in split]
 
 
 def full_gradients(ddp) -> dict:
@@ -71,6 +83,8 @@ def full_gradients(ddp) -> dict:
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     out = {}
     for name, param in ddp.module.named_parameters():
+        if not param.requires_grad:  # frozen (the DSA indexer): no gradient buffer
+            continue
         grad = reduced[param].detach().double().clone()
         expert = not getattr(param, "allreduce", True) or ".mlp.experts." in name
         group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
@@ -79,6 +93,8 @@ def full_gradients(ddp) -> dict:
             dist.all_gather(parts, grad.contiguous(), group=group)
             if config.gated_linear_unit and ".linear_fc1." in name and param.partition_dim == 0:
                 parts = _gated_halves_in_order(parts, 0)
+            if re.search(r"\.self_attention\.(in_proj|conv1d)\.weight$", name):
+                parts = _gated_delta_net_parts_in_order(parts, config, name)
             grad = torch.cat(parts, dim=param.partition_dim)
         if ".local_experts." in name:
             local = config.num_moe_experts // ep

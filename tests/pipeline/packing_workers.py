@@ -100,7 +100,8 @@ def packed_vs_padded(rank: int, world: int, layouts: list[dict], hf_dir: str, bu
         entry, grads = {}, {}
         for name, b in (("padded", 0), ("packed", budget)):
             entry[name] = run_pass(ddp, _config(b, mbs), records, ps)
-            grads[name] = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+            grads[name] = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()
+                           if p.requires_grad}  # frozen ones (the DSA indexer) have no main_grad
         entry["grad_diff"] = max(float((grads["packed"][n] - grads["padded"][n]).abs().max()) for n in grads["padded"])
         entry["grad_max"] = max(float(g.abs().max()) for g in grads["padded"].values())
         entry["finite"] = all(math.isfinite(float(g.abs().sum())) for g in grads["packed"].values())

@@ -76,10 +76,12 @@ def run_loop(n: int, start: int, last: int, seed: int, sampler_state: dict | Non
     fleet = FakeFleet(sampler, rng, fail_at)
     history = WeightHistory(torch.nn.Linear(2, 2), n, start)
     producer = AsyncProducer(fleet.collect, sampler, n, start, last, history)
-    session = type("Session", (), {})()
-    session.sync, session.syncer = fleet.sync, fleet.syncer
-    overlap = Overlap(session, history, producer)
-    overlap.sync()
+    overlap = Overlap(fleet.syncer, history, producer)
+
+    def sync() -> dict:  # RolloutSession.sync with the overlap as its sync hook
+        return overlap.around_sync(fleet.sync)
+
+    sync()
     steps = []
     s = start + 1
     while s <= last:
@@ -88,14 +90,14 @@ def run_loop(n: int, start: int, last: int, seed: int, sampler_state: dict | Non
             batch = overlap.collect(s)
         except RuntimeError:  # RolloutSession: back to the consumed position, re-sync, retry the step
             producer.load_state_dict(position)
-            overlap.sync()
+            sync()
             continue
         steps.append(dict(step=s, trainer=history.current, prompts=[r.prompt_ids[0] for r in batch.records],
                           versions=[r.behaviour_version for r in batch.records], metrics=batch.metrics,
                           consumed=producer.state_dict()))
         time.sleep(rng.random() * 0.01)  # training
         history.trained()
-        steps[-1]["sync"] = overlap.sync()
+        steps[-1]["sync"] = sync()
         s += 1
     overlap.close()
     return steps, fleet, producer

@@ -19,11 +19,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cpu_server_util import CpuServer
+from gspo_megatron.rollout.colocation import Colocation
 from gspo_megatron.rollout.engine_fleet import dead_engines
 from gspo_megatron.rollout.session import RolloutSession
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
 from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 from gspo_megatron.weight_sync.cuda_ipc import serialize_bucket
+from gspo_megatron.weight_sync.probe import SyncVerifier
 
 PROMPTS = [[5, 17, 42, 9], [100, 3]]
 
@@ -101,15 +103,16 @@ def released_tags(url: str) -> set[str]:
     return set(SGLangHttpClient(url).request("GET", "cpu_server/memory")["ranks"][0]["offload_tags"])
 
 
-def session_for(server, saved, **kw) -> RolloutSession:
+def session_for(server, saved, offloader=None, verify_every: int = 1) -> RolloutSession:
     engine = SGLangRolloutEngine([SGLangHttpClient(server.url, timeout_s=120)])
 
     def no_restart(dead):
         raise AssertionError(f"engines {dead} restarted: the session generated on released memory")
 
-    return RolloutSession(PushSyncer(engine, saved), engine, sampler=None, collect=None, max_restarts=0,
+    return RolloutSession(PushSyncer(engine, saved), engine, collector=None, max_restarts=0,
                           dead_engines=lambda: dead_engines(engine), restart=no_restart,
-                          verify=(None, 1e-4, 0), probe_prompts=PROMPTS, colocated=True, verify_every=1, **kw)
+                          colocation=Colocation(engine, colocated=True, offloader=offloader),
+                          verifier=SyncVerifier(None, 1e-4, 0, probe_prompts=PROMPTS, every=verify_every))
 
 
 def _index(log, route, tags=None):
@@ -137,7 +140,7 @@ def test_server_refuses_generation_and_health_while_memory_is_released(server):
 
 def test_colocated_sync_verify_probes_with_the_kv_cache_resumed(server, saved, requests_log, scored_by_transformers):
     session = session_for(server, saved)
-    session.release_engines()
+    session.colocation.release_engines()
     metrics = session.sync()
     assert metrics["sync/verify_max_abs_diff"] <= 1e-4
     assert released_tags(server.url) == set()
@@ -146,9 +149,10 @@ def test_colocated_sync_verify_probes_with_the_kv_cache_resumed(server, saved, r
 
 def test_offload_train_probe_offloads_resumes_the_kv_cache_and_releases_it_again(
         server, saved, requests_log, scored_by_transformers):
-    session = session_for(server, saved, kv_cache_after_sync=False)
-    session.offloader = RecordingOffloader(requests_log)
-    session.release_engines()
+    offloader = RecordingOffloader(requests_log)  # (with offload_train the KV cache comes back after the offload)
+    session = session_for(server, saved, offloader=offloader)
+    assert not session.colocation.kv_cache_after_sync
+    session.colocation.release_engines()
     metrics = session.sync()
     assert metrics["sync/verify_max_abs_diff"] <= 1e-4
     order = [_index(requests_log, "resume_memory_occupation", ["weights"]),
@@ -157,25 +161,24 @@ def test_offload_train_probe_offloads_resumes_the_kv_cache_and_releases_it_again
              _index(requests_log, "release_memory_occupation", ["kv_cache"]), _index(requests_log, "reload")]
     assert order == sorted(order), requests_log
     # as the loop expects after a sync with offload_train: weights in, KV cache out, training state back
-    assert released_tags(server.url) == {"kv_cache"} and not session.offloader.offloaded
-    session.resume_kv_cache()  # the next step, after its offload
+    assert released_tags(server.url) == {"kv_cache"} and not offloader.offloaded
+    session.colocation.before_rollout()  # the next step: its offload, then the KV cache back
+    assert offloader.offloaded
     assert released_tags(server.url) == set()
 
 
 def test_version_only_syncs_and_the_probe_schedule(server, saved, requests_log, scored_by_transformers):
-    session = session_for(server, saved)
-    session.verify_every = 3
+    session = session_for(server, saved, verify_every=3)
     probed = []
     for _ in range(5):
-        session.release_engines()
+        session.colocation.release_engines()
         probed.append("sync/verify_max_abs_diff" in session.sync())
     assert probed == [True, False, False, True, False]  # the first sync, then every 3rd
     assert sum(1 for r, _ in requests_log if r == "model_info") >= 5  # the version check every sync
 
 
 def test_a_stale_engine_is_a_clear_error(server, saved, scored_by_transformers):
-    session = session_for(server, saved)
-    session.verify_every = 0  # version check only
+    session = session_for(server, saved, verify_every=0)  # version check only
     stale = session.syncer.sync
 
     def push_without_version_bump():

@@ -1,6 +1,11 @@
 """The weight-sync stream loaded by sglang 0.5.23's own model classes (issue 21: the faithful twin).
 
-For Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5 and gpt-oss (tiny random checkpoints that
+For Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5, gpt-oss, MiniMax-M2, Qwen3-Next, DeepSeek-V3.2
+and GLM-5 (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``, built on CPU with only its GPU capability
+probe answered: ``sglang_models.gpu_capability_stand_in``), Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``) and
+its vision-language checkpoint (``Qwen3_5MoeForConditionalGeneration``: the stream holds
+``model.language_model.*`` + ``lm_head``; every sglang parameter but the vision tower, which the engine
+keeps from start-up, is written) (tiny random checkpoints that
 transformers wrote): a Megatron model loaded from the checkpoint exports its weights through the
 stream the weight sync sends (``models.weights.export_hf_weights``, small buckets), and each bucket
 goes to sglang's class (``cpu_server/sglang_models.py``: one ``load_weights`` call per bucket, as
@@ -10,7 +15,10 @@ the checkpoint's tensors by sglang's layout: ``qkv_proj = cat(q, k, v)`` shards 
 replicated when tp > kv heads), ``gate_up_proj = cat(gate, up)`` shards, experts ``w13 = cat(w1, w3)``
 and ``w2`` per expert, DeepSeek's ``fused_qkv_a_proj_with_mqa = cat(q_a_proj, kv_a_proj_with_mqa)``,
 gpt-oss's stacked experts transposed (``gate_up_proj`` interleaved, sliced whole; ``down_proj_bias``
-on MoE TP rank 0 only), sinks by head.
+on MoE TP rank 0 only), sinks by head, MiniMax-M2's full-width ``q_norm`` / ``k_norm`` by head
+(``MiniMaxM2RMSNormTP``), DeepSeek-V3.2's indexer replicated (``weights_proj`` held in bfloat16, as
+sglang builds it); on CUDA sglang fuses the indexer's ``wk`` + ``weights_proj`` into one bfloat16
+``wk_weights_proj`` as each arrives: its own ``_load_fused_indexer_wk`` is fed the streamed tensors too.
 
 Negative evidence (defect 2): DeepSeek buckets cut between ``q_a_proj`` and ``kv_a_proj_with_mqa``
 (as the export sorted by name used to cut them) leave ``fused_qkv_a_proj_with_mqa`` unwritten, and the
@@ -35,7 +43,15 @@ FAMILIES = {  # tiny config overrides
     "deepseek_v3": {},
     "glm4_moe": {},
     "gpt_oss": {},
+    "minimax_m2": {},
+    "qwen3_next": {},
+    "deepseek_v32": {},
+    "glm_moe_dsa": {},
+    "qwen3_5_moe": {},
+    # the published vision-language layout: language model under model.language_model., vision tower carried
+    "qwen3_5_moe_vl": {"architectures": ["Qwen3_5MoeForConditionalGeneration"]},
 }
+FAMILY_OF = {"qwen3_5_moe_vl": "qwen3_5_moe"}  # FAMILIES keys that are variants of a family
 BUCKET_BYTES = 48 << 10  # many buckets per model: the per-bucket call granularity matters
 SPLIT_LAYER = 2  # the DeepSeek layer whose q_a / kv_a pair the negative case splits
 
@@ -56,8 +72,13 @@ def _load_into_sglang(hf_dir, tp, rank, buckets):
 
     m = SglangModel(hf_dir, tp, rank, dtype=torch.float32)
     m.poison()
+    kept = sorted(n for n in m.params() if n not in m.synced_params())  # never sent: must stay as they were
+    with torch.no_grad():
+        for n in kept:
+            m.params()[n].fill_(7.0)
     for bucket in buckets:
         m.load([(n, t.clone()) for n, t in bucket])  # sglang may write into what it is given (gpt-oss)
+    m.kept_report = dict(names=kept, changed=[n for n in kept if not bool((m.params()[n] == 7.0).all())])
     return m
 
 
@@ -74,8 +95,10 @@ def _tp1_run(rank, world, dirs: dict, negative: dict):
         buckets = [[(n, t.clone()) for n, t in b] for b in export_hf_weights(model, BUCKET_BYTES)]
         del model
         m = _load_into_sglang(hf_dir, 1, 0, buckets)
-        out[kind] = dict(buckets=buckets, unwritten=m.unwritten(),
+        out[kind] = dict(buckets=buckets, unwritten=m.unwritten(), kept=m.kept_report,
                          params={n: p.detach().clone() for n, p in m.params().items()})
+        if kind == "deepseek_v32":
+            out["dsa_cuda_fused"] = _cuda_fused_indexer(buckets, m)
     for case, (hf_dir, buckets) in negative.items():
         m = _load_into_sglang(hf_dir, 1, 0, buckets)
         try:
@@ -87,11 +110,30 @@ def _tp1_run(rank, world, dirs: dict, negative: dict):
     return out
 
 
+def _cuda_fused_indexer(buckets, m) -> dict:
+    """sglang's CUDA layout of the indexer (``dsa_indexer.py``: ``wk_weights_proj`` [head_dim + n_heads,
+    hidden] bfloat16, built only on CUDA): its loader helper ``_load_fused_indexer_wk`` fed every streamed
+    ``indexer.wk`` / ``indexer.weights_proj`` tensor, one at a time and in stream order, into NaN params.
+    Returns the fused params and whether the helper consumed every tensor."""
+    from sglang.srt.models.deepseek_common.deepseek_weight_loader import _load_fused_indexer_wk
+
+    params, consumed = {}, True
+    for bucket in buckets:
+        for name, t in bucket:
+            if ".indexer.wk." in name or ".indexer.weights_proj." in name:
+                fused = name.rsplit(".indexer.", 1)[0] + ".indexer.wk_weights_proj.weight"
+                rows = m.model.config.index_head_dim + m.model.config.index_n_heads
+                params.setdefault(fused, torch.full((rows, t.shape[1]), float("nan"), dtype=torch.bfloat16))
+                consumed &= _load_fused_indexer_wk(name, t.clone(), params, {}, None)
+    return dict(params=params, consumed=consumed)
+
+
 def _tp2_run(rank, world, jobs: dict):
     out = {}
     for kind, (hf_dir, buckets) in jobs.items():
         m = _load_into_sglang(hf_dir, world, rank, buckets)
-        out[kind] = dict(unwritten=m.unwritten(), params={n: p.detach().clone() for n, p in m.params().items()})
+        out[kind] = dict(unwritten=m.unwritten(), kept=m.kept_report,
+                         params={n: p.detach().clone() for n, p in m.params().items()})
     return out
 
 
@@ -102,7 +144,7 @@ def dirs(tmp_path_factory):
     out = {}
     for kind, overrides in FAMILIES.items():
         d = tmp_path_factory.mktemp(kind)
-        save_tiny_hf_model(kind, str(d), **overrides)
+        save_tiny_hf_model(FAMILY_OF.get(kind, kind), str(d), **overrides)
         out[kind] = str(d)
     d = tmp_path_factory.mktemp("qwen2_moe_dense_layer")
     save_tiny_hf_model("qwen2_moe", str(d), mlp_only_layers=[1])
@@ -149,6 +191,10 @@ def reference(name: str, hf: dict, cfg: dict, tp: int, rank: int) -> torch.Tenso
     def kv(t):
         return _chunk(t, 0, kvh, rank // (tp // kvh)) if tp >= kvh else col(t)
 
+    if cfg.get("model_type") in ("qwen3_next", "qwen3_5_moe_text"):
+        got = _qwen3_next_reference(name, hf, cfg, col, row, kv)
+        if got is not None:
+            return got
     base, _, leaf = name.rpartition(".")
     if base.endswith(".qkv_proj"):
         p = base[: -len("qkv_proj")]
@@ -161,12 +207,45 @@ def reference(name: str, hf: dict, cfg: dict, tp: int, rank: int) -> torch.Tenso
         return torch.cat([col(hf[f"{p}gate_proj.weight"]), col(hf[f"{p}up_proj.weight"])])
     if ".experts.w" in name:
         return _experts_reference(name, hf, cfg, tp, rank)
+    if cfg.get("model_type") == "minimax_m2" and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+        # MiniMaxM2RMSNormTP: the full-width norm's weight split with its heads (k: like k_proj)
+        return col(hf[name]) if ".q_norm." in name else kv(hf[name])
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return row(hf[name])
     if name.endswith(("q_b_proj.weight", "kv_b_proj.weight", "self_attn.sinks")) or \
             name in ("model.embed_tokens.weight", "lm_head.weight"):
         return col(hf[name])  # (tiny vocabularies are multiples of sglang's padding, 64)
     return hf[name]  # replicated: norms, routers, o_proj bias, e_score_correction_bias
+
+
+def _qwen3_next_reference(name, hf, cfg, col, row, kv):
+    """sglang's Qwen3-Next: attention parameters without ``self_attn.`` (q_proj rows [query | gate] per head,
+    sliced by heads like q); Gated DeltaNet ``in_proj_qkvz`` / ``in_proj_ba`` sliced contiguously (their
+    rows are grouped per key head), ``conv1d`` sliced per q / k / v part (mamba_v2_sharded_weight_loader)."""
+    layer, _, rest = name.partition(".layers.")
+    idx, _, leaf = rest.partition(".")
+    attn = f"model.layers.{idx}.self_attn."
+    if leaf in ("qkv_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight"):
+        if leaf == "qkv_proj.weight":
+            return torch.cat([col(hf[attn + "q_proj.weight"]), kv(hf[attn + "k_proj.weight"]),
+                              kv(hf[attn + "v_proj.weight"])])
+        return row(hf[attn + leaf]) if leaf == "o_proj.weight" else hf[attn + leaf]
+    if ".linear_attn." not in name:
+        return None
+    qk = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    p = name.rsplit(".", 2)[0] + "."
+    if name.endswith("in_proj_qkvz.weight") and p + "in_proj_qkv.weight" in hf:  # Qwen3.5: four tensors
+        q, k, v = torch.split(hf[p + "in_proj_qkv.weight"], [qk, qk, hf[p + "in_proj_qkv.weight"].shape[0] - 2 * qk])
+        return torch.cat([col(q), col(k), col(v), col(hf[p + "in_proj_z.weight"])])
+    if name.endswith("in_proj_ba.weight") and p + "in_proj_b.weight" in hf:
+        return torch.cat([col(hf[p + "in_proj_b.weight"]), col(hf[p + "in_proj_a.weight"])])
+    if name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight", "dt_bias", "A_log")):
+        return col(hf[name])
+    if name.endswith("conv1d.weight"):
+        return torch.cat([col(t) for t in torch.split(hf[name], [qk, qk, hf[name].shape[0] - 2 * qk])])
+    if name.endswith("out_proj.weight"):
+        return row(hf[name])
+    return hf[name]
 
 
 def _experts_reference(name, hf, cfg, tp, rank):
@@ -192,6 +271,15 @@ def _experts_reference(name, hf, cfg, tp, rank):
     return torch.stack([_chunk(hf[f"{block}.experts.{e}.{down}.weight"], 1, tp, rank) for e in range(num)])
 
 
+def _language_model_view(hf: dict, cfg: dict):
+    """A vision-language checkpoint (``text_config``) as the weight sync sees it: its tensors but the
+    carried vision tower (``model.visual.*``), and the text config. Returns (tensors, config, vision names)."""
+    if "text_config" not in cfg:
+        return hf, cfg, set()
+    vision = {n for n in hf if n.startswith("model.visual.")}
+    return {n: t for n, t in hf.items() if n not in vision}, dict(cfg["text_config"]), vision
+
+
 # -- tests -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -203,18 +291,34 @@ def test_sync_stream_loads_every_sglang_param_exactly(runs, dirs, kind, tp):
     with open(f"{dirs[kind]}/config.json") as f:
         cfg = json.load(f)
     streamed = {n: t for b in runs[1][0][kind]["buckets"] for n, t in b}
+    hf, cfg, vision = _language_model_view(hf, cfg)
     # the trainer's weights as streamed are the checkpoint's (so the reference is the trainer's too)
     assert streamed.keys() == hf.keys()
     assert all(torch.equal(streamed[n], hf[n]) for n in hf)
     assert len(runs[1][0][kind]["buckets"]) > 3
+    hf = {n.replace("model.language_model.", "model.", 1): t for n, t in hf.items()}  # as sglang's load_weights
     for rank, res in enumerate(runs[tp]):
         r = res[kind]
         assert r["unwritten"] == [], (kind, tp, rank, r["unwritten"])
+        # a vision tower is never sent: the engine keeps the one it loaded at start-up (all of it, only it)
+        assert r["kept"]["names"] == sorted(n for n in r["params"] if vision and n.startswith("visual.")), kind
+        assert bool(vision) == bool(r["kept"]["names"]) and r["kept"]["changed"] == [], (kind, r["kept"])
         assert r["params"], kind
         for name, got in r["params"].items():
+            if name.startswith("visual."):
+                continue
             want = reference(name, hf, cfg, tp, rank).to(got.dtype)
             assert got.shape == want.shape, (kind, tp, rank, name, got.shape, want.shape)
             assert torch.equal(got, want), (kind, tp, rank, name)
+
+
+def test_deepseek_v32_indexer_loads_into_sglangs_cuda_fused_layout(runs, dirs):
+    r, hf = runs[1][0]["dsa_cuda_fused"], _hf_tensors(dirs["deepseek_v32"])
+    assert r["consumed"] and len(r["params"]) == sum(1 for n in hf if n.endswith("indexer.wk.weight"))
+    for fused, got in r["params"].items():
+        p = fused.removesuffix("wk_weights_proj.weight")
+        want = torch.cat([hf[f"{p}wk.weight"], hf[f"{p}weights_proj.weight"]]).to(torch.bfloat16)
+        assert torch.equal(got, want), fused
 
 
 def test_deepseek_split_pair_leaves_fused_qkv_a_unwritten_and_the_check_names_it(runs):

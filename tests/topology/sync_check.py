@@ -1,5 +1,6 @@
-"""Test instrumentation for the multi-node runs (loaded by the trainer through GSPO_AFTER_SYNC_HOOK):
-after every sync, every engine TP rank's weights, read from the CPU server's processes by its
+"""Test instrumentation for the multi-node runs, and their launcher: torchrun runs this file, which
+runs gspo-train (``train.main``) with :func:`check` as the session's ``after_sync`` argument. After
+every sync, every engine TP rank's weights, read from the CPU server's processes by its
 test-only route, must equal the trainer's HF export of that shard exactly. Rank 0 appends one line
 per sync to ``$GSPO_SYNC_CHECK_FILE``.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -50,3 +52,9 @@ def check(syncer) -> None:
         result["engines"].append({"url": url, "tp": tp, "checked": checked})
     with open(os.environ["GSPO_SYNC_CHECK_FILE"], "a") as f:
         f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    from gspo_megatron.train import main
+
+    sys.exit(main(sys.argv[1:], after_sync=check))

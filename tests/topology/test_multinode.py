@@ -31,6 +31,7 @@ import pytest
 from gspo_megatron.runtime.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SYNC_CHECK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sync_check.py")  # the ranks' launcher
 
 
 def _marked(marker: str) -> list[psutil.Process]:
@@ -62,7 +63,7 @@ def run_two_nodes(tmp_path, config: str, overrides: list[str], timeout_s: float 
     out = tmp_path / "run"
     checks = tmp_path / "sync_checks.jsonl"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               GSPO_AFTER_SYNC_HOOK="topology.sync_check:check", GSPO_SYNC_CHECK_FILE=str(checks),
+               GSPO_SYNC_CHECK_FILE=str(checks),
                GSPO_TEST_MARKER=marker, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.path.join(ROOT, "tests") + os.pathsep + env["PYTHONPATH"]
     port = free_port()
@@ -73,7 +74,7 @@ def run_two_nodes(tmp_path, config: str, overrides: list[str], timeout_s: float 
         logs.append(log)
         cmd = [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
                "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "gspo_megatron.train", "--config", os.path.join(ROOT, config),
+               SYNC_CHECK, "--config", os.path.join(ROOT, config),  # gspo-train, check after each sync
                f"output_dir={out}", *overrides]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                       start_new_session=True))

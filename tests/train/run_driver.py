@@ -7,7 +7,7 @@ MODE:
 - ``observe``: record every model ``factory.build_model`` returns; when the rollout session is
   created (every weight loaded, nothing trained yet) snapshot them; at the end report whether the
   reference model (the second model built) moved, whether it started equal to the policy, and
-  whether the policy moved.
+  whether the policy moved; also the names of the policy's parameters that moved.
 - ``nan_loss_from=N``: from the N-th call of ``train_on_batch`` on, every micro-batch's loss is NaN
   (so the gradient norm is non-finite and the update is skipped), as a diverging run would be.
 - ``engine_raises_at=N``: the N-th ``HFRolloutEngine.generate`` call raises, the engine staying
@@ -17,6 +17,9 @@ MODE:
   first tensor of the sync's first bucket was loaded (a transport failing mid-sync), the engine staying healthy.
 - ``engine_corrupts_from=K``: from the K-th weight sync on, the engine loads one MLP weight as zeros
   (an engine that does not hold the trainer's weights; only ``rollout.sync_verify`` can tell).
+- ``session_composed``: snapshot the ``RolloutSession``'s instance attributes when its constructor
+  returns, and at the end report every attribute added, removed or (a callable) replaced since, and
+  every instance attribute that shadows a class attribute (a method replaced on the instance).
 
 The report (JSON) is written even when the run raises: {"exit": code or the exception's text, ...}.
 Only wrappers are installed; every code path of the run is the product's.
@@ -61,6 +64,9 @@ def _observe(report: dict) -> callable:
 
         now = [{n: p.detach() for n, p in m.named_parameters()} for m in models]
         report.update(models_built=len(models))
+        if models and snaps:  # the policy's parameters that moved (LoRA: only the adapters)
+            report.update(policy_changed=sorted(n for n in snaps[0] if not torch.equal(now[0][n], snaps[0][n])),
+                          policy_params=len(snaps[0]))
         if len(models) >= 2 and len(snaps) >= 2:
             report.update(ref_unchanged=same(now[1], snaps[1]), ref_started_as_policy=same(snaps[0], snaps[1]),
                           policy_moved=not same(now[0], snaps[0]))
@@ -158,6 +164,31 @@ def _engine_corrupts_from(k: int, report: dict) -> callable:
     return lambda: report.update(syncs=calls["syncs"], corrupted=calls["corrupted"])
 
 
+def _session_composed(report: dict) -> callable:
+    from gspo_megatron.rollout import session as session_mod
+
+    seen: list = []
+
+    class ComposedSession(session_mod.RolloutSession):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            seen.append((self, dict(vars(self))))
+
+    session_mod.RolloutSession = ComposedSession
+
+    def finish():
+        report.update(sessions=len(seen), added=[], removed=[], replaced=[], shadows=[])
+        for session, at_init in seen:
+            now = vars(session)
+            report["added"] += sorted(set(now) - set(at_init))
+            report["removed"] += sorted(set(at_init) - set(now))
+            report["replaced"] += sorted(k for k in set(now) & set(at_init)
+                                         if (callable(now[k]) or callable(at_init[k])) and now[k] is not at_init[k])
+            report["shadows"] += sorted(k for k in now if hasattr(session_mod.RolloutSession, k))
+            report["callables"] = sorted(k for k in now if callable(now[k]))
+    return finish
+
+
 def main() -> int:
     mode, report_path, sep, *argv = sys.argv[1:]
     assert sep == "--", "usage: run_driver.py MODE REPORT.json -- [gspo-train arguments]"
@@ -166,7 +197,8 @@ def main() -> int:
     finish = {"observe": lambda: _observe(report), "nan_loss_from": lambda: _nan_loss_from(int(value), report),
               "engine_raises_at": lambda: _engine_raises_at(int(value), report),
               "sync_raises_at": lambda: _sync_raises_at(int(value), report),
-              "engine_corrupts_from": lambda: _engine_corrupts_from(int(value), report)}[name]()
+              "engine_corrupts_from": lambda: _engine_corrupts_from(int(value), report),
+              "session_composed": lambda: _session_composed(report)}[name]()
     from gspo_megatron.train import main as train_main
 
     try:

@@ -17,7 +17,8 @@ top-2), an explicit YaRN ``attention_factor`` or ``truncate=false``, ``attention
 Transformer Engine's MLA spec keeps the down projections replicated (TELinear "duplicated"), which
 this mapping does not express yet: refused on GPU. On the local spec Megatron-Core 0.16.1's core
 attention lacks MLA's ``k_channels`` / ``v_channels`` arguments: ``local_attention.py`` adds them. The multi-token-prediction layers of the published
-checkpoints (``num_nextn_predict_layers``) are not part of transformers' model: not loaded.
+checkpoints (``num_nextn_predict_layers``) are not part of transformers' model: not loaded, not trained,
+carried unchanged through conversion and export (``models/carried.py``).
 """
 
 from __future__ import annotations

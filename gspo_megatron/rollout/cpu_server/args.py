@@ -8,11 +8,14 @@ sglang's own parser does. GPU-only flags are accepted and recorded (``--base-gpu
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+#: the default of --router-logit-perturbation (a test sets it for the servers a training run launches)
+PERTURBATION_ENV = "GSPO_CPU_SERVER_ROUTER_PERTURBATION"
 
 
 @dataclass
@@ -37,6 +40,10 @@ class ServerArgs:
     load_format: str
     log_level: str
     sglang_loader_check: str = "auto"
+    enable_return_routed_experts: bool = False
+    enable_return_indexer_topk: bool = False
+    router_logit_perturbation: float = 0.0
+    custom_weight_loader: list[str] | None = None
 
     @property
     def tp_per_node(self) -> int:
@@ -75,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights (they come by a weight update)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="requests with return_routed_experts get meta_info['routed_experts'] (sglang's base64 int32 "
+                        "[tokens, layers, topk] over [routed_experts_start_len, seqlen - 1))")
+    p.add_argument("--enable-return-indexer-topk", action="store_true",
+                   help="DSA models: requests with return_indexer_topk get meta_info['indexer_topk'] (sglang's base64 "
+                        "int32 [seqlen - 1, layers, index_topk] of key positions, -1 where fewer keys exist)")
+    p.add_argument("--router-logit-perturbation", type=float,
+                   default=float(os.environ.get(PERTURBATION_ENV) or 0.0),
+                   help="not sglang's (CPU server only): choose the MoE experts from the router logits plus SCALE * "
+                        "(h @ P_layer), a fixed random [H, E] matrix per layer, so the engine routes unlike the trainer "
+                        f"(cpu_server/routes.py); default: ${PERTURBATION_ENV} or 0 (how a training run's tests set it)")
+    p.add_argument("--custom-weight-loader", nargs="*", default=None,
+                   help="dotted names of weight loaders update_weights_from_tensor may name as its load_format "
+                        "(sglang's flag; e.g. gspo_megatron.weight_sync.delta_loader.apply_deltas)")
     p.add_argument("--sglang-loader-check", default="auto", choices=("auto", "on", "off"),
                    help="not sglang's (CPU server only): each TP rank also holds sglang's own model class, loads "
                         "every bucket with its load_weights and fails a weight update that leaves a parameter "

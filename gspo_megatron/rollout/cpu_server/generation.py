@@ -16,7 +16,14 @@ SGLang rules mirrored (``sampling/sampling_params.py``, ``sampling/sampling_batc
   request has none); otherwise the server's own generator draws, seeded by ``--random-seed`` once at
   start (sglang's ``set_random_seed`` in ``managers/tp_worker.py``): memory release / resume and
   weight updates do not reseed it, so each step draws a new stream;
-- generation stops at ``stop_token_ids`` and at the model's EOS ids unless ``ignore_eos``.
+- generation stops at ``stop_token_ids`` and at the model's EOS ids unless ``ignore_eos``;
+- routed experts (``--enable-return-routed-experts``, request ``return_routed_experts`` /
+  ``routed_experts_start_len``): the router ids of this forward (``cpu_server/routes.py``) over
+  ``[routed_experts_start_len, seqlen - 1)``, int32 [tokens, num_hidden_layers, topk] (``rollout/routing.py``);
+  a start outside ``[0, prompt_tokens]`` is refused with sglang's message;
+- indexer top-k of DSA models (``--enable-return-indexer-topk``, request ``return_indexer_topk``): the
+  indexer selection of this forward (``cpu_server/routes.IndexerRecorder``) over ``[0, seqlen - 1)``,
+  int32 [tokens, num_hidden_layers, index_topk] of key positions, -1 where fewer keys exist.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ class Request:
     max_new_tokens: int
     stop_ids: frozenset[int]
     seed: int | None  # only with deterministic inference
+    routed_start: int | None = None  # return_routed_experts: routed_experts_start_len; None: not asked
+    indexer: bool = False  # return_indexer_topk (DSA, server --enable-return-indexer-topk): asked
 
 
 def normalize(input_ids: Sequence[int], sp: dict[str, Any], eos_ids: Sequence[int], deterministic: bool) -> Request:
@@ -117,8 +126,11 @@ def _generation_eos(model_path: str):
 class Sampler:
     """Rank 0's generation: groups requests with equal params and runs HFRolloutEngine batches."""
 
-    def __init__(self, engine: HFRolloutEngine, generator: torch.Generator):
+    def __init__(self, engine: HFRolloutEngine, generator: torch.Generator, recorder: Any = None,
+                 indexer_recorder: Any = None):
         self.engine = engine
+        self.recorder = recorder  # cpu_server.routes.RouteRecorder on engine.model, or None
+        self.indexer_recorder = indexer_recorder  # cpu_server.routes.IndexerRecorder (DSA), or None
         # the server's generator (seeded once at start by --random-seed, kept through release /
         # resume and weight updates, as sglang's sampling RNG is): never reseeded here
         self.generator = generator
@@ -146,9 +158,14 @@ class Sampler:
             prompts = [list(requests[i].input_ids) for i in idx]
             for start in range(0, len(prompts), self.engine.max_batch_size):
                 chunk = prompts[start:start + self.engine.max_batch_size]
-                samples = self.engine._generate_batch(chunk, params, gen)
+                samples = self.engine._generate_batch(chunk, params, gen, self.recorder, self.indexer_recorder)
                 for i, s in zip(idx[start:start + len(chunk)], samples):
                     finish = ({"type": "stop", "matched": s.response_ids[-1]} if s.finish_reason == "stop"
                               else {"type": "length", "length": r.max_new_tokens})
                     results[i] = {"output_ids": s.response_ids, "logprobs": s.response_logprobs, "finish": finish}
+                    start_len = requests[i].routed_start
+                    if start_len is not None and s.routed_experts is not None:
+                        results[i]["routed_experts"] = s.routed_experts[min(start_len, len(s.routed_experts)):]
+                    if requests[i].indexer and s.indexer_topk is not None:  # sglang: always [0, seqlen - 1)
+                        results[i]["indexer_topk"] = s.indexer_topk
         return results  # type: ignore[return-value]

@@ -25,6 +25,7 @@ import torch
 
 from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.rollout.cpu_server.args import ServerArgs
+from gspo_megatron.rollout.routing import INDEXER_META_KEY, INDEXER_REQUEST_FLAG, encode_routed_experts
 from gspo_megatron.rollout.sglang_compat import SGLANG_VERSION_TESTED
 
 HEALTH_CHECK_TIMEOUT = 20.0  # sglang HEALTH_CHECK_TIMEOUT
@@ -128,9 +129,17 @@ class Front:
         # the worker runs a whole batch as one command and weight updates are commands too, so every
         # token of a request comes from the version read here (sglang records a change mid-request
         # as a new span; a CPU request never lives through one)
-        result, version = self.command("generate", requests=[{"input_ids": x, "sampling_params": sp or {}}
-                                                             for x, sp in zip(batch, sps)],
-                                       _with_version=True)
+        rre = body.get("return_routed_experts", False)
+        rres = list(rre) if isinstance(rre, list) else [rre] * len(batch)
+        rstart = body.get("routed_experts_start_len", 0)
+        rstarts = list(rstart) if isinstance(rstart, list) else [rstart] * len(batch)
+        rit = body.get(INDEXER_REQUEST_FLAG, False)
+        rits = list(rit) if isinstance(rit, list) else [rit] * len(batch)
+        result, version = self.command("generate", requests=[
+            {"input_ids": x, "sampling_params": sp or {}, "return_routed_experts": bool(re_),
+             "routed_experts_start_len": int(rs or 0), INDEXER_REQUEST_FLAG: bool(ri)}
+            for x, sp, re_, rs, ri in zip(batch, sps, rres, rstarts, rits)],
+            _with_version=True)
         if not result["success"]:
             return 400, {"error": {"message": result["message"]}}
         rid = body.get("rid")
@@ -145,6 +154,10 @@ class Front:
                 meta["input_token_logprobs"] = []
                 meta["output_token_logprobs"] = [[float(v), int(t), None]
                                                  for v, t in zip(r["logprobs"], r["output_ids"])]
+            if r.get("routed_experts") is not None:  # sglang: base64 of the int32 bytes
+                meta["routed_experts"] = encode_routed_experts(r["routed_experts"])
+            if r.get(INDEXER_META_KEY) is not None:  # the same encoding (sglang's detokenizer)
+                meta[INDEXER_META_KEY] = encode_routed_experts(r[INDEXER_META_KEY])
             outs.append({"text": "", "output_ids": list(r["output_ids"]), "meta_info": meta})
         return 200, (outs[0] if single else outs)
 

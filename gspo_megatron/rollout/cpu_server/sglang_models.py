@@ -19,6 +19,17 @@ Pieces and the sglang source each follows:
   server args with the rank's ``SpawnRanks``) and ``srt/model_executor/model_runner.py``
   ``init_torch_distributed`` (``init_distributed_environment`` + ``initialize_model_parallel``),
   on gloo over this process's existing torch.distributed world (the engine's TP ranks).
+- :func:`gpu_capability_stand_in`: the one GPU probe a DSA model (DeepSeek-V3.2, GLM-5) meets while
+  sglang resolves its server args. On the CPU platform (neither NPU nor XPU) sglang takes the CUDA/ROCm
+  branch and calls ``torch.cuda.get_device_capability()`` (``srt/arg_groups/model_hook.py`` line 341,
+  ``handle_model_specific_adjustments``: the result unused; ``srt/arg_groups/overrides.py`` line 512,
+  ``_dsa_kv_cache_dtype_default``: kv_cache_dtype bfloat16 below SM100; line 631,
+  ``_dsa_split_backend_resolution``: the DSA attention kernels), which raises without CUDA. Answered
+  (9, 0), the SM90 of the H100/H200 engines, only while no CUDA device exists. Those choices concern
+  the KV cache and kernels, not a parameter: names, shapes and fusing come from the platform
+  (``srt/layers/attention/dsa/dsa_indexer.py`` line 310: ``wk`` + ``weights_proj`` fused into
+  ``wk_weights_proj`` only on CUDA; the CPU build keeps sglang's own CPU layout, both loaded from the
+  checkpoint names ``indexer.wk`` / ``indexer.weights_proj``).
 - :class:`SglangModel`: ``srt/model_loader/loader.py`` ``DefaultModelLoader.load_model`` (the
   class built under ``set_default_torch_dtype(model_config.dtype)`` on the target device, here
   ``cpu``) and ``_initialize_model`` (``resolve_shared_experts_config`` + the class constructor),
@@ -34,6 +45,7 @@ Pieces and the sglang source each follows:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.util
@@ -53,6 +65,10 @@ MODULES = {
     "DeepseekV3ForCausalLM": "deepseek_v2", "DeepseekV2ForCausalLM": "deepseek_v2",
     "Glm4MoeForCausalLM": "glm4_moe", "GptOssForCausalLM": "gpt_oss",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "DeepseekV32ForCausalLM": "deepseek_v2", "GlmMoeDsaForCausalLM": "glm4_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_text", "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
 }
 
 
@@ -115,6 +131,33 @@ def install_import_stubs() -> None:
     missing = [m for m in STUBBED if m not in sys.modules and importlib.util.find_spec(m) is None]
     if missing:
         sys.meta_path.insert(0, _StubFinder(missing))
+    if "sgl_kernel" in missing and not isinstance(torch.ops.sgl_kernel, _KernelOps):
+        torch.ops.sgl_kernel = _KernelOps(torch.ops.sgl_kernel)
+
+
+# ``torch.ops.sgl_kernel`` ops that sglang's modules bind at import on the CPU platform (``srt/models/qwen3_5.py``
+# lines 283-298, imported by ``qwen3_5_text.py``): without sgl_kernel the lookup raises, the import fails and
+# sglang's registry (which skips modules that fail to import) reports "Qwen3_5MoeForCausalLM has no SGlang
+# implementation". Bound to a stand-in that raises when called (the twin never runs a forward).
+IMPORT_BOUND_KERNELS = ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu",
+                        "fused_qkvzba_split_reshape_cat_contiguous_cpu")
+
+
+class _KernelOps:
+    """``torch.ops.sgl_kernel`` without sgl_kernel: the real (empty) op namespace, except that the
+    :data:`IMPORT_BOUND_KERNELS` resolve (``hasattr`` of any other op stays False: sglang probes
+    ``convert_weight_packed`` / ``fused_qk_norm_cpu`` that way to choose its CPU paths)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        if name in IMPORT_BOUND_KERNELS:
+            def missing(*args, **kwargs):
+                raise RuntimeError(f"torch.ops.sgl_kernel.{name} is not available: sgl_kernel is not installed")
+
+            return missing
+        return getattr(self._real, name)
 
 
 def import_error() -> str | None:
@@ -138,11 +181,52 @@ def server_args(model_path: str, tp_size: int, ep_size: int = 1, dtype: str = "a
     install_import_stubs()
     from sglang.srt.server_args import ServerArgs
 
+    extra = {}
+    if _architecture(model_path) in LINEAR_ATTENTION_HYBRIDS:
+        # sglang's "auto" picks the extra_buffer Mamba-state cache, which only GPU platforms support
+        # (arg_groups/mamba_hook.py validate_mamba_extra_buffer); no_buffer needs no overlap schedule
+        extra.update(mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True)
     return ServerArgs(model_path=model_path, device="cpu", tp_size=tp_size, ep_size=ep_size, dtype=dtype,
-                      load_format="dummy", skip_tokenizer_init=True)
+                      load_format="dummy", skip_tokenizer_init=True, **extra)
+
+
+# architecture -> prefixes of sglang parameters the weight sync never sends (carried tensors of the checkpoint,
+# ``models/carried.py``: a vision tower the engine keeps from start-up): neither poisoned nor checked
+KEPT_FROM_START = {"Qwen3_5MoeForConditionalGeneration": ("visual.",)}
+
+# architectures with Gated DeltaNet layers, whose sglang classes keep a Mamba-style state cache
+LINEAR_ATTENTION_HYBRIDS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+
+
+def _architecture(model_path: str) -> str | None:
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return (json.load(f).get("architectures") or [None])[0]
+    except (OSError, ValueError):
+        return None
 
 
 _PARALLEL: tuple | None = None  # (tp_size, ep_size) of the groups built in this process
+
+
+GPU_CAPABILITY = (9, 0)  # H100 / H200 (SM90): what gpu_capability_stand_in answers on a machine without CUDA
+
+
+@contextlib.contextmanager
+def gpu_capability_stand_in():
+    """While active and only without a CUDA device: ``torch.cuda.get_device_capability()`` returns
+    :data:`GPU_CAPABILITY` instead of raising (module docstring: sglang's DSA server-args resolution)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    real = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: GPU_CAPABILITY
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = real
 
 
 def init_parallel(args, tp_rank: int) -> None:
@@ -154,7 +238,8 @@ def init_parallel(args, tp_rank: int) -> None:
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, publish
 
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
+    with gpu_capability_stand_in():
+        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
     if _PARALLEL is not None:
         if _PARALLEL != (args.tp_size, args.ep_size):
             raise RuntimeError(f"sglang's parallel groups were built for tp/ep {_PARALLEL} in this process, "
@@ -207,6 +292,14 @@ class SglangModel:
         init_parallel(self.args, tp_rank)
         self.model_config = ModelConfig.from_server_args(self.args)
         load_config = LoadConfig(load_format="dummy")
+        from sglang.srt.configs.update_config import adjust_tp_num_heads_if_necessary
+
+        # the ``linear_num_{key,value}_heads_cpu`` head counts that the Gated DeltaNet classes read on the CPU
+        # platform (set by model_runner.py's ``adjust_config_with_unaligned_cpu_tp`` on CPU, whose other
+        # CPU-only paddings of heads and intermediate sizes a GPU engine does not make: not applied)
+        for hf_cfg in (self.model_config.hf_config, getattr(self.model_config.hf_config, "text_config", None)):
+            if hf_cfg is not None:
+                adjust_tp_num_heads_if_necessary(hf_cfg, tp_size, True)
         quant_config = _get_quantization_config(self.model_config, load_config)
         cls = model_class(self.model_config)
         # loader.py DefaultModelLoader.load_model + _initialize_model, device "cpu"
@@ -217,6 +310,12 @@ class SglangModel:
             self.model.shared_experts_config = shared
         self.model.eval()
         self.released = False
+        arch = (getattr(self.model_config.hf_config, "architectures", None) or [None])[0]
+        self.kept = KEPT_FROM_START.get(arch, ())  # parameter prefixes the sync never writes
+
+    def synced_params(self) -> dict[str, torch.Tensor]:
+        """The parameters a full weight sync writes (all but the :attr:`kept` prefixes)."""
+        return {n: p for n, p in self.model.named_parameters() if not (self.kept and n.startswith(self.kept))}
 
     def params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
@@ -232,15 +331,15 @@ class SglangModel:
 
     @torch.no_grad()
     def poison(self) -> None:
-        """Fill every floating-point parameter with NaN (before a full sync)."""
-        for p in self.model.parameters():
+        """Fill every floating-point parameter a sync writes (:meth:`synced_params`) with NaN (before a full sync)."""
+        for p in self.synced_params().values():
             if p.is_floating_point():
                 p.data.fill_(float("nan"))
 
     @torch.no_grad()
     def unwritten(self) -> list[str]:
         """Parameters with a NaN left since :meth:`poison` (not, or not completely, written)."""
-        return [n for n, p in self.model.named_parameters() if p.is_floating_point() and torch.isnan(p).any()]
+        return [n for n, p in self.synced_params().items() if p.is_floating_point() and torch.isnan(p).any()]
 
     def check_written(self) -> None:
         """Raise (one line naming them) when a parameter was not written since :meth:`poison`."""

@@ -10,7 +10,10 @@ Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` a
 ``model_executor/model_runner_components/weight_updater.py``):
 - ``update_tensor``: refused outside a begin/end session; TP rank i deserializes
   ``serialized_named_tensors[i]`` (sglang's serializer, CPU tensors by file_system shared memory)
-  and loads it (``flattened_bucket`` or a plain list); barrier.
+  and loads it (``flattened_bucket`` or a plain list; a load_format named by ``--custom-weight-loader``
+  is imported by name and called as ``loader(model, named_tensors)`` with :class:`LoaderModel`, whose
+  ``load_weights`` is the store + sglang's model; any other load_format raises sglang's
+  ``NotImplementedError("Unknown load_format=...")``); barrier.
 - ``init_group`` / ``destroy_group``: join / leave a custom process group at rank
   ``rank_offset + tp_rank`` (sglang's ``init_custom_process_group``).
 - ``update_distributed``: refused outside a session; receive each tensor (or one flattened bucket)
@@ -30,6 +33,7 @@ Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` a
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import time
@@ -43,6 +47,7 @@ import torch.distributed as dist
 from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.rollout.cpu_server.args import ServerArgs
 from gspo_megatron.rollout.cpu_server.generation import Sampler, eos_token_ids, normalize
+from gspo_megatron.rollout.cpu_server.routes import IndexerRecorder, RouteRecorder
 from gspo_megatron.rollout.cpu_server.sharding import Layout, assemble, owner_ranks
 from gspo_megatron.rollout.cpu_server.weights import ShardStore, iter_checkpoint, load_config, resolve_dtype
 from gspo_megatron.rollout.hf_engine import HFRolloutEngine
@@ -89,6 +94,7 @@ class TPWorker:
         # managers/tp_worker.py and scheduler.py); release / resume and weight updates never reseed it
         self.generator = torch.Generator(device="cpu").manual_seed(args.random_seed)
         self.eos_ids = eos_token_ids(args.model_path, self.config)
+        self.loader_model = LoaderModel(self)  # what a custom weight loader is handed as ``model``
 
     def _sglang_model(self):
         """sglang's own model class for this rank (``--sglang-loader-check``; the caller loads the
@@ -118,7 +124,11 @@ class TPWorker:
         if self.tp_rank == 0:
             if self.sampler is None:
                 engine = HFRolloutEngine(self.config, None, dtype=self.dtype, seed=self.args.random_seed)
-                self.sampler = Sampler(engine, self.generator)
+                recorder = None
+                if self.args.enable_return_routed_experts or self.args.router_logit_perturbation:
+                    recorder = RouteRecorder(engine.model, self.args.router_logit_perturbation)
+                indexer = IndexerRecorder(engine.model) if self.args.enable_return_indexer_topk else None
+                self.sampler = Sampler(engine, self.generator, recorder, indexer)
             bucket = []
             for name, shape in self.store.full_shapes.items():
                 parts = [gathered[r][name] for r in owner_ranks(name, self.layout)]
@@ -147,6 +157,10 @@ class TPWorker:
         try:
             reqs = [normalize(r["input_ids"], r["sampling_params"], self.eos_ids,
                               self.args.enable_deterministic_inference) for r in requests]
+            reqs = [dataclasses.replace(q, routed_start=_routed_start(r)) if self.args.enable_return_routed_experts
+                    else q for q, r in zip(reqs, requests)]
+            if self.args.enable_return_indexer_topk:
+                reqs = [dataclasses.replace(q, indexer=bool(r.get("return_indexer_topk"))) for q, r in zip(reqs, requests)]
         except ValueError as e:
             return {"success": False, "message": str(e), "bad_request": True}
         return {"success": True, "outputs": self.sampler.run(reqs)}
@@ -205,9 +219,16 @@ class TPWorker:
                                                  metadata=obj["metadata"]).reconstruct_tensors()
             elif load_format is None:
                 named = list(obj)
+            elif load_format in (self.args.custom_weight_loader or []):
+                # sglang: ``dynamic_import(load_format)(model, named_tensors)`` for a name in its
+                # --custom-weight-loader list (weight_updater.py update_weights_from_tensor); the
+                # loader ends in load_weights, which here is the store and sglang's model (_load)
+                named = None
+                custom_loader(load_format)(self.loader_model, list(obj))
             else:
                 raise NotImplementedError(f"Unknown load_format={load_format}")
-            self._load(named)
+            if named is not None:
+                self._load(named)
             del obj, named
             result = {"success": True, "message": "Success"}
         except Exception as e:  # sglang's scheduler would raise; answer instead (see docs)
@@ -319,6 +340,49 @@ class TPWorker:
 
     def op_shutdown(self) -> dict:
         return {"success": True}
+
+
+class LoaderModel:
+    """The ``model`` argument of a custom weight loader (``--custom-weight-loader``): sglang hands
+    its model object, whose ``load_weights`` a loader calls; here ``load_weights`` is this rank's
+    store-then-sglang-model load (``TPWorker._load``). One object per worker, kept for its lifetime
+    (a loader may keep state on it, as on sglang's model; a restarted server starts without it)."""
+
+    def __init__(self, worker: TPWorker):
+        self._worker = worker
+
+    def load_weights(self, weights) -> None:
+        self._worker._load(weights)
+
+
+def custom_loader(name: str):
+    """sglang's ``dynamic_import(load_format)`` (``srt/utils/common.py``: module path + attribute)."""
+    try:
+        from sglang.srt.utils import dynamic_import
+    except ImportError:  # the CPU server without sglang: the same two lines
+        import importlib
+
+        def dynamic_import(path: str):
+            module, _, attr = path.rpartition(".")
+            if not module:
+                raise ValueError("func_path should contain both module name and func name (such as 'module.func')")
+            return getattr(importlib.import_module(module), attr)
+    return dynamic_import(name)
+
+
+def _routed_start(request: dict) -> int | None:
+    """sglang's scheduler check of ``routed_experts_start_len`` (None: routes not asked for)."""
+    if not request.get("return_routed_experts"):
+        return None
+    start = int(request.get("routed_experts_start_len") or 0)
+    if start < 0:
+        raise ValueError(f"recv_req.routed_experts_start_len={start} is lower than 0. "
+                         "Please use a non-negative routed_experts_start_len.")
+    if start > len(request["input_ids"]):
+        raise ValueError(f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+                         f"len(req.origin_input_ids)={len(request['input_ids'])}. Please use a smaller "
+                         "routed_experts_start_len.")
+    return start
 
 
 def released_refusal(tags: list[str]) -> str:

@@ -1,0 +1,53 @@
+"""The token chunking and per-chunk softmax backward shared by the two log-prob paths
+(:mod:`gspo_megatron.losses.vocab_parallel` from logits, :mod:`gspo_megatron.losses.fused_logprobs`
+from hidden states); the planner reads :data:`DEFAULT_CHUNK_BYTES` for the fused head's memory.
+
+Shapes: N tokens, c tokens of one chunk, V/tp this rank's vocab shard (columns).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 budget of one [chunk, V/tp] temporary
+
+
+def chunk_tokens(chunk_size: int | None, vocab_local: int) -> int:
+    """Tokens per chunk: ``chunk_size``, or (None) as many as keep one fp32 [c, V/tp] temporary
+    within DEFAULT_CHUNK_BYTES: c = max(1, DEFAULT_CHUNK_BYTES // (4 * V/tp))."""
+    if chunk_size is None:
+        return max(1, DEFAULT_CHUNK_BYTES // (4 * max(vocab_local, 1)))
+    return chunk_size
+
+
+def local_targets(targets: Tensor, vocab_start: int, vocab_local: int) -> tuple[Tensor, Tensor]:
+    """targets [N] global ids -> (column of the target in this shard [N], clamped to a valid column;
+    whether it is in this shard [N] bool)."""
+    local = targets - vocab_start
+    in_shard = (local >= 0) & (local < vocab_local)
+    return torch.where(in_shard, local, torch.zeros_like(local)), in_shard
+
+
+def softmax_chunk_grad(logp: Tensor, entropy: Tensor | None, grad_logprobs: Tensor | None,
+                       grad_entropy: Tensor | None, col: Tensor, in_shard: Tensor) -> Tensor:
+    """Gradient with respect to the scaled logits z = logits / T of one chunk, from its log-softmax.
+
+    Args (all for the chunk's c tokens): logp [c, V/tp] = log p_v (overwritten: the result reuses
+    its memory); entropy [c] H; grad_logprobs [c] (None: no log-prob gradient; 0 for ignored
+    targets); grad_entropy [c] (None: no entropy gradient); col, in_shard [c] from :func:`local_targets`.
+    Returns g [c, V/tp] = grad_logprobs * (1[v = y] - p_v) + grad_entropy * (-p_v (log p_v + H));
+    the caller multiplies by dz/dlogits = 1/T. At least one of the two gradients is given.
+    """
+    p = torch.exp(logp)
+    if grad_entropy is not None:  # dH/dz = -p (log p + H)
+        g = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
+        if grad_logprobs is not None:
+            g.sub_(p.mul_(grad_logprobs[:, None]))
+    else:
+        g = p.mul_(-grad_logprobs[:, None])
+    del p
+    if grad_logprobs is not None:
+        g_y = torch.where(in_shard, grad_logprobs, torch.zeros_like(grad_logprobs))
+        g.scatter_add_(1, col[:, None], g_y[:, None])
+    return g

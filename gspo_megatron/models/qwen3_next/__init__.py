@@ -1,0 +1,198 @@
+"""Qwen3-Next (Qwen/Qwen3-Next-80B-A3B; HF ``model_type`` qwen3_next, transformers' own
+``Qwen3NextForCausalLM``): a hybrid of Gated DeltaNet linear attention (``linear_attn``) and gated
+full attention (``self_attn``), chosen per layer by ``layer_types`` (transformers 5.x) or
+``full_attention_interval`` (every N-th layer full; the published config.json), with
+
+- gated full attention: ``q_proj`` gives per head a query and an output gate,
+  ``o = o_proj(attn(q, k, v) * sigmoid(gate))`` (Megatron's ``attention_output_gate``), per-head q/k
+  RMSNorm, partial rotary (``partial_rotary_factor``: rotate-half on the first quarter of each head:
+  Megatron's ``rotary_percent``);
+- Gated DeltaNet layers (``hybrid_spec.PackedGatedDeltaNet``, kernels in ``kernels.py``);
+- zero-centered RMSNorms ``x / rms(x) * (1 + w)`` everywhere except the Gated DeltaNet output norm;
+- routed experts (softmax top-k, renormalized) and a shared expert scaled by ``sigmoid(x @ g^T)``
+  (Megatron's ``SharedExpertMLP`` with ``moe_shared_expert_gate``), as Qwen2-MoE.
+
+The multi-token-prediction weights of the published checkpoint (``mtp.*``) are not part of
+transformers' model: not loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gspo_megatron.models import hf_config
+from gspo_megatron.models.dims import ModelDims
+from gspo_megatron.models.family import GQAFamily
+from gspo_megatron.models.mapping import ColumnParallel, MappingRegistry, Replicated, RowParallel, Rule
+from gspo_megatron.models.qwen3_next.rules import GatedFusedQKV, GDNConv, GDNDims, GDNInProj
+from gspo_megatron.models.registry import register_family
+from gspo_megatron.models.rules import (
+    ExpertNaming,
+    H,
+    L,
+    attention_dims,
+    dense_mlp_rules,
+    embedding_rules,
+    pre_mlp_norm_rules,
+    routed_expert_rules,
+    shared_expert_rules,
+)
+
+# Published config.json of Qwen/Qwen3-Next-80B-A3B-Instruct (transformers 4.57 spelling). Checked against
+# transformers 5.23's Qwen3NextConfig defaults (its docstring checkpoint): equal but intermediate_size (5120 here,
+# 5632 there: unused, every layer is MoE), max_position_embeddings and rope_theta (context settings the class
+# defaults do not carry); those three were not checked against the hub file.
+QWEN3_NEXT_80B = {
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "full_attention_interval": 4,
+    "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [], "model_type": "qwen3_next",
+    "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512,
+    "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2, "output_router_logits": False,
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000,
+    "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def linear_attention_pattern(hf: dict) -> list[int]:
+    """1 for each Gated DeltaNet layer, 0 for each full-attention layer: ``layer_types`` when present,
+    else every ``full_attention_interval``-th layer (default 4) is full attention."""
+    n = hf_config.get_int(hf, "num_hidden_layers")
+    types = hf.get("layer_types")
+    if types:
+        if len(types) != n or any(t not in LAYER_TYPES for t in types):
+            raise ValueError(f"config.json layer_types must list {n} entries of {'/'.join(LAYER_TYPES)}, "
+                             f"got {types!r}")
+        return [int(t == "linear_attention") for t in types]
+    every = int(hf.get("full_attention_interval") or 4)
+    return [int((i + 1) % every != 0) for i in range(n)]
+
+
+def gdn_dims(hf: dict) -> GDNDims:
+    g = hf_config.get_int
+    return GDNDims(key_heads=g(hf, "linear_num_key_heads"), value_heads=g(hf, "linear_num_value_heads"),
+                   key_dim=g(hf, "linear_key_head_dim"), value_dim=g(hf, "linear_value_head_dim"))
+
+
+def hybrid_attention_rules(hf: dict, packed_in_proj: bool, in_proj: tuple[str, ...], linear: str = "linear_attn",
+                           conv_bias: bool = False) -> list[Rule]:
+    """Both token mixers of a hybrid layer (a layer holds one or the other; a rule whose Megatron name
+    the layer lacks never resolves): gated full attention and Gated DeltaNet (``rules.py``)."""
+    dims, gdn = attention_dims(hf), gdn_dims(hf)
+    a, la = f"{L}.self_attention", f"{H}.{linear}"
+    rules: list[Rule] = [
+        Replicated(f"{L}.input_layernorm.weight", f"{H}.input_layernorm.weight"),
+        Replicated(f"{a}.linear_qkv.layer_norm_weight", f"{H}.input_layernorm.weight"),
+        GatedFusedQKV(f"{a}.linear_qkv.weight", [f"{H}.self_attn.{p}_proj.weight" for p in "qkv"], dims),
+        RowParallel(f"{a}.linear_proj.weight", f"{H}.self_attn.o_proj.weight", "tp"),
+        Replicated(f"{a}.q_layernorm.weight", f"{H}.self_attn.q_norm.weight"),
+        Replicated(f"{a}.k_layernorm.weight", f"{H}.self_attn.k_norm.weight"),
+        Replicated(f"{a}.in_proj.layer_norm_weight", f"{H}.input_layernorm.weight"),
+        GDNInProj(f"{a}.in_proj.weight", [f"{la}.{p}.weight" for p in in_proj], gdn, packed=packed_in_proj),
+        GDNConv(f"{a}.conv1d.weight", f"{la}.conv1d.weight", gdn),
+        ColumnParallel(f"{a}.dt_bias", f"{la}.dt_bias", "tp"),
+        ColumnParallel(f"{a}.A_log", f"{la}.A_log", "tp"),
+        Replicated(f"{a}.out_norm.weight", f"{la}.norm.weight"),
+        RowParallel(f"{a}.out_proj.weight", f"{la}.out_proj.weight", "tp"),
+    ]
+    if conv_bias:
+        rules.append(GDNConv(f"{a}.conv1d.bias", f"{la}.conv1d.bias", gdn))
+    return rules
+
+
+@register_family
+class Qwen3Next(GQAFamily):
+    name = "qwen3_next"
+    architectures = ("Qwen3NextForCausalLM",)
+    expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
+    shared_expert_block = "mlp.shared_expert"
+    shared_expert_gate = "mlp.shared_expert_gate.weight"
+    qk_norm = True
+    fp8_modules = GQAFamily.fp8_modules + ("in_proj_qkvz", "out_proj")
+    fp8_excluded = GQAFamily.fp8_excluded + ("shared_expert_gate", "in_proj_ba", "conv1d")
+    sglang_every_layer_sparse = True  # sglang's Qwen3NextSparseMoeBlock in every layer (is_layer_sparse = True)
+    in_proj_names: tuple[str, ...] = ("in_proj_qkvz", "in_proj_ba")
+    tiny = dict(
+        architectures=["Qwen3NextForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=48,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.25,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        full_attention_interval=2,  # what sglang reads (it ignores layer_types); transformers keeps both
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2)
+    published = {"qwen3-next-80b-a3b": QWEN3_NEXT_80B}
+
+    # -- checks -----------------------------------------------------------------------------------
+    def check(self, hf: dict) -> None:
+        super().check(hf)
+        if hf_config.rope_type(hf) != "default":
+            raise ValueError(f"config.json rope type {hf_config.rope_type(hf)!r} with partial rotary is not supported "
+                             f"for {self.name} (default RoPE only)")
+        linear_attention_pattern(hf)
+        g = gdn_dims(hf)
+        if g.value_heads % g.key_heads:
+            raise ValueError(f"config.json linear_num_value_heads ({g.value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({g.key_heads})")
+
+    def tp_divisible(self, hf: dict) -> list[tuple[str, int]]:
+        g = gdn_dims(hf)
+        return [("linear_num_key_heads", g.key_heads), ("linear_num_value_heads", g.value_heads)]
+
+    def sglang_errors(self, hf: dict) -> list[str]:
+        """sglang 0.5.23 (``configs/qwen3_next.py`` ``layers_block_type``) places the full-attention layers by
+        ``full_attention_interval`` alone (default 4) and ignores ``layer_types``."""
+        e = super().sglang_errors(hf)
+        every = int(hf.get("full_attention_interval") or 4)
+        want = [int((i + 1) % every != 0) for i in range(hf_config.get_int(hf, "num_hidden_layers"))]
+        if linear_attention_pattern(hf) != want:
+            e.append(f"config.json layer_types={hf.get('layer_types')!r} is not supported with rollout.engine=sglang "
+                     f"for {self.name}: sglang's {self.architectures[0]} places full attention at every "
+                     f"full_attention_interval-th layer ({every}); use that pattern, or rollout.engine=hf")
+        return e
+
+    def randomize_tiny(self, model) -> None:
+        import torch
+
+        for name, p in model.named_parameters():
+            if name.endswith(("dt_bias", "A_log")):
+                p.copy_(torch.randn_like(p) * 0.5)
+
+    # -- Megatron config --------------------------------------------------------------------------
+    def config_fields(self, hf: dict) -> dict:
+        fields = super().config_fields(hf)
+        g = gdn_dims(hf)
+        fields.update(
+            attention_output_gate=True, qk_layernorm=True, layernorm_zero_centered_gamma=True,
+            linear_attention_freq=linear_attention_pattern(hf),
+            linear_conv_kernel_dim=hf_config.get_int(hf, "linear_conv_kernel_dim"),
+            linear_key_head_dim=g.key_dim, linear_value_head_dim=g.value_dim,
+            linear_num_key_heads=g.key_heads, linear_num_value_heads=g.value_heads)
+        return fields
+
+    def adapt_layer_spec(self, block_spec, te: bool) -> None:
+        from gspo_megatron.models.qwen3_next.hybrid_spec import use_hybrid_layers
+
+        use_hybrid_layers(block_spec, te)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def mapping(self, hf: dict) -> MappingRegistry:
+        rules = embedding_rules(hf) + hybrid_attention_rules(hf, len(self.in_proj_names) == 2, self.in_proj_names)
+        rules += pre_mlp_norm_rules() + dense_mlp_rules() + routed_expert_rules(self.expert_naming)
+        rules += shared_expert_rules(self.shared_expert_block, self.shared_expert_gate)
+        return MappingRegistry(rules)
+
+    # -- planner ----------------------------------------------------------------------------------
+    def dims(self, hf: dict) -> ModelDims:
+        g = gdn_dims(hf)
+        pattern = linear_attention_pattern(hf)
+        return replace(super().dims(hf), attention_output_gate=True,
+                       linear_layers=tuple(i for i, x in enumerate(pattern) if x),
+                       linear_key_heads=g.key_heads, linear_value_heads=g.value_heads,
+                       linear_key_dim=g.key_dim, linear_value_dim=g.value_dim,
+                       linear_conv_kernel=hf_config.get_int(hf, "linear_conv_kernel_dim"))

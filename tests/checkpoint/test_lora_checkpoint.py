@@ -1,0 +1,37 @@
+"""LoRA checkpoints on 2 gloo ranks (tp2; see lora_checkpoint_workers.lora_resume_job): only the
+adapters train and have optimizer state, the base stays bitwise; a resumed run continues bitwise
+(adapters and their Adam moments restored); the checkpoint reads into ep2 and exports to HF merged
+(``W + (alpha/r) B A``) with the same tensors as the trainer's export stream."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed_harness import run_ranks
+from lora_checkpoint_workers import lora_resume_job
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("ckpt")
+    save_tiny_hf_model("qwen3_moe", str(root / "hf"), seed=2, num_hidden_layers=2)
+    return run_ranks(lora_resume_job, 2, str(root / "hf"), str(root / "run"), dict(tp=2), dict(ep=2))
+
+
+def test_only_adapters_train(job):
+    for r in job:
+        assert r["base_unchanged"]
+        assert 0 < r["optimizer_params"] <= r["adapter_params"]
+
+
+def test_resume_continues_bitwise(job):
+    assert all(r["resumed"] == (1, {"data_position": 3}) for r in job)
+    assert all(r["adapters_equal"] for r in job)
+    assert job[0]["weights_equal"] and job[0]["merged_moved"]
+
+
+def test_other_layout_and_merged_export(job):
+    assert job[0]["other_layout_equal"]
+    assert job[0]["export_equal"]

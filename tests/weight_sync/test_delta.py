@@ -1,0 +1,161 @@
+"""Delta sync's codec (weight_sync/delta.py) and the engine-side loader (weight_sync/delta_loader.py)
+without a server: round trips, the smaller-encoding choice, bit patterns (-0.0 / +0.0, NaN payloads)."""
+
+import math
+
+import pytest
+import torch
+
+from gspo_megatron.weight_sync import delta
+from gspo_megatron.weight_sync.delta import (
+    EPOCH,
+    IDX,
+    MASK,
+    VAL,
+    DeltaEncoder,
+    changed_mask,
+    choose_encoding,
+    decode_entries,
+    encoded_sizes,
+    pack_bits,
+    unpack_bits,
+)
+from gspo_megatron.weight_sync.delta_loader import COPY_ATTR, apply_deltas
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(delta.bit_view(a), delta.bit_view(b))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
+def test_pack_bits_round_trip(n):
+    g = torch.Generator().manual_seed(n)
+    mask = torch.rand(n, generator=g) < 0.3
+    packed = pack_bits(mask)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8)
+    assert torch.equal(unpack_bits(packed, n), mask)
+    one = torch.zeros(n, dtype=torch.bool)
+    one[n - 1] = True  # element i is bit i % 8 of byte i // 8
+    assert pack_bits(one)[(n - 1) // 8] == 1 << ((n - 1) % 8)
+
+
+def test_bit_patterns_count_signed_zero_and_nan_payloads():
+    old = torch.tensor([0.0, 1.0, float("nan"), 2.0], dtype=torch.bfloat16)
+    new = old.clone()
+    new[0] = -0.0  # == 0.0 numerically, different bits
+    raw = new.view(torch.int16)
+    raw[2] = raw[2] | 1  # another NaN payload
+    assert torch.equal(changed_mask(new, old), torch.tensor([True, False, True, False]))
+    assert not changed_mask(old, old.clone()).any()  # NaN == NaN by bits
+
+
+def test_choose_encoding_picks_the_smallest():
+    # bf16, n = 1000: index k*6, bitmask 125 + k*2, full 2000
+    assert choose_encoding(1000, 0, 2) == "index"
+    assert choose_encoding(1000, 10, 2) == "index"        # 60 < 145
+    assert choose_encoding(1000, 100, 2) == "bitmask"     # 600 > 325
+    assert choose_encoding(1000, 937, 2) == "bitmask"     # 1999 < 2000
+    assert encoded_sizes(1000, 938, 2)["bitmask"] == 2001
+    assert choose_encoding(1000, 938, 2) == "full"        # not smaller
+    assert choose_encoding(1000, 1000, 2) == "full"
+    assert choose_encoding(0, 0, 2) == "full"             # nothing is smaller than an empty tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_encoder_decoder_round_trip_over_many_syncs(dtype):
+    g = torch.Generator().manual_seed(0)
+    shapes = {"a.weight": (64, 48), "b.weight": (1000,), "c.bias": (3,), "d.empty": (0,)}
+    state = {n: torch.randn(s, generator=g).to(dtype) for n, s in shapes.items()}
+    enc, engine_copy = DeltaEncoder(), {}
+    kinds = set()
+    for step in range(8):
+        if step:
+            for n, t in state.items():  # a few changes of varied density, signed zeros included
+                flat = t.view(-1)
+                if flat.numel() == 0:
+                    continue
+                frac = (0.0, 0.001, 0.02, 0.3, 1.0)[step % 5]
+                hit = torch.rand(flat.numel(), generator=g) < frac
+                flat[hit] = flat[hit] + torch.randn(int(hit.sum()), generator=g).to(dtype) * 1e-2
+                if step == 3:
+                    flat[0] = -flat[0] if flat[0] == 0 else flat[0]
+                    flat[-1] = 0.0 if step % 2 else -0.0
+        entries = enc.encode_bucket(sorted(state.items()))
+        assert entries[0][0] == EPOCH
+        kinds |= {n.split("/")[1] for n, _ in entries if n.startswith(IDX) or n.startswith(MASK)}
+        full = dict(decode_entries(entries, engine_copy))
+        assert sorted(full) == sorted(state)  # every tensor, changed or not
+        for n, t in state.items():
+            assert bits_equal(full[n], t), (step, n)
+            assert bits_equal(enc.copy[n], t)
+    assert kinds == {"idx", "mask"}
+
+
+def test_unchanged_tensor_costs_nothing_and_a_changed_one_only_its_elements():
+    t = torch.randn(1000).to(torch.bfloat16)
+    enc = DeltaEncoder()
+    first = enc.encode_bucket([("w", t)])
+    assert [n for n, _ in first] == [EPOCH, "w"] and enc.stats.wire_bytes == 2000
+    enc.begin()
+    same = enc.encode_bucket([("w", t.clone())])
+    assert [n for n, _ in same] == [EPOCH, IDX + "w", VAL + "w"]
+    assert enc.stats.wire_bytes == 0 and enc.stats.changed == 0
+    t2 = t.clone()
+    t2[[5, 500]] += 1
+    enc.begin()
+    out = dict(enc.encode_bucket([("w", t2)]))
+    assert out[IDX + "w"].tolist() == [5, 500] and out[IDX + "w"].dtype == torch.int32
+    assert enc.stats.wire_bytes == 2 * (4 + 2) and enc.stats.metrics()["sync/delta_fraction"] == 2 / 1000
+
+
+def test_decoder_refuses_a_delta_without_its_base():
+    t = torch.randn(100)
+    enc = DeltaEncoder()
+    engine_copy = {}
+    decode_entries(enc.encode_bucket([("w", t)]), engine_copy)
+    t[3] += 1
+    entries = enc.encode_bucket([("w", t)])
+    with pytest.raises(ValueError, match="holds no copy"):
+        decode_entries(entries, {})  # a restarted engine
+    other = DeltaEncoder()  # another trainer process (resume): another epoch
+    other.copy["w"] = engine_copy["w"][1].clone()
+    with pytest.raises(ValueError, match="epoch"):
+        decode_entries(other.encode_bucket([("w", t)]), dict(engine_copy))
+    enc.reset()  # after a reset everything goes full under a new epoch
+    again = enc.encode_bucket([("w", t)])
+    assert [n for n, _ in again] == [EPOCH, "w"]
+    assert bits_equal(dict(decode_entries(again, {}))["w"], t)
+
+
+def test_shape_change_goes_full():
+    enc = DeltaEncoder()
+    enc.encode_bucket([("w", torch.zeros(4))])
+    assert [n for n, _ in enc.encode_bucket([("w", torch.zeros(5))])] == [EPOCH, "w"]
+
+
+class _Model(torch.nn.Module):
+    """Stands in for sglang's model: load_weights records what it was given and scribbles on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.loaded = {}
+
+    def load_weights(self, weights):
+        for n, t in weights:
+            self.loaded[n] = t.clone()
+            t.zero_()  # a loader may write into its input: the host copy must not change
+
+
+def test_apply_deltas_is_the_custom_loader_signature_and_keeps_its_copy():
+    model = _Model()
+    g = torch.Generator().manual_seed(1)
+    state = {"x": torch.randn(50, generator=g).to(torch.bfloat16), "y": torch.randn(7, generator=g)}
+    enc = DeltaEncoder()
+    for step in range(4):
+        if step:
+            state["x"][step] += 1
+        apply_deltas(model, enc.encode_bucket(sorted(state.items())))
+        for n, t in state.items():
+            assert bits_equal(model.loaded[n], t)
+            assert bits_equal(getattr(model, COPY_ATTR)[n][1], t)
+    assert COPY_ATTR not in dict(model.named_parameters()) and COPY_ATTR not in dict(model.named_buffers())
