@@ -217,7 +217,7 @@ def _trainer_body(rank, mode, engines, engine_tp, cmd_queues, reply_queues, hf_d
     specs = [EngineSpec(index=e, tp=engine_tp,
                         train_ranks=tuple(range(e * engine_tp, (e + 1) * engine_tp)) if mode == "colocated" else ())
              for e in range(engines)]
-    cfg = SimpleNamespace(rollout=SimpleNamespace(sync_mode=mode, sync_fp8=False))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(sync_mode=mode, sync_fp8=False, sync_delta=False))
     topology = build_sync_topology(cfg, fleet=_Fleet(specs, clients, [engine_tp] * engines))
     syncer = WeightSyncer(model, topology, bucket_mb=args.bucket_mb)
     items = syncer.plan[0]

@@ -19,13 +19,13 @@ def score_with_and_without_selection(rank: int, world: int, hf_dir: str, ckpt: s
     model, _ = convert.load_model(ckpt)
     select, masked = dsa.LightningIndexer.select, []
 
-    def counting(self, x, qr):
-        keep = select(self, x, qr)
+    def counting(self, x, qr, *args, **kwargs):
+        keep = select(self, x, qr, *args, **kwargs)
         n = keep.shape[0]
         masked.append(int(torch.ones(n, n, dtype=torch.bool).tril().sum() - keep.sum()))
         return keep
 
-    def dense(self, x, qr):
+    def dense(self, x, qr, *args, **kwargs):
         n = x.shape[0]
         return torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
 
