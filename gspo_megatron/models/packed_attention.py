@@ -20,6 +20,23 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
+def packed_cu_seqlens(packed_seq_params) -> torch.Tensor:
+    """The sequence boundaries [n + 1] of a THD packed row (the padded ones when the packer set them);
+    ValueError for any other qkv_format."""
+    if packed_seq_params.qkv_format != "thd":
+        raise ValueError(f"packed sequences need qkv_format='thd', got {packed_seq_params.qkv_format!r}")
+    cu = packed_seq_params.cu_seqlens_q_padded
+    return packed_seq_params.cu_seqlens_q if cu is None else cu
+
+
+def packed_bounds(packed_seq_params, tokens: int) -> list[int]:
+    """:func:`packed_cu_seqlens` as a list, checked to span exactly the row's ``tokens``."""
+    cu = packed_cu_seqlens(packed_seq_params).tolist()
+    if cu[0] != 0 or cu[-1] != tokens:
+        raise ValueError(f"cu_seqlens span {cu[0]}..{cu[-1]} but the packed row has {tokens} tokens")
+    return cu
+
+
 class PackedAttentionMixin:
     """Adds THD ``packed_seq_params`` to a local ``DotProductAttention`` class (module docstring)."""
 
@@ -29,12 +46,7 @@ class PackedAttentionMixin:
         if packed_seq_params is None:
             return base.forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                 attention_bias=attention_bias)
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"packed sequences need qkv_format='thd', got {packed_seq_params.qkv_format!r}")
-        cu = packed_seq_params.cu_seqlens_q_padded
-        cu = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
-        if cu[0] != 0 or cu[-1] != query.shape[0]:
-            raise ValueError(f"cu_seqlens span {cu[0]}..{cu[-1]} but the packed row has {query.shape[0]} tokens")
+        cu = packed_bounds(packed_seq_params, query.shape[0])
         outs = [base.forward(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
                              attn_mask_type=attn_mask_type, attention_bias=attention_bias)
                 for a, b in zip(cu[:-1], cu[1:]) if b > a]

@@ -49,7 +49,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from gspo_megatron.models.deepseek_v3.local_attention import MLALocalDotProductAttention
-from gspo_megatron.models.packed_attention import PackedAttentionMixin
+from gspo_megatron.models.packed_attention import PackedAttentionMixin, packed_bounds
 
 # largest fp32 [queries, heads, keys] score block the indexer materializes at once (elements): queries
 # are taken in chunks below it (each query's row is computed alone: chunking changes no value's maths)
@@ -226,12 +226,7 @@ class DSALocalAttention(PackedAttentionMixin, MLALocalDotProductAttention):
                                                       counts)
             return dense(self, query, key, value, ~keep.unsqueeze(1), attn_mask_type=attn_mask_type,
                          attention_bias=attention_bias)
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"packed sequences need qkv_format='thd', got {packed_seq_params.qkv_format!r}")
-        cu = packed_seq_params.cu_seqlens_q_padded
-        cu = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
-        if cu[0] != 0 or cu[-1] != query.shape[0]:
-            raise ValueError(f"cu_seqlens span {cu[0]}..{cu[-1]} but the packed row has {query.shape[0]} tokens")
+        cu = packed_bounds(packed_seq_params, query.shape[0])
         x, qr = x.reshape(x.shape[0], -1), qr.reshape(qr.shape[0], -1)  # [t, hidden], [t, q_lora_rank]
         if replay is not None and tuple(replay.shape[:2]) != (1, query.shape[0]):
             raise ValueError(f"indexer replay: selection {tuple(replay.shape)} for a packed row of {query.shape[0]} tokens")

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gspo_megatron.models.packed_attention import packed_cu_seqlens
 from gspo_megatron.models.qwen3_next.kernels import causal_conv1d, chunk_gated_delta_rule, l2norm
 
 
@@ -109,10 +110,7 @@ def _gated_delta_net_class():
             seq_len *= self.sp_size
             cu = None
             if packed_seq_params is not None:
-                if packed_seq_params.qkv_format != "thd":
-                    raise ValueError(f"packed sequences need qkv_format='thd', got {packed_seq_params.qkv_format!r}")
-                cu = packed_seq_params.cu_seqlens_q_padded
-                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+                cu = packed_cu_seqlens(packed_seq_params)
             tp = self.tp_size
             qkvzba, _ = self.in_proj(hidden_states)
             qkvzba = qkvzba.transpose(0, 1)  # [b, s, in_proj / tp]
