@@ -4,6 +4,7 @@ torchrun / srun / scontrol executables (argument passing, node placement, signal
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import stat
@@ -145,32 +146,42 @@ def test_sbatch_output_file_needs_no_directory():
 
 # GPU recipes and the training nodes they are planned for (their header); one more node runs SGLang
 RECIPES = {"qwen3_30b_a3b_gspo": 2, "qwen3_30b_a3b_grpo": 2, "mixtral_8x7b_gspo": 2, "qwen3_235b_a22b_gspo": 8,
-           "glm45_355b_gspo": 16, "deepseek_v3_671b_gspo": 32}
+           "glm45_355b_gspo": 16, "deepseek_v3_671b_gspo": 32, "minimax_m2_gspo": 8, "qwen3_5_35b_a3b_gspo": 1,
+           "deepseek_v32_gspo": 32, "glm5_gspo": 32, "qwen3_30b_a3b_gspo_lora": 1}
+
+
+def _recipe_header(recipe: str) -> tuple[int, int, bool]:
+    """(nodes, GPU memory in GB, FP8 sync) as the recipe's own planner line and config state them."""
+    text = (ROOT / "configs" / f"{recipe}.yaml").read_text()
+    plan = re.search(r"tools/plan\.py .*--nodes (\d+) .*--gpu-memory-gb (\d+)", text)
+    assert plan, f"{recipe}: no planner line in the header"
+    return int(plan.group(1)), int(plan.group(2)), re.search(r"^\s+sync_fp8: true", text, re.M) is not None
 
 
 def test_every_gpu_recipe_is_covered():
     shipped = {p.stem for p in (ROOT / "configs").glob("*.yaml")
                if "engine: sglang" in p.read_text() and "engine_server: cpu" not in p.read_text()}
     assert shipped == set(RECIPES)
+    assert {r: _recipe_header(r)[0] for r in RECIPES} == RECIPES  # the table agrees with the headers
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_sbatch_disaggregated_recipe_passes_the_config_checks(tmp_path, recipe):
     """ROLLOUT_MODE=disaggregated with a shipped (colocated) recipe: the overrides the script adds
     (engine URLs, router, sync_mode, offload_train, engine_tp, num_engines) make a config the trainer
-    accepts on the training nodes; DeepSeek-V3's recipe syncs FP8, which attached engines cannot load,
+    accepts on the training nodes; a recipe that syncs FP8 (DeepSeek-V3, V3.2, GLM-5), which attached engines cannot load,
     and is refused in one line naming the fields."""
-    train_nodes = RECIPES[recipe]
+    train_nodes, memory_gb, sync_fp8 = _recipe_header(recipe)
     nodes = [f"n{i}" for i in range(1, train_nodes + 2)]
     env = _fake_slurm(tmp_path, nodes, run_training=True)
     env.update(ROLLOUT_MODE="disaggregated", SGLANG_NODES="1", SGLANG_TP="8", MODEL_PATH="/m",
-               SLURM_GPUS_PER_NODE="h100:8", GPU_MEMORY_GB="141" if recipe.startswith("deepseek") else "80")
+               SLURM_GPUS_PER_NODE="h100:8", GPU_MEMORY_GB=str(memory_gb))
     res = subprocess.run(["bash", str(SCRIPTS[2]), str(ROOT / "configs" / f"{recipe}.yaml")], env=env,
                          capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
     train = next(line for line in (tmp_path / "srun.log").read_text().splitlines() if "torchrun.sh" in line)
     assert f"NNODES={train_nodes}" in train and f"rollout.engine_urls=[http://n{train_nodes + 1}:30000]" in train
-    if recipe.startswith("deepseek"):
+    if sync_fp8:
         errors = [line for line in out.splitlines() if "error" in line.lower()]
         assert res.returncode == 2 and len(errors) == 1, out[-3000:]
         assert "rollout.sync_fp8=true is not supported with rollout.engine_urls" in errors[0]
