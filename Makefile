@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine (Python 3.11+):
 #   make demo   - create .venv if missing, install, run the CPU GSPO demo
 #   make test   - create .venv if missing, install, run the CPU test suite
-#   make lint   - ruff check (CI runs it before the tests)
+#   make lint   - ruff check, ruff format --check, then mypy on the package (CI runs it before the tests)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -24,14 +24,17 @@ demo: $(STAMP)
 # first, see tests/conftest.py). Many tests wait on subprocesses and servers, so 2 workers keep 2
 # cores busy; TEST_JOBS=0 runs it in this process.
 TEST_JOBS ?= 2
-XDIST = -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+XDIST = -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --durations=25
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q $(XDIST) tests $(ARGS)
 
-# ruff: pyflakes, pycodestyle, import order (rules in pyproject.toml; also a pre-commit hook)
+# ruff: pyflakes, pycodestyle, import order (rules in pyproject.toml; also a pre-commit hook);
+# mypy: the type checker on gspo_megatron/ (its settings: [tool.mypy] in pyproject.toml)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gspo_megatron tests tools bench
+	$(VENV)/bin/ruff format --check gspo_megatron tests tools bench
+	$(VENV)/bin/mypy
 
 # Everything, slow tests included.
 test-all: $(STAMP)

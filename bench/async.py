@@ -34,13 +34,28 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
 def run(out: str, staleness: int, a) -> list[dict]:
-    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", os.path.join(REPO, "configs/demo_cpu.yaml"),
-           f"output_dir={out}", f"train.steps={a.steps}", f"rollout.prompts_per_step={a.prompts}",
-           f"rollout.group_size={a.group}", f"rollout.max_new_tokens={a.new_tokens}", "gspo.mini_batches=2",
-           f"parallel.micro_batch_size={a.prompts * a.group // 2}", "logging.progress=false",
-           "logging.tensorboard=false", "checkpoint.interval=0", "rollout.engine=sglang",
-           "rollout.engine_server=cpu", "rollout.sync_mode=disaggregated", "rollout.num_engines=1",
-           f"rollout.max_staleness={staleness}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_megatron.train",
+        "--config",
+        os.path.join(REPO, "configs/demo_cpu.yaml"),
+        f"output_dir={out}",
+        f"train.steps={a.steps}",
+        f"rollout.prompts_per_step={a.prompts}",
+        f"rollout.group_size={a.group}",
+        f"rollout.max_new_tokens={a.new_tokens}",
+        "gspo.mini_batches=2",
+        f"parallel.micro_batch_size={a.prompts * a.group // 2}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.interval=0",
+        "rollout.engine=sglang",
+        "rollout.engine_server=cpu",
+        "rollout.sync_mode=disaggregated",
+        "rollout.num_engines=1",
+        f"rollout.max_staleness={staleness}",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=REPO)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -59,10 +74,15 @@ def summarize(rows: list[dict], warmup: int) -> dict:
         staleness = max(r["rollout/staleness_max"] for r in rows)
     else:
         trainer_wait, engine_wait, staleness = gen, None, 0
-    return {"steps": len(rows), "steps_per_min": 60.0 * len(rows) / step, "trainer_wait_share": trainer_wait / step,
-            "engine_idle_share": max(0.0, 1.0 - gen / step),
-            "engine_weight_wait_share": None if engine_wait is None else engine_wait / step,
-            "staleness_max": staleness, "reward_mean": sum(r["reward/mean"] for r in rows) / len(rows)}
+    return {
+        "steps": len(rows),
+        "steps_per_min": 60.0 * len(rows) / step,
+        "trainer_wait_share": trainer_wait / step,
+        "engine_idle_share": max(0.0, 1.0 - gen / step),
+        "engine_weight_wait_share": None if engine_wait is None else engine_wait / step,
+        "staleness_max": staleness,
+        "reward_mean": sum(r["reward/mean"] for r in rows) / len(rows),
+    }
 
 
 def main() -> int:
@@ -81,14 +101,18 @@ def main() -> int:
             print(f"max_staleness={n}: {json.dumps(results[n])}", flush=True)
     base = results.get(0)
     print(f"\nsteps {a.warmup + 1}..{a.steps}, {a.prompts} prompts x {a.group} samples, {a.new_tokens} new tokens")
-    print("| mode | steps/min | vs sync | trainer waits | engines idle | (of which waiting for weights) | max staleness |")
+    print(
+        "| mode | steps/min | vs sync | trainer waits | engines idle | (of which waiting for weights) | max staleness |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n, r in results.items():
         ratio = f"{r['steps_per_min'] / base['steps_per_min']:.2f}x" if base else "-"
         ww = "-" if r["engine_weight_wait_share"] is None else f"{100 * r['engine_weight_wait_share']:.0f}%"
         name = "synchronous" if n == 0 else f"max_staleness={n}"
-        print(f"| {name} | {r['steps_per_min']:.1f} | {ratio} | {100 * r['trainer_wait_share']:.0f}% | "
-              f"{100 * r['engine_idle_share']:.0f}% | {ww} | {r['staleness_max']:.0f} |")
+        print(
+            f"| {name} | {r['steps_per_min']:.1f} | {ratio} | {100 * r['trainer_wait_share']:.0f}% | "
+            f"{100 * r['engine_idle_share']:.0f}% | {ww} | {r['staleness_max']:.0f} |"
+        )
     return 0
 
 

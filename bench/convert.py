@@ -58,7 +58,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from gspo_megatron import convert
-    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
 
     hf = load_hf_config(args.hf)
@@ -85,15 +85,21 @@ def worker(args) -> None:
     finally:
         destroy_distributed()
     if rank0:
-        print("BENCH " + json.dumps(dict(times, layout=dict(tp=tp, pp=pp, ep=ep),
-                                         ckpt_dir=ckpt, hf_out_dir=out)), flush=True)
+        print(
+            "BENCH " + json.dumps(dict(times, layout=dict(tp=tp, pp=pp, ep=ep), ckpt_dir=ckpt, hf_out_dir=out)),
+            flush=True,
+        )
 
 
 def _run_worker(hf: str, out: str, nproc: int, repeats: int) -> dict:
     args = [os.path.abspath(__file__), "--worker", "--hf", hf, "--out", out, "--repeats", str(repeats)]
     if nproc > 1:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-               f"--nproc-per-node={nproc}", *args]
+        cmd = [
+            os.path.join(os.path.dirname(sys.executable), "torchrun"),
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *args,
+        ]
     else:
         cmd = [sys.executable, *args]
     env = dict(os.environ, TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
@@ -101,7 +107,7 @@ def _run_worker(hf: str, out: str, nproc: int, repeats: int) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"worker ({nproc} ranks) failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("BENCH "):])
+    return json.loads(lines[-1][len("BENCH ") :])
 
 
 def main() -> None:
@@ -129,13 +135,26 @@ def main() -> None:
     work = args.workdir or tempfile.mkdtemp(prefix="bench_convert_")
     hf_dir = os.path.join(work, "hf")
     h = args.hidden
-    save_tiny_hf_model("qwen3_moe", hf_dir, seed=0, vocab_size=args.vocab, hidden_size=h,
-                       intermediate_size=2 * h, moe_intermediate_size=h, num_hidden_layers=args.layers,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=h // 8,
-                       num_experts=args.experts, num_experts_per_tok=2)
+    save_tiny_hf_model(
+        "qwen3_moe",
+        hf_dir,
+        seed=0,
+        vocab_size=args.vocab,
+        hidden_size=h,
+        intermediate_size=2 * h,
+        moe_intermediate_size=h,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=h // 8,
+        num_experts=args.experts,
+        num_experts_per_tok=2,
+    )
     mb = _dir_bytes(hf_dir, ".safetensors") / 1e6
-    print(f"model: Qwen3-MoE hidden {h}, {args.layers} layers, {args.experts} experts, fp32: "
-          f"{mb:.0f} MB of safetensors; best of {args.repeats} runs")
+    print(
+        f"model: Qwen3-MoE hidden {h}, {args.layers} layers, {args.experts} experts, fp32: "
+        f"{mb:.0f} MB of safetensors; best of {args.repeats} runs"
+    )
     src = os.path.join(hf_dir, "model.safetensors")
     copies = {False: [], True: []}
 
@@ -155,23 +174,34 @@ def main() -> None:
         out = load_file(os.path.join(r["hf_out_dir"], "model.safetensors"))
         bitwise[n] = sorted(out) == sorted(original) and all(torch.equal(out[k], original[k]) for k in original)
 
-    print(f"{'step':<34}{'first s':>8}{'MB/s':>7}{'x copy':>8}{'x c+fsync':>10}"
-          f"{'best s':>8}{'MB/s':>7}{'x copy':>8}{'x c+fsync':>10}")
-    rows = [("plain copy (shutil.copyfile)", copies[False][0], t_copy),
-            ("plain copy + fsync", copies[True][0], t_sync)]
+    print(
+        f"{'step':<34}{'first s':>8}{'MB/s':>7}{'x copy':>8}{'x c+fsync':>10}"
+        f"{'best s':>8}{'MB/s':>7}{'x copy':>8}{'x c+fsync':>10}"
+    )
+    rows = [("plain copy (shutil.copyfile)", copies[False][0], t_copy), ("plain copy + fsync", copies[True][0], t_sync)]
     for n, r in runs.items():
         layout = "" if n == 1 else " (" + ", ".join(f"{k}={v}" for k, v in r["layout"].items() if v > 1) + ")"
-        rows += [(f"HF -> Megatron, {n} rank{'s' * (n > 1)}{layout}", r["in"][0], min(r["in"])),
-                 (f"Megatron -> HF, {n} rank{'s' * (n > 1)}{layout}", r["out"][0], min(r["out"]))]
+        rows += [
+            (f"HF -> Megatron, {n} rank{'s' * (n > 1)}{layout}", r["in"][0], min(r["in"])),
+            (f"Megatron -> HF, {n} rank{'s' * (n > 1)}{layout}", r["out"][0], min(r["out"])),
+        ]
     for name, first, best in rows:
-        print(f"{name:<34}" + "".join(f"{t:>8.2f}{mb / t:>7.0f}{t / t_copy:>8.1f}{t / t_sync:>10.1f}"
-                                      for t in (first, best)))
+        print(
+            f"{name:<34}"
+            + "".join(f"{t:>8.2f}{mb / t:>7.0f}{t / t_copy:>8.1f}{t / t_sync:>10.1f}" for t in (first, best))
+        )
     for d in ("in", "out"):
         label = "HF -> Megatron" if d == "in" else "Megatron -> HF"
-        print(f"2-rank speed-up, {label}: first run {runs[1][d][0] / runs[2][d][0]:.2f}x, "
-              f"best {min(runs[1][d]) / min(runs[2][d]):.2f}x")
-    print("all runs (s): " + "; ".join(f"{n} rank(s) {d}: {', '.join(f'{t:.2f}' for t in r[d])}"
-                                         for n, r in runs.items() for d in ("in", "out")))
+        print(
+            f"2-rank speed-up, {label}: first run {runs[1][d][0] / runs[2][d][0]:.2f}x, "
+            f"best {min(runs[1][d]) / min(runs[2][d]):.2f}x"
+        )
+    print(
+        "all runs (s): "
+        + "; ".join(
+            f"{n} rank(s) {d}: {', '.join(f'{t:.2f}' for t in r[d])}" for n, r in runs.items() for d in ("in", "out")
+        )
+    )
     print(f"output bitwise identical to the original: 1 rank {bitwise[1]}, 2 ranks {bitwise[2]}")
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)

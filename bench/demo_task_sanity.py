@@ -39,10 +39,18 @@ def main() -> None:
     tok = build_demo_tokenizer()
     task = get_task(args.task)
     config = Qwen3MoeConfig(
-        vocab_size=padded_vocab_size(len(tok)), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        moe_intermediate_size=2 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=args.hidden // 4, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256, tie_word_embeddings=not args.untied,
+        vocab_size=padded_vocab_size(len(tok)),
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        moe_intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=not args.untied,
     )
     engine = HFRolloutEngine(config, seed=args.seed)
     model = engine.model
@@ -84,8 +92,11 @@ def main() -> None:
         step += 1
         if step % 5 == 0 or step == 1:
             texts = [decode_response(tok, s) for s in seqs[:: args.group][:4]]
-            print(f"step {step:4d}  t={time.time() - start:6.1f}s  reward/mean={sum(rewards) / len(rewards):.3f}"
-                  f"  samples={texts}  labels={[r['label'] for r in batch[:4]]}", flush=True)
+            print(
+                f"step {step:4d}  t={time.time() - start:6.1f}s  reward/mean={sum(rewards) / len(rewards):.3f}"
+                f"  samples={texts}  labels={[r['label'] for r in batch[:4]]}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -39,10 +39,20 @@ from gspo_megatron.runtime.ports import free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 STEPS = 8
-OVERRIDES = [f"train.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep_last=2", "rollout.engine_process=true",
-             "reward.num_workers=1", "reward.timeout_s=5", "rollout.prompts_per_step=4", "rollout.group_size=4",
-             "parallel.micro_batch_size=4", "logging.progress=false", "logging.tensorboard=false",
-             "rollout.max_engine_restarts=3"]
+OVERRIDES = [
+    f"train.steps={STEPS}",
+    "checkpoint.interval=2",
+    "checkpoint.keep_last=2",
+    "rollout.engine_process=true",
+    "reward.num_workers=1",
+    "reward.timeout_s=5",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "parallel.micro_batch_size=4",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "rollout.max_engine_restarts=3",
+]
 
 
 def _children() -> dict[int, list[int]]:
@@ -137,12 +147,24 @@ def _parent(pid: int) -> int:
 
 
 def command(out_dir: str, nproc: int) -> list[str]:
-    args = ["-m", "gspo_megatron.train", "--config", os.path.join(REPO, "configs/demo_cpu.yaml"),
-            f"output_dir={out_dir}", *OVERRIDES]
+    args = [
+        "-m",
+        "gspo_megatron.train",
+        "--config",
+        os.path.join(REPO, "configs/demo_cpu.yaml"),
+        f"output_dir={out_dir}",
+        *OVERRIDES,
+    ]
     if nproc > 1:
         port = free_port()
-        args = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}", *args,
-                "parallel.ep=2"]
+        args = [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={port}",
+            *args,
+            "parallel.ep=2",
+        ]
     return [sys.executable, *args]
 
 
@@ -188,8 +210,7 @@ def trial(kind: str, rng: random.Random, nproc: int, log, out_dir: str | None = 
 
 
 def _trial(kind: str, rng: random.Random, nproc: int, log, out_dir: str, env: dict, marker: str) -> dict:
-    proc = subprocess.Popen(command(out_dir, nproc), cwd=REPO, env=env, stdout=log, stderr=log,
-                            start_new_session=True)
+    proc = subprocess.Popen(command(out_dir, nproc), cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True)
     injected, killed_at, deadline = False, None, time.time() + 900
     target_step = rng.randint(2, STEPS - 2)
     while proc.poll() is None and time.time() < deadline:
@@ -223,9 +244,19 @@ def _trial(kind: str, rng: random.Random, nproc: int, log, out_dir: str, env: di
         final_rc = first_rc
     steps = metrics_steps(out_dir)
     data_lost = steps != list(range(1, STEPS + 1)) or latest_step(out_dir) != STEPS
-    return dict(kind=kind, out_dir=out_dir, injected=injected, killed_after_step=killed_at,
-                first_exit=first_rc, final_exit=final_rc, recovered=final_rc == 0 and not data_lost,
-                resumed_from_step=resumed_from, steps_lost=steps_lost, data_lost=data_lost, orphans=orphans)
+    return dict(
+        kind=kind,
+        out_dir=out_dir,
+        injected=injected,
+        killed_after_step=killed_at,
+        first_exit=first_rc,
+        final_exit=final_rc,
+        recovered=final_rc == 0 and not data_lost,
+        resumed_from_step=resumed_from,
+        steps_lost=steps_lost,
+        data_lost=data_lost,
+        orphans=orphans,
+    )
 
 
 def main() -> int:
@@ -249,9 +280,11 @@ def main() -> int:
             print(json.dumps(r), flush=True)
     injected = sum(r["injected"] for r in results)
     orphans = sum(len(r["orphans"]) for r in results)
-    print(f"\nfaults injected: {injected}/{len(results)}  runs recovered: {sum(r['recovered'] for r in results)}"
-          f"  steps lost: {sum(r['steps_lost'] for r in results)}  "
-          f"data lost: {sum(r['data_lost'] for r in results)} runs  orphan processes: {orphans}   (log: {args.log})")
+    print(
+        f"\nfaults injected: {injected}/{len(results)}  runs recovered: {sum(r['recovered'] for r in results)}"
+        f"  steps lost: {sum(r['steps_lost'] for r in results)}  "
+        f"data lost: {sum(r['data_lost'] for r in results)} runs  orphan processes: {orphans}   (log: {args.log})"
+    )
     return 0 if all(r["recovered"] and not r["orphans"] for r in results) else 1
 
 

@@ -38,12 +38,29 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 # bf16 dense peak FLOP/s by device name (vendor datasheets, without sparsity)
-PEAK_BF16 = {"H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
-             "B200": 2250e12, "A100": 312e12, "L40S": 362e12}
+PEAK_BF16 = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 80GB HBM3": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+}
 
-DIMS = dict(hidden_size=2048, num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-            num_experts=32, num_experts_per_tok=8, moe_intermediate_size=768, vocab_size=151936,
-            max_position_embeddings=40960)
+DIMS = dict(
+    hidden_size=2048,
+    num_hidden_layers=6,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=32,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+)
 
 
 def hf_config(tiny: bool = False) -> dict:
@@ -70,10 +87,18 @@ def _peak_gib() -> float | None:
 
 
 def overrides(args, packed: bool) -> list[str]:
-    o = [f"model.dtype={'float32' if args.tiny else 'bfloat16'}", "model.transformer_impl=local", "model.init=random",
-         f"model.max_seq_len={args.prompt + args.max_response}", f"parallel.micro_batch_size={args.micro_batch_size}",
-         "gspo.mini_batches=1", "optimizer.lr=1e-6", f"rollout.max_new_tokens={args.max_response}",
-         f"data.max_prompt_len={args.prompt}", "model.arch=qwen3-30b-a3b"]
+    o = [
+        f"model.dtype={'float32' if args.tiny else 'bfloat16'}",
+        "model.transformer_impl=local",
+        "model.init=random",
+        f"model.max_seq_len={args.prompt + args.max_response}",
+        f"parallel.micro_batch_size={args.micro_batch_size}",
+        "gspo.mini_batches=1",
+        "optimizer.lr=1e-6",
+        f"rollout.max_new_tokens={args.max_response}",
+        f"data.max_prompt_len={args.prompt}",
+        "model.arch=qwen3-30b-a3b",
+    ]
     if packed:
         o.append(f"parallel.max_tokens_per_micro_batch={args.micro_batch_size * (args.prompt + args.max_response)}")
     return o
@@ -151,13 +176,20 @@ def bench_train(args) -> dict:
     totals = [args.prompt + r for r in resp]
     flops = model_flops(totals, pc, passes=1)
     mbs = args.micro_batch_size  # padded layout: rows of mbs sequences, each padded to its longest
-    computed = sum(len(totals[i:i + mbs]) * max(totals[i:i + mbs]) for i in range(0, len(totals), mbs))
+    computed = sum(len(totals[i : i + mbs]) * max(totals[i : i + mbs]) for i in range(0, len(totals), mbs))
     padded_frac = 1 - sum(totals) / computed
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = peak_flops(name)
-    out = {"model": {**{k: hf[k] for k in DIMS}, "params_total": pc["total"], "params_active_matmul": pc["active_matmul"]},
-           "sequences": args.sequences, "prompt": args.prompt, "max_response": args.max_response,
-           "real_tokens": sum(totals), "device": name, "peak_bf16_flops": peak, "runs": {}}
+    out = {
+        "model": {**{k: hf[k] for k in DIMS}, "params_total": pc["total"], "params_active_matmul": pc["active_matmul"]},
+        "sequences": args.sequences,
+        "prompt": args.prompt,
+        "max_response": args.max_response,
+        "real_tokens": sum(totals),
+        "device": name,
+        "peak_bf16_flops": peak,
+        "runs": {},
+    }
     if args.dry_run:
         from gspo_megatron.config import load_config
 
@@ -181,9 +213,14 @@ def bench_train(args) -> dict:
         _sync()
         sec = time.perf_counter() - t0
         out["runs"]["packed" if packed else "padded"] = {
-            "step_s": sec, "tokens_per_s": sum(totals) / sec, "mfu": flops / sec / peak if peak else None,
-            "padding_frac": metrics.get("perf/padding_frac", None if packed else padded_frac), "old_logprob_s": metrics.get("perf/old_logprob_s"),
-            "peak_mem_gib": _peak_gib(), "loss": metrics.get("loss/total")}
+            "step_s": sec,
+            "tokens_per_s": sum(totals) / sec,
+            "mfu": flops / sec / peak if peak else None,
+            "padding_frac": metrics.get("perf/padding_frac", None if packed else padded_frac),
+            "old_logprob_s": metrics.get("perf/old_logprob_s"),
+            "peak_mem_gib": _peak_gib(),
+            "loss": metrics.get("loss/total"),
+        }
     if not has_packing():
         out["runs"]["packed"] = "not run: this checkout has no parallel.max_tokens_per_micro_batch"
     out["_model"] = model
@@ -220,8 +257,14 @@ def bench_export(args, model=None) -> dict:
         copies.append(time.perf_counter() - t0)
         del flat
     sec, base = min(times[1:]), min(copies[1:])
-    return {"bytes": nbytes, "bucket_mb": args.bucket_mb, "seconds": sec, "bytes_per_s": nbytes / sec,
-            "plain_copy_s": base, "export_over_copy": sec / base}
+    return {
+        "bytes": nbytes,
+        "bucket_mb": args.bucket_mb,
+        "seconds": sec,
+        "bytes_per_s": nbytes / sec,
+        "plain_copy_s": base,
+        "export_over_copy": sec / base,
+    }
 
 
 def main(argv=None) -> dict:

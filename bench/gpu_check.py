@@ -68,24 +68,37 @@ REQS = os.path.join(REPO, "bench", "gpu_kit", "requirements.txt")
 # GPU test files (pytest -m gpu), each in one list: those that need neither SGLang nor Transformer
 # Engine; those that need sglang's weight-sync pieces (the kit installs sglang --no-deps); those that
 # need TE (run when it imports); those that need a real SGLang server (not in the kit: the Docker image).
-GPU_TESTS = ["tests/losses/test_vocab_parallel_gpu.py", "tests/losses/test_fused_logprobs_gpu.py",
-             "tests/checkpoint/test_direct_writes_gpu.py"]
+GPU_TESTS = [
+    "tests/losses/test_vocab_parallel_gpu.py",
+    "tests/losses/test_fused_logprobs_gpu.py",
+    "tests/checkpoint/test_direct_writes_gpu.py",
+]
 NEEDS_SGLANG = ["tests/gpu/test_weight_payloads_gpu.py"]
-NEEDS_TE = ["tests/gpu/test_fp8_te_gpu.py",
-            "tests/gpu/test_packing_gpu.py"]  # THD packing runs through Transformer Engine
+NEEDS_TE = [
+    "tests/gpu/test_fp8_te_gpu.py",
+    "tests/gpu/test_packing_gpu.py",
+]  # THD packing runs through Transformer Engine
 NOT_IN_KIT = ["tests/gpu/test_sglang_gpu.py"]
 TEST_LISTS = {"GPU_TESTS": GPU_TESTS, "NEEDS_SGLANG": NEEDS_SGLANG, "NEEDS_TE": NEEDS_TE, "NOT_IN_KIT": NOT_IN_KIT}
 # what makes a list runnable, checked in the target Python after the install (None: always)
-SGLANG_PROBE = ("from gspo_megatron.weight_sync import cuda_ipc; cuda_ipc.multiprocessing_serializer(); "
-                "assert cuda_ipc.flattened_bucket_class() is not None; "
-                "from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions")
+SGLANG_PROBE = (
+    "from gspo_megatron.weight_sync import cuda_ipc; cuda_ipc.multiprocessing_serializer(); "
+    "assert cuda_ipc.flattened_bucket_class() is not None; "
+    "from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions"
+)
 TE_PROBE = "import transformer_engine.pytorch"
 
 # torch's own stack: comes with the machine's CUDA torch, never in the kit's list
-TORCH_STACK = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|markupsafe|filelock|"
-                         r"fsspec|typing-extensions)$")
+TORCH_STACK = re.compile(
+    r"^(torch|triton|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|markupsafe|filelock|"
+    r"fsspec|typing-extensions)$"
+)
 PLATFORMS = [f"manylinux_2_{x}_x86_64" for x in range(39, 16, -1)] + [
-    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+    "manylinux2014_x86_64",
+    "manylinux2010_x86_64",
+    "manylinux1_x86_64",
+    "linux_x86_64",
+]
 
 
 def norm(name: str) -> str:
@@ -122,8 +135,14 @@ def check_core_dependencies(pins: dict[str, str]) -> list[str]:
 
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
-    env = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
-           "platform_machine": "x86_64", "implementation_name": "cpython", "os_name": "posix"}
+    env = {
+        "python_version": "3.12",
+        "python_full_version": "3.12.0",
+        "sys_platform": "linux",
+        "platform_machine": "x86_64",
+        "implementation_name": "cpython",
+        "os_name": "posix",
+    }
     problems = []
     for d in deps:
         req = Requirement(d)
@@ -151,11 +170,13 @@ def wheel_tags(filename: str) -> tuple[str, str, list[str], list[str], list[str]
 
 def wheel_fits(py: list[str], abi: list[str], plat: list[str]) -> bool:
     """Installable on CPython 3.12, linux x86_64 (manylinux)."""
+
     def py_ok(t: str) -> bool:
         if t in ("py3", "py312", "cp312"):
             return True
         m = re.fullmatch(r"cp3(\d+)", t)
         return bool(m) and "abi3" in abi and int(m[1]) <= 12
+
     plat_ok = any(p == "any" or p in PLATFORMS or re.fullmatch(r"manylinux_2_\d+_x86_64", p) for p in plat)
     abi_ok = any(a in ("none", "abi3", "cp312") for a in abi)
     return any(py_ok(t) for t in py) and abi_ok and plat_ok
@@ -190,8 +211,15 @@ def check_wheels(folders: str | list[str], pins: dict[str, str]) -> list[str]:
     for name, version in sorted(pins.items()):
         have = found.get(name, [])
         if not any(v == version and ok for v, ok in have):
-            what = (f"only {sorted({v for v, _ in have})}" if not any(v == version for v, _ in have)
-                    else "no cp312/abi3/py3 manylinux x86_64 build") if have else "missing"
+            what = (
+                (
+                    f"only {sorted({v for v, _ in have})}"
+                    if not any(v == version for v, _ in have)
+                    else "no cp312/abi3/py3 manylinux x86_64 build"
+                )
+                if have
+                else "missing"
+            )
             problems.append(f"--wheels {folder}: {name}=={version}: {what}")
     return problems
 
@@ -204,8 +232,10 @@ def split_wheels(folder: str, part_mib: float = 60.0) -> list[tuple[str, int]]:
     import shutil
 
     limit = int(part_mib * (1 << 20))
-    wheels = sorted(glob.glob(os.path.join(folder, "*.whl")) + glob.glob(os.path.join(folder, "part*", "*.whl")),
-                    key=lambda p: (-os.path.getsize(p), os.path.basename(p)))
+    wheels = sorted(
+        glob.glob(os.path.join(folder, "*.whl")) + glob.glob(os.path.join(folder, "part*", "*.whl")),
+        key=lambda p: (-os.path.getsize(p), os.path.basename(p)),
+    )
     parts: list[list] = []  # [bytes, [paths]]
     for path in wheels:
         size = os.path.getsize(path)
@@ -236,8 +266,19 @@ def split_wheels(folder: str, part_mib: float = 60.0) -> list[tuple[str, int]]:
 
 def download_command(dest: str = "wheels") -> list[str]:
     plats = [a for p in PLATFORMS for a in ("--platform", p)]
-    return ["pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", *plats,
-            "-d", dest, "-r", os.path.relpath(REQS, REPO)]
+    return [
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        *plats,
+        "-d",
+        dest,
+        "-r",
+        os.path.relpath(REQS, REPO),
+    ]
 
 
 def gpu_test_files() -> list[str]:
@@ -257,10 +298,12 @@ def check_test_lists() -> list[str]:
     for f in gpu_test_files():
         if f not in listed:
             problems.append(f"{f}: a GPU test file in none of bench/gpu_check.py's lists ({', '.join(TEST_LISTS)})")
-    problems += [f"{f}: in more than one of bench/gpu_check.py's lists" for f in sorted(set(listed))
-                 if listed.count(f) > 1]
-    problems += [f"{f}: listed in bench/gpu_check.py but missing" for f in listed
-                 if not os.path.isfile(os.path.join(REPO, f))]
+    problems += [
+        f"{f}: in more than one of bench/gpu_check.py's lists" for f in sorted(set(listed)) if listed.count(f) > 1
+    ]
+    problems += [
+        f"{f}: listed in bench/gpu_check.py but missing" for f in listed if not os.path.isfile(os.path.join(REPO, f))
+    ]
     return problems
 
 
@@ -272,32 +315,120 @@ def commands(args, py: str) -> list[tuple[str, list[str]]]:
     steps = []
     if not args.skip_install and not args.dry_run:
         steps += [
-            ("install_wheels", [py, "-m", "pip", "install", "--no-index",
-                                *[a for d in wheel_dirs(args.wheels or []) for a in ("--find-links", d)], "--no-deps",
-                                "-r", REQS]),
-            ("install_project", [py, "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation",
-                                 "-e", REPO]),
+            (
+                "install_wheels",
+                [
+                    py,
+                    "-m",
+                    "pip",
+                    "install",
+                    "--no-index",
+                    *[a for d in wheel_dirs(args.wheels or []) for a in ("--find-links", d)],
+                    "--no-deps",
+                    "-r",
+                    REQS,
+                ],
+            ),
+            (
+                "install_project",
+                [py, "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation", "-e", REPO],
+            ),
         ]
-    tests = [("gpu_tests", GPU_TESTS, None), ("gpu_tests_sglang", NEEDS_SGLANG, SGLANG_PROBE),
-             ("gpu_tests_te", NEEDS_TE, TE_PROBE)]
+    tests = [
+        ("gpu_tests", GPU_TESTS, None),
+        ("gpu_tests_sglang", NEEDS_SGLANG, SGLANG_PROBE),
+        ("gpu_tests_te", NEEDS_TE, TE_PROBE),
+    ]
     if args.dry_run:
-        steps += [(name, [py, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "-p", "no:cacheprovider", *files])
-                  for name, files, _ in tests]
         steps += [
-            ("bench_logprobs", [py, "bench/logprobs.py", "--tokens", "64", "--vocab", "1000", "--hidden", "16",
-                                "--device", "cpu", "--json", os.path.join(work, "logprobs.json")]),
+            (name, [py, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "-p", "no:cacheprovider", *files])
+            for name, files, _ in tests
+        ]
+        steps += [
+            (
+                "bench_logprobs",
+                [
+                    py,
+                    "bench/logprobs.py",
+                    "--tokens",
+                    "64",
+                    "--vocab",
+                    "1000",
+                    "--hidden",
+                    "16",
+                    "--device",
+                    "cpu",
+                    "--json",
+                    os.path.join(work, "logprobs.json"),
+                ],
+            ),
             ("bench_gpu_config", [py, "bench/gpu_bench.py", "all", "--dry-run"]),
-            ("bench_gpu", [py, "bench/gpu_bench.py", "all", "--tiny", "--sequences", "6", "--prompt", "4",
-                           "--max-response", "24", "--micro-batch-size", "2", "--bucket-mb", "1", "--repeats", "1",
-                           "--json", os.path.join(work, "gpu_bench.json")]),
+            (
+                "bench_gpu",
+                [
+                    py,
+                    "bench/gpu_bench.py",
+                    "all",
+                    "--tiny",
+                    "--sequences",
+                    "6",
+                    "--prompt",
+                    "4",
+                    "--max-response",
+                    "24",
+                    "--micro-batch-size",
+                    "2",
+                    "--bucket-mb",
+                    "1",
+                    "--repeats",
+                    "1",
+                    "--json",
+                    os.path.join(work, "gpu_bench.json"),
+                ],
+            ),
         ]
     else:
-        steps += [(name, [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "900",
-                          "--junitxml", os.path.join(work, f"{name}.xml"), *files]) for name, files, _ in tests]
         steps += [
-            ("bench_logprobs", [py, "bench/logprobs.py", "--tokens", "8192,16384,32768", "--vocab", "151936",
-                                "--hidden", "2048", "--dtype", "bf16", "--repeats", "2",
-                                "--json", os.path.join(work, "logprobs.json")]),
+            (
+                name,
+                [
+                    py,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-m",
+                    "gpu",
+                    "-p",
+                    "no:cacheprovider",
+                    "--timeout",
+                    "900",
+                    "--junitxml",
+                    os.path.join(work, f"{name}.xml"),
+                    *files,
+                ],
+            )
+            for name, files, _ in tests
+        ]
+        steps += [
+            (
+                "bench_logprobs",
+                [
+                    py,
+                    "bench/logprobs.py",
+                    "--tokens",
+                    "8192,16384,32768",
+                    "--vocab",
+                    "151936",
+                    "--hidden",
+                    "2048",
+                    "--dtype",
+                    "bf16",
+                    "--repeats",
+                    "2",
+                    "--json",
+                    os.path.join(work, "logprobs.json"),
+                ],
+            ),
             ("bench_gpu", [py, "bench/gpu_bench.py", "all", "--json", os.path.join(work, "gpu_bench.json")]),
         ]
     return steps
@@ -336,13 +467,16 @@ def run_step(name: str, argv: list[str], timeout: float) -> dict:
 
 def environment(py: str) -> dict:
     env = {"python": platform.python_version(), "machine": platform.machine()}
-    probe = ("import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
-             "'gpus': torch.cuda.device_count(), 'gpu': torch.cuda.get_device_name() "
-             "if torch.cuda.is_available() else None}))")
+    probe = (
+        "import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
+        "'gpus': torch.cuda.device_count(), 'gpu': torch.cuda.get_device_name() "
+        "if torch.cuda.is_available() else None}))"
+    )
     try:
         p = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=300)
-        env.update(json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else
-                   {"torch_error": p.stderr[-500:]})
+        env.update(
+            json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {"torch_error": p.stderr[-500:]}
+        )
     except Exception as e:  # noqa: BLE001 - recorded, checked below
         env["torch_error"] = str(e)
     return env
@@ -350,14 +484,22 @@ def environment(py: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--wheels", action="append", default=None,
-                    help="folder of the pinned wheels (searched with the folders below it; may be repeated)")
+    ap.add_argument(
+        "--wheels",
+        action="append",
+        default=None,
+        help="folder of the pinned wheels (searched with the folders below it; may be repeated)",
+    )
     ap.add_argument("--out", default="gpu_check.json", help="the one results file")
     ap.add_argument("--skip-install", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="CPU: check the list and the commands only")
     ap.add_argument("--print-download", action="store_true", help="print the pip download command and exit")
-    ap.add_argument("--split-wheels", metavar="FOLDER", default=None,
-                    help="move FOLDER's wheels into FOLDER/part1, part2, ... of at most --part-mib each, and exit")
+    ap.add_argument(
+        "--split-wheels",
+        metavar="FOLDER",
+        default=None,
+        help="move FOLDER's wheels into FOLDER/part1, part2, ... of at most --part-mib each, and exit",
+    )
     ap.add_argument("--part-mib", type=float, default=60.0)
     ap.add_argument("--step-timeout", type=float, default=3600.0)
     args = ap.parse_args(argv)
@@ -367,8 +509,10 @@ def main(argv=None) -> int:
     if args.split_wheels:
         parts = split_wheels(args.split_wheels, args.part_mib)
         for dest, size in parts:
-            print(f"{os.path.relpath(dest)}: {size / (1 << 20):.1f} MiB, "
-                  f"{len(glob.glob(os.path.join(dest, '*.whl')))} wheels")
+            print(
+                f"{os.path.relpath(dest)}: {size / (1 << 20):.1f} MiB, "
+                f"{len(glob.glob(os.path.join(dest, '*.whl')))} wheels"
+            )
         print(f"{len(parts)} parts, {sum(s for _, s in parts) / (1 << 20):.1f} MiB in all")
         return 0
     py = sys.executable
@@ -386,8 +530,15 @@ def main(argv=None) -> int:
             problems.append(f"Python 3.12 expected, this is {env.get('python')}")
         if not env.get("gpus"):
             problems.append(f"torch sees no CUDA GPU ({env.get('torch_error') or env.get('torch')})")
-    result: dict = {"kit": "gpu_check", "dry_run": args.dry_run, "env": env, "pins": pins, "problems": problems,
-                    "steps": [], "bench": {}}
+    result: dict = {
+        "kit": "gpu_check",
+        "dry_run": args.dry_run,
+        "env": env,
+        "pins": pins,
+        "problems": problems,
+        "steps": [],
+        "bench": {},
+    }
     os.makedirs(os.path.splitext(os.path.abspath(args.out))[0] + "_parts", exist_ok=True)
     ok = not problems
     for p in problems:
@@ -399,11 +550,20 @@ def main(argv=None) -> int:
                 usable, why = probe(py, code)
                 if not usable:
                     required = required and not args.skip_install
-                    print(f"[gpu_check] {name}: {'FAILED' if required else 'skipped'}: `{code}` does not run here",
-                          flush=True)
-                    result["steps"].append({"name": name, "cmd": shlex.join(cmd), "rc": 1 if required else None,
-                                            "skipped": not required, "seconds": 0.0,
-                                            "output_tail": f"probe `{code}` failed:\n{why}"})
+                    print(
+                        f"[gpu_check] {name}: {'FAILED' if required else 'skipped'}: `{code}` does not run here",
+                        flush=True,
+                    )
+                    result["steps"].append(
+                        {
+                            "name": name,
+                            "cmd": shlex.join(cmd),
+                            "rc": 1 if required else None,
+                            "skipped": not required,
+                            "seconds": 0.0,
+                            "output_tail": f"probe `{code}` failed:\n{why}",
+                        }
+                    )
                     ok = ok and not required
                     continue
             step = run_step(name, cmd, args.step_timeout)

@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from gspo_megatron.losses import vocab_parallel_logprobs  # noqa: E402
-from gspo_megatron.losses.fused_logprobs import fused_vocab_parallel_logprobs  # noqa: E402
+from gspo_megatron.losses import vocab_parallel_logprobs
+from gspo_megatron.losses.fused_logprobs import fused_vocab_parallel_logprobs
 
 TEMPERATURE = 0.8
 PATHS = ("full", "chunked", "fused")
@@ -110,14 +110,20 @@ def run(tokens: int, args, dev: torch.device) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cuda = dev.type == "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
-    h = (torch.randn(tokens, args.hidden, generator=g, device=dev) / args.hidden ** 0.25).to(dtype).requires_grad_(True)
-    w = (torch.randn(args.vocab, args.hidden, generator=g, device=dev) * 3 / args.hidden ** 0.25).to(dtype)
+    h = (torch.randn(tokens, args.hidden, generator=g, device=dev) / args.hidden**0.25).to(dtype).requires_grad_(True)
+    w = (torch.randn(args.vocab, args.hidden, generator=g, device=dev) * 3 / args.hidden**0.25).to(dtype)
     w.requires_grad_(True)
     targets = torch.randint(0, args.vocab, (tokens,), generator=g, device=dev)
     wl = torch.randn(tokens, generator=g, device=dev)
     elt = h.element_size()
-    res = {"tokens": tokens, "vocab": args.vocab, "hidden": args.hidden, "dtype": args.dtype,
-           "device": str(dev), "paths": {}}
+    res = {
+        "tokens": tokens,
+        "vocab": args.vocab,
+        "hidden": args.hidden,
+        "dtype": args.dtype,
+        "device": str(dev),
+        "paths": {},
+    }
     outs = {}
     for path in args.paths:
         need = estimate_bytes(path, tokens, args.vocab, args.hidden, elt)
@@ -131,8 +137,10 @@ def run(tokens: int, args, dev: torch.device) -> dict:
     ref = next((p for p in ("full", "chunked") if p in outs), None)
     if ref and "fused" in outs:
         a, b = outs["fused"], outs[ref]
-        res["max_abs_diff_vs_" + ref] = {k: (x - y).abs().max().item() for k, x, y in
-                                         zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), a, b)}
+        res["max_abs_diff_vs_" + ref] = {
+            k: (x - y).abs().max().item()
+            for k, x, y in zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), a, b)
+        }
     del h, w, outs
     gc.collect()
     return res
@@ -140,8 +148,10 @@ def run(tokens: int, args, dev: torch.device) -> dict:
 
 def print_result(res: dict) -> None:
     mib = res["paths"]
-    print(f"\ntokens={res['tokens']} vocab={res['vocab']} hidden={res['hidden']} {res['dtype']} on {res['device']}"
-          f" (logits alone: {res['tokens'] * res['vocab'] * (2 if res['dtype'] == 'bf16' else 4) / 2**20:.0f} MiB)")
+    print(
+        f"\ntokens={res['tokens']} vocab={res['vocab']} hidden={res['hidden']} {res['dtype']} on {res['device']}"
+        f" (logits alone: {res['tokens'] * res['vocab'] * (2 if res['dtype'] == 'bf16' else 4) / 2**20:.0f} MiB)"
+    )
     print(f"{'':28s}{'peak extra MiB':>16s}{'fwd+bwd s':>12s}")
     for path, r in mib.items():
         if "skipped" in r:
@@ -152,8 +162,10 @@ def print_result(res: dict) -> None:
     for base in ("full", "chunked"):
         b = mib.get(base, {})
         if "peak_mib" in f and "peak_mib" in b:
-            print(f"{base} / fused: memory {b['peak_mib'] / max(f['peak_mib'], 1e-9):.2f}x, "
-                  f"time {b['seconds'] / f['seconds']:.2f}x")
+            print(
+                f"{base} / fused: memory {b['peak_mib'] / max(f['peak_mib'], 1e-9):.2f}x, "
+                f"time {b['seconds'] / f['seconds']:.2f}x"
+            )
     for k, v in res.items():
         if k.startswith("max_abs_diff"):
             print(f"{k}: " + ", ".join(f"{n} {x:.2e}" for n, x in v.items()))
@@ -167,8 +179,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     ap.add_argument("--paths", default=",".join(PATHS))
-    ap.add_argument("--max-gib", type=float, default=None,
-                    help="skip a path whose estimated peak exceeds this (default: 90%% of free GPU memory; 8 on CPU)")
+    ap.add_argument(
+        "--max-gib",
+        type=float,
+        default=None,
+        help="skip a path whose estimated peak exceeds this (default: 90%% of free GPU memory; 8 on CPU)",
+    )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
@@ -176,8 +192,11 @@ def main(argv=None) -> dict:
     bad = [p for p in args.paths if p not in FNS]
     if bad:
         ap.error(f"--paths: unknown {bad}; choose from {list(FNS)}")
-    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if args.device == "auto" else args.device))
+    dev = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     if args.max_gib is None:
         args.max_gib = torch.cuda.mem_get_info()[0] * 0.9 / 2**30 if dev.type == "cuda" else 8.0
     print(f"threads={torch.get_num_threads()} torch={torch.__version__}")

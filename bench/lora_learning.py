@@ -33,15 +33,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "demo_cpu.yaml")
 PLACEMENTS = {
     "inprocess": [],
-    "colocated": ["rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=colocated",
-                  "rollout.engine_tp=1"],
+    "colocated": [
+        "rollout.engine=sglang",
+        "rollout.engine_server=cpu",
+        "rollout.sync_mode=colocated",
+        "rollout.engine_tp=1",
+    ],
     "full": [],  # no LoRA: the full-parameter continuation
 }
 
 
 def train(out: str, overrides: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", CONFIG, f"output_dir={out}",
-           "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=0", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_megatron.train",
+        "--config",
+        CONFIG,
+        f"output_dir={out}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.interval=0",
+        *overrides,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(out + ".log", "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -62,8 +76,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--alpha", type=float, default=16.0)
-    ap.add_argument("--lr", type=float, default=0.002, help="LoRA runs' optimizer.lr (the demo's full run: 0.001; "
-                    "0.01 is too large: docs/training.md)")
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=0.002,
+        help="LoRA runs' optimizer.lr (the demo's full run: 0.001; 0.01 is too large: docs/training.md)",
+    )
     ap.add_argument("--window", type=int, default=20)
     ap.add_argument("--placements", nargs="+", default=["inprocess", "colocated", "full"], choices=sorted(PLACEMENTS))
     ap.add_argument("--out", default=None, help="run directory (default: a temporary one)")
@@ -77,19 +95,27 @@ def main() -> None:
         base = os.path.join(root, "base", "hf_final")
     results = {}
     for name in args.placements:
-        lora = [] if name == "full" else [f"model.lora.rank={args.rank}", f"model.lora.alpha={args.alpha}",
-                                          f"optimizer.lr={args.lr}"]
-        rows = train(os.path.join(root, name), ["model.init=pretrained", f"model.hf_path={base}",
-                                                 f"train.steps={args.steps}", *lora, *PLACEMENTS[name]])
+        lora = (
+            []
+            if name == "full"
+            else [f"model.lora.rank={args.rank}", f"model.lora.alpha={args.alpha}", f"optimizer.lr={args.lr}"]
+        )
+        rows = train(
+            os.path.join(root, name),
+            ["model.init=pretrained", f"model.hf_path={base}", f"train.steps={args.steps}", *lora, *PLACEMENTS[name]],
+        )
         results[name] = rows
         r = [x["reward/mean"] for x in rows]
         gap = [x["rollout/logprob_abs_diff"] for x in rows]
         full, adapter = rows[-1]["sync/bytes_total"], rows[-1].get("sync/lora_adapter_bytes", 0.0)
         w = args.window
-        print(f"{name:10s} reward first-5 {mean(r[:5]):.3f} last-5 {mean(r[-5:]):.3f} | first-{w} {mean(r[:w]):.3f} "
-              f"last-{w} {mean(r[-w:]):.3f} | logprob_abs_diff mean {mean(gap):.2e} max {max(gap):.2e} | sync "
-              f"{full / 1e6:.3f} MB/step merged" + (f", adapters {adapter / 1e6:.3f} MB ({full / adapter:.1f}x less)"
-                                                    if adapter else ""), flush=True)
+        print(
+            f"{name:10s} reward first-5 {mean(r[:5]):.3f} last-5 {mean(r[-5:]):.3f} | first-{w} {mean(r[:w]):.3f} "
+            f"last-{w} {mean(r[-w:]):.3f} | logprob_abs_diff mean {mean(gap):.2e} max {max(gap):.2e} | sync "
+            f"{full / 1e6:.3f} MB/step merged"
+            + (f", adapters {adapter / 1e6:.3f} MB ({full / adapter:.1f}x less)" if adapter else ""),
+            flush=True,
+        )
     with open(os.path.join(root, "summary.json"), "w") as f:
         json.dump({k: [x["reward/mean"] for x in v] for k, v in results.items()}, f)
     print(f"runs in {root}")

@@ -59,8 +59,14 @@ def make_records(prompts: int, group: int, max_seq_len: int, vocab: int, seed: i
             r = math.ceil(math.exp(math.log(40) + 1.2 * float(torch.randn((), generator=g))))
             r = max(2, min(r, max_seq_len - p))
             resp = torch.randint(0, vocab, (r,), generator=g).tolist()
-            out.append(Sample(prompt_ids=list(prompt), response_ids=resp, advantage=float(torch.randn((), generator=g)),
-                              engine_logprobs=(-torch.rand(r, generator=g) * 3).tolist()))
+            out.append(
+                Sample(
+                    prompt_ids=list(prompt),
+                    response_ids=resp,
+                    advantage=float(torch.randn((), generator=g)),
+                    engine_logprobs=(-torch.rand(r, generator=g) * 3).tolist(),
+                )
+            )
     return out
 
 
@@ -112,9 +118,21 @@ def one_step(cfg, ddp, optimizer, scheduler, records, gpu: bool) -> tuple[float,
     _attach_logprobs(ddp, micro, "old_logprobs", cfg.rollout.temperature)
     t1 = clock()
     zero_grads(ddp, optimizer)
-    run_schedule(ddp, micro, lambda b: make_megatron_loss_func(
-        b, loss_config(cfg), tp_group=None, cp_group=None, num_microbatches=len(micro), data_parallel_size=1,
-        compute_entropy=True, check_finite=False), forward_only=False)
+    run_schedule(
+        ddp,
+        micro,
+        lambda b: make_megatron_loss_func(
+            b,
+            loss_config(cfg),
+            tp_group=None,
+            cp_group=None,
+            num_microbatches=len(micro),
+            data_parallel_size=1,
+            compute_entropy=True,
+            check_finite=False,
+        ),
+        forward_only=False,
+    )
     optimizer_step(optimizer, scheduler)
     t2 = clock()
     return 1.0 - real / computed, t1 - t0, t2 - t1
@@ -135,7 +153,8 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from gspo_megatron.config import load_config
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.tiny import save_tiny_hf_model
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
@@ -145,20 +164,35 @@ def main(argv=None) -> int:
     if not gpu:
         torch.set_num_threads(1)  # CPU time of one thread measures the work, whatever the machine's load
     n = args.prompts * args.group_size
-    common = [f"model.dtype={'bfloat16' if gpu else 'float32'}", f"model.max_seq_len={args.max_seq_len}", "gspo.mini_batches=1",
-              f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
-              f"parallel.micro_batch_size={args.micro_batch_size}", "optimizer.lr=1e-5"]
+    common = [
+        f"model.dtype={'bfloat16' if gpu else 'float32'}",
+        f"model.max_seq_len={args.max_seq_len}",
+        "gspo.mini_batches=1",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.group_size={args.group_size}",
+        f"parallel.micro_batch_size={args.micro_batch_size}",
+        "optimizer.lr=1e-5",
+    ]
     if n % args.micro_batch_size:
         raise SystemExit(f"--prompts * --group-size = {n} must be divisible by --micro-batch-size")
     budget = args.micro_batch_size * args.max_seq_len
-    cfgs = {"padded": load_config(None, common),
-            "packed": load_config(None, common + [f"parallel.max_tokens_per_micro_batch={budget}"])}
+    cfgs = {
+        "padded": load_config(None, common),
+        "packed": load_config(None, common + [f"parallel.max_tokens_per_micro_batch={budget}"]),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = os.path.join(tmp, "hf")
-        save_tiny_hf_model("qwen3_moe", hf_dir, seed=0, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                           max_position_embeddings=max(512, args.max_seq_len),
-                           head_dim=args.hidden // 4, moe_intermediate_size=args.hidden // 2,
-                           intermediate_size=args.hidden * 2)
+        save_tiny_hf_model(
+            "qwen3_moe",
+            hf_dir,
+            seed=0,
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            max_position_embeddings=max(512, args.max_seq_len),
+            head_dim=args.hidden // 4,
+            moe_intermediate_size=args.hidden // 2,
+            intermediate_size=args.hidden * 2,
+        )
         init_distributed(ParallelLayout(), seed=0)
         hf = load_hf_config(hf_dir)
         # GPU: bf16 (Transformer Engine's THD attention kernels are fp16/bf16 ones); CPU: fp32
@@ -168,8 +202,9 @@ def main(argv=None) -> int:
         meter = ActivationMeter(ddp.module)
         records = make_records(args.prompts, args.group_size, args.max_seq_len, hf["vocab_size"])
         real = sum(r.length for r in records)
-        stats = {m: {"old_s": [], "train_s": [], "pad": None, "act_peak": 0, "gpu_old": 0, "gpu_train": 0}
-                 for m in cfgs}
+        stats = {
+            m: {"old_s": [], "train_s": [], "pad": None, "act_peak": 0, "gpu_old": 0, "gpu_train": 0} for m in cfgs
+        }
         for rep in range(args.repeats + 1):  # the first round warms up
             for mode, cfg in cfgs.items():
                 meter.peak = 0
@@ -192,18 +227,34 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
 
     lengths = sorted(r.response_len for r in records)
-    res = {"device": torch.cuda.get_device_name() if gpu else f"cpu ({platform.processor() or platform.machine()})",
-           "torch": torch.__version__, "sequences": n, "real_tokens": real,
-           "response_len": {"min": lengths[0], "median": lengths[len(lengths) // 2], "max": lengths[-1],
-                            "mean": statistics.fmean(lengths)},
-           "max_seq_len": args.max_seq_len, "micro_batch_size": args.micro_batch_size, "budget": budget,
-           "model": {"hidden": args.hidden, "layers": args.layers, "experts": 4}, "modes": {}}
+    res = {
+        "device": torch.cuda.get_device_name() if gpu else f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__,
+        "sequences": n,
+        "real_tokens": real,
+        "response_len": {
+            "min": lengths[0],
+            "median": lengths[len(lengths) // 2],
+            "max": lengths[-1],
+            "mean": statistics.fmean(lengths),
+        },
+        "max_seq_len": args.max_seq_len,
+        "micro_batch_size": args.micro_batch_size,
+        "budget": budget,
+        "model": {"hidden": args.hidden, "layers": args.layers, "experts": 4},
+        "modes": {},
+    }
     for mode, s in stats.items():
         old, train = statistics.median(s["old_s"]), statistics.median(s["train_s"])
-        res["modes"][mode] = {"padding_frac": s["pad"], "old_logprob_tokens_per_s": real / old,
-                              "train_tokens_per_s": real / train, "old_logprob_s": old, "train_s": train,
-                              "activation_peak_mib": s["act_peak"] / 2**20,
-                              **({"gpu_peak_mib": s["gpu_peak"] / 2**20} if gpu else {})}
+        res["modes"][mode] = {
+            "padding_frac": s["pad"],
+            "old_logprob_tokens_per_s": real / old,
+            "train_tokens_per_s": real / train,
+            "old_logprob_s": old,
+            "train_s": train,
+            "activation_peak_mib": s["act_peak"] / 2**20,
+            **({"gpu_peak_mib": s["gpu_peak"] / 2**20} if gpu else {}),
+        }
     a, b = res["modes"]["padded"], res["modes"]["packed"]
     res["ratios_packed_over_padded"] = {
         "old_logprob_tokens_per_s": b["old_logprob_tokens_per_s"] / a["old_logprob_tokens_per_s"],
@@ -211,15 +262,19 @@ def main(argv=None) -> int:
         "activation_peak": b["activation_peak_mib"] / a["activation_peak_mib"],
         **({"gpu_peak": b["gpu_peak_mib"] / a["gpu_peak_mib"]} if gpu else {}),
     }
-    print(f"device: {res['device']}; {n} sequences, {real} real tokens; response length min/median/mean/max "
-          f"{lengths[0]}/{res['response_len']['median']}/{res['response_len']['mean']:.0f}/{lengths[-1]}; "
-          f"max_seq_len {args.max_seq_len}; padded: {args.micro_batch_size} rows/micro-batch; packed: "
-          f"budget {budget} tokens")
+    print(
+        f"device: {res['device']}; {n} sequences, {real} real tokens; response length min/median/mean/max "
+        f"{lengths[0]}/{res['response_len']['median']}/{res['response_len']['mean']:.0f}/{lengths[-1]}; "
+        f"max_seq_len {args.max_seq_len}; padded: {args.micro_batch_size} rows/micro-batch; packed: "
+        f"budget {budget} tokens"
+    )
     for mode, r in res["modes"].items():
-        print(f"{mode:>7}: padding {100 * r['padding_frac']:5.1f}% of computed tokens | old log-probs "
-              f"{r['old_logprob_tokens_per_s']:9.0f} tok/s | train {r['train_tokens_per_s']:9.0f} tok/s | "
-              f"activations {r['activation_peak_mib']:8.1f} MiB"
-              + (f" | GPU peak {r['gpu_peak_mib']:8.1f} MiB" if gpu else ""))
+        print(
+            f"{mode:>7}: padding {100 * r['padding_frac']:5.1f}% of computed tokens | old log-probs "
+            f"{r['old_logprob_tokens_per_s']:9.0f} tok/s | train {r['train_tokens_per_s']:9.0f} tok/s | "
+            f"activations {r['activation_peak_mib']:8.1f} MiB"
+            + (f" | GPU peak {r['gpu_peak_mib']:8.1f} MiB" if gpu else "")
+        )
     print("packed / padded: " + ", ".join(f"{k} {v:.2f}x" for k, v in res["ratios_packed_over_padded"].items()))
     if args.output:
         with open(args.output, "w") as f:

@@ -28,8 +28,16 @@ import tempfile
 
 import torch
 
-PROMPT_IDS = [[5, 17, 42, 9, 33, 2], [100, 3], [7, 8, 9], [61, 62, 63, 64, 65], [11], [90, 91, 92, 93],
-              [40, 41, 12], [77, 78, 79, 80, 81, 82, 83]]
+PROMPT_IDS = [
+    [5, 17, 42, 9, 33, 2],
+    [100, 3],
+    [7, 8, 9],
+    [61, 62, 63, 64, 65],
+    [11],
+    [90, 91, 92, 93],
+    [40, 41, 12],
+    [77, 78, 79, 80, 81, 82, 83],
+]
 
 
 def engine_records(hf_dir: str, dtype: torch.dtype, perturb: float, prompts: int, new_tokens: int, seed: int = 3):
@@ -43,11 +51,19 @@ def engine_records(hf_dir: str, dtype: torch.dtype, perturb: float, prompts: int
     engine = HFRolloutEngine(hf_dir, hf_dir, dtype=dtype, seed=seed)
     rec = RouteRecorder(engine.model, perturb)
     ids = (PROMPT_IDS * (prompts // len(PROMPT_IDS) + 1))[:prompts]
-    out = engine._generate_batch(ids, SamplingParams(temperature=1.0, max_new_tokens=new_tokens),
-                                 torch.Generator().manual_seed(seed), rec)
-    return [Sample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                   engine_logprobs=list(s.response_logprobs), routed_experts=s.routed_experts,
-                   advantage=float(i % 3) - 1.0) for i, s in enumerate(out)]
+    out = engine._generate_batch(
+        ids, SamplingParams(temperature=1.0, max_new_tokens=new_tokens), torch.Generator().manual_seed(seed), rec
+    )
+    return [
+        Sample(
+            prompt_ids=list(s.prompt_ids),
+            response_ids=list(s.response_ids),
+            engine_logprobs=list(s.response_logprobs),
+            routed_experts=s.routed_experts,
+            advantage=float(i % 3) - 1.0,
+        )
+        for i, s in enumerate(out)
+    ]
 
 
 def _log_router_calls(ddp) -> list:
@@ -58,10 +74,12 @@ def _log_router_calls(ddp) -> list:
     state = _owner(ddp).__dict__["_gspo_route_replay"]
     log: list = []
     for rep in state.replays:
+
         def wrapped(scores, topk, *a, _orig=rep.get_replay_topk, _rep=rep, **kw):
             probs, ids = _orig(scores, topk, *a, **kw)
             log.append((_rep.layer, ids.detach().clone()))
             return probs, ids
+
         rep.get_replay_topk = wrapped
     return log
 
@@ -73,7 +91,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def measure(hf_dir: str, records: list, mode: str, lr: float) -> dict:
     """One fresh trainer (the HF weights) per call; see the module docstring for the columns."""
     from gspo_megatron.config import load_config
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.rollout.routing import NO_ROUTE
     from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
@@ -86,8 +105,17 @@ def measure(hf_dir: str, records: list, mode: str, lr: float) -> dict:
     ddp, opt, sched = setup_training(model, OptimOptions(lr=lr, use_distributed_optimizer=False))
     route_replay_for(ddp, "r2" if mode == "off" else mode)  # off: installed, never in a replaying phase
     log = _log_router_calls(ddp)
-    cfg = load_config(None, ["parallel.micro_batch_size=4", "gspo.mini_batches=2", f"rollout.routing_replay={mode}",
-                             "rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=colocated"])
+    cfg = load_config(
+        None,
+        [
+            "parallel.micro_batch_size=4",
+            "gspo.mini_batches=2",
+            f"rollout.routing_replay={mode}",
+            "rollout.engine=sglang",
+            "rollout.engine_server=cpu",
+            "rollout.sync_mode=colocated",
+        ],
+    )
     minis = split_batch(cfg, records, 1, 0, pad_id=0, multiple=1)
     flat = [b for m in minis for b in m]
     with replay_phase(ddp, mode, "old" if mode != "off" else None) as state:
@@ -110,8 +138,8 @@ def measure(hf_dir: str, records: list, mode: str, lr: float) -> dict:
     log.clear()
     metrics = train_on_batch(cfg, ddp, opt, sched, records, pad_id=0).metrics
     n0 = len(minis[0])
-    old_calls = log[:len(flat) * layers]
-    second = log[(len(flat) + n0) * layers:]
+    old_calls = log[: len(flat) * layers]
+    second = log[(len(flat) + n0) * layers :]
     moved = [0, 0]
     for k, (layer, ids) in enumerate(second):
         b = flat[n0 + k // layers]
@@ -119,11 +147,15 @@ def measure(hf_dir: str, records: list, mode: str, lr: float) -> dict:
         valid = (local_targets(b[ROUTES_KEY], layer) != NO_ROUTE).all(-1)
         moved[0] += int((~_same(ids, before) & valid).sum())
         moved[1] += int(valid.sum())
-    return {"agree_used": agree[0] / max(agree[1], 1),
-            "agree_own": own[0] / own[1] if own else agree[0] / max(agree[1], 1),
-            "gap_mean": float(gap.mean()), "gap_max": float(gap.max()),
-            "moved": moved[0] / max(moved[1], 1), "route_agreement_metric": metrics.get("rollout/route_agreement"),
-            "logprob_abs_diff_metric": metrics["rollout/logprob_abs_diff"]}
+    return {
+        "agree_used": agree[0] / max(agree[1], 1),
+        "agree_own": own[0] / own[1] if own else agree[0] / max(agree[1], 1),
+        "gap_mean": float(gap.mean()),
+        "gap_max": float(gap.max()),
+        "moved": moved[0] / max(moved[1], 1),
+        "route_agreement_metric": metrics.get("rollout/route_agreement"),
+        "logprob_abs_diff_metric": metrics["rollout/logprob_abs_diff"],
+    }
 
 
 def main(argv=None) -> dict:
@@ -140,8 +172,11 @@ def main(argv=None) -> dict:
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
 
     p = args.perturbation
-    engines = [(f"fp32, perturbation {p:g}", torch.float32, p), ("bf16", torch.bfloat16, 0.0),
-               (f"bf16, perturbation {p:g}", torch.bfloat16, p)]
+    engines = [
+        (f"fp32, perturbation {p:g}", torch.float32, p),
+        ("bf16", torch.bfloat16, 0.0),
+        (f"bf16, perturbation {p:g}", torch.bfloat16, p),
+    ]
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = os.path.join(tmp, "hf")
@@ -153,14 +188,18 @@ def main(argv=None) -> dict:
                 results[name] = {mode: measure(hf_dir, records, mode, args.lr) for mode in ("off", "r2", "r3")}
         finally:
             destroy_distributed()
-    head = f"{'engine (trainer: fp32)':<26} {'mode':<4} {'agree_used':>10} {'agree_own':>9} " \
-           f"{'gap_mean':>9} {'gap_max':>9} {'moved':>7}"
+    head = (
+        f"{'engine (trainer: fp32)':<26} {'mode':<4} {'agree_used':>10} {'agree_own':>9} "
+        f"{'gap_mean':>9} {'gap_max':>9} {'moved':>7}"
+    )
     print(head)
     print("-" * len(head))
     for name, per_mode in results.items():
         for mode, r in per_mode.items():
-            print(f"{name:<26} {mode:<4} {r['agree_used']:>10.4f} {r['agree_own']:>9.4f} {r['gap_mean']:>9.2e} "
-                  f"{r['gap_max']:>9.2e} {r['moved']:>7.4f}")
+            print(
+                f"{name:<26} {mode:<4} {r['agree_used']:>10.4f} {r['agree_own']:>9.4f} {r['gap_mean']:>9.2e} "
+                f"{r['gap_max']:>9.2e} {r['moved']:>7.4f}"
+            )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)

@@ -35,10 +35,19 @@ VARYING = ("sync/", "time/", "perf/", "timing/")
 def make_model(path: str, a) -> int:
     from gspo_megatron.models.tiny import save_tiny_hf_model
 
-    model = save_tiny_hf_model("qwen3_moe", path, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                               num_experts=a.experts, moe_intermediate_size=a.moe_ffn, intermediate_size=2 * a.moe_ffn,
-                               num_attention_heads=8, num_key_value_heads=4, head_dim=a.hidden // 8,
-                               vocab_size=384)  # >= the demo tokenizer's 259 tokens
+    model = save_tiny_hf_model(
+        "qwen3_moe",
+        path,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_experts=a.experts,
+        moe_intermediate_size=a.moe_ffn,
+        intermediate_size=2 * a.moe_ffn,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=a.hidden // 8,
+        vocab_size=384,
+    )  # >= the demo tokenizer's 259 tokens
     return sum(p.numel() for p in model.parameters())
 
 
@@ -46,14 +55,37 @@ def run(name: str, workdir: str, model_dir: str, a, extra: list[str]) -> tuple[l
     from gspo_megatron.runtime.ports import free_port
 
     out, checks = os.path.join(workdir, name), os.path.join(workdir, f"{name}_checks.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           SYNC_CHECK, "--config", os.path.join(ROOT, "configs/demo_cpu.yaml"), f"output_dir={out}",
-           f"model.hf_path={model_dir}", "model.init=random", "model.dtype=bfloat16", f"optimizer.lr={a.lr}",
-           f"train.steps={a.steps}", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3",
-           "parallel.micro_batch_size=4", "gspo.mini_batches=2", "logging.progress=false", "logging.tensorboard=false",
-           "checkpoint.interval=0", "rollout.engine=sglang", "rollout.engine_server=cpu",
-           "rollout.sync_mode=colocated", "rollout.engine_tp=1", "rollout.engine_deterministic=true",
-           "rollout.sync_verify_every=0", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        SYNC_CHECK,
+        "--config",
+        os.path.join(ROOT, "configs/demo_cpu.yaml"),
+        f"output_dir={out}",
+        f"model.hf_path={model_dir}",
+        "model.init=random",
+        "model.dtype=bfloat16",
+        f"optimizer.lr={a.lr}",
+        f"train.steps={a.steps}",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=3",
+        "parallel.micro_batch_size=4",
+        "gspo.mini_batches=2",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.interval=0",
+        "rollout.engine=sglang",
+        "rollout.engine_server=cpu",
+        "rollout.sync_mode=colocated",
+        "rollout.engine_tp=1",
+        "rollout.engine_deterministic=true",
+        "rollout.sync_verify_every=0",
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GSPO_SYNC_CHECK_FILE=checks)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode:
@@ -77,30 +109,42 @@ def main() -> None:
     workdir = a.workdir or tempfile.mkdtemp(prefix="sync_delta_")
     model_dir = os.path.join(workdir, "model")
     n = make_model(model_dir, a)
-    print(f"model: Qwen3-MoE hidden {a.hidden}, {a.layers} layers, {a.experts} experts, moe_ffn {a.moe_ffn}: "
-          f"{n / 1e6:.1f}M parameters ({2 * n / 1e6:.1f} MB in bf16); lr {a.lr}; {a.steps} steps; workdir {workdir}")
+    print(
+        f"model: Qwen3-MoE hidden {a.hidden}, {a.layers} layers, {a.experts} experts, moe_ffn {a.moe_ffn}: "
+        f"{n / 1e6:.1f}M parameters ({2 * n / 1e6:.1f} MB in bf16); lr {a.lr}; {a.steps} steps; workdir {workdir}"
+    )
     full, full_checks = run("full", workdir, model_dir, a, [])
     delta, delta_checks = run("delta", workdir, model_dir, a, ["rollout.sync_delta=true"])
-    print(f"\n{'step':>4} {'full MB':>9} {'full s':>8} {'delta MB':>9} {'delta s':>8} {'bytes %':>8} "
-          f"{'changed %':>10} {'tensors sent full':>18}")
+    print(
+        f"\n{'step':>4} {'full MB':>9} {'full s':>8} {'delta MB':>9} {'delta s':>8} {'bytes %':>8} "
+        f"{'changed %':>10} {'tensors sent full':>18}"
+    )
     ratios = []
     for f_row, d_row in zip(full, delta):
         full_mb, delta_mb = f_row["sync/bytes"] / 1e6, d_row["sync/delta_wire_bytes"] / 1e6
         ratios.append(d_row["sync/delta_wire_bytes"] / d_row["sync/delta_full_bytes"])
-        print(f"{f_row['step']:>4} {full_mb:>9.2f} {f_row['sync/total_s']:>8.3f} {delta_mb:>9.4f} "
-              f"{d_row['sync/total_s']:>8.3f} {100 * ratios[-1]:>8.4f} {100 * d_row['sync/delta_fraction']:>10.4f} "
-              f"{int(d_row['sync/delta_tensors_full']):>18}")
+        print(
+            f"{f_row['step']:>4} {full_mb:>9.2f} {f_row['sync/total_s']:>8.3f} {delta_mb:>9.4f} "
+            f"{d_row['sync/total_s']:>8.3f} {100 * ratios[-1]:>8.4f} {100 * d_row['sync/delta_fraction']:>10.4f} "
+            f"{int(d_row['sync/delta_tensors_full']):>18}"
+        )
     med = statistics.median
-    print(f"\nmedian sync seconds: full {med(r['sync/total_s'] for r in full):.3f}, "
-          f"delta {med(r['sync/total_s'] for r in delta):.3f}; median delta bytes / full bytes {100 * med(ratios):.4f}%")
+    print(
+        f"\nmedian sync seconds: full {med(r['sync/total_s'] for r in full):.3f}, "
+        f"delta {med(r['sync/total_s'] for r in delta):.3f}; median delta bytes / full bytes {100 * med(ratios):.4f}%"
+    )
     for name, checks in (("full", full_checks), ("delta", delta_checks)):
         bad = [c for c in checks if c["mismatches"]]
-        print(f"{name}: {len(checks)} syncs checked against the trainer's HF export, every engine TP rank bitwise: "
-              f"{'all equal' if not bad else f'{len(bad)} with mismatches'}")
+        print(
+            f"{name}: {len(checks)} syncs checked against the trainer's HF export, every engine TP rank bitwise: "
+            f"{'all equal' if not bad else f'{len(bad)} with mismatches'}"
+        )
 
     def learning(rows):
-        return [{k: v for k, v in r.items() if not k.startswith(VARYING) and "_s" not in k.rsplit("/", 1)[-1]}
-                for r in rows]
+        return [
+            {k: v for k, v in r.items() if not k.startswith(VARYING) and "_s" not in k.rsplit("/", 1)[-1]} for r in rows
+        ]
+
     print(f"learning metrics of the two runs equal: {learning(full) == learning(delta)}")
 
 

@@ -63,9 +63,27 @@ def run(placement: str, steps: int, out: str, extra: list[str], perturbation: fl
     per_node = 4 // nodes
     procs = []
     for node in range(nodes):
-        cmd = [torchrun, "--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", str(per_node),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "gspo_megatron.train",
-               "--config", CONFIG, f"output_dir={out}", f"train.steps={steps}", *overrides, *extra]
+        cmd = [
+            torchrun,
+            "--nnodes",
+            str(nodes),
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            str(per_node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "gspo_megatron.train",
+            "--config",
+            CONFIG,
+            f"output_dir={out}",
+            f"train.steps={steps}",
+            *overrides,
+            *extra,
+        ]
         log = open(os.path.join(os.path.dirname(out), f"{placement}-node{node}.log"), "w")
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait() for p in procs]
@@ -76,22 +94,32 @@ def run(placement: str, steps: int, out: str, extra: list[str], perturbation: fl
 
 
 def moving(xs: list[float], k: int = 5) -> list[float]:
-    return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
+    return [sum(xs[max(0, i - k + 1) : i + 1]) / len(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--placements", default=",".join(PLACEMENTS), help="comma-separated: " + ", ".join(PLACEMENTS))
-    ap.add_argument("--perturbation", type=float, default=3.0,
-                    help="the engines' --router-logit-perturbation in " + " and ".join(PERTURBED))
-    ap.add_argument("--workdir", default=None, help="keep the runs' outputs and logs here (default: a temporary "
-                    "directory, removed at the end)")
+    ap.add_argument(
+        "--perturbation",
+        type=float,
+        default=3.0,
+        help="the engines' --router-logit-perturbation in " + " and ".join(PERTURBED),
+    )
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="keep the runs' outputs and logs here (default: a temporary directory, removed at the end)",
+    )
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every run (e.g. seed=7)")
     args = ap.parse_args()
     curves, seconds, gaps, agree = {}, {}, {}, {}
-    with (contextlib.nullcontext(args.workdir) if args.workdir
-          else tempfile.TemporaryDirectory(prefix="topology_learning_")) as tmp:
+    with (
+        contextlib.nullcontext(args.workdir)
+        if args.workdir
+        else tempfile.TemporaryDirectory(prefix="topology_learning_")
+    ) as tmp:
         for placement in args.placements.split(","):
             t0 = time.monotonic()
             metrics = run(placement, args.steps, os.path.join(tmp, placement), args.overrides, args.perturbation)
@@ -109,9 +137,13 @@ def main() -> None:
         c = curves[n]
         gap = f"{sum(gaps[n]) / len(gaps[n]):.3g}" if gaps[n] else "-"
         agreement = f", mean route_agreement {sum(agree[n]) / len(agree[n]):.4f}" if agree[n] else ""
-        ratio = f"ratio of time to inprocess {seconds[n] / seconds['inprocess']:.2f}, " if "inprocess" in seconds else ""
-        print(f"{n}: first 5 steps {sum(c[:5]) / 5:.3f}, last 5 steps {sum(c[-5:]) / 5:.3f}, {ratio}"
-              f"mean logprob_abs_diff {gap}{agreement}, {seconds[n]:.0f} s")
+        ratio = (
+            f"ratio of time to inprocess {seconds[n] / seconds['inprocess']:.2f}, " if "inprocess" in seconds else ""
+        )
+        print(
+            f"{n}: first 5 steps {sum(c[:5]) / 5:.3f}, last 5 steps {sum(c[-5:]) / 5:.3f}, {ratio}"
+            f"mean logprob_abs_diff {gap}{agreement}, {seconds[n]:.0f} s"
+        )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ DIFFERENCES = [
 ]
 MODE_NOTE = {
     "interleaved": "both in this process, steps interleaved (TRL step k, then our step k) so both see the same "
-                   "machine load; ours is set up as gspo-train does, minus metrics logging and checkpoints",
+    "machine load; ours is set up as gspo-train does, minus metrics logging and checkpoints",
     "sequential": "ours = gspo-train subprocess (run first, as shipped); TRL = in this process (run second)",
 }
 
@@ -109,10 +109,14 @@ class Side:
         return {
             "tokens_per_s": sum(self.tokens) / total_t if total_t > 0 else None,
             "tokens_per_s_median": med([n / t for n, t in zip(self.tokens, self.step_s)]),
-            "step_time_s": med(self.step_s), "tokens_per_step": med(self.tokens),
-            "rollout_s": med(self.rollout_s), "generate_s": med(self.generate_s),
-            "old_logprob_s": med(self.old_logprob_s), "train_s": med(self.train_s),
-            "sync_s": med(self.sync_s), "reward_mean": statistics.fmean(self.reward_mean) if self.reward_mean else None,
+            "step_time_s": med(self.step_s),
+            "tokens_per_step": med(self.tokens),
+            "rollout_s": med(self.rollout_s),
+            "generate_s": med(self.generate_s),
+            "old_logprob_s": med(self.old_logprob_s),
+            "train_s": med(self.train_s),
+            "sync_s": med(self.sync_s),
+            "reward_mean": statistics.fmean(self.reward_mean) if self.reward_mean else None,
             "response_len_mean": statistics.fmean(self.response_len) if self.response_len else None,
             "process_wall_s": self.wall_s,
         }
@@ -123,13 +127,20 @@ def overrides_for(args, workdir: str) -> list[str]:
     n = args.prompts * args.group_size
     if n % args.mini_batches:
         raise SystemExit(f"--prompts * --group-size = {n} must be divisible by --mini-batches {args.mini_batches}")
-    return [f"output_dir={os.path.join(workdir, 'ours')}", f"train.steps={args.warmup + args.steps}",
-            f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
-            f"gspo.mini_batches={args.mini_batches}", f"parallel.micro_batch_size={n // args.mini_batches}",
-            "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=0",
-            # TRL has no resampling of zero-variance groups: one generation round per step on both sides
-            "rollout.dynamic_sampling=false",
-            *([f"rollout.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else [])]
+    return [
+        f"output_dir={os.path.join(workdir, 'ours')}",
+        f"train.steps={args.warmup + args.steps}",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.group_size={args.group_size}",
+        f"gspo.mini_batches={args.mini_batches}",
+        f"parallel.micro_batch_size={n // args.mini_batches}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.interval=0",
+        # TRL has no resampling of zero-variance groups: one generation round per step on both sides
+        "rollout.dynamic_sampling=false",
+        *([f"rollout.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []),
+    ]
 
 
 def check_config(cfg) -> None:
@@ -179,7 +190,7 @@ def run_ours(args, overrides: list[str], workdir: str) -> Side:
         raise SystemExit(f"gspo-train exited with {rc} ({' '.join(cmd)}); log {log_path}:\n{tail}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    rows = sorted(rows, key=lambda r: r["step"])[args.warmup:]
+    rows = sorted(rows, key=lambda r: r["step"])[args.warmup :]
     side = Side("gspo-megatron", wall_s=wall)
     for r in rows:
         side.step_s.append(r["perf/step_time_s"])
@@ -201,9 +212,9 @@ class OursInProcess:
         from gspo_megatron import factory
         from gspo_megatron.config import validate, validate_model_layout, values_for
         from gspo_megatron.data.dataset import PromptSampler
-        from gspo_megatron.models.build import load_hf_config
+        from gspo_megatron.models.arch import model_hf_config
+        from gspo_megatron.models.hf_config import load_hf_config
         from gspo_megatron.models.weights import load_hf_weights
-        from gspo_megatron.planner import model_hf_config
         from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
         from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
         from gspo_megatron.weight_sync.sync import WeightSyncer
@@ -216,8 +227,14 @@ class OursInProcess:
         init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
         hf_dir = factory.hf_init_dir(cfg)
         model = factory.build_model(cfg, load_hf_config(hf_dir))
-        self.ddp, self.optimizer, self.scheduler = setup_training(model, OptimOptions(**values_for(
-            OptimOptions, cfg.optimizer, cfg.parallel, total_steps=cfg.train.steps * cfg.gspo.mini_batches)))
+        self.ddp, self.optimizer, self.scheduler = setup_training(
+            model,
+            OptimOptions(
+                **values_for(
+                    OptimOptions, cfg.optimizer, cfg.parallel, total_steps=cfg.train.steps * cfg.gspo.mini_batches
+                )
+            ),
+        )
         load_hf_weights(model, hf_dir)
         self.optimizer.reload_model_params()  # bf16: the fp32 main params from the loaded weights (train.resume)
         self.tokenizer = factory.build_tokenizer(hf_dir)
@@ -241,8 +258,9 @@ class OursInProcess:
 
         self.steps_done += 1
         t0 = time.perf_counter()
-        batch = collect_rollouts(self.cfg, self.steps_done, self.engine, self.dataset, self.sampler,
-                                 self.tokenizer, self.rewards)
+        batch = collect_rollouts(
+            self.cfg, self.steps_done, self.engine, self.dataset, self.sampler, self.tokenizer, self.rewards
+        )
         box = [("ok", batch.records)]
         dist.broadcast_object_list(box, src=0)  # as train.py (a world of one here)
         m = train_on_batch(self.cfg, self.ddp, self.optimizer, self.scheduler, box[0][1], self.pad_id).metrics
@@ -280,7 +298,9 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str, s
         from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
-        raise SystemExit(f"bench/train_step.py needs TRL for the baseline ({e}); install it with `pip install trl`") from e
+        raise SystemExit(
+            f"bench/train_step.py needs TRL for the baseline ({e}); install it with `pip install trl`"
+        ) from e
     from gspo_megatron.data.tasks import TASKS
     from gspo_megatron.data.tokenizer import load_tokenizer
 
@@ -302,23 +322,57 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str, s
             out.append(float(reward_fn(prompt[-1]["content"], text, lab)))
         return out
 
-    records = [{"prompt": [{"role": "user", "content": row.prompt}], "label": row.label}
-               for step in prompts_by_step for row in step]
+    records = [
+        {"prompt": [{"role": "user", "content": row.prompt}], "label": row.label}
+        for step in prompts_by_step
+        for row in step
+    ]
     train_dataset = datasets.Dataset.from_list(records)
 
     r, o, g = cfg.rollout, cfg.optimizer, cfg.gspo
     targs = GRPOConfig(
-        output_dir=os.path.join(workdir, "trl"), use_cpu=True, bf16=False, fp16=False, seed=cfg.seed,
-        activation_checkpointing=False, gradient_checkpointing=False, per_device_train_batch_size=P * G // M, gradient_accumulation_steps=1,
-        steps_per_generation=M, num_iterations=1, num_generations=G, max_completion_length=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0), learning_rate=o.lr,
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_epsilon=o.adam_eps, weight_decay=o.weight_decay,
-        max_grad_norm=o.clip_grad, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
-        epsilon=g.clip_low, epsilon_high=g.clip_high, importance_sampling_level="sequence", loss_type="grpo",
+        output_dir=os.path.join(workdir, "trl"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=cfg.seed,
+        activation_checkpointing=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=P * G // M,
+        gradient_accumulation_steps=1,
+        steps_per_generation=M,
+        num_iterations=1,
+        num_generations=G,
+        max_completion_length=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=max(r.top_k, 0),
+        learning_rate=o.lr,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_epsilon=o.adam_eps,
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.clip_grad,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        beta=0.0,
+        epsilon=g.clip_low,
+        epsilon_high=g.clip_high,
+        importance_sampling_level="sequence",
+        loss_type="grpo",
         entropy_coef=g.entropy_coef,
-        scale_rewards="group" if g.std_normalize else "none", router_aux_loss_coef=cfg.model.moe_aux_loss_coeff,
-        max_steps=len(prompts_by_step) * M, shuffle_dataset=False, report_to="none", logging_strategy="no",
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, use_vllm=False, log_completions=False)
+        scale_rewards="group" if g.std_normalize else "none",
+        router_aux_loss_coef=cfg.model.moe_aux_loss_coeff,
+        max_steps=len(prompts_by_step) * M,
+        shuffle_dataset=False,
+        report_to="none",
+        logging_strategy="no",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        use_vllm=False,
+        log_completions=False,
+    )
 
     phases: list[dict] = []
 
@@ -391,8 +445,14 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str, s
     t_start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     clock = StepClock()
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=last_digit_reward, args=targs,
-                               train_dataset=train_dataset, processing_class=tokenizer, callbacks=[clock])
+    trainer = TimedGRPOTrainer(
+        model=model,
+        reward_funcs=last_digit_reward,
+        args=targs,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     trainer.remove_callback(PrinterCallback)  # its end-of-training dict would clutter the table
     # built after TRL's trainer: accelerate's process state must not see our world-of-one process group
     t_other = time.perf_counter()
@@ -426,13 +486,20 @@ def run_trl(args, cfg, hf_dir: str, prompts_by_step: list[list], workdir: str, s
 
 # ----------------------------------------------------------------------------------------- report
 def format_table(ours: Side | None, trl: Side | None) -> str:
-    rows = [("tokens/s (all steps)", "tokens_per_s", "{:.0f}"), ("tokens/s (median)", "tokens_per_s_median", "{:.0f}"),
-            ("step time (s)", "step_time_s", "{:.3f}"),
-            ("tokens/step", "tokens_per_step", "{:.0f}"), ("  rollout (s)", "rollout_s", "{:.3f}"),
-            ("    generate (s)", "generate_s", "{:.3f}"), ("  old log-probs (s)", "old_logprob_s", "{:.3f}"),
-            ("  train (s)", "train_s", "{:.3f}"), ("  weight sync (s)", "sync_s", "{:.4f}"),
-            ("response len", "response_len_mean", "{:.2f}"), ("reward mean", "reward_mean", "{:.3f}"),
-            ("wall incl. setup (s)", "process_wall_s", "{:.1f}")]
+    rows = [
+        ("tokens/s (all steps)", "tokens_per_s", "{:.0f}"),
+        ("tokens/s (median)", "tokens_per_s_median", "{:.0f}"),
+        ("step time (s)", "step_time_s", "{:.3f}"),
+        ("tokens/step", "tokens_per_step", "{:.0f}"),
+        ("  rollout (s)", "rollout_s", "{:.3f}"),
+        ("    generate (s)", "generate_s", "{:.3f}"),
+        ("  old log-probs (s)", "old_logprob_s", "{:.3f}"),
+        ("  train (s)", "train_s", "{:.3f}"),
+        ("  weight sync (s)", "sync_s", "{:.4f}"),
+        ("response len", "response_len_mean", "{:.2f}"),
+        ("reward mean", "reward_mean", "{:.3f}"),
+        ("wall incl. setup (s)", "process_wall_s", "{:.1f}"),
+    ]
     a = ours.summary() if ours else {}
     b = trl.summary() if trl else {}
 
@@ -457,9 +524,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mini-batches", type=int, default=2, choices=(1, 2), help="optimizer steps per step (M)")
     ap.add_argument("--max-new-tokens", type=int, help="max response tokens (default: the config's)")
     ap.add_argument("--config", default=DEMO_CONFIG, help="base config (default: the CPU demo)")
-    ap.add_argument("--mode", choices=("interleaved", "sequential"), default="interleaved",
-                    help="interleaved: both in process, alternating steps (fair on a busy machine); "
-                         "sequential: gspo-train as a subprocess first, then TRL")
+    ap.add_argument(
+        "--mode",
+        choices=("interleaved", "sequential"),
+        default="interleaved",
+        help="interleaved: both in process, alternating steps (fair on a busy machine); "
+        "sequential: gspo-train as a subprocess first, then TRL",
+    )
     ap.add_argument("--only", choices=("ours", "trl"), help="run one side only (ours: as a gspo-train subprocess)")
     ap.add_argument("--workdir", help="where runs are written (default: a temporary directory, removed)")
     ap.add_argument("--output", help="write the result as JSON here")
@@ -486,10 +557,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, overrides)
     check_config(cfg)
     P, G, M = args.prompts, args.group_size, args.mini_batches
-    print(f"GSPO step throughput, {os.path.relpath(args.config, REPO)}: P={P} prompts x G={G} = {P * G} "
-          f"sequences/step, max_new_tokens={cfg.rollout.max_new_tokens}, {M} optimizer step(s)/step, "
-          f"fp32 CPU, torch threads={torch.get_num_threads()}; {args.warmup} warmup + {args.steps} measured steps",
-          flush=True)
+    print(
+        f"GSPO step throughput, {os.path.relpath(args.config, REPO)}: P={P} prompts x G={G} = {P * G} "
+        f"sequences/step, max_new_tokens={cfg.rollout.max_new_tokens}, {M} optimizer step(s)/step, "
+        f"fp32 CPU, torch threads={torch.get_num_threads()}; {args.warmup} warmup + {args.steps} measured steps",
+        flush=True,
+    )
 
     load0 = os.getloadavg()[0]
     ours = trl = None
@@ -504,8 +577,11 @@ def main(argv: list[str] | None = None) -> int:
         factory.hf_init_dir(cfg)  # the starting weights (written once; our run reads the same files)
         prompts = step_prompts(cfg, load_tokenizer(hf_dir), args.warmup + args.steps)
         if mode == "interleaved":
-            print("TRL GRPOTrainer (importance_sampling_level=sequence) and gspo-megatron, alternating steps, "
-                  "in process ...", flush=True)
+            print(
+                "TRL GRPOTrainer (importance_sampling_level=sequence) and gspo-megatron, alternating steps, "
+                "in process ...",
+                flush=True,
+            )
             trl, stepper = run_trl(args, cfg, hf_dir, prompts, workdir, setup_other=lambda: OursInProcess(cfg))
             ours = stepper.side
             stepper.close()
@@ -516,14 +592,21 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(ours, trl)
     print()
     print(table)
-    print("\ntokens = prompt + completion (incl. EOS) tokens of the step's sequences. tokens/s (all steps) = "
-          "measured tokens / measured step time; (median) = the median step's. Times: medians per step; "
-          "reward and response length: means.")
+    print(
+        "\ntokens = prompt + completion (incl. EOS) tokens of the step's sequences. tokens/s (all steps) = "
+        "measured tokens / measured step time; (median) = the median step's. Times: medians per step; "
+        "reward and response length: means."
+    )
     print(f"load average (1 min) at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if max(load0, os.getloadavg()[0]) > (os.cpu_count() or 1):
-        print("WARNING: the machine was busy with other work during the run; timings are noisy" +
-              (" (both sides alternated steps, so they saw the same load)" if mode == "interleaved" else
-               " and a lone process suffers more than its share: use --mode interleaved or an idle machine"))
+        print(
+            "WARNING: the machine was busy with other work during the run; timings are noisy"
+            + (
+                " (both sides alternated steps, so they saw the same load)"
+                if mode == "interleaved"
+                else " and a lone process suffers more than its share: use --mode interleaved or an idle machine"
+            )
+        )
     differences = DIFFERENCES + [MODE_NOTE[mode]]
     print("What differs:")
     for d in differences:
@@ -538,18 +621,33 @@ def main(argv: list[str] | None = None) -> int:
             except md.PackageNotFoundError:
                 versions[pkg] = None
         result = {
-            "settings": {"prompts": P, "group_size": G, "sequences_per_step": P * G, "mini_batches": M,
-                         "max_new_tokens": cfg.rollout.max_new_tokens, "warmup": args.warmup, "steps": args.steps,
-                         "clip": [cfg.gspo.clip_low, cfg.gspo.clip_high], "lr": cfg.optimizer.lr,
-                         "config": os.path.relpath(args.config, REPO), "torch_threads": torch.get_num_threads()},
-            "environment": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
-                            "load_avg_1min_start_end": [load0, os.getloadavg()[0]], **versions},
+            "settings": {
+                "prompts": P,
+                "group_size": G,
+                "sequences_per_step": P * G,
+                "mini_batches": M,
+                "max_new_tokens": cfg.rollout.max_new_tokens,
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "clip": [cfg.gspo.clip_low, cfg.gspo.clip_high],
+                "lr": cfg.optimizer.lr,
+                "config": os.path.relpath(args.config, REPO),
+                "torch_threads": torch.get_num_threads(),
+            },
+            "environment": {
+                "python": platform.python_version(),
+                "cpu_count": os.cpu_count(),
+                "load_avg_1min_start_end": [load0, os.getloadavg()[0]],
+                **versions,
+            },
             "ours": {**(ours.summary() if ours else {}), "per_step": ours.__dict__ if ours else None},
             "trl": {**(trl.summary() if trl else {}), "per_step": trl.__dict__ if trl else None},
-            "ratio_tokens_per_s": (ours.summary()["tokens_per_s"] / trl.summary()["tokens_per_s"]
-                                   if ours and trl else None),
-            "ratio_tokens_per_s_median": (ours.summary()["tokens_per_s_median"] /
-                                          trl.summary()["tokens_per_s_median"] if ours and trl else None),
+            "ratio_tokens_per_s": (
+                ours.summary()["tokens_per_s"] / trl.summary()["tokens_per_s"] if ours and trl else None
+            ),
+            "ratio_tokens_per_s_median": (
+                ours.summary()["tokens_per_s_median"] / trl.summary()["tokens_per_s_median"] if ours and trl else None
+            ),
             "mode": mode,
             "differences": differences,
             "table": table,

@@ -41,17 +41,27 @@ from gspo_megatron.checkpoint.manager import (
     resolve_checkpoint,
     write_checkpoint_dir,
 )
-from gspo_megatron.dtypes import (  # noqa: E402,F401  (DTYPE_NAMES public here too)
+from gspo_megatron.dtypes import (  # DTYPE_NAMES public here too
     DTYPE_NAMES,
     canonical_name,
     dtype_name,
 )
-from gspo_megatron.errors import UserInputError, agree, stop_all  # noqa: E402
+from gspo_megatron.errors import UserInputError, agree, stop_all
 from gspo_megatron.runtime import distributed as rdist
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class UsageError(UserInputError):
@@ -64,7 +74,7 @@ class UsageError(UserInputError):
 def parse_size(text: str) -> int:
     """'5GB' -> 5_000_000_000, '500MiB' -> 524288000, '1000' -> 1000 (bytes)."""
     m = _SIZE.match(str(text))
-    unit = (m.group(2).upper() if m else "")
+    unit = m.group(2).upper() if m else ""
     if not m or unit not in _UNITS:
         raise UsageError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 1000000")
     size = int(float(m.group(1)) * _UNITS[unit])
@@ -87,8 +97,8 @@ def check_hf_dir(hf_dir: str) -> dict:
     headers readable and holding every file the index names. Returns the config dict."""
     from safetensors import safe_open
 
-    from gspo_megatron.models.build import load_hf_config
-    from gspo_megatron.models.family import get_family
+    from gspo_megatron.models.hf_config import load_hf_config
+    from gspo_megatron.models.registry import get_family
 
     if not os.path.isdir(hf_dir):
         raise UsageError(f"HF directory {hf_dir} does not exist")
@@ -104,8 +114,10 @@ def check_hf_dir(hf_dir: str) -> dict:
     elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        raise UsageError(f"no model.safetensors or model.safetensors.index.json in {hf_dir} "
-                         "(only safetensors checkpoints are supported)")
+        raise UsageError(
+            f"no model.safetensors or model.safetensors.index.json in {hf_dir} "
+            "(only safetensors checkpoints are supported)"
+        )
     for name in files:
         path = os.path.join(hf_dir, name)
         if not os.path.exists(path):
@@ -187,8 +199,9 @@ def _progress(total: int, desc: str, unit: str = "it", unit_scale: bool = False)
 
     rank0 = rdist.rank() == 0
     quiet = not rank0 or os.environ.get("TQDM_DISABLE", "") not in ("", "0")
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, disable=quiet,
-                file=sys.stderr, dynamic_ncols=True)
+    return tqdm(
+        total=total, desc=desc, unit=unit, unit_scale=unit_scale, disable=quiet, file=sys.stderr, dynamic_ncols=True
+    )
 
 
 @contextmanager
@@ -208,15 +221,23 @@ def gc_paused():
             gc.enable()
 
 
-def build_empty_model(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int, dtype: str,
-                      lora: dict | None = None):
+def build_empty_model(
+    hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int, dtype: str, lora: dict | None = None
+):
     """This rank's model with uninitialized weights (no random init; filled right after). ``lora``: a
     LoRA checkpoint's ``model.lora`` (its metadata): the adapters are built, loaded and merged on export."""
     from gspo_megatron.models.build import ModelOptions, build_model
     from gspo_megatron.models.lora import LoraOptions
 
-    return build_model(hf, tp, pp, ep, etp, cp, opts=ModelOptions(
-        dtype=dtype, perform_initialization=False, lora=LoraOptions(**lora) if lora else None))
+    return build_model(
+        hf,
+        tp,
+        pp,
+        ep,
+        etp,
+        cp,
+        opts=ModelOptions(dtype=dtype, perform_initialization=False, lora=LoraOptions(**lora) if lora else None),
+    )
 
 
 def load_hf_into(model, hf_dir: str) -> None:
@@ -228,11 +249,12 @@ def load_hf_into(model, hf_dir: str) -> None:
         load_hf_weights(model, hf_dir, progress=bar.update)
 
 
-def hf_to_megatron(hf_dir: str, output: str, tp: int = 1, pp: int = 1, ep: int = 1,
-                   etp: int | None = None, dtype: str | None = None) -> str:
+def hf_to_megatron(
+    hf_dir: str, output: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, dtype: str | None = None
+) -> str:
     """Convert ``hf_dir`` into a Megatron dist checkpoint at ``output`` (collective; every rank
     after init_distributed). The checkpoint loads into any layout. Returns ``output``."""
-    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.hf_config import load_hf_config
 
     hf = load_hf_config(hf_dir)
     with gc_paused():
@@ -241,11 +263,12 @@ def hf_to_megatron(hf_dir: str, output: str, tp: int = 1, pp: int = 1, ep: int =
         return write_checkpoint_dir(output, 0, model, hf_assets_dir=hf_dir, save_rng=False)
 
 
-def load_model(path: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-               cp: int = 1, dtype: str | None = None):
+def load_model(
+    path: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, cp: int = 1, dtype: str | None = None
+):
     """This rank's model, weights from an HF directory or a Megatron checkpoint (resharded to the
     current layout). Collective. Returns (model, hf_config)."""
-    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.hf_config import load_hf_config
 
     if is_hf_dir(path):
         hf = load_hf_config(path)
@@ -280,7 +303,8 @@ def write_hf_dir_files(out_dir: str, hf: dict, dtype: str, assets_dir: str | Non
 def hf_tensor_list(items) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(HF name, shape, dtype) of every HF tensor of an export plan, in the order
     ``export_hf_weights`` yields them (a stacked expert tensor [E, ...] where its last row comes)."""
-    out, rows = [], {}
+    out: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    rows: dict[str, int] = {}
     for it in items:
         if it.stack is None:
             out.extend((n, tuple(s), it.dtype) for n, s in zip(it.hf_names, it.hf_shapes))
@@ -293,8 +317,9 @@ def hf_tensor_list(items) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return out
 
 
-def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int,
-                     assets_dir: str | None = None) -> list[str] | None:
+def export_to_hf_dir(
+    model, hf: dict, out_dir: str, max_shard_size: int, assets_dir: str | None = None
+) -> list[str] | None:
     """Write this model as an HF directory (collective; every rank writes its own tensors).
 
     The export plan (``models.weights.build_export_plan``, global) fixes every HF tensor's shard
@@ -348,8 +373,15 @@ def export_to_hf_dir(model, hf: dict, out_dir: str, max_shard_size: int,
     return names
 
 
-def megatron_to_hf(checkpoint: str, output: str, tp: int = 1, pp: int = 1, ep: int = 1,
-                   etp: int | None = None, max_shard_size: int = 5 * 10**9) -> list[str] | None:
+def megatron_to_hf(
+    checkpoint: str,
+    output: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    max_shard_size: int = 5 * 10**9,
+) -> list[str] | None:
     """Export a Megatron checkpoint (converted or training; root or step directory) to an HF
     directory, loading it resharded into the current layout (collective)."""
     ckpt_dir, meta = checkpoint_meta(checkpoint)
@@ -376,23 +408,23 @@ def cli_errors(prog: str) -> Iterator[None]:
         yield
     except EXPECTED_ERRORS as e:
         together = not dist.is_initialized()  # agree() makes every rank stop with the first error
-        if together:
-            e = agree(e)
-        raise SystemExit(stop_all(prog, e, debug=False, together=together)) from None
+        error: BaseException | None = agree(e) if together else e
+        assert error is not None  # this rank failed: agree() returns an error
+        raise SystemExit(stop_all(prog, error, debug=False, together=together)) from None
 
 
 def add_layout_args(parser, with_cp: bool = False) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
-    parser.add_argument("--etp", type=int, default=None,
-                        help="expert tensor parallel size (default: --tp)")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
     if with_cp:
         parser.add_argument("--cp", type=int, default=1, help="context parallel size (GPU only)")
 
 
-def run_distributed(fn: Callable[[], object], tp: int, pp: int, ep: int, etp: int | None,
-                    cp: int = 1, seed: int = 1234):
+def run_distributed(
+    fn: Callable[[], object], tp: int, pp: int, ep: int, etp: int | None, cp: int = 1, seed: int = 1234
+):
     """init_distributed, run ``fn``, tear down (also on errors)."""
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
 
@@ -404,4 +436,3 @@ def run_distributed(fn: Callable[[], object], tp: int, pp: int, ep: int, etp: in
         return fn()
     finally:
         destroy_distributed()
-

@@ -31,8 +31,11 @@ class ConfigError(UserInputError):
 
     def __init__(self, errors: list[str] | str):
         self.errors = [errors] if isinstance(errors, str) else list(errors)
-        msg = self.errors[0] if len(self.errors) == 1 else (
-            f"{len(self.errors)} config errors:\n" + "\n".join(f"  - {e}" for e in self.errors))
+        msg = (
+            self.errors[0]
+            if len(self.errors) == 1
+            else (f"{len(self.errors)} config errors:\n" + "\n".join(f"  - {e}" for e in self.errors))
+        )
         super().__init__(msg)
 
 

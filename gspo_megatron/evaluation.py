@@ -29,10 +29,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from gspo_megatron.config import Config, parse_eval_dataset
 from gspo_megatron.data.dataset import DatasetError, PromptDataset, decode_response
 from gspo_megatron.runtime import distributed as rdist
+from gspo_megatron.sample import Sample
 
 DEFAULT_TASK_ROWS = 64
 
@@ -64,14 +66,19 @@ def build_eval_sets(cfg: Config, tokenizer) -> list[EvalSet]:
     from gspo_megatron.data.tasks import get_task
 
     d = cfg.data
-    common = dict(prompt_key=d.prompt_key, label_key=d.label_key, max_prompt_tokens=d.max_prompt_len,
-                  use_chat_template=d.apply_chat_template, skip_bad_rows=d.skip_bad_rows)
+    common: dict[str, Any] = dict(
+        prompt_key=d.prompt_key,
+        label_key=d.label_key,
+        max_prompt_tokens=d.max_prompt_len,
+        use_chat_template=d.apply_chat_template,
+        skip_bad_rows=d.skip_bad_rows,
+    )
     sets = []
     for i, entry in enumerate(cfg.eval.datasets):
         name, source = parse_eval_dataset(entry)
         try:
             if source.startswith("task:"):
-                task = get_task(source[len("task:"):])
+                task = get_task(source[len("task:") :])
                 # a seed of its own: not the training rows' order
                 rows = task.rows(cfg.eval.max_prompts or DEFAULT_TASK_ROWS, cfg.seed + 104_729)
                 ds = PromptDataset.from_records(rows, tokenizer, source=f"eval task {task.name}", **common)
@@ -80,7 +87,7 @@ def build_eval_sets(cfg: Config, tokenizer) -> list[EvalSet]:
         except (DatasetError, FileNotFoundError) as e:
             raise DatasetError(f"eval.datasets[{i}]: {e}") from None
         if cfg.eval.max_prompts:
-            ds = PromptDataset(ds.rows[:cfg.eval.max_prompts], ds.skipped_rows, ds.skip_reasons)
+            ds = PromptDataset(ds.rows[: cfg.eval.max_prompts], ds.skipped_rows, ds.skip_reasons)
         sets.append(EvalSet(name, ds))
     return sets
 
@@ -89,7 +96,8 @@ class _EvalBatch:
     """What RolloutSession.rollout expects from a collect call: no records (nothing is trained)."""
 
     def __init__(self, metrics: dict):
-        self.records, self.metrics = [], metrics
+        self.records: list[Sample] = []
+        self.metrics = metrics
 
 
 class Evaluator:
@@ -111,8 +119,9 @@ class Evaluator:
         from gspo_megatron.rollout.batch import sampling_params
 
         cfg = self.cfg
-        params = sampling_params(cfg, self.tokenizer, seed=(cfg.seed * 1_000_003 + 500_009 + step * 1009 + chunk)
-                                 % (2**31))
+        params = sampling_params(
+            cfg, self.tokenizer, seed=(cfg.seed * 1_000_003 + 500_009 + step * 1009 + chunk) % (2**31)
+        )
         if cfg.eval.greedy:
             params.temperature, params.top_p, params.top_k = 1.0, 1.0, 1
         else:
@@ -127,23 +136,26 @@ class Evaluator:
         chunk = max(1, cfg.rollout.prompts_per_step)
         rewards, lens, truncated, failures, correct = [], [], 0, 0.0, []
         for ci, start in enumerate(range(0, len(rows), chunk)):
-            part = rows[start:start + chunk]
+            part = rows[start : start + chunk]
             groups = self.engine.generate([r.prompt_ids for r in part], v.n, self.sampling_params(step, ci))
             prompts = [r.prompt for r, g in zip(part, groups) for _ in g]
             labels = [r.label for r, g in zip(part, groups) for _ in g]
             samples = [s for g in groups for s in g]
             responses = [decode_response(self.tokenizer, s) for s in samples]
             scores, stats = self.rewards.score(prompts, responses, labels, group_size=v.n)
-            failures += stats.get("reward/errors", 0.0) + stats.get("reward/timeouts", 0.0) + \
-                stats.get("reward/nonfinite", 0.0)
+            failures += (
+                stats.get("reward/errors", 0.0) + stats.get("reward/timeouts", 0.0) + stats.get("reward/nonfinite", 0.0)
+            )
             rewards += scores
             lens += [len(s.response_ids) for s in samples]
             truncated += sum(s.finish_reason == "length" for s in samples)
-            correct += [sum(x >= v.pass_threshold for x in scores[i * v.n:(i + 1) * v.n]) for i in range(len(part))]
-        m = {f"eval/{name}/mean_reward": sum(rewards) / len(rewards),
-             f"eval/{name}/response_len_mean": sum(lens) / len(lens),
-             f"eval/{name}/truncated_frac": truncated / len(lens),
-             f"eval/{name}/reward_failures": failures}
+            correct += [sum(x >= v.pass_threshold for x in scores[i * v.n : (i + 1) * v.n]) for i in range(len(part))]
+        m = {
+            f"eval/{name}/mean_reward": sum(rewards) / len(rewards),
+            f"eval/{name}/response_len_mean": sum(lens) / len(lens),
+            f"eval/{name}/truncated_frac": truncated / len(lens),
+            f"eval/{name}/reward_failures": failures,
+        }
         for k in v.pass_k:
             m[f"eval/{name}/pass@{k}"] = sum(pass_at_k(v.n, c, k) for c in correct) / len(correct)
         return m

@@ -29,8 +29,7 @@ def hf_init_dir(cfg: Config) -> str:
             raise ValueError("model.init=pretrained needs model.hf_path (an HF directory)")
         return cfg.model.hf_path
     out = os.path.join(cfg.output_dir, "hf_init")
-    if rdist.rank() == 0 and not os.path.exists(
-            os.path.join(out, "model.safetensors")):
+    if rdist.rank() == 0 and not os.path.exists(os.path.join(out, "model.safetensors")):
         _write_random_hf_model(cfg, out)
     rdist.barrier()
     return out
@@ -82,14 +81,18 @@ def build_dataset(cfg: Config, tokenizer):
     from gspo_megatron.data.dataset import PromptDataset
     from gspo_megatron.data.tasks import get_task
 
-    common = dict(prompt_key=cfg.data.prompt_key, label_key=cfg.data.label_key,
-                  max_prompt_tokens=cfg.data.max_prompt_len,
-                  use_chat_template=cfg.data.apply_chat_template, skip_bad_rows=cfg.data.skip_bad_rows)
+    common: dict[str, Any] = dict(
+        prompt_key=cfg.data.prompt_key,
+        label_key=cfg.data.label_key,
+        max_prompt_tokens=cfg.data.max_prompt_len,
+        use_chat_template=cfg.data.apply_chat_template,
+        skip_bad_rows=cfg.data.skip_bad_rows,
+    )
     if cfg.data.path:
         return PromptDataset.from_file(cfg.data.path, tokenizer, **common)
+    assert cfg.data.task is not None, "config validation: data.path or data.task is set"
     task = get_task(cfg.data.task)
-    return PromptDataset.from_records(task.rows(4096, cfg.seed), tokenizer, source=f"task {task.name}",
-                                      **common)
+    return PromptDataset.from_records(task.rows(4096, cfg.seed), tokenizer, source=f"task {task.name}", **common)
 
 
 def build_rewards(cfg: Config):
@@ -102,12 +105,23 @@ def build_rewards(cfg: Config):
     if r.url:
         from gspo_megatron.rewards.remote import RemoteRewardScorer
 
-        return RemoteRewardScorer(r.url, timeout_s=r.timeout_s, batch_size=r.batch_size,
-                                  max_in_flight=r.max_in_flight, retries=r.retries, group=r.group,
-                                  max_failure_share=r.max_failure_share)
+        return RemoteRewardScorer(
+            r.url,
+            timeout_s=r.timeout_s,
+            batch_size=r.batch_size,
+            max_in_flight=r.max_in_flight,
+            retries=r.retries,
+            group=r.group,
+            max_failure_share=r.max_failure_share,
+        )
     if r.num_workers > 0:
-        return RewardRunner(r.function, num_workers=r.num_workers, timeout_s=r.timeout_s,
-                            max_failure_share=r.max_failure_share, group=r.group)
+        return RewardRunner(
+            r.function,
+            num_workers=r.num_workers,
+            timeout_s=r.timeout_s,
+            max_failure_share=r.max_failure_share,
+            group=r.group,
+        )
     return InlineRewardScorer(r.function, max_failure_share=r.max_failure_share, group=r.group)
 
 
@@ -138,10 +152,18 @@ def build_engines(cfg: Config, hf_dir: str) -> Engines:
     rank = rdist.rank()
     if cfg.rollout.engine == "hf":
         engine = _build_hf_engine(cfg, hf_dir) if rank == 0 else None
-        return Engines(engine, build_sync_topology(cfg, engine=engine),
-                       dead_engines=lambda: [] if engine.health_check() else [0],
-                       restart=lambda dead: engine.restart() if rank == 0 else None,
-                       shutdown=lambda: engine.shutdown() if rank == 0 else None)
+
+        def dead_engines() -> list[int]:
+            assert engine is not None, "dead_engines() is asked on rank 0 only"
+            return [] if engine.health_check() else [0]
+
+        return Engines(
+            engine,
+            build_sync_topology(cfg, engine=engine),
+            dead_engines=dead_engines,
+            restart=lambda dead: engine.restart() if engine is not None else None,
+            shutdown=lambda: engine.shutdown() if engine is not None else None,
+        )
     from gspo_megatron.rollout.engine_fleet import EngineFleet
 
     server_args, route_spec = dict(random_seed=cfg.seed), None
@@ -153,9 +175,17 @@ def build_engines(cfg: Config, hf_dir: str) -> Engines:
         route_spec = route_spec_of(load_hf_config(hf_dir))
         if route_spec.index_topk:  # DSA models: the indexer's selection too (trainer replays it)
             server_args["enable_return_indexer_topk"] = True
-    fleet = EngineFleet(cfg, hf_dir, server_args=server_args,
-                        log_dir=os.path.join(cfg.output_dir, "engine_logs"), route_spec=route_spec)
+    adapter_sync = cfg.model.lora.rank > 0 and cfg.rollout.lora_sync == "adapter"
+    if adapter_sync:  # the engines serve the base plus a LoRA adapter per sync (weight_sync/lora_adapter.py)
+        from gspo_megatron.weight_sync.lora_adapter import engine_lora_args
+
+        server_args.update(engine_lora_args(cfg))
+    fleet = EngineFleet(
+        cfg, hf_dir, server_args=server_args, log_dir=os.path.join(cfg.output_dir, "engine_logs"), route_spec=route_spec
+    )
     topology = build_sync_topology(cfg, fleet=fleet)
+    if adapter_sync and fleet.engine is not None:  # colocated: the base stays (it is sent once)
+        fleet.engine.memory_tags = ["kv_cache"]
 
     def restart(dead: list[int]) -> None:
         fleet.restart(dead)
@@ -167,7 +197,7 @@ def build_engines(cfg: Config, hf_dir: str) -> Engines:
 def _build_hf_engine(cfg: Config, hf_dir: str):
     from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
-    kwargs = dict(config=hf_dir, weights=None, dtype=torch_dtype(cfg.model.dtype), seed=cfg.seed)
+    kwargs: dict[str, Any] = dict(config=hf_dir, weights=None, dtype=torch_dtype(cfg.model.dtype), seed=cfg.seed)
     if cfg.rollout.engine_process:
         from gspo_megatron.rollout.subprocess_engine import SubprocessRolloutEngine
 
@@ -197,8 +227,16 @@ def build_model(cfg: Config, hf: dict):
     if lora.rank > 0:  # adapters on the local spec's linears, the rest frozen (models/lora.py)
         from gspo_megatron.models.lora import LoraOptions
 
-        lora_opts = LoraOptions(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                                target_modules=list(lora.target_modules), seed=cfg.seed)
-    opts = ModelOptions(**values_for(ModelOptions, cfg.model, cfg.parallel, fp8_fields=fp8_fields,
-                                     perform_initialization=True, lora=lora_opts))
+        lora_opts = LoraOptions(
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            seed=cfg.seed,
+        )
+    opts = ModelOptions(
+        **values_for(
+            ModelOptions, cfg.model, cfg.parallel, fp8_fields=fp8_fields, perform_initialization=True, lora=lora_opts
+        )
+    )
     return _build(hf, p.tp, p.pp, p.ep, p.etp, p.cp, opts)

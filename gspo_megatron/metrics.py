@@ -20,8 +20,13 @@ from typing import Any, Mapping
 # logs every step (rollout.batch, trainer.step, train, weight_sync.sync); tests/train/test_console_keys.py
 # checks that a short run produces all of them.
 CONSOLE_KEYS = (
-    "reward/mean", "loss/total", "gspo/clip_frac", "train/grad_norm", "rollout/logprob_abs_diff",
-    "perf/step_time_s", "sync/total_s",
+    "reward/mean",
+    "loss/total",
+    "gspo/clip_frac",
+    "train/grad_norm",
+    "rollout/logprob_abs_diff",
+    "perf/step_time_s",
+    "sync/total_s",
 )
 
 
@@ -119,7 +124,10 @@ class MetricsLogger:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(
-                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
                 TextColumn("{task.description}"),
             )
             self._progress.start()
@@ -139,6 +147,7 @@ class MetricsLogger:
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         row = {"step": step, "time/elapsed": round(time.monotonic() - self._start, 3)}
         row.update({k: _jsonable(v) for k, v in metrics.items()})
+        assert self._file is not None, "MetricsLogger.log after close()"
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -159,6 +168,7 @@ class MetricsLogger:
 
     def _show(self, step: int, row: Mapping[str, Any]) -> None:
         if self._progress is not None:
+            assert self._task is not None  # added with the progress bar
             self._progress.update(self._task, completed=step, description=self._summary(row))
         elif self._console == "plain" and step % self.console_every == 0:
             total = f"/{self.total_steps}" if self.total_steps else ""

@@ -23,9 +23,18 @@ from __future__ import annotations
 SIZES = ("tp", "pp", "ep", "etp", "cp")
 
 
-def layout_errors(tp: int, pp: int = 1, ep: int = 1, etp: int | None = None, cp: int = 1, *,
-                  world_size: int | None = None, hf: dict | None = None,
-                  sequence_parallel: bool | None = None, prefix: str = "parallel.") -> list[str]:
+def layout_errors(
+    tp: int,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    cp: int = 1,
+    *,
+    world_size: int | None = None,
+    hf: dict | None = None,
+    sequence_parallel: bool | None = None,
+    prefix: str = "parallel.",
+) -> list[str]:
     """Every problem of the layout, one line each (empty: the layout works).
 
     ``etp`` None means etp = tp. ``world_size`` None skips the world checks, ``hf`` (config.json as a
@@ -42,12 +51,16 @@ def layout_errors(tp: int, pp: int = 1, ep: int = 1, etp: int | None = None, cp:
             return [f"world size must be >= 1, got {world_size}"]
         mp = tp * pp * cp
         if world_size % mp:
-            e.append(f"{prefix}tp * {prefix}pp * {prefix}cp = {tp} * {pp} * {cp} = {mp} must divide the "
-                     f"world size {world_size}")
+            e.append(
+                f"{prefix}tp * {prefix}pp * {prefix}cp = {tp} * {pp} * {cp} = {mp} must divide the "
+                f"world size {world_size}"
+            )
         emp = ep * etp_v * pp
         if world_size % emp:
-            e.append(f"{prefix}ep * {prefix}etp * {prefix}pp = {ep} * {etp_v} * {pp} = {emp} must divide the "
-                     f"world size {world_size}")
+            e.append(
+                f"{prefix}ep * {prefix}etp * {prefix}pp = {ep} * {etp_v} * {pp} = {emp} must divide the "
+                f"world size {world_size}"
+            )
     if hf is not None:
         e += _model_errors(hf, sizes, sequence_parallel, prefix)
     return e
@@ -68,10 +81,15 @@ def _model_errors(hf: dict, s: dict[str, int], sequence_parallel: bool | None, p
     divides("tp", tp, "num_attention_heads", d.num_heads)
     divides("tp", tp, "num_key_value_heads", d.num_kv_heads, " (Megatron needs num_query_groups % tp == 0)")
     padded = -(-d.vocab_size // tp) * tp
-    divides("tp", tp, "vocab_size", d.vocab_size,
-            f" (the output layer is split over the TP ranks); pad the vocabulary to {padded} rows (with "
-            f"transformers: model.resize_token_embeddings({padded}); model.save_pretrained(DIR)) or choose "
-            f"a {prefix}tp that divides it")
+    divides(
+        "tp",
+        tp,
+        "vocab_size",
+        d.vocab_size,
+        f" (the output layer is split over the TP ranks); pad the vocabulary to {padded} rows (with "
+        f"transformers: model.resize_token_embeddings({padded}); model.save_pretrained(DIR)) or choose "
+        f"a {prefix}tp that divides it",
+    )
     if d.num_dense_layers:
         divides("tp", tp, "intermediate_size", d.ffn_hidden)
     for what, n in get_family(hf).tp_divisible(hf):

@@ -3,7 +3,7 @@
 ``python tools/plan.py --config X --nodes N --gpus-per-node G --gpu-memory-gb M [overrides]`` (or
 ``gspo-train --dry-run ...``) calls :func:`plan_main`. Runs on one process, no GPU, no files needed:
 model dims come from ``model.hf_path``/config.json when it exists, else from the built-in table
-:data:`KNOWN_ARCHS` (``model.arch``, or detected from ``model.hf_path``'s directory name).
+:data:`gspo_megatron.models.arch.KNOWN_ARCHS` (``model.arch``, or detected from ``model.hf_path``'s directory name).
 
 The memory model (per GPU, GiB = 2**30 bytes; an estimate, see docs/planner.md):
 - weights: params on this GPU * dtype bytes; non-expert params / tp (norms and router replicated),
@@ -30,10 +30,10 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from gspo_megatron.config import (
     Config,
-    ConfigError,
     data_parallel_size,
     engine_count,
     load_config,
@@ -41,10 +41,10 @@ from gspo_megatron.config import (
     validate,
     validate_model_layout,
 )
-from gspo_megatron.dtypes import DTYPE_BYTES  # noqa: F401  (public here too)
-from gspo_megatron.errors import UserInputError
+from gspo_megatron.dtypes import DTYPE_BYTES
+from gspo_megatron.errors import ConfigError, UserInputError
 from gspo_megatron.losses.chunking import DEFAULT_CHUNK_BYTES
-from gspo_megatron.models.arch import KNOWN_ARCHS, detect_arch, model_hf_config, supported_model_types  # noqa: F401
+from gspo_megatron.models.arch import model_hf_config
 from gspo_megatron.models.dims import ModelDims as _ModelDims
 from gspo_megatron.weight_sync.modes import sync_mode
 
@@ -77,7 +77,7 @@ class LayerParams:
     active_expert: int  # the topk experts a token uses
 
 
-def layer_params(d: ModelDims, layer: int) -> LayerParams:
+def layer_params(d: _ModelDims, layer: int) -> LayerParams:
     """GQA attention (+ biases, QK-norm, sinks); a SwiGLU MLP (3 matrices, + biases) per dense layer, per
     routed expert and for the shared expert (TP-sharded like a dense MLP; its sigmoid gate [1, hidden]
     replicated); the router (+ its bias)."""
@@ -91,8 +91,12 @@ def layer_params(d: ModelDims, layer: int) -> LayerParams:
         norms = 2 * d.hidden + ((q + kv) if d.qk_norm_full_width else 2 * d.head_dim) * d.qk_norm
     attn += d.num_heads * d.attention_sinks  # sinks: split over TP with the heads
     # DSA lightning indexer (DeepSeek-V3.2 / GLM-5): wq_b, wk, k_norm (+ bias), weights_proj; replicated over TP
-    norms += (d.q_lora_rank * d.index_n_heads * d.index_head_dim + d.hidden * d.index_head_dim
-              + 2 * d.index_head_dim + d.hidden * d.index_n_heads)
+    norms += (
+        d.q_lora_rank * d.index_n_heads * d.index_head_dim
+        + d.hidden * d.index_head_dim
+        + 2 * d.index_head_dim
+        + d.hidden * d.index_n_heads
+    )
     attn += d.hidden * d.q_size * d.attention_output_gate  # gated attention: q_proj also gives the gates
     if layer in d.linear_layers:  # Gated DeltaNet instead of attention (Qwen3-Next / Qwen3.5)
         attn, norms = _gated_delta_net_params(d), 2 * d.hidden + d.linear_value_dim
@@ -104,28 +108,32 @@ def layer_params(d: ModelDims, layer: int) -> LayerParams:
     return LayerParams(attn + 3 * d.hidden * d.ffn_hidden, norms, 0, 0)
 
 
-def _gated_delta_net_params(d: ModelDims) -> int:
+def _gated_delta_net_params(d: _ModelDims) -> int:
     """One Gated DeltaNet layer's TP-sharded weights: in_proj hidden -> [q, k (Hk*dk each), v, z (Hv*dv each),
     b, a (Hv each)], the depthwise conv over [q, k, v] (K taps), dt_bias and A_log (Hv), out_proj Hv*dv -> hidden."""
     qk, v, hv = d.linear_key_heads * d.linear_key_dim, d.linear_value_heads * d.linear_value_dim, d.linear_value_heads
     return d.hidden * (2 * qk + 2 * v + 2 * hv) + (2 * qk + v) * d.linear_conv_kernel + 2 * hv + v * d.hidden
 
 
-def gated_delta_net_state_bytes(d: ModelDims) -> int:
+def gated_delta_net_state_bytes(d: _ModelDims) -> int:
     """Per sequence, all Gated DeltaNet layers: the recurrent state Hv x dk x dv (fp32) and the conv
     history (K - 1) x (2*Hk*dk + Hv*dv) (bf16) that an engine keeps instead of a KV cache."""
-    conv = (d.linear_conv_kernel - 1) * (2 * d.linear_key_heads * d.linear_key_dim + d.linear_value_heads * d.linear_value_dim)
+    conv = (d.linear_conv_kernel - 1) * (
+        2 * d.linear_key_heads * d.linear_key_dim + d.linear_value_heads * d.linear_value_dim
+    )
     return len(d.linear_layers) * (4 * d.linear_value_heads * d.linear_key_dim * d.linear_value_dim + 2 * conv)
 
 
-def _mla_params(d: ModelDims) -> tuple[int, int]:
+def _mla_params(d: _ModelDims) -> tuple[int, int]:
     """Multi-latent attention: (TP-sharded weights, replicated norms) of one layer. q: hidden ->
     q_lora (+ its norm) -> heads * (nope + rope), or hidden -> heads * (nope + rope) directly;
     kv: hidden -> kv_lora + rope (+ norm over kv_lora) -> heads * (nope + v); out: heads * v -> hidden.
     The down projections count as sharded (the local spec splits them over TP too)."""
     qk = d.qk_nope_head_dim + d.qk_rope_head_dim
     q = d.hidden * d.q_lora_rank + d.q_lora_rank * d.num_heads * qk if d.q_lora_rank else d.hidden * d.num_heads * qk
-    kv = d.hidden * (d.kv_lora_rank + d.qk_rope_head_dim) + d.kv_lora_rank * d.num_heads * (d.qk_nope_head_dim + d.v_head_dim)
+    kv = d.hidden * (d.kv_lora_rank + d.qk_rope_head_dim) + d.kv_lora_rank * d.num_heads * (
+        d.qk_nope_head_dim + d.v_head_dim
+    )
     out = d.num_heads * d.v_head_dim * d.hidden
     return q + kv + out, 2 * d.hidden + d.q_lora_rank + d.kv_lora_rank
 
@@ -138,15 +146,13 @@ class ParamCounts:
     expert: int
 
 
-def param_counts(d: ModelDims) -> ParamCounts:
+def param_counts(d: _ModelDims) -> ParamCounts:
     """Parameter counts computed from the dims (same tensors as the HF checkpoint holds)."""
     layers = [layer_params(d, i) for i in range(d.num_layers)]
     emb = d.vocab_size * d.hidden * (1 if d.tie_embeddings else 2)
     dense = sum(lp.tp_sharded + lp.replicated for lp in layers) + emb + d.hidden  # + final norm
     expert = sum(lp.expert for lp in layers)
     return ParamCounts(dense + expert, dense + sum(lp.active_expert for lp in layers), emb, expert)
-
-
 
 
 @dataclass
@@ -181,7 +187,7 @@ class Plan:
     """Everything the planner derived; :func:`format_plan` prints it."""
 
     cfg: Config
-    dims: ModelDims
+    dims: _ModelDims
     counts: ParamCounts
     source: str
     nodes: int
@@ -205,12 +211,14 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.worst.peak <= self.gpu_bytes and all(
-            s.kv_cache > 0 for s in self.stages + [self.engine_gpu] if s is not None and s.rollout_items)
+            s.kv_cache > 0 for s in self.stages + [self.engine_gpu] if s is not None and s.rollout_items
+        )
 
 
-def _activation_bytes_per_layer(d: ModelDims, cfg: Config, layer: int, tokens: float) -> float:
+def _activation_bytes_per_layer(d: _ModelDims, cfg: Config, layer: int, tokens: float) -> float:
     """Stored activations of one layer for one micro-batch on one GPU (tokens = full micro-batch / cp)."""
     p, act = cfg.parallel, DTYPE_BYTES[cfg.model.dtype]
+    assert p.etp is not None, "parallel.etp is resolved when the config is loaded"
     sp = p.tp if p.sequence_parallel else 1  # sequence-parallel regions split tokens over tp
     q, kv = d.q_size, d.kv_size
     per_token = 2 * d.hidden / sp  # attention: norm input + output
@@ -226,20 +234,20 @@ def _activation_bytes_per_layer(d: ModelDims, cfg: Config, layer: int, tokens: f
     return per_token * tokens * act
 
 
-def route_bytes_per_sample(d: ModelDims, tokens: int) -> int:
+def route_bytes_per_sample(d: _ModelDims, tokens: int) -> int:
     """Routing replay: one sample's routed experts, int32 [tokens - 1, layers, top-k] (the engine
     routes every token but the last; ``rollout/routing.py``): (tokens - 1) x layers x top-k x 4 bytes."""
     return max(tokens - 1, 0) * d.num_layers * d.topk * 4
 
 
-def indexer_bytes_per_sample(d: ModelDims, tokens: int) -> int:
+def indexer_bytes_per_sample(d: _ModelDims, tokens: int) -> int:
     """Routing replay r3 on a DSA model (DeepSeek-V3.2, GLM-5): one sample's indexer selection, int32
     [tokens - 1, layers, index_topk] (sglang's ``meta_info["indexer_topk"]``, ``rollout/routing.py``):
     (tokens - 1) x layers x index_topk x 4 bytes; 0 without an indexer."""
     return max(tokens - 1, 0) * d.num_layers * int(getattr(d, "index_topk", 0) or 0) * 4
 
 
-def _route_bytes(cfg: Config, d: ModelDims, dp: int, stage_layers: int) -> tuple[str, float]:
+def _route_bytes(cfg: Config, d: _ModelDims, dp: int, stage_layers: int) -> tuple[str, float]:
     """The GPU row of ``rollout.routing_replay`` on one rank: the step's DP share of samples, each at
     ``model.max_seq_len`` tokens, cut over CP. r3: the engine's routes of every layer on the step's
     micro-batches (int32, :func:`route_bytes_per_sample`); r2: the old forward's record of this stage's
@@ -247,14 +255,18 @@ def _route_bytes(cfg: Config, d: ModelDims, dp: int, stage_layers: int) -> tuple
     p = cfg.parallel
     n = cfg.step_batch_size / max(dp, 1)
     if cfg.rollout.routing_replay == "r3":
-        return ("routing replay r3: engine routes (int32 [tokens - 1, layers, top-k] per sample, step's DP share)",
-                n * route_bytes_per_sample(d, cfg.model.max_seq_len) / p.cp)
+        return (
+            "routing replay r3: engine routes (int32 [tokens - 1, layers, top-k] per sample, step's DP share)",
+            n * route_bytes_per_sample(d, cfg.model.max_seq_len) / p.cp,
+        )
     sp = p.tp if p.sequence_parallel else 1
-    return ("routing replay r2: old forward's routes (int64 [tokens, top-k] per stage layer, step's DP share)",
-            n * cfg.model.max_seq_len / (p.cp * sp) * stage_layers * d.topk * 8)
+    return (
+        "routing replay r2: old forward's routes (int64 [tokens, top-k] per stage layer, step's DP share)",
+        n * cfg.model.max_seq_len / (p.cp * sp) * stage_layers * d.topk * 8,
+    )
 
 
-def lora_layer_params(d: ModelDims, layer: int, rank: int) -> tuple[int, int]:
+def lora_layer_params(d: _ModelDims, layer: int, rank: int) -> tuple[int, int]:
     """(dense, routed-expert) LoRA parameters of one layer, r * (in + out) per adapted linear, with
     ``model.lora.target_modules`` at its default (every attention / MLP / expert linear; the adapters
     counted whole on every TP rank: A or B of each is replicated, an upper bound)."""
@@ -264,8 +276,12 @@ def lora_layer_params(d: ModelDims, layer: int, rank: int) -> tuple[int, int]:
     elif d.mla:
         qk = d.qk_nope_head_dim + d.qk_rope_head_dim
         q = (h + d.q_lora_rank) + (d.q_lora_rank + d.num_heads * qk) if d.q_lora_rank else h + d.num_heads * qk
-        attn = q + (h + d.kv_lora_rank + d.qk_rope_head_dim) + (d.kv_lora_rank + d.num_heads * (d.qk_nope_head_dim + d.v_head_dim)) \
+        attn = (
+            q
+            + (h + d.kv_lora_rank + d.qk_rope_head_dim)
+            + (d.kv_lora_rank + d.num_heads * (d.qk_nope_head_dim + d.v_head_dim))
             + (d.num_heads * d.v_head_dim + h)
+        )
     else:
         attn = (h + (d.num_heads + 2 * d.num_kv_heads) * d.head_dim) + (d.num_heads * d.head_dim + h)
 
@@ -279,8 +295,9 @@ def lora_layer_params(d: ModelDims, layer: int, rank: int) -> tuple[int, int]:
 
 def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     cfg: Config = plan_args["cfg"]
-    d: ModelDims = plan_args["dims"]
+    d: _ModelDims = plan_args["dims"]
     p, m, r, o = cfg.parallel, cfg.model, cfg.rollout, cfg.optimizer
+    assert p.etp is not None, "parallel.etp is resolved when the config is loaded"
     per_stage = d.num_layers // p.pp
     first, last = stage * per_stage, (stage + 1) * per_stage
     layers = [layer_params(d, i) for i in range(first, last)]
@@ -307,10 +324,11 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     precision = "fp32 master+m+v" if m.dtype != "float32" else "fp32 m+v"
     shard = f"/DP {dp}, experts /EDP {edp}" if p.use_distributed_optimizer else "not sharded"
     offl = f", {o.cpu_offload_fraction:.0%} on host" if o.cpu_offload_fraction else ""
-    static = [(f"weights ({m.dtype})" + (", + LoRA adapters" if adapter_weights else ""),
-               (params + adapter_weights) * wb),
-              (f"gradients ({'fp32' if grad_b == 4 else m.dtype} main_grad)", trained * grad_b),
-              (f"optimizer ({precision}, {shard}{offl})", opt_gpu)]
+    static = [
+        (f"weights ({m.dtype})" + (", + LoRA adapters" if adapter_weights else ""), (params + adapter_weights) * wb),
+        (f"gradients ({'fp32' if grad_b == 4 else m.dtype} main_grad)", trained * grad_b),
+        (f"optimizer ({precision}, {shard}{offl})", opt_gpu),
+    ]
     if cfg.gspo.kl_coef > 0:
         static.append(("reference model (frozen copy)", params * wb))
     # tokens of one micro-batch: the packing budget, or micro_batch_size padded rows
@@ -327,17 +345,28 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     s.in_flight = in_flight
     s.train_items = static + [(f"activations ({how}; pp - stage micro-batches in flight)", acts)]
     if stage == p.pp - 1 and m.fused_logprobs:  # losses/fused_logprobs.py: no [tokens, V/tp] tensor
-        s.train_items.append(("fused log-prob head (chunks + fp32 grad_W)", DEFAULT_CHUNK_BYTES * 3
-                               + d.vocab_size / p.tp * d.hidden * 4 + tokens * d.hidden * wb))
+        s.train_items.append(
+            (
+                "fused log-prob head (chunks + fp32 grad_W)",
+                DEFAULT_CHUNK_BYTES * 3 + d.vocab_size / p.tp * d.hidden * 4 + tokens * d.hidden * wb,
+            )
+        )
     elif stage == p.pp - 1:
         s.train_items.append(("logits + grad (vocab-parallel)", tokens * d.vocab_size / p.tp * 2 * wb))
     s.train_items.append(("runtime overhead (CUDA context, NCCL, allocator)", RUNTIME_OVERHEAD_GIB * GIB))
     if r.routing_replay != "off":
         s.train_items.append(_route_bytes(cfg, d, plan_args["dp"], per_stage))
-    if r.routing_replay == "r3" and getattr(d, "index_topk", 0):  # DSA: the indexer's selection travels too
-        s.train_items.append(("routing replay r3: engine indexer selection (int32 [tokens - 1, layers, index_topk] "
-                              "per sample, step's DP share)", cfg.step_batch_size / max(plan_args["dp"], 1)
-                              * indexer_bytes_per_sample(d, cfg.model.max_seq_len) / p.cp))
+    if r.routing_replay == "r3" and d.index_topk:  # DSA: the indexer's selection travels too
+        s.train_items.append(
+            (
+                "routing replay r3: engine indexer selection (int32 [tokens - 1, layers, index_topk] "
+                "per sample, step's DP share)",
+                cfg.step_batch_size
+                / max(plan_args["dp"], 1)
+                * indexer_bytes_per_sample(d, cfg.model.max_seq_len)
+                / p.cp,
+            )
+        )
     if sync_mode(r.sync_mode).colocated:  # the engines' rows on the training GPUs
         resident = 0.0 if r.offload_train else sum(b for _, b in static)
         _engine_rows(plan_args, s, resident, "training states" + (" (offloaded)" if r.offload_train else ""))
@@ -354,10 +383,12 @@ def _engine_rows(plan_args: dict, s: StageMemory, resident: float, resident_labe
     weights = counts.total * (1 if r.sync_fp8 else 2) / r.engine_tp
     overhead = RUNTIME_OVERHEAD_GIB * GIB
     s.kv_cache = budget - overhead - resident - weights
-    s.rollout_items = [(resident_label, resident),
-                       (f"engine weights ({'fp8' if r.sync_fp8 else 'bf16'}, / engine_tp {r.engine_tp})", weights),
-                       ("runtime overhead (CUDA context, NCCL, allocator)", overhead),
-                       (f"KV cache (fills to engine_mem_fraction {r.engine_mem_fraction})", max(s.kv_cache, 0.0))]
+    s.rollout_items = [
+        (resident_label, resident),
+        (f"engine weights ({'fp8' if r.sync_fp8 else 'bf16'}, / engine_tp {r.engine_tp})", weights),
+        ("runtime overhead (CUDA context, NCCL, allocator)", overhead),
+        (f"KV cache (fills to engine_mem_fraction {r.engine_mem_fraction})", max(s.kv_cache, 0.0)),
+    ]
 
 
 def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> Plan:
@@ -373,8 +404,10 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
     if launched_apart:
         engine_gpus = r.num_engines * r.engine_tp
         if engine_gpus >= total:
-            raise ConfigError(f"rollout.num_engines * rollout.engine_tp = {r.num_engines} * {r.engine_tp} = "
-                              f"{engine_gpus} engine GPUs leave no training GPU out of {total}")
+            raise ConfigError(
+                f"rollout.num_engines * rollout.engine_tp = {r.num_engines} * {r.engine_tp} = "
+                f"{engine_gpus} engine GPUs leave no training GPU out of {total}"
+            )
     train_world = total - engine_gpus
     hf, source = model_hf_config(cfg)
     dims = ModelDims.from_hf_config(hf)
@@ -382,8 +415,16 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
     validate_model_layout(cfg, hf)
     counts = param_counts(dims)
     dp = data_parallel_size(cfg, train_world)
-    args = dict(cfg=cfg, dims=dims, counts=counts, gpu_bytes=gpu_memory_gib * GIB, dp=dp,
-                edp=train_world // (p.ep * p.etp * p.pp), micro_batches=micro_batches_per_rank(cfg, train_world))
+    assert p.etp is not None, "parallel.etp is resolved when the config is loaded"
+    args: dict[str, Any] = dict(
+        cfg=cfg,
+        dims=dims,
+        counts=counts,
+        gpu_bytes=gpu_memory_gib * GIB,
+        dp=dp,
+        edp=train_world // (p.ep * p.etp * p.pp),
+        micro_batches=micro_batches_per_rank(cfg, train_world),
+    )
     stages = [_stage_memory(args, 0)] + ([_stage_memory(args, p.pp - 1)] if p.pp > 1 else [])
     engine_gpu = None
     if launched_apart:
@@ -399,35 +440,61 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
     kv_min = min((s.kv_cache for s in stages + [engine_gpu] if s is not None and s.rollout_items), default=None)
     state = gated_delta_net_state_bytes(dims) / r.engine_tp  # the engines' Gated DeltaNet state, per sequence
     if kv_min is not None and 0 < kv_min < r.group_size * (cfg.model.max_seq_len * kv_per_token + state):
-        notes.append(f"the KV cache holds fewer than group_size={r.group_size} sequences of model.max_seq_len per "
-                     "engine: generation will be slow (raise rollout.engine_mem_fraction, or offload_train)")
-    return Plan(cfg, dims, counts, source, nodes, gpus_per_node, gpu_memory_gib * GIB, train_world, engine_gpus,
-                engine_count(cfg, train_world) if r.engine == "sglang" else 1, dp, args["edp"],
-                args["micro_batches"], stages, engine_gpu, kv_per_token, notes)
+        notes.append(
+            f"the KV cache holds fewer than group_size={r.group_size} sequences of model.max_seq_len per "
+            "engine: generation will be slow (raise rollout.engine_mem_fraction, or offload_train)"
+        )
+    return Plan(
+        cfg,
+        dims,
+        counts,
+        source,
+        nodes,
+        gpus_per_node,
+        gpu_memory_gib * GIB,
+        train_world,
+        engine_gpus,
+        engine_count(cfg, train_world) if r.engine == "sglang" else 1,
+        dp,
+        args["edp"],
+        args["micro_batches"],
+        stages,
+        engine_gpu,
+        kv_per_token,
+        notes,
+    )
 
 
-def _notes(cfg: Config, d: ModelDims, args: dict) -> list[str]:
+def _notes(cfg: Config, d: _ModelDims, args: dict) -> list[str]:
     p, r = cfg.parallel, cfg.rollout
     notes = []
     if p.pp > 1 and args["micro_batches"] < p.pp:
-        notes.append(f"only {args['micro_batches']} micro-batch(es) per optimizer step with pp={p.pp}: "
-                     "large pipeline bubble (raise rollout.prompts_per_step or lower parallel.micro_batch_size)")
+        notes.append(
+            f"only {args['micro_batches']} micro-batch(es) per optimizer step with pp={p.pp}: "
+            "large pipeline bubble (raise rollout.prompts_per_step or lower parallel.micro_batch_size)"
+        )
     if cfg.model.fp8:
         notes.append("fp8: Transformer Engine's FP8 weight copies and scaling state are not included")
     if sync_mode(r.sync_mode).in_process:
-        notes.append(f"in-process HF engine: a full model copy ({param_counts(d).total * DTYPE_BYTES[cfg.model.dtype] / GIB:.1f} "
-                     "GiB) on global rank 0, not included above")
+        notes.append(
+            f"in-process HF engine: a full model copy ({param_counts(d).total * DTYPE_BYTES[cfg.model.dtype] / GIB:.1f} "
+            "GiB) on global rank 0, not included above"
+        )
     if r.engine_urls:
         notes.append(f"engines at rollout.engine_urls ({len(r.engine_urls)}) run outside this cluster")
     if r.routing_replay == "r3":
         host = cfg.step_batch_size * route_bytes_per_sample(d, cfg.model.max_seq_len)
-        notes.append(f"routing replay r3: every rank's host memory holds the step's routes ({cfg.step_batch_size} "
-                     f"samples x (max_seq_len - 1) x {d.num_layers} layers x top-{d.topk} x 4 B = {host / GIB:.2f} GiB)")
+        notes.append(
+            f"routing replay r3: every rank's host memory holds the step's routes ({cfg.step_batch_size} "
+            f"samples x (max_seq_len - 1) x {d.num_layers} layers x top-{d.topk} x 4 B = {host / GIB:.2f} GiB)"
+        )
         if getattr(d, "index_topk", 0):
             host = cfg.step_batch_size * indexer_bytes_per_sample(d, cfg.model.max_seq_len)
-            notes.append(f"routing replay r3 (DSA): every rank's host memory holds the step's indexer selection "
-                         f"({cfg.step_batch_size} samples x (max_seq_len - 1) x {d.num_layers} layers x "
-                         f"index_topk {d.index_topk} x 4 B = {host / GIB:.2f} GiB)")
+            notes.append(
+                f"routing replay r3 (DSA): every rank's host memory holds the step's indexer selection "
+                f"({cfg.step_batch_size} samples x (max_seq_len - 1) x {d.num_layers} layers x "
+                f"index_topk {d.index_topk} x 4 B = {host / GIB:.2f} GiB)"
+            )
     return notes
 
 
@@ -449,8 +516,10 @@ def format_plan(plan: Plan) -> str:
     out = []
     moe = f", {d.num_experts} experts top-{d.topk} ({len(d.moe_layers)} MoE layers)" if d.num_experts else ""
     out.append(f"model    {d.model_type} from {plan.source}")
-    out.append(f"         {_count(c.total)} params total, {_count(c.active)} active; {d.num_layers} layers, "
-               f"hidden {d.hidden}, {d.num_heads} heads / {d.num_kv_heads} kv heads{moe}")
+    out.append(
+        f"         {_count(c.total)} params total, {_count(c.active)} active; {d.num_layers} layers, "
+        f"hidden {d.hidden}, {d.num_heads} heads / {d.num_kv_heads} kv heads{moe}"
+    )
     total = plan.nodes * plan.gpus_per_node
     sm = sync_mode(r.sync_mode)
     if sm.in_process:
@@ -458,21 +527,32 @@ def format_plan(plan: Plan) -> str:
     elif sm.colocated:
         engines = f"{plan.num_engines} engine(s) x engine_tp {r.engine_tp} on the same GPUs"
     else:
-        engines = (f"{plan.num_engines} engine(s) x engine_tp {r.engine_tp} on {plan.engine_gpus} separate GPUs"
-                   if plan.engine_gpus else f"{plan.num_engines} external engine(s)")
-    out.append(f"cluster  {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {total}, {plan.gpu_bytes / GIB:g} GiB each; "
-               f"{plan.train_world} training ranks; rollout: {engines} ({r.sync_mode})")
-    out.append(f"layout   TP {p.tp}  PP {p.pp}  CP {p.cp}  EP {p.ep}  ETP {p.etp}  DP {plan.dp}  expert-DP {plan.edp}  "
-               f"SP {'on' if p.sequence_parallel else 'off'}")
+        engines = (
+            f"{plan.num_engines} engine(s) x engine_tp {r.engine_tp} on {plan.engine_gpus} separate GPUs"
+            if plan.engine_gpus
+            else f"{plan.num_engines} external engine(s)"
+        )
+    out.append(
+        f"cluster  {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {total}, {plan.gpu_bytes / GIB:g} GiB each; "
+        f"{plan.train_world} training ranks; rollout: {engines} ({r.sync_mode})"
+    )
+    out.append(
+        f"layout   TP {p.tp}  PP {p.pp}  CP {p.cp}  EP {p.ep}  ETP {p.etp}  DP {plan.dp}  expert-DP {plan.edp}  "
+        f"SP {'on' if p.sequence_parallel else 'off'}"
+    )
     per_stage = d.num_layers // p.pp
     experts = f"; experts per rank {d.num_experts // p.ep} (of {d.num_experts})" if d.num_experts else ""
-    out.append(f"         layers per stage {per_stage}{experts}; params per GPU "
-               + ", ".join(f"stage {s.stage} {_count(s.params)}" for s in plan.stages))
+    out.append(
+        f"         layers per stage {per_stage}{experts}; params per GPU "
+        + ", ".join(f"stage {s.stage} {_count(s.params)}" for s in plan.stages)
+    )
     g = cfg.gspo
     mini = cfg.step_batch_size // g.mini_batches
-    out.append(f"batch    {r.prompts_per_step} prompts x G {r.group_size} = {cfg.step_batch_size} sequences/step = "
-               f"{g.mini_batches} mini-batch(es) of {mini}; per DP rank {mini // plan.dp} sequences = "
-               f"{plan.micro_batches} micro-batch(es) of {p.micro_batch_size} x {cfg.model.max_seq_len} tokens")
+    out.append(
+        f"batch    {r.prompts_per_step} prompts x G {r.group_size} = {cfg.step_batch_size} sequences/step = "
+        f"{g.mini_batches} mini-batch(es) of {mini}; per DP rank {mini // plan.dp} sequences = "
+        f"{plan.micro_batches} micro-batch(es) of {p.micro_batch_size} x {cfg.model.max_seq_len} tokens"
+    )
     out.append("")
     cols = [s for s in plan.stages] + ([plan.engine_gpu] if plan.engine_gpu else [])
     names = [f"stage {s.stage}" if s.stage >= 0 else "engine GPU" for s in cols]
@@ -490,7 +570,10 @@ def format_plan(plan: Plan) -> str:
         for lbl in labels:
             vals = [dict(getattr(s, attr)).get(lbl) for s in cols]
             out.append(f"   {lbl[:66]:<66}" + "".join(f"{'-':>12}" if v is None else f"{_gib(v):>12}" for v in vals))
-        out.append(f"   {'= peak':<66}" + "".join(f"{_gib(getattr(s, peak)):>12}" if getattr(s, attr) else f"{'-':>12}" for s in cols))
+        out.append(
+            f"   {'= peak':<66}"
+            + "".join(f"{_gib(getattr(s, peak)):>12}" if getattr(s, attr) else f"{'-':>12}" for s in cols)
+        )
 
     rows("training phase" + (" (engines released)" if sm.colocated else ""), "train_items", "train_peak")
     rows("rollout phase (engines generating)", "rollout_items", "rollout_peak")
@@ -501,20 +584,26 @@ def format_plan(plan: Plan) -> str:
         out.append(f"   host memory per GPU for offloaded optimizer states: {host / GIB:.2f} GiB")
     delta = max(s.host_delta for s in cols)
     if delta:
-        out.append(f"   host memory per GPU for rollout.sync_delta's copies of the model (bf16; the engine TP rank's, "
-                   f"and the trainer's on each engine's first GPU): up to {delta / GIB:.2f} GiB")
+        out.append(
+            f"   host memory per GPU for rollout.sync_delta's copies of the model (bf16; the engine TP rank's, "
+            f"and the trainer's on each engine's first GPU): up to {delta / GIB:.2f} GiB"
+        )
     if not sm.in_process and plan.kv_per_token:  # SGLang engines: a KV cache
         kv = min(s.kv_cache for s in cols if s.rollout_items) if any(s.rollout_items for s in cols) else 0.0
         if kv > 0:
             tokens = kv / plan.kv_per_token
-            out.append(f"   KV cache per engine: {tokens / 1e3:,.0f}k tokens = {tokens / cfg.model.max_seq_len:,.0f} "
-                       f"sequences of {cfg.model.max_seq_len} tokens ({plan.kv_per_token / 1024:.0f} KiB/token per GPU)")
+            out.append(
+                f"   KV cache per engine: {tokens / 1e3:,.0f}k tokens = {tokens / cfg.model.max_seq_len:,.0f} "
+                f"sequences of {cfg.model.max_seq_len} tokens ({plan.kv_per_token / 1024:.0f} KiB/token per GPU)"
+            )
     out.append("")
     w = plan.worst
     name = f"stage {w.stage}" if w.stage >= 0 else "engine GPU"
     head = plan.gpu_bytes - w.peak
-    out.append(f"peak {w.peak / GIB:.2f} GiB ({name}) of {plan.gpu_bytes / GIB:g} GiB: headroom {head / GIB:.2f} GiB "
-               f"({head / plan.gpu_bytes:.0%})" + ("" if plan.fits else "  -> DOES NOT FIT"))
+    out.append(
+        f"peak {w.peak / GIB:.2f} GiB ({name}) of {plan.gpu_bytes / GIB:g} GiB: headroom {head / GIB:.2f} GiB "
+        f"({head / plan.gpu_bytes:.0%})" + ("" if plan.fits else "  -> DOES NOT FIT")
+    )
     for n in plan.notes:
         out.append(f"note: {n}")
     if not plan.fits:
@@ -526,8 +615,14 @@ def _advice(plan: Plan) -> str:
     cfg = plan.cfg
     tips = []
     if any(s.rollout_items and s.kv_cache <= 0 for s in plan.stages + [plan.engine_gpu] if s):
-        tips.append("no room for the KV cache: raise rollout.engine_mem_fraction or rollout.engine_tp"
-                    + (", or set rollout.offload_train=true" if sync_mode(cfg.rollout.sync_mode).colocated and not cfg.rollout.offload_train else ""))
+        tips.append(
+            "no room for the KV cache: raise rollout.engine_mem_fraction or rollout.engine_tp"
+            + (
+                ", or set rollout.offload_train=true"
+                if sync_mode(cfg.rollout.sync_mode).colocated and not cfg.rollout.offload_train
+                else ""
+            )
+        )
     if plan.worst.peak > plan.gpu_bytes:
         if not cfg.model.recompute:
             tips.append("model.recompute=true")
@@ -539,9 +634,12 @@ def _advice(plan: Plan) -> str:
 
 
 def build_arg_parser(prog: str = "plan.py") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description="Check a gspo-megatron config against a cluster shape "
-                                 "and estimate per-GPU memory. Exit 0: fits; 1: does not fit in memory; "
-                                 "2: invalid config or layout.")
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="Check a gspo-megatron config against a cluster shape "
+        "and estimate per-GPU memory. Exit 0: fits; 1: does not fit in memory; "
+        "2: invalid config or layout.",
+    )
     ap.add_argument("--config", help="YAML config (default: built-in defaults)")
     add_cluster_args(ap)
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
@@ -555,8 +653,15 @@ def add_cluster_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
 
 
-def run_plan(config: str | None, overrides: list[str], nodes: int, gpus_per_node: int,
-             gpu_memory_gb: float, out=None, prog: str = "plan.py") -> int:
+def run_plan(
+    config: str | None,
+    overrides: list[str],
+    nodes: int,
+    gpus_per_node: int,
+    gpu_memory_gb: float,
+    out=None,
+    prog: str = "plan.py",
+) -> int:
     """Load (without checking that files exist), plan, print; return the exit code (0/1/2). A bad
     config is one line ``<prog>: error: ...`` (on stderr, or on ``out`` when given)."""
     from gspo_megatron.errors import one_line

@@ -34,9 +34,13 @@ import math
 import os
 import traceback
 from dataclasses import fields
+from typing import TYPE_CHECKING, Any, Callable
 
 from gspo_megatron.config import Config
 from gspo_megatron.errors import UserInputError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
@@ -75,8 +79,9 @@ def check_config(cfg: Config, world_size: int) -> dict:
     except ValueError as e:  # ModelDims.from_hf_config: a config.json it cannot read
         raise UserInputError(f"{where}: {e}") from None
     if cfg.parallel.cp > 1 and not torch.cuda.is_available():
-        raise UserInputError("parallel.cp > 1 needs Transformer Engine's context-parallel attention (a CUDA "
-                             "GPU); this machine has none")
+        raise UserInputError(
+            "parallel.cp > 1 needs Transformer Engine's context-parallel attention (a CUDA GPU); this machine has none"
+        )
     return hf
 
 
@@ -126,6 +131,7 @@ def load_checked_tokenizer(cfg: Config, hf: dict):
     from gspo_megatron.data.tokenizer import build_demo_tokenizer, load_tokenizer
 
     src = tokenizer_dir(cfg)
+    tok: PreTrainedTokenizerBase
     if src is None:
         tok, where = build_demo_tokenizer(), "the built-in demo tokenizer"
     else:
@@ -134,12 +140,14 @@ def load_checked_tokenizer(cfg: Config, hf: dict):
         if not present:
             raise UserInputError(
                 f"{field}: {src} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save the "
-                "model's tokenizer there (tokenizer.save_pretrained(dir))")
+                "model's tokenizer there (tokenizer.save_pretrained(dir))"
+            )
         try:
             tok = load_tokenizer(src)
         except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad tokenizer
-            raise UserInputError(f"{field}: cannot load the tokenizer in {src}: {type(e).__name__}: "
-                                 f"{' '.join(str(e).split())[:300]}") from None
+            raise UserInputError(
+                f"{field}: cannot load the tokenizer in {src}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            ) from None
         where = f"the tokenizer in {src}"
     n = len(tok)
     if n == 0 or not tok.encode("hello", add_special_tokens=False):
@@ -148,11 +156,13 @@ def load_checked_tokenizer(cfg: Config, hf: dict):
     if vocab and n > vocab:
         raise UserInputError(
             f"{where} has {n} tokens but the model's vocab_size is {vocab}: token ids would fall outside the "
-            "embedding table (a tokenizer of another model?)")
+            "embedding table (a tokenizer of another model?)"
+        )
     if cfg.data.apply_chat_template and not getattr(tok, "chat_template", None):
         raise UserInputError(
             f"data.apply_chat_template=true but {where} has no chat template; add one "
-            "(chat_template.jinja) or set data.apply_chat_template=false to feed prompts as plain text")
+            "(chat_template.jinja) or set data.apply_chat_template=false to feed prompts as plain text"
+        )
     return tok
 
 
@@ -192,17 +202,20 @@ def check_reward(spec: str, row, group: bool = False) -> None:
     label as the response; the result must be a finite number. ``group`` (reward.group): called as
     fn(prompt, [label, label], label), the result must be two finite numbers."""
     from gspo_megatron.rewards.grouping import as_group_rewards
+    from gspo_megatron.rewards.outcomes import as_reward
     from gspo_megatron.rewards.registry import get_reward_fn
-    from gspo_megatron.rewards.runner import as_reward
 
     user_file = os.path.abspath(spec.rpartition(":")[0]) if spec.rpartition(":")[0].endswith(".py") else None
     try:
-        fn = get_reward_fn(spec)
+        # with ``group`` a group reward: fn(prompt, [responses], label) -> [rewards]
+        fn: Callable[..., Any] = get_reward_fn(spec)
     except SyntaxError as e:
         raise UserInputError(f"reward.function {spec!r}: syntax error at {e.filename}:{e.lineno}: {e.msg}") from None
     except Exception as e:  # noqa: BLE001 - the user's module may raise anything while importing
-        raise UserInputError(f"reward.function {spec!r}: {type(e).__name__}: {e}"
-                             f"{_user_frame(e.__traceback__, user_file) if user_file else ''}") from None
+        raise UserInputError(
+            f"reward.function {spec!r}: {type(e).__name__}: {e}"
+            f"{_user_frame(e.__traceback__, user_file) if user_file else ''}"
+        ) from None
     name = getattr(fn, "__name__", spec)
     response = [str(row.label)] * 2 if group else str(row.label)
     shown = "responses" if group else "response"
@@ -210,8 +223,9 @@ def check_reward(spec: str, row, group: bool = False) -> None:
         sig = inspect.signature(fn)
         sig.bind(row.prompt, response, row.label)
     except TypeError as e:
-        raise UserInputError(f"reward.function {spec!r}: {name}{sig} cannot be called as "
-                             f"{name}(prompt, {shown}, label): {e}") from None
+        raise UserInputError(
+            f"reward.function {spec!r}: {name}{sig} cannot be called as {name}(prompt, {shown}, label): {e}"
+        ) from None
     except ValueError:  # no signature (a builtin): the call below checks it
         pass
     try:
@@ -221,7 +235,8 @@ def check_reward(spec: str, row, group: bool = False) -> None:
         what = "responses = [label, label], reward.group=true" if group else "response = its label"
         raise UserInputError(
             f"reward.function {spec!r} failed when called on {row.source} ({what}): "
-            f"{type(e).__name__}: {e}{_user_frame(e.__traceback__, user_file)}") from None
+            f"{type(e).__name__}: {e}{_user_frame(e.__traceback__, user_file)}"
+        ) from None
     if not all(math.isfinite(v) for v in values):
         raise UserInputError(f"reward.function {spec!r} returned {value} on {row.source} (response = its label)")
 
@@ -231,6 +246,7 @@ def check_custom_rollout(cfg: Config, row, tokenizer) -> None:
     ``row`` (see ``rollout.custom.dry_run``)."""
     from gspo_megatron.rollout.custom import dry_run
 
+    assert cfg.rollout.custom_function, "called only with rollout.custom_function set"
     dry_run(cfg.rollout.custom_function, row, tokenizer, cfg.model.max_seq_len, tokenizer.eos_token_id)
 
 
@@ -248,12 +264,24 @@ def model_config_difference(stored: dict, current: dict) -> list[str]:
     """The architecture dims that differ between two HF configs (``name stored -> current``)."""
     a, b = _dims(stored), _dims(current)
     if a is None or b is None:
-        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "num_experts",
-                "num_local_experts")
+        keys = (
+            "model_type",
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_experts",
+            "num_local_experts",
+        )
         return [f"{k} {stored.get(k)} vs {current.get(k)}" for k in keys if stored.get(k) != current.get(k)]
-    return [f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}" for f in fields(a)
-            if getattr(a, f.name) != getattr(b, f.name)]
+    return [
+        f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}"
+        for f in fields(a)
+        if getattr(a, f.name) != getattr(b, f.name)
+    ]
 
 
 def _newest_checkpoint(root: str, field: str, required: bool) -> tuple[str, dict] | None:
@@ -283,11 +311,15 @@ def lora_of(lora) -> dict | None:
     adapters are loaded)."""
     if lora is None:
         return None
-    get = lora.get if isinstance(lora, dict) else lambda k: getattr(lora, k)
+    get: Callable[[str], Any] = lora.get if isinstance(lora, dict) else lambda k: getattr(lora, k)
     if not get("rank"):
         return None
-    return dict(rank=int(get("rank")), alpha=float(get("alpha")), dropout=float(get("dropout")),
-                target_modules=list(get("target_modules")))
+    return dict(
+        rank=int(get("rank")),
+        alpha=float(get("alpha")),
+        dropout=float(get("dropout")),
+        target_modules=list(get("target_modules")),
+    )
 
 
 def check_lora_matches(cfg: Config, meta: dict, field: str, path: str) -> None:
@@ -296,15 +328,20 @@ def check_lora_matches(cfg: Config, meta: dict, field: str, path: str) -> None:
     here, stored = lora_of(cfg.model.lora), lora_of(meta.get("lora"))
     if here == stored:
         return
-    hint = ("resume with the checkpoint's model.lora" if field != "model.checkpoint" else
-            "start from the checkpoint's model.lora, or export it (tools/megatron_to_hf.py: the adapters merged) "
-            "and start from model.hf_path")
+    hint = (
+        "resume with the checkpoint's model.lora"
+        if field != "model.checkpoint"
+        else "start from the checkpoint's model.lora, or export it (tools/megatron_to_hf.py: the adapters merged) "
+        "and start from model.hf_path"
+    )
     if here and stored:
         what = ", ".join(f"{k} {here[k]} here vs {stored[k]}" for k in LORA_KEYS if here[k] != stored[k])
     else:
         what = f"{here or 'off (rank 0)'} here vs {stored or 'off (rank 0)'}"
-    raise UserInputError(f"model.lora differs from the one {field}'s checkpoint {path} was trained with "
-                         f"({what} in the checkpoint); {hint}")
+    raise UserInputError(
+        f"model.lora differs from the one {field}'s checkpoint {path} was trained with "
+        f"({what} in the checkpoint); {hint}"
+    )
 
 
 def check_checkpoints(cfg: Config, hf: dict) -> None:
@@ -321,19 +358,21 @@ def check_checkpoints(cfg: Config, hf: dict) -> None:
         if diff:
             raise UserInputError(
                 f"{resume_field}: the checkpoints in {root} belong to another model ({'; '.join(diff)} "
-                f"in {path} vs this config's model); use a new output_dir, or the model they were trained with")
+                f"in {path} vs this config's model); use a new output_dir, or the model they were trained with"
+            )
         stored = {k: meta.get("layout", {}).get(k) for k in here}
         if meta.get("has_optimizer") and stored != here:
             raise UserInputError(
                 f"{resume_field}: {path} was written with layout {stored}, this run uses {here}; resuming "
                 "the optimizer needs the same layout (to change it, start a new output_dir with "
-                f"model.checkpoint={path}: the weights load into any layout)")
+                f"model.checkpoint={path}: the weights load into any layout)"
+            )
         check_lora_matches(cfg, meta, resume_field, path)
     if cfg.model.checkpoint:
         found = _newest_checkpoint(cfg.model.checkpoint, "model.checkpoint", required=True)
+        assert found is not None  # required=True raises instead of returning None
         path, meta = found
         diff = model_config_difference(meta.get("hf_config") or {}, hf)
         if diff:
-            raise UserInputError(f"model.checkpoint: {path} holds another model than the config's "
-                                 f"({'; '.join(diff)})")
+            raise UserInputError(f"model.checkpoint: {path} holds another model than the config's ({'; '.join(diff)})")
         check_lora_matches(cfg, meta, "model.checkpoint", path)

@@ -130,7 +130,7 @@ def build_trainer(cfg: Config) -> Run:
     """Every rank: process groups, the run directory (rank 0 writes config.yaml), this rank's model
     (random init) wrapped in Megatron DDP with its optimizer and LR schedule."""
     from gspo_megatron import factory
-    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
 
@@ -145,11 +145,20 @@ def build_trainer(cfg: Config) -> Run:
     hf = load_hf_config(hf_dir)
     model = factory.build_model(cfg, hf)
     # optimizer.* and parallel.* by name (config.values_for)
-    opts = OptimOptions(**values_for(OptimOptions, cfg.optimizer, cfg.parallel,
-                                     total_steps=cfg.train.steps * cfg.gspo.mini_batches))
+    opts = OptimOptions(
+        **values_for(OptimOptions, cfg.optimizer, cfg.parallel, total_steps=cfg.train.steps * cfg.gspo.mini_batches)
+    )
     ddp, optimizer, scheduler = setup_training(model, opts)
-    return Run(rank=rank, hf_dir=hf_dir, hf=hf, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
-               ckpt_root=os.path.join(cfg.output_dir, "checkpoints"))
+    return Run(
+        rank=rank,
+        hf_dir=hf_dir,
+        hf=hf,
+        model=model,
+        ddp=ddp,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ckpt_root=os.path.join(cfg.output_dir, "checkpoints"),
+    )
 
 
 def resume(cfg: Config, run: Run) -> None:
@@ -170,8 +179,11 @@ def resume(cfg: Config, run: Run) -> None:
         run.start_step, run.extra, run.resumed = loaded[0], loaded[1] or {}, True
         run.bad_streak = int(run.extra.get("bad_streak", 0))
         if run.rank == 0:
-            print(f"[gspo-train] resuming from step {run.start_step} (checkpoint in {os.path.abspath(resume_from)}); "
-                  f"training steps {run.start_step + 1}..{cfg.train.steps}", flush=True)
+            print(
+                f"[gspo-train] resuming from step {run.start_step} (checkpoint in {os.path.abspath(resume_from)}); "
+                f"training steps {run.start_step + 1}..{cfg.train.steps}",
+                flush=True,
+            )
     elif cfg.model.checkpoint:
         if load_checkpoint(cfg.model.checkpoint, run.model, restore_rng=False) is None:
             raise FileNotFoundError(f"model.checkpoint {cfg.model.checkpoint!r} holds no checkpoint")
@@ -209,22 +221,30 @@ def build_rollout_side(cfg: Config, run: Run, after_sync: Callable[[Any], None] 
         if "sampler" in run.extra:
             run.sampler.load_state_dict(run.extra["sampler"])
         run.rewards = factory.build_rewards(cfg)
-        run.logger = MetricsLogger(cfg.output_dir, rank=run.rank, resume_step=run.start_step if run.resumed else None,
-                                   total_steps=cfg.train.steps, tensorboard=cfg.logging.tensorboard,
-                                   console="auto" if cfg.logging.progress else "plain",
-                                   console_every=cfg.train.log_interval,
-                                   wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
-    run.rollout = factory.build_engines(cfg, run.hf_dir)
-    run.session = build_session(cfg, run, after_sync=after_sync)
-    run.session.sync()
+        run.logger = MetricsLogger(
+            cfg.output_dir,
+            rank=run.rank,
+            resume_step=run.start_step if run.resumed else None,
+            total_steps=cfg.train.steps,
+            tensorboard=cfg.logging.tensorboard,
+            console="auto" if cfg.logging.progress else "plain",
+            console_every=cfg.train.log_interval,
+            wandb_project=cfg.logging.wandb_project,
+            config=cfg.to_dict(),
+        )
+    run.rollout = rollout = factory.build_engines(cfg, run.hf_dir)
+    run.session = session = build_session(cfg, run, after_sync=after_sync)
+    session.sync()
     run.gpu_monitor = GpuMonitor()  # a quiet no-op without a GPU
     from gspo_megatron.evaluation import Evaluator  # eval.*: step 0, every eval.interval, the last step
 
-    run.evaluator = Evaluator(cfg, run.tokenizer, run.rollout.engine, run.rewards,
-                              last_step=int(run.extra.get("eval_last_step", -1)))
-    if run.evaluator.due(run.start_step):  # (a resume evaluates its start step only if that was not done)
-        eval_metrics = run.evaluator.run(run.session, run.start_step)
+    run.evaluator = evaluator = Evaluator(
+        cfg, run.tokenizer, rollout.engine, run.rewards, last_step=int(run.extra.get("eval_last_step", -1))
+    )
+    if evaluator.due(run.start_step):  # (a resume evaluates its start step only if that was not done)
+        eval_metrics = evaluator.run(session, run.start_step)
         if run.rank == 0:
+            assert run.logger is not None  # rank 0 made it above
             run.logger.log(run.start_step, eval_metrics)
 
 
@@ -249,29 +269,59 @@ def build_session(cfg: Config, run: Run, after_sync: Callable[[Any], None] | Non
     from gspo_megatron.weight_sync.probe import SyncVerifier, default_tolerance
     from gspo_megatron.weight_sync.sync import WeightSyncer
 
-    engine = run.rollout.engine
-    syncer = WeightSyncer(run.model, run.rollout.topology, cfg.rollout.sync_bucket_mb)
+    rollout = run.rollout
+    assert rollout is not None, "build_session needs the engines (factory.build_engines) first"
+    engine = rollout.engine
+    syncer: WeightSyncer
+    if cfg.model.lora.rank > 0 and cfg.rollout.lora_sync == "adapter":  # only the adapters per sync
+        from gspo_megatron.weight_sync.lora_adapter import AdapterSyncer
+
+        adapter_dir = None
+        if cfg.rollout.sync_mode != "colocated" or cfg.rollout.engine_urls:  # a PEFT directory the engines read
+            adapter_dir = cfg.rollout.lora_adapter_dir or os.path.join(cfg.output_dir, "lora_adapters")
+        syncer = AdapterSyncer(
+            run.model, rollout.topology, cfg.rollout.sync_bucket_mb, engine=engine, adapter_dir=adapter_dir
+        )
+    else:
+        syncer = WeightSyncer(run.model, rollout.topology, cfg.rollout.sync_bucket_mb)
     collector = None
     if run.rank == 0:
         dataset, sampler, tokenizer, rewards = run.dataset, run.sampler, run.tokenizer, run.rewards
         collector = SyncCollector(
-            lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards), sampler)
+            lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards), sampler
+        )
     run.overlap = build_overlap(cfg, run.model, syncer, collector, run.start_step)
     if cfg.rollout.offload_train:
         run.offloader = TrainStateOffloader(run.ddp, run.optimizer)
     colocation = Colocation(engine, colocated=sync_mode(cfg.rollout.sync_mode).colocated, offloader=run.offloader)
     verifier = None
     if cfg.rollout.sync_verify:
+        probe_prompts = None
+        if run.rank == 0:
+            dataset = run.dataset
+            assert dataset is not None  # rank 0 holds the dataset
+            probe_prompts = [dataset[i].prompt_ids for i in range(min(4, len(dataset)))]
         verifier = SyncVerifier(
-            run.model, cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype, cfg.rollout.sync_fp8),
-            run.pad_id, every=cfg.rollout.sync_verify_every, routing_replay=cfg.rollout.routing_replay,
-            probe_prompts=[run.dataset[i].prompt_ids for i in range(min(4, len(run.dataset)))]
-            if run.rank == 0 else None)
+            run.model,
+            cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype, cfg.rollout.sync_fp8),
+            run.pad_id,
+            every=cfg.rollout.sync_verify_every,
+            routing_replay=cfg.rollout.routing_replay,
+            probe_prompts=probe_prompts,
+        )
     overlap = run.overlap
     return RolloutSession(
-        syncer, engine, overlap if overlap is not None else collector, max_restarts=cfg.rollout.max_engine_restarts,
-        dead_engines=run.rollout.dead_engines, restart=run.rollout.restart, colocation=colocation,
-        verifier=verifier, sync_hooks=[overlap.around_sync] if overlap is not None else [], after_sync=after_sync)
+        syncer,
+        engine,
+        overlap if overlap is not None else collector,
+        max_restarts=cfg.rollout.max_engine_restarts,
+        dead_engines=rollout.dead_engines,
+        restart=rollout.restart,
+        colocation=colocation,
+        verifier=verifier,
+        sync_hooks=[overlap.around_sync] if overlap is not None else [],
+        after_sync=after_sync,
+    )
 
 
 def run_step(cfg: Config, run: Run, step: int) -> bool:
@@ -281,50 +331,83 @@ def run_step(cfg: Config, run: Run, step: int) -> bool:
     from gspo_megatron.trainer.step import train_on_batch
 
     t0 = time.perf_counter()
-    session = run.session
+    session, evaluator = run.session, run.evaluator
+    assert session is not None and evaluator is not None, "run_step needs build_rollout_side first"
     # (the session's colocation: with offload_train the state leaves the GPUs before and comes back
     # after; colocated engines release their weights and KV cache after it)
     records, rollout_metrics = session.rollout(step)
-    result = train_on_batch(cfg, run.ddp, run.optimizer, run.scheduler, records, run.pad_id, ref_model=run.ref_model,
-                            behaviour=run.overlap.history if run.overlap is not None else None)
+    result = train_on_batch(
+        cfg,
+        run.ddp,
+        run.optimizer,
+        run.scheduler,
+        records,
+        run.pad_id,
+        ref_model=run.ref_model,
+        behaviour=run.overlap.history if run.overlap is not None else None,
+    )
     sync_metrics = session.sync()  # (colocated: takes the engines' memory back around the sync)
     run.bad_streak = run.bad_streak + 1 if result.nonfinite else 0
     step_time = time.perf_counter() - t0
     run.metrics = _step_metrics(run, step, result.metrics, sync_metrics, rollout_metrics, records, step_time)
-    if run.evaluator.due(step):  # on this step's weights (after its sync); every rank
-        run.metrics.update(run.evaluator.run(session, step))
+    if evaluator.due(step):  # on this step's weights (after its sync); every rank
+        run.metrics.update(evaluator.run(session, step))
     if run.rank == 0:
+        assert run.logger is not None  # rank 0's
         run.logger.log(step, run.metrics)
 
     stop_signal = any_rank(_Stop.signum is not None)
     too_bad = run.bad_streak >= cfg.optimizer.max_bad_steps > 0
     interval = cfg.checkpoint.interval
-    if (interval and step % interval == 0) or step == cfg.train.steps or too_bad or \
-            (stop_signal and cfg.checkpoint.save_on_signal):
+    if (
+        (interval and step % interval == 0)
+        or step == cfg.train.steps
+        or too_bad
+        or (stop_signal and cfg.checkpoint.save_on_signal)
+    ):
         # (skipped updates leave the weights untouched: with too_bad this is the last good state)
         save_trainer_checkpoint(cfg, run, step)
     if too_bad:
-        raise RuntimeError(f"{run.bad_streak} consecutive steps had a non-finite loss or gradient norm "
-                           f"(optimizer.max_bad_steps={cfg.optimizer.max_bad_steps}); stopping. "
-                           f"The last good state is in {run.ckpt_root}")
+        raise RuntimeError(
+            f"{run.bad_streak} consecutive steps had a non-finite loss or gradient norm "
+            f"(optimizer.max_bad_steps={cfg.optimizer.max_bad_steps}); stopping. "
+            f"The last good state is in {run.ckpt_root}"
+        )
     if stop_signal and run.rank == 0:
         print(f"[gspo-train] signal received: checkpointed step {step}; exiting", flush=True)
     return stop_signal
 
 
-def _step_metrics(run: Run, step: int, train_metrics: dict, sync_metrics: dict, rollout_metrics: dict,
-                  records: list[Sample], step_time: float) -> dict:
+def _step_metrics(
+    run: Run,
+    step: int,
+    train_metrics: dict,
+    sync_metrics: dict,
+    rollout_metrics: dict | None,
+    records: list[Sample],
+    step_time: float,
+) -> dict:
     """One metrics.jsonl row: the training half's, the sync's, offload, GPU, timing and (rank 0) the
-    rollout's metrics."""
+    rollout's metrics (``rollout_metrics``: None on the other ranks)."""
+    assert run.gpu_monitor is not None and run.session is not None and run.rollout is not None, (
+        "built by build_rollout_side"
+    )
     metrics = dict(train_metrics)
     metrics.update(sync_metrics)
     metrics.update(run.offloader.metrics() if run.offloader is not None else {})
     metrics.update(run.gpu_monitor.sample())
     n_tokens = sum(r.length for r in records)
-    metrics.update({"step": step, "perf/step_time_s": step_time, "perf/tokens_per_s": n_tokens / step_time,
-                    "train/bad_streak": float(run.bad_streak),
-                    "rollout/engine_restarts": float(run.session.restarts)})
+    metrics.update(
+        {
+            "step": step,
+            "perf/step_time_s": step_time,
+            "perf/tokens_per_s": n_tokens / step_time,
+            "train/bad_streak": float(run.bad_streak),
+            "rollout/engine_restarts": float(run.session.restarts),
+        }
+    )
     if run.rank == 0:
+        assert rollout_metrics is not None  # rank 0's
         metrics.update(rollout_metrics)
         served = run.rollout.engine.take_served()
         if served:
@@ -338,11 +421,22 @@ def save_trainer_checkpoint(cfg: Config, run: Run, step: int) -> None:
     bad-step streak, the last evaluated step) and the HF assets of the starting model."""
     from gspo_megatron.checkpoint.manager import save_checkpoint
 
-    state = {"sampler": run.session.sampler.state_dict() if run.rank == 0 else None, "bad_streak": run.bad_streak,
-             "eval_last_step": run.evaluator.last_step}
-    save_checkpoint(run.ckpt_root, step, run.model, run.optimizer, run.scheduler,
-                    extra_state=broadcast_object(state), keep_last=cfg.checkpoint.keep_last,
-                    hf_assets_dir=run.hf_dir)
+    assert run.session is not None and run.evaluator is not None, "built by build_rollout_side"
+    state = {
+        "sampler": run.session.sampler.state_dict() if run.rank == 0 else None,
+        "bad_streak": run.bad_streak,
+        "eval_last_step": run.evaluator.last_step,
+    }
+    save_checkpoint(
+        run.ckpt_root,
+        step,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        extra_state=broadcast_object(state),
+        keep_last=cfg.checkpoint.keep_last,
+        hf_assets_dir=run.hf_dir,
+    )
 
 
 def finish(cfg: Config, run: Run, stopped: bool) -> None:
@@ -355,8 +449,10 @@ def finish(cfg: Config, run: Run, stopped: bool) -> None:
         export_to_hf_dir(run.model, run.hf, hf_out, max_shard_size=5 * 10**9, assets_dir=run.hf_dir)
     if run.overlap is not None:
         run.overlap.close()
+    assert run.rollout is not None, "built by build_rollout_side"
     run.rollout.shutdown()
     if run.rank == 0:
+        assert run.logger is not None and run.rewards is not None  # rank 0's
         run.logger.close()
         run.rewards.close()
         print(f"[gspo-train] run dir: {os.path.abspath(cfg.output_dir)}", flush=True)
@@ -366,15 +462,23 @@ def finish(cfg: Config, run: Run, stopped: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gspo-train", add_help=False,
+        prog="gspo-train",
+        add_help=False,
         description="GSPO training of MoE models on Megatron-Core (CPU demo by default).",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", help="YAML config (default: built-in CPU demo settings)")
-    parser.add_argument("--check", action="store_true",
-                        help="check the config, model files, tokenizer, data, reward function and checkpoints; exit")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of an input error, and the known third-party warnings "
-                             "hidden otherwise (gspo_megatron/runtime/known_warnings.py)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, model files, tokenizer, data, reward function and checkpoints; exit",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an input error, and the known third-party warnings "
+        "hidden otherwise (gspo_megatron/runtime/known_warnings.py)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="plan the layout and memory for a cluster, and exit")
     parser.add_argument("-h", "--help", action="store_true", help="show this help and every config field")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.steps=10")
@@ -403,11 +507,12 @@ def main(argv: list[str] | None = None, *, after_sync: Callable[[Any], None] | N
     if args.dry_run:
         from gspo_megatron.planner import run_plan
 
-        return run_plan(args.config, args.overrides, args.nodes, args.gpus_per_node, args.gpu_memory_gb,
-                        prog="gspo-train")
+        return run_plan(
+            args.config, args.overrides, args.nodes, args.gpus_per_node, args.gpu_memory_gb, prog="gspo-train"
+        )
     from gspo_megatron.errors import UserInputError, agree, stop_all
 
-    error = None
+    error: BaseException | None = None
     try:
         cfg = load_config(args.config, args.overrides)
         check_before_start(cfg)
@@ -418,8 +523,10 @@ def main(argv: list[str] | None = None, *, after_sync: Callable[[Any], None] | N
         return stop_all("gspo-train", error, args.debug, together=True)
     if args.check:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config OK: {args.config or '(defaults)'} (config, output_dir, model, tokenizer, data, "
-                  "reward function, checkpoints)")
+            print(
+                f"config OK: {args.config or '(defaults)'} (config, output_dir, model, tokenizer, data, "
+                "reward function, checkpoints)"
+            )
         return 0
     from gspo_megatron.runtime.distributed import destroy_distributed
 

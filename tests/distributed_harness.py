@@ -35,10 +35,11 @@ class RanksTimedOut(RuntimeError):
 def _entry(rank, world_size, port, outdir, fn, args):
     import faulthandler
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
-    stacks = open(os.path.join(outdir, f"rank{rank}.stacks"), "w")  # noqa: SIM115 - lives as long as the rank
+    stacks = open(os.path.join(outdir, f"rank{rank}.stacks"), "w")  # lives as long as the rank
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
@@ -53,7 +54,7 @@ def _entry(rank, world_size, port, outdir, fn, args):
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:
+            except Exception:  # noqa: BLE001 - tearing down after the result is out
                 pass
 
 
@@ -100,8 +101,13 @@ def _dump_stacks(ctx, outdir: str, world_size: int) -> str:
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 600):
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_entry, args=(world_size, free_port(), outdir, fn, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), outdir, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         errors = []
         deadline = time.monotonic() + timeout
         finished = False
@@ -109,18 +115,23 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600):
             while not finished:
                 if time.monotonic() > deadline:
                     stacks = _dump_stacks(ctx, outdir, world_size)
-                    raise RanksTimedOut(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s; "
-                                        f"killed. Each rank's Python stacks:\n{stacks}")
+                    raise RanksTimedOut(
+                        f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s; "
+                        f"killed. Each rank's Python stacks:\n{stacks}"
+                    )
                 try:
                     finished = ctx.join(timeout=1.0)
-                except Exception as e:  # a rank failed: report the first traceback we saved
+                except Exception as e:  # noqa: BLE001 - a rank failed: report the first traceback we saved
                     errors.append(str(e))
                     finished = True
         except BaseException as e:
             if not finished:  # timed out here, or interrupted (pytest-timeout, Ctrl-C): leave no rank behind
                 if not isinstance(e, RanksTimedOut):
-                    print(f"run_ranks interrupted; the ranks' Python stacks:\n{_dump_stacks(ctx, outdir, world_size)}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"run_ranks interrupted; the ranks' Python stacks:\n{_dump_stacks(ctx, outdir, world_size)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 _kill_tree([p.pid for p in ctx.processes if p.is_alive()])
             raise
         # one rank failing makes join() kill the others; make sure their children are gone too

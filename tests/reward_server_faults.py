@@ -36,7 +36,7 @@ def faulty_handler(faults: Faults):
             self._close_request()
             super()._send(code, payload)
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             with faults.lock:
                 faults.count += 1
                 kind = faults.plan.get(faults.count)
@@ -60,6 +60,7 @@ def faulty_handler(faults: Faults):
                 super().do_POST()
             finally:
                 self._close_request()
+
     return Handler
 
 

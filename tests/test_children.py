@@ -86,7 +86,9 @@ def run_case(name: str, tmp_path):
     marker = uuid.uuid4().hex
     script = tmp_path / f"{name}.py"
     body = textwrap.indent(CASES[name].strip(), "    ")
-    script.write_text(f"{PRELUDE}\ndef main():\n{body}\n\nif __name__ == '__main__':\n    main()\n    time.sleep(600)\n")
+    script.write_text(
+        f"{PRELUDE}\ndef main():\n{body}\n\nif __name__ == '__main__':\n    main()\n    time.sleep(600)\n"
+    )
     env = dict(os.environ, PYTHONPATH=ROOT, GSPO_TEST_MARKER=marker)
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -124,8 +126,13 @@ def test_die_with_parent_sets_the_kernel_flag():
     from gspo_megatron.runtime import children
 
     cmd = [sys.executable, "-c", "from gspo_megatron.runtime import children as c; print(c.parent_death_signal())"]
-    out = subprocess.run(children.dying_with_this_process(cmd), env=dict(os.environ, PYTHONPATH=ROOT),
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        children.dying_with_this_process(cmd),
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert int(out.stdout) == signal.SIGKILL
 
 
@@ -135,8 +142,9 @@ def test_dying_with_this_process_refuses_other_threads():
     from gspo_megatron.runtime import children
 
     errors = []
-    t = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, children.dying_with_this_process,
-                                                                    ["true"])))
+    t = threading.Thread(
+        target=lambda: errors.append(pytest.raises(RuntimeError, children.dying_with_this_process, ["true"]))
+    )
     t.start()
     t.join()
     assert errors and "main thread" in str(errors[0].value)
@@ -169,6 +177,11 @@ def test_children_start_while_other_threads_enter_python():
     """A child started while C threads create Python thread states must start: a ``preexec_fn``
     (Python code between fork and exec) deadlocked here on CPython 3.11 in every run (the child
     waits forever on the thread-list lock another thread held at the fork)."""
-    out = subprocess.run([sys.executable, "-c", CHURN, "200"], env=dict(os.environ, PYTHONPATH=ROOT),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", CHURN, "200"],
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "started all" in out.stdout, out.stderr[-2000:]

@@ -26,8 +26,11 @@ def _raises(rank, world):
 
 def _ranks_alive(before: set[int]) -> list[int]:
     # (multiprocessing's resource tracker, started with the first spawn, stays for the session)
-    return [p.pid for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+    return [
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())
+    ]
 
 
 def test_a_deadlock_fails_with_every_ranks_stacks_and_kills_them():

@@ -25,8 +25,11 @@ FILE_SUFFIXES = (".py", ".safetensors", ".json", ".yaml", ".jsonl", ".md")
 
 def _sections() -> dict[str, object]:
     cfg = Config()
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)
-            if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(Config)
+        if dataclasses.is_dataclass(getattr(cfg, f.name))
+    }
 
 
 def _is_other_name(token: str, section: str, rest: str) -> bool:
@@ -48,8 +51,9 @@ def _is_other_name(token: str, section: str, rest: str) -> bool:
 
 def test_docs_name_only_config_keys_that_exist():
     sections = _sections()
-    pattern = re.compile(r"(?<![\w./-])(" + "|".join(sorted(sections, key=len, reverse=True))
-                         + r")\.([A-Za-z_][\w]*(?:\.[\w]+)*)")
+    pattern = re.compile(
+        r"(?<![\w./-])(" + "|".join(sorted(sections, key=len, reverse=True)) + r")\.([A-Za-z_][\w]*(?:\.[\w]+)*)"
+    )
     wrong = []
     for path in DOCS:
         for n, line in enumerate(path.read_text().splitlines(), 1):

@@ -10,11 +10,19 @@ from gspo_megatron.config import ModelConfig
 from gspo_megatron.dtypes import DTYPE_BYTES, DTYPE_NAMES, canonical_name, dtype_name, torch_dtype
 
 
-@pytest.mark.parametrize("name, dtype", [
-    ("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16),
-    ("torch.bfloat16", torch.bfloat16), ("half", torch.float16), ("float", torch.float32),
-    ("float8_e4m3fn", torch.float8_e4m3fn), ("int64", torch.int64),
-])
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("float32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("torch.bfloat16", torch.bfloat16),
+        ("half", torch.float16),
+        ("float", torch.float32),
+        ("float8_e4m3fn", torch.float8_e4m3fn),
+        ("int64", torch.int64),
+    ],
+)
 def test_names_to_torch_and_back(name, dtype):
     assert torch_dtype(name) is dtype
     assert dtype_name(dtype) == canonical_name(name)

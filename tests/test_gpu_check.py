@@ -45,11 +45,13 @@ def test_list_problems_are_named(tmp_path):
 
 def test_wheel_folder_check(tmp_path):
     pins = {"numpy": "2.5.5", "rich": "15.0.0", "psutil": "7.2.2", "tokenizers": "0.23.3", "pyyaml": "6.0.3"}
-    names = ["numpy-2.5.5-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
-             "rich-15.0.0-py3-none-any.whl",
-             "psutil-7.2.2-cp36-abi3-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
-             "tokenizers-0.23.3-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
-             "PyYAML-6.0.3-cp312-cp312-manylinux2014_x86_64.whl"]
+    names = [
+        "numpy-2.5.5-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
+        "rich-15.0.0-py3-none-any.whl",
+        "psutil-7.2.2-cp36-abi3-manylinux2010_x86_64.manylinux_2_12_x86_64.whl",
+        "tokenizers-0.23.3-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        "PyYAML-6.0.3-cp312-cp312-manylinux2014_x86_64.whl",
+    ]
     for n in names:
         (tmp_path / n).write_bytes(b"")
     assert gpu_check.check_wheels(str(tmp_path), pins) == []
@@ -110,10 +112,19 @@ def test_sglang_tests_must_run_te_tests_run_when_te_imports(tmp_path, monkeypatc
     Transformer Engine is the machine's own: without it its tests are recorded as skipped."""
     py = sys.executable
     monkeypatch.setattr(gpu_check, "environment", lambda _py: {"python": "3.12.3", "gpus": 1})
-    monkeypatch.setattr(gpu_check, "commands", lambda args, _py: [
-        (n, [py, "-c", "pass"]) for n in ("gpu_tests", "gpu_tests_sglang", "gpu_tests_te")])
-    monkeypatch.setattr(gpu_check, "STEP_PROBES", {"gpu_tests_sglang": ("pass" if sglang_ok else "import no_such_mod", True),
-                                                   "gpu_tests_te": ("import no_such_mod", False)})
+    monkeypatch.setattr(
+        gpu_check,
+        "commands",
+        lambda args, _py: [(n, [py, "-c", "pass"]) for n in ("gpu_tests", "gpu_tests_sglang", "gpu_tests_te")],
+    )
+    monkeypatch.setattr(
+        gpu_check,
+        "STEP_PROBES",
+        {
+            "gpu_tests_sglang": ("pass" if sglang_ok else "import no_such_mod", True),
+            "gpu_tests_te": ("import no_such_mod", False),
+        },
+    )
     out = tmp_path / "r.json"
     rc = gpu_check.main(["--out", str(out), "--skip-install"])
     res = json.loads(out.read_text())
@@ -150,13 +161,24 @@ def test_real_run_refuses_without_gpu_before_installing(tmp_path):
 @pytest.mark.timeout(600)
 def test_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
-    p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--dry-run", "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--dry-run", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     res = json.loads(out.read_text())
     assert p.returncode == 0 and res["ok"], p.stdout[-3000:] + p.stderr[-3000:]
-    assert [s["name"] for s in res["steps"]] == ["gpu_tests", "gpu_tests_sglang", "gpu_tests_te", "bench_logprobs",
-                                                 "bench_gpu_config", "bench_gpu"]
+    assert [s["name"] for s in res["steps"]] == [
+        "gpu_tests",
+        "gpu_tests_sglang",
+        "gpu_tests_te",
+        "bench_logprobs",
+        "bench_gpu_config",
+        "bench_gpu",
+    ]
     collected = res["steps"][0]["output_tail"]
     assert "test_fused_logprobs_gpu.py" in collected and "test_vocab_parallel_gpu.py" in collected
     assert "test_weight_payloads_gpu.py" in res["steps"][1]["output_tail"]

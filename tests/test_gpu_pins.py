@@ -28,8 +28,11 @@ CHECKED = ("megatron-core", "sglang", "transformer-engine")
 def expected_versions() -> dict[str, str]:
     from gspo_megatron.rollout.sglang_compat import SGLANG_VERSION_TESTED
 
-    return {"megatron-core": importlib.metadata.version("megatron-core"), "sglang": SGLANG_VERSION_TESTED,
-            "transformer-engine": TE_VERSION_READ}
+    return {
+        "megatron-core": importlib.metadata.version("megatron-core"),
+        "sglang": SGLANG_VERSION_TESTED,
+        "transformer-engine": TE_VERSION_READ,
+    }
 
 
 def _exact(req: Requirement) -> str | None:
@@ -43,8 +46,10 @@ def _exact(req: Requirement) -> str | None:
 def pin_problems(pyproject: dict, expected: dict[str, str]) -> list[str]:
     """One line per requirement on a checked package that is not exactly the expected version, and
     per checked package the `gpu` extra lacks (megatron-core: also the core dependencies)."""
-    lists = {"dependencies": pyproject["project"]["dependencies"],
-             "optional-dependencies.gpu": pyproject["project"]["optional-dependencies"]["gpu"]}
+    lists = {
+        "dependencies": pyproject["project"]["dependencies"],
+        "optional-dependencies.gpu": pyproject["project"]["optional-dependencies"]["gpu"],
+    }
     problems = []
     for where, lines in lists.items():
         seen = set()
@@ -56,8 +61,9 @@ def pin_problems(pyproject: dict, expected: dict[str, str]) -> list[str]:
             seen.add(name)
             version = _exact(req)
             if version != expected[name]:
-                problems.append(f"{where}: {line!r} allows other versions than {name}=={expected[name]}, "
-                                "the one the CPU suite runs")
+                problems.append(
+                    f"{where}: {line!r} allows other versions than {name}=={expected[name]}, the one the CPU suite runs"
+                )
         needed = set(expected) if where.endswith("gpu") else {"megatron-core"}
         problems += [f"{where}: no requirement on {n}" for n in sorted(needed - seen)]
     return problems
@@ -83,18 +89,37 @@ def test_makefile_installs_the_pinned_sglang():
 
 def test_the_check_refuses_ranges_and_markers_that_escape_the_pin():
     """The lines this check exists for (pyproject before the fix) are reported, each one."""
-    old = {"project": {
-        "dependencies": ["torch==2.13.0", "megatron-core==0.16.1; python_version < '3.12'",
-                         "megatron-core>=0.16.1,<0.20; python_version >= '3.12'"],
-        "optional-dependencies": {"gpu": ["sglang==0.5.23", "sglang-router==0.3.2", "megatron-core>=0.16.1,<0.20",
-                                          "transformer-engine[core_cu13]==2.20.2"]}}}
+    old = {
+        "project": {
+            "dependencies": [
+                "torch==2.13.0",
+                "megatron-core==0.16.1; python_version < '3.12'",
+                "megatron-core>=0.16.1,<0.20; python_version >= '3.12'",
+            ],
+            "optional-dependencies": {
+                "gpu": [
+                    "sglang==0.5.23",
+                    "sglang-router==0.3.2",
+                    "megatron-core>=0.16.1,<0.20",
+                    "transformer-engine[core_cu13]==2.20.2",
+                ]
+            },
+        }
+    }
     problems = pin_problems(old, expected_versions())
     assert len(problems) == 2 and all("megatron-core>=0.16.1,<0.20" in p for p in problems), problems
-    wrong = {"project": {"dependencies": ["megatron-core==0.16.1"], "optional-dependencies": {"gpu": [
-        "sglang>=0.5.23", "megatron-core==0.16.*", "transformer_engine[core_cu13]==2.21.0"]}}}
+    wrong = {
+        "project": {
+            "dependencies": ["megatron-core==0.16.1"],
+            "optional-dependencies": {
+                "gpu": ["sglang>=0.5.23", "megatron-core==0.16.*", "transformer_engine[core_cu13]==2.21.0"]
+            },
+        }
+    }
     assert len(pin_problems(wrong, expected_versions())) == 3
     missing = {"project": {"dependencies": [], "optional-dependencies": {"gpu": ["sglang==0.5.23"]}}}
     assert sorted(pin_problems(missing, expected_versions())) == [
         "dependencies: no requirement on megatron-core",
         "optional-dependencies.gpu: no requirement on megatron-core",
-        "optional-dependencies.gpu: no requirement on transformer-engine"]
+        "optional-dependencies.gpu: no requirement on transformer-engine",
+    ]

@@ -75,7 +75,8 @@ def test_fp8_default_is_bf16_and_fields_exist_in_megatron():
     names = {f.name for f in dataclasses.fields(TransformerConfig)}
     assert FP8Options().transformer_config_kwargs() == {"bf16": True, "params_dtype": torch.bfloat16}
     kw = FP8Options.from_mapping({"fp8": "hybrid", "recipe": "blockwise", "fp8_param": True}).transformer_config_kwargs(
-        is_moe=True, token_dispatcher="alltoall")
+        is_moe=True, token_dispatcher="alltoall"
+    )
     assert set(kw) <= names, set(kw) - names
     assert kw["fp8"] == "hybrid" and kw["fp8_recipe"] == "blockwise" and kw["fp8_param"] is True
     assert kw["moe_router_padding_for_quantization"] is True
@@ -92,16 +93,19 @@ def test_fp8_kwargs_build_a_dense_transformer_config():
     assert cfg.bf16 and cfg.params_dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("section, field", [
-    ({"fp8": "e5m2"}, "model.fp8.fp8"),
-    ({"fp8": "e4m3", "recipe": "nvfp4"}, "model.fp8.recipe"),
-    ({"amax_compute_algo": "mean"}, "model.fp8.amax_compute_algo"),
-    ({"amax_history_len": 0}, "model.fp8.amax_history_len"),
-    ({"margin": -1}, "model.fp8.margin"),
-    ({"fp8_param": True}, "model.fp8.fp8_param"),
-    ({"fp8": "e4m3", "first_last_layers_bf16": True}, "model.fp8.first_last_layers_bf16"),
-    ({"amax_histroy_len": 4}, "model.fp8.amax_histroy_len"),
-])
+@pytest.mark.parametrize(
+    "section, field",
+    [
+        ({"fp8": "e5m2"}, "model.fp8.fp8"),
+        ({"fp8": "e4m3", "recipe": "nvfp4"}, "model.fp8.recipe"),
+        ({"amax_compute_algo": "mean"}, "model.fp8.amax_compute_algo"),
+        ({"amax_history_len": 0}, "model.fp8.amax_history_len"),
+        ({"margin": -1}, "model.fp8.margin"),
+        ({"fp8_param": True}, "model.fp8.fp8_param"),
+        ({"fp8": "e4m3", "first_last_layers_bf16": True}, "model.fp8.first_last_layers_bf16"),
+        ({"amax_histroy_len": 4}, "model.fp8.amax_histroy_len"),
+    ],
+)
 def test_fp8_errors_name_the_field(section, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         FP8Options.from_mapping(section, prefix="model.fp8")

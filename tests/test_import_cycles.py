@@ -19,7 +19,8 @@ def _module_name(path: pathlib.Path) -> str:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _top_level_imports(path: pathlib.Path, name: str, modules: set[str]) -> set[str]:
@@ -83,7 +84,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 stack.pop()
             elif colour[nxt] == grey:
                 path = [n for n, _ in stack]
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             elif colour[nxt] == white:
                 colour[nxt] = grey
                 stack.append((nxt, iter(sorted(graph[nxt]))))

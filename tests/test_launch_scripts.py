@@ -43,18 +43,45 @@ def test_torchrun_passes_rendezvous_and_args(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("{}\n")
     fake = _exe(tmp_path / "torchrun", 'printf "%s\\n" "$@" > "$OUT"\n')
-    env = {**os.environ, "TORCHRUN": str(fake), "OUT": str(tmp_path / "args"), "NNODES": "4", "NODE_RANK": "2",
-           "MASTER_ADDR": "node7", "NPROC_PER_NODE": "8"}
+    env = {
+        **os.environ,
+        "TORCHRUN": str(fake),
+        "OUT": str(tmp_path / "args"),
+        "NNODES": "4",
+        "NODE_RANK": "2",
+        "MASTER_ADDR": "node7",
+        "NPROC_PER_NODE": "8",
+    }
     env.pop("MASTER_PORT", None)
     subprocess.run([str(SCRIPTS[0]), str(cfg), "rollout.n=8", "x=1 2"], env=env, check=True, capture_output=True)
     args = (tmp_path / "args").read_text().splitlines()
-    assert args == ["--nnodes", "4", "--node-rank", "2", "--nproc-per-node", "8", "--master-addr", "node7",
-                    "--master-port", "29500", "-m", "gspo_megatron.train", "--config", str(cfg), "rollout.n=8", "x=1 2"]
+    assert args == [
+        "--nnodes",
+        "4",
+        "--node-rank",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--master-addr",
+        "node7",
+        "--master-port",
+        "29500",
+        "-m",
+        "gspo_megatron.train",
+        "--config",
+        str(cfg),
+        "rollout.n=8",
+        "x=1 2",
+    ]
 
 
 def test_torchrun_rejects_missing_config(tmp_path):
-    res = subprocess.run([str(SCRIPTS[0]), str(tmp_path / "nope.yaml")], capture_output=True, text=True,
-                         env={**os.environ, "TORCHRUN": "/bin/true"})
+    res = subprocess.run(
+        [str(SCRIPTS[0]), str(tmp_path / "nope.yaml")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TORCHRUN": "/bin/true"},
+    )
     assert res.returncode == 2 and "config file not found" in res.stderr
 
 
@@ -64,9 +91,11 @@ def test_torchrun_forwards_usr1_to_training_processes(tmp_path):
     cfg.write_text("{}\n")
     marker = tmp_path / "checkpointed"
     # fake torchrun: one "training process" that checkpoints (writes a marker) on USR1 and exits
-    fake = _exe(tmp_path / "torchrun",
-                'bash -c \'trap "echo ckpt > $MARK; exit 0" USR1; touch $MARK.ready; '
-                'while true; do sleep 0.05; done\' &\nwait $!\n')
+    fake = _exe(
+        tmp_path / "torchrun",
+        'bash -c \'trap "echo ckpt > $MARK; exit 0" USR1; touch $MARK.ready; '
+        "while true; do sleep 0.05; done' &\nwait $!\n",
+    )
     env = {**os.environ, "TORCHRUN": str(fake), "MARK": str(marker), "NPROC_PER_NODE": "1"}
     with popen_group([str(SCRIPTS[0]), str(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
         deadline = time.monotonic() + 20
@@ -85,27 +114,49 @@ def _fake_slurm(tmp_path: Path, nodes: list[str], run_training: bool = False) ->
     of ``--check`` that need no model files: static, world size, model layout; exit 2 on a bad config)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _exe(bin_dir / "scontrol", 'if [[ "$1 $2" == "show hostnames" ]]; then printf "%s\\n" ' + " ".join(nodes)
-         + '; else echo "scontrol $*" >> "$SRUN_LOG"; fi\n')
+    _exe(
+        bin_dir / "scontrol",
+        'if [[ "$1 $2" == "show hostnames" ]]; then printf "%s\\n" '
+        + " ".join(nodes)
+        + '; else echo "scontrol $*" >> "$SRUN_LOG"; fi\n',
+    )
     # ignores TERM: the script stops the background SGLang step once training ends. Like a real
     # training step, the fake one lasts until the SGLang step has started (it logs first), so the
     # TERM never reaches a fake that has not yet logged its call.
-    _exe(bin_dir / "srun", 'trap "" TERM\necho "srun $* NNODES=${NNODES:-} MASTER_ADDR=${MASTER_ADDR:-} '
-         'URLS=${GSPO_SGLANG_URLS:-}" >> "$SRUN_LOG"\n'
-         'if [[ -n "${GSPO_SGLANG_URLS:-}" && "$*" == *torchrun.sh* ]]; then\n'
-         '  for _ in $(seq 200); do grep -q sglang_node.sh "$SRUN_LOG" && break; sleep 0.05; done\nfi\n'
-         + ('if [[ "$*" == *torchrun.sh* ]]; then\n'
+    _exe(
+        bin_dir / "srun",
+        'trap "" TERM\necho "srun $* NNODES=${NNODES:-} MASTER_ADDR=${MASTER_ADDR:-} '
+        'URLS=${GSPO_SGLANG_URLS:-}" >> "$SRUN_LOG"\n'
+        'if [[ -n "${GSPO_SGLANG_URLS:-}" && "$*" == *torchrun.sh* ]]; then\n'
+        '  for _ in $(seq 200); do grep -q sglang_node.sh "$SRUN_LOG" && break; sleep 0.05; done\nfi\n'
+        + (
+            'if [[ "$*" == *torchrun.sh* ]]; then\n'
             '  while [[ "$1" == --* ]]; do shift; done\n'
-            '  export SLURM_PROCID=0\n  exec "$@"\nfi\n' if run_training else ''))
+            '  export SLURM_PROCID=0\n  exec "$@"\nfi\n'
+            if run_training
+            else ""
+        ),
+    )
     extra = {}
     if run_training:
         # torchrun --nnodes N --node-rank R --nproc-per-node G ... -m gspo_megatron.train ARGS
-        _exe(bin_dir / "fake_torchrun", f'exec "{sys.executable}" -W ignore -m gspo_megatron.train --dry-run '
-             '--nodes "$2" --gpus-per-node "$6" --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${@:13}"\n')
+        _exe(
+            bin_dir / "fake_torchrun",
+            f'exec "{sys.executable}" -W ignore -m gspo_megatron.train --dry-run '
+            '--nodes "$2" --gpus-per-node "$6" --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${@:13}"\n',
+        )
         extra = {"TORCHRUN": str(bin_dir / "fake_torchrun")}
-    return {**os.environ, **extra, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n[1-3]",
-            "SLURM_JOB_ID": "42", "SLURM_GPUS_PER_NODE": "h100:4", "SRUN_LOG": str(tmp_path / "srun.log"),
-            "GSPO_ROOT": str(ROOT), "LOG_DIR": str(tmp_path / "logs")}
+    return {
+        **os.environ,
+        **extra,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "n[1-3]",
+        "SLURM_JOB_ID": "42",
+        "SLURM_GPUS_PER_NODE": "h100:4",
+        "SRUN_LOG": str(tmp_path / "srun.log"),
+        "GSPO_ROOT": str(ROOT),
+        "LOG_DIR": str(tmp_path / "logs"),
+    }
 
 
 def test_sbatch_disaggregated_places_engines_on_last_nodes(tmp_path):
@@ -145,9 +196,19 @@ def test_sbatch_output_file_needs_no_directory():
 
 
 # GPU recipes and the training nodes they are planned for (their header); one more node runs SGLang
-RECIPES = {"qwen3_30b_a3b_gspo": 2, "qwen3_30b_a3b_grpo": 2, "mixtral_8x7b_gspo": 2, "qwen3_235b_a22b_gspo": 8,
-           "glm45_355b_gspo": 16, "deepseek_v3_671b_gspo": 32, "minimax_m2_gspo": 8, "qwen3_5_35b_a3b_gspo": 1,
-           "deepseek_v32_gspo": 32, "glm5_gspo": 32, "qwen3_30b_a3b_gspo_lora": 1}
+RECIPES = {
+    "qwen3_30b_a3b_gspo": 2,
+    "qwen3_30b_a3b_grpo": 2,
+    "mixtral_8x7b_gspo": 2,
+    "qwen3_235b_a22b_gspo": 8,
+    "glm45_355b_gspo": 16,
+    "deepseek_v3_671b_gspo": 32,
+    "minimax_m2_gspo": 8,
+    "qwen3_5_35b_a3b_gspo": 1,
+    "deepseek_v32_gspo": 32,
+    "glm5_gspo": 32,
+    "qwen3_30b_a3b_gspo_lora": 1,
+}
 
 
 def _recipe_header(recipe: str) -> tuple[int, int, bool]:
@@ -159,8 +220,11 @@ def _recipe_header(recipe: str) -> tuple[int, int, bool]:
 
 
 def test_every_gpu_recipe_is_covered():
-    shipped = {p.stem for p in (ROOT / "configs").glob("*.yaml")
-               if "engine: sglang" in p.read_text() and "engine_server: cpu" not in p.read_text()}
+    shipped = {
+        p.stem
+        for p in (ROOT / "configs").glob("*.yaml")
+        if "engine: sglang" in p.read_text() and "engine_server: cpu" not in p.read_text()
+    }
     assert shipped == set(RECIPES)
     assert {r: _recipe_header(r)[0] for r in RECIPES} == RECIPES  # the table agrees with the headers
 
@@ -174,10 +238,21 @@ def test_sbatch_disaggregated_recipe_passes_the_config_checks(tmp_path, recipe):
     train_nodes, memory_gb, sync_fp8 = _recipe_header(recipe)
     nodes = [f"n{i}" for i in range(1, train_nodes + 2)]
     env = _fake_slurm(tmp_path, nodes, run_training=True)
-    env.update(ROLLOUT_MODE="disaggregated", SGLANG_NODES="1", SGLANG_TP="8", MODEL_PATH="/m",
-               SLURM_GPUS_PER_NODE="h100:8", GPU_MEMORY_GB=str(memory_gb))
-    res = subprocess.run(["bash", str(SCRIPTS[2]), str(ROOT / "configs" / f"{recipe}.yaml")], env=env,
-                         capture_output=True, text=True, timeout=300)
+    env.update(
+        ROLLOUT_MODE="disaggregated",
+        SGLANG_NODES="1",
+        SGLANG_TP="8",
+        MODEL_PATH="/m",
+        SLURM_GPUS_PER_NODE="h100:8",
+        GPU_MEMORY_GB=str(memory_gb),
+    )
+    res = subprocess.run(
+        ["bash", str(SCRIPTS[2]), str(ROOT / "configs" / f"{recipe}.yaml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = res.stdout + res.stderr
     train = next(line for line in (tmp_path / "srun.log").read_text().splitlines() if "torchrun.sh" in line)
     assert f"NNODES={train_nodes}" in train and f"rollout.engine_urls=[http://n{train_nodes + 1}:30000]" in train

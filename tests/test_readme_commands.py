@@ -51,13 +51,13 @@ def commands(block: str) -> list[str]:
 
 def training_section() -> str:
     readme = open(os.path.join(REPO, "README.md")).read()
-    return readme[readme.index("## Training\n"):readme.index("\n## ", readme.index("## Training\n") + 5)]
+    return readme[readme.index("## Training\n") : readme.index("\n## ", readme.index("## Training\n") + 5)]
 
 
 def doc_commands() -> list[str]:
     section = training_section()
-    hf_block = section[section.index(HF_HEADING):]
-    cmds = [c for b in bash_blocks(section[:section.index(HF_HEADING)]) for c in commands(b)]
+    hf_block = section[section.index(HF_HEADING) :]
+    cmds = [c for b in bash_blocks(section[: section.index(HF_HEADING)]) for c in commands(b)]
     demo = open(os.path.join(REPO, "docs", "demo.md")).read()
     cmds += [c for b in bash_blocks(demo) for c in commands(b)]
     assert bash_blocks(hf_block), "the Hugging Face example is missing"
@@ -86,15 +86,17 @@ def checkout(tmp_path_factory):
 def bash(script: str, cwd, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.setdefault("PYTHONPATH", REPO)  # CI installs the package; a worktree run puts it on the path
-    return subprocess.run(["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_every_documented_command_is_accounted_for():
     cmds = doc_commands()
     assert sorted(set(cmds)) == sorted(COMMANDS), (
         f"commands in the docs without an entry: {sorted(set(cmds) - set(COMMANDS))}; "
-        f"entries no longer in the docs: {sorted(set(COMMANDS) - set(cmds))}")
+        f"entries no longer in the docs: {sorted(set(COMMANDS) - set(cmds))}"
+    )
 
 
 @pytest.mark.parametrize("cmd", [c for c, v in COMMANDS.items() if isinstance(v, int)])
@@ -113,7 +115,7 @@ def test_documented_command_runs_as_written(cmd, checkout):
 
 def test_the_hugging_face_example_runs_as_written(checkout):
     section = training_section()
-    script = bash_blocks(section[section.index(HF_HEADING):])[0]
+    script = bash_blocks(section[section.index(HF_HEADING) :])[0]
     proc = bash(script, checkout)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     run = checkout / "runs" / "mine"
@@ -122,6 +124,7 @@ def test_the_hugging_face_example_runs_as_written(checkout):
     assert all(r["reward/errors"] == 0 for r in rows)
     assert (run / "hf_final" / "config.json").exists()
     saved = open(run / "config.yaml").read()
-    assert saved.startswith("# model: architecture from runs/demo/hf_final/config.json, weights from "
-                            "runs/demo/hf_final"), saved[:300]
+    assert saved.startswith(
+        "# model: architecture from runs/demo/hf_final/config.json, weights from runs/demo/hf_final"
+    ), saved[:300]
     assert "arch: null" in saved and "hf_path: runs/demo/hf_final" in saved

@@ -27,8 +27,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--output", required=True, help="checkpoint directory to write")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
-                   help="parameter dtype (default: config.json's torch_dtype / dtype)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="parameter dtype (default: config.json's torch_dtype / dtype)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     add_layout_args(p)
     return p.parse_args(argv)
@@ -45,9 +49,12 @@ def main(argv=None) -> int:
         convert.check_world_layout(hf, args.tp, args.pp, args.ep, args.etp)
         convert.prepare_output_dir(args.output, args.overwrite)
         out = convert.run_distributed(
-            lambda: convert.hf_to_megatron(args.hf_dir, args.output, args.tp, args.pp, args.ep,
-                                           args.etp, dtype),
-            args.tp, args.pp, args.ep, args.etp)
+            lambda: convert.hf_to_megatron(args.hf_dir, args.output, args.tp, args.pp, args.ep, args.etp, dtype),
+            args.tp,
+            args.pp,
+            args.ep,
+            args.etp,
+        )
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"wrote Megatron checkpoint {out} ({dtype})")
     return 0

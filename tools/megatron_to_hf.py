@@ -35,19 +35,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="HF directory to write")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
     p.add_argument("--overwrite", action="store_true", help="replace the model files in --output")
-    p.add_argument("--lora-format", choices=("merged", "peft"), default="merged",
-                   help="a LoRA checkpoint: merged (the adapters folded into the base weights: a full HF model) "
-                        "or peft (adapter_config.json + adapter_model.safetensors only; one process; "
-                        "gspo_megatron/models/lora_peft.py)")
-    p.add_argument("--base-model", default=None,
-                   help="--lora-format peft: base_model_name_or_path written to adapter_config.json")
+    p.add_argument(
+        "--lora-format",
+        choices=("merged", "peft"),
+        default="merged",
+        help="a LoRA checkpoint: merged (the adapters folded into the base weights: a full HF model) "
+        "or peft (adapter_config.json + adapter_model.safetensors only; one process; "
+        "gspo_megatron/models/lora_peft.py)",
+    )
+    p.add_argument(
+        "--base-model", default=None, help="--lora-format peft: base_model_name_or_path written to adapter_config.json"
+    )
     add_layout_args(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     from gspo_megatron import convert
-    from gspo_megatron.models.family import get_family
+    from gspo_megatron.models.registry import get_family
 
     args = parse_args(argv)
     with convert.cli_errors(PROG):
@@ -56,17 +61,23 @@ def main(argv=None) -> int:
         get_family(meta["hf_config"])
         if args.lora_format == "peft":
             return _peft(args, ckpt_dir, meta)
-        args.tp, args.pp, args.ep, args.etp = convert.split_layout(meta["hf_config"], args.tp, args.pp,
-                                                                   args.ep, args.etp)
+        args.tp, args.pp, args.ep, args.etp = convert.split_layout(
+            meta["hf_config"], args.tp, args.pp, args.ep, args.etp
+        )
         convert.check_world_layout(meta["hf_config"], args.tp, args.pp, args.ep, args.etp)
         convert.prepare_output_dir(args.output, args.overwrite)
         files = convert.run_distributed(
-            lambda: convert.megatron_to_hf(ckpt_dir, args.output, args.tp, args.pp, args.ep,
-                                           args.etp, max_shard),
-            args.tp, args.pp, args.ep, args.etp)
+            lambda: convert.megatron_to_hf(ckpt_dir, args.output, args.tp, args.pp, args.ep, args.etp, max_shard),
+            args.tp,
+            args.pp,
+            args.ep,
+            args.etp,
+        )
         if files is not None:
-            print(f"wrote {args.output} from {ckpt_dir} (step {meta['step']}): {len(files)} "
-                  f"safetensors file(s), {meta.get('dtype')}")
+            print(
+                f"wrote {args.output} from {ckpt_dir} (step {meta['step']}): {len(files)} "
+                f"safetensors file(s), {meta.get('dtype')}"
+            )
     return 0
 
 
@@ -78,15 +89,19 @@ def _peft(args, ckpt_dir: str, meta: dict) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or (args.tp, args.pp, args.ep) != (1, 1, 1):
         raise convert.UsageError("--lora-format peft runs in one process (no torchrun, no --tp / --pp / --ep)")
     if not meta.get("lora"):
-        raise convert.UsageError(f"--lora-format peft: {ckpt_dir} has no LoRA adapters (no model.lora in its "
-                                 "metadata); export it without --lora-format")
+        raise convert.UsageError(
+            f"--lora-format peft: {ckpt_dir} has no LoRA adapters (no model.lora in its "
+            "metadata); export it without --lora-format"
+        )
     os.makedirs(args.output, exist_ok=True)
     names = ("adapter_config.json", "adapter_model.safetensors")
     if not args.overwrite and any(os.path.exists(os.path.join(args.output, n)) for n in names):
         raise convert.UsageError(f"--output {args.output} already holds a PEFT adapter (pass --overwrite)")
     modules = convert.run_distributed(lambda: export_peft(ckpt_dir, args.output, args.base_model), 1, 1, 1, None)
-    print(f"wrote PEFT adapter {args.output} from {ckpt_dir} (step {meta['step']}): r={meta['lora']['rank']}, "
-          f"lora_alpha={meta['lora']['alpha']}, {len(modules)} modules")
+    print(
+        f"wrote PEFT adapter {args.output} from {ckpt_dir} (step {meta['step']}): r={meta['lora']['rank']}, "
+        f"lora_alpha={meta['lora']['alpha']}, {len(modules)} modules"
+    )
     return 0
 
 

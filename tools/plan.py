@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from gspo_megatron.planner import plan_main  # noqa: E402
+from gspo_megatron.planner import plan_main
 
 if __name__ == "__main__":
     sys.exit(plan_main())

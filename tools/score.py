@@ -31,8 +31,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input", required=True, help='JSONL with {"input_ids": [...]} per line')
     p.add_argument("--output", required=True, help='JSONL to write {"logprobs": [...]} per line')
     p.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward pass")
-    p.add_argument("--max-tokens-per-micro-batch", type=int, default=0,
-                   help="pack whole rows into micro-batches of at most this many tokens (0 = off)")
+    p.add_argument(
+        "--max-tokens-per-micro-batch",
+        type=int,
+        default=0,
+        help="pack whole rows into micro-batches of at most this many tokens (0 = off)",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="logits are divided by it")
     p.add_argument("--dtype", default=None, help="override the checkpoint's dtype")
     add_layout_args(p, with_cp=True)
@@ -59,7 +63,8 @@ def main(argv=None) -> int:
         if args.cp > 1 and not torch.cuda.is_available():
             raise convert.UsageError(
                 "--cp > 1 needs Transformer Engine's context-parallel attention (a CUDA GPU); "
-                "it cannot run on this machine")
+                "it cannot run on this machine"
+            )
         if args.micro_batch_size < 1:
             raise convert.UsageError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
         if not args.temperature > 0:
@@ -75,17 +80,19 @@ def main(argv=None) -> int:
         seg = 2 * args.cp if args.cp > 1 else 1
         longest = max((-(-len(r) // seg) * seg for r in rows), default=0)
         if budget and longest > budget:
-            raise convert.UsageError(f"--max-tokens-per-micro-batch={budget} is below the longest row of "
-                                     f"{args.input} ({longest} tokens); rows are never split")
+            raise convert.UsageError(
+                f"--max-tokens-per-micro-batch={budget} is below the longest row of "
+                f"{args.input} ({longest} tokens); rows are never split"
+            )
         out_dir = os.path.dirname(os.path.abspath(args.output))
         if not os.path.isdir(out_dir):
             raise convert.UsageError(f"--output directory {out_dir} does not exist")
 
         def run() -> int:
-            model, _ = convert.load_model(args.checkpoint, args.tp, args.pp, args.ep, args.etp,
-                                          args.cp, args.dtype)
-            return score.score_to_file(model, rows, args.output, args.micro_batch_size,
-                                       args.temperature, max_tokens_per_micro_batch=budget)
+            model, _ = convert.load_model(args.checkpoint, args.tp, args.pp, args.ep, args.etp, args.cp, args.dtype)
+            return score.score_to_file(
+                model, rows, args.output, args.micro_batch_size, args.temperature, max_tokens_per_micro_batch=budget
+            )
 
         n = convert.run_distributed(run, args.tp, args.pp, args.ep, args.etp, args.cp)
         if int(os.environ.get("RANK", "0")) == 0:

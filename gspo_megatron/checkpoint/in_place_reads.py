@@ -46,8 +46,14 @@ def _halves_are_data(parts, data: torch.Tensor | None) -> bool:
         return False
     ptr, size = data.data_ptr(), data.element_size()
     for p in parts:
-        if (p.dtype != data.dtype or p.device != data.device or not p.is_contiguous() or p.dim() != data.dim()
-                or p.shape[1:] != data.shape[1:] or p.data_ptr() != ptr):
+        if (
+            p.dtype != data.dtype
+            or p.device != data.device
+            or not p.is_contiguous()
+            or p.dim() != data.dim()
+            or p.shape[1:] != data.shape[1:]
+            or p.data_ptr() != ptr
+        ):
             return False
         ptr += p.numel() * size
     return ptr == data.data_ptr() + data.numel() * size
@@ -73,8 +79,11 @@ def merge_swiglu_in_place(sharded_state_dict) -> int:
     changed = 0
     for v in nested_values(sharded_state_dict):
         fn = getattr(v, "merge_fn", None)
-        if isinstance(v, ShardedTensorFactory) and v.flattened_range is None \
-                and (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) == _SWIGLU_MERGE:
+        if (
+            isinstance(v, ShardedTensorFactory)
+            and v.flattened_range is None
+            and (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) == _SWIGLU_MERGE
+        ):
             v.merge_fn = _in_place(v)
             changed += 1
     return changed
@@ -83,7 +92,7 @@ def merge_swiglu_in_place(sharded_state_dict) -> int:
 # ---------------------------------------------------------------- reading items straight into tensors
 @functools.cache
 def _storage_dtypes() -> dict[str, torch.dtype]:
-    """"FloatStorage" -> torch.float32, ... (the typed storage classes a tensor's pickle names)."""
+    """ "FloatStorage" -> torch.float32, ... (the typed storage classes a tensor's pickle names)."""
     from torch.storage import _storage_type_to_dtype_map
 
     return _storage_type_to_dtype_map()
@@ -128,8 +137,11 @@ class _Window(io.RawIOBase):
         self.head = os.pread(fd, min(edge, length), offset)
         tail_start = max(0, length - edge)
         self.tail_start = tail_start
-        self.tail = self.head[tail_start:] if tail_start < len(self.head) else os.pread(fd, length - tail_start,
-                                                                                         offset + tail_start)
+        self.tail = (
+            self.head[tail_start:]
+            if tail_start < len(self.head)
+            else os.pread(fd, length - tail_start, offset + tail_start)
+        )
 
     def readable(self) -> bool:
         return True
@@ -152,10 +164,10 @@ class _Window(io.RawIOBase):
         if end <= len(self.head):
             data = self.head[start:end]
         elif start >= self.tail_start:
-            data = self.tail[start - self.tail_start:end - self.tail_start]
+            data = self.tail[start - self.tail_start : end - self.tail_start]
         else:
             data = os.pread(self.fd, end - start, self.offset + start)
-        buf[:len(data)] = data
+        buf[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
@@ -243,10 +255,12 @@ def direct_reader_class():
                     cache[key] = None
             return cache[key]
 
-        def read_data(self, plan, planner):
+        def read_data(self, plan, planner) -> Future:
             if sys.byteorder != "little":
                 return super().read_data(plan, planner)
-            rest, records, fds = [], {}, {}
+            rest: list = []
+            records: dict[tuple[str, int], tuple[torch.Tensor, int] | None] = {}  # _record's cache
+            fds: dict[str, int] = {}
             try:
                 for req in plan.items:
                     item_md = self.storage_data[req.storage_index]
@@ -264,8 +278,13 @@ def direct_reader_class():
                     meta, base = found
                     src = narrow_tensor_by_index(meta, req.storage_offsets, req.lengths)
                     dst = planner.resolve_tensor(req).detach()
-                    if not (src.is_contiguous() and dst.is_contiguous() and dst.device.type == "cpu"
-                            and dst.dtype == src.dtype and dst.shape == src.shape):
+                    if not (
+                        src.is_contiguous()
+                        and dst.is_contiguous()
+                        and dst.device.type == "cpu"
+                        and dst.dtype == src.dtype
+                        and dst.shape == src.shape
+                    ):
                         rest.append(req)
                         continue
                     if dst.numel():

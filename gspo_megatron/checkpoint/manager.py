@@ -54,9 +54,17 @@ FORMAT_VERSION = 1
 _SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 HF_ASSET_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "chat_template.jinja",
-    "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 
 
@@ -141,7 +149,8 @@ def validate_checkpoint_dir(ckpt_dir: str) -> str | None:
             return f"{os.path.join(ckpt_dir, META_FILE)} lacks {key!r}"
     dist_dir = os.path.join(ckpt_dir, DIST_SUBDIR)
     if not os.path.exists(os.path.join(dist_dir, "metadata.json")) or not os.path.exists(
-            os.path.join(dist_dir, ".metadata")):
+        os.path.join(dist_dir, ".metadata")
+    ):
         return f"{dist_dir} is not a complete dist_checkpointing directory"
     return None
 
@@ -204,8 +213,12 @@ def capture_rng_state() -> dict:
     """This rank's RNG states: python, numpy, torch CPU (and CUDA), Megatron's tracker."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    state = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-                 tracker={k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()})
+    state = dict(
+        python=random.getstate(),
+        numpy=np.random.get_state(),
+        torch=torch.get_rng_state(),
+        tracker={k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    )
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -240,13 +253,21 @@ def _write_failures_named(final_dir: str):
         yield
     except CheckpointException as e:
         causes = "; ".join(f"rank {r}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
-        raise CheckpointError(f"writing checkpoint {final_dir} failed: "
-                              f"{causes or 'on another rank (rank 0 reports the cause)'}") from None
+        raise CheckpointError(
+            f"writing checkpoint {final_dir} failed: {causes or 'on another rank (rank 0 reports the cause)'}"
+        ) from None
 
 
-def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, scheduler=None,
-                         extra_state: dict | None = None, hf_assets_dir: str | None = None,
-                         save_rng: bool = True) -> str:
+def write_checkpoint_dir(
+    final_dir: str,
+    step: int,
+    model,
+    optimizer=None,
+    scheduler=None,
+    extra_state: dict | None = None,
+    hf_assets_dir: str | None = None,
+    save_rng: bool = True,
+) -> str:
     """Write one complete checkpoint at ``final_dir`` atomically (collective). Returns its path.
 
     ``model`` is this rank's GPTModel (or a DDP wrapper of it) carrying ``hf_config``;
@@ -274,8 +295,7 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
 
     state = {"model": _model_sharded_state_dict(model)}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"],
-                                                          metadata=dict(_SHARDING_METADATA))
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=dict(_SHARDING_METADATA))
     with direct_writes() as direct, _write_failures_named(final_dir):
         if direct is None:
             adopt_checkpoint_writers()  # Megatron's writer processes die with this one, also on SIGKILL
@@ -285,15 +305,24 @@ def write_checkpoint_dir(final_dir: str, step: int, model, optimizer=None, sched
     rdist.barrier()
 
     if rdist.rank() == 0:
-        torch.save({"scheduler": None if scheduler is None else scheduler.state_dict(),
-                    "extra_state": extra_state}, os.path.join(tmp_dir, "trainer_state.pt"))
+        torch.save(
+            {"scheduler": None if scheduler is None else scheduler.state_dict(), "extra_state": extra_state},
+            os.path.join(tmp_dir, "trainer_state.pt"),
+        )
         copied = _copy_hf_assets(hf_assets_dir, os.path.join(tmp_dir, ASSETS_SUBDIR))
         params = unwrap(model).config.params_dtype
-        meta = dict(format_version=FORMAT_VERSION, step=int(step), hf_config=unwrap(model).hf_config,
-                    layout=current_layout(), dtype=dtype_name(params),
-                    has_optimizer=optimizer is not None, has_rng=save_rng, hf_assets=copied,
-                    sharding_metadata=_SHARDING_METADATA,
-                    lora=getattr(unwrap(model), "lora", None))  # model.lora (models/lora.py), or None
+        meta = dict(
+            format_version=FORMAT_VERSION,
+            step=int(step),
+            hf_config=unwrap(model).hf_config,
+            layout=current_layout(),
+            dtype=dtype_name(params),
+            has_optimizer=optimizer is not None,
+            has_rng=save_rng,
+            hf_assets=copied,
+            sharding_metadata=_SHARDING_METADATA,
+            lora=getattr(unwrap(model), "lora", None),
+        )  # model.lora (models/lora.py), or None
         with open(os.path.join(tmp_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
         _fsync_tree(tmp_dir)
@@ -337,14 +366,22 @@ def _copy_hf_assets(src: str | None, dst: str) -> list[str]:
     return copied
 
 
-def save_checkpoint(ckpt_root: str, step: int, model, optimizer=None, scheduler=None,
-                    extra_state: dict | None = None, keep_last: int = 0,
-                    hf_assets_dir: str | None = None) -> str:
+def save_checkpoint(
+    ckpt_root: str,
+    step: int,
+    model,
+    optimizer=None,
+    scheduler=None,
+    extra_state: dict | None = None,
+    keep_last: int = 0,
+    hf_assets_dir: str | None = None,
+) -> str:
     """Save ``ckpt_root/step_XXXXXX/`` atomically, point ``latest`` at it, and keep only the newest
     ``keep_last`` checkpoints (0: keep all). Collective. Returns the checkpoint path.
     See ``write_checkpoint_dir`` for the arguments."""
-    path = write_checkpoint_dir(os.path.join(ckpt_root, step_dir_name(step)), step, model, optimizer,
-                                scheduler, extra_state, hf_assets_dir)
+    path = write_checkpoint_dir(
+        os.path.join(ckpt_root, step_dir_name(step)), step, model, optimizer, scheduler, extra_state, hf_assets_dir
+    )
     if rdist.rank() == 0:
         write_atomic(os.path.join(ckpt_root, LATEST_FILE), os.path.basename(path) + "\n")
         _prune(ckpt_root, keep_last, keep=path)
@@ -383,9 +420,11 @@ def _prime_optimizer_state(optimizer, reset: bool = False) -> None:
         torch_opt.state.clear()
         for group in torch_opt.param_groups:
             for p in group["params"]:
-                torch_opt.state[p] = {"step": torch.tensor(0.0),
-                                      "exp_avg": torch.zeros_like(p.data),
-                                      "exp_avg_sq": torch.zeros_like(p.data)}
+                torch_opt.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p.data),
+                    "exp_avg_sq": torch.zeros_like(p.data),
+                }
 
 
 def _torch_adams(optimizer) -> list:
@@ -423,16 +462,15 @@ def _check_compatible(ckpt_dir: str, meta: dict, optimizer) -> None:
         return
     here = current_layout()
     if not meta.get("has_optimizer"):
-        raise CheckpointError(f"{ckpt_dir} holds no optimizer state (a converted checkpoint?); "
-                              "load the model only")
+        raise CheckpointError(f"{ckpt_dir} holds no optimizer state (a converted checkpoint?); load the model only")
     if _layout_key(meta["layout"]) != _layout_key(here):
         raise CheckpointError(
             f"{ckpt_dir} was written with layout {meta['layout']}; the optimizer state can only "
-            f"be resumed in that layout (this run: {here}); load the model only")
+            f"be resumed in that layout (this run: {here}); load the model only"
+        )
 
 
-def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool,
-              retry: bool = False) -> tuple[int, Any]:
+def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool, retry: bool = False) -> tuple[int, Any]:
     from megatron.core import dist_checkpointing
 
     meta = read_meta(ckpt_dir)
@@ -444,8 +482,7 @@ def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool,
         _prime_optimizer_state(optimizer, reset=retry)
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=md)
     with direct_reads():  # each item read into its tensor (no buffer + torch.load + copy_)
-        loaded = dist_checkpointing.load(state, os.path.join(ckpt_dir, DIST_SUBDIR),
-                                         strict="assume_ok_unexpected")
+        loaded = dist_checkpointing.load(state, os.path.join(ckpt_dir, DIST_SUBDIR), strict="assume_ok_unexpected")
     unwrap(model).load_state_dict(loaded["model"], strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
@@ -459,13 +496,16 @@ def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool,
         if meta["layout"] == here and os.path.exists(rng_path):
             restore_rng_state(torch.load(rng_path, weights_only=False))
         elif meta.get("has_rng"):
-            warnings.warn(f"{ckpt_dir}: RNG states not restored (written with layout "
-                          f"{meta['layout']}, running {here})", stacklevel=3)
+            warnings.warn(
+                f"{ckpt_dir}: RNG states not restored (written with layout {meta['layout']}, running {here})",
+                stacklevel=3,
+            )
     return int(meta["step"]), trainer.get("extra_state")
 
 
-def load_checkpoint(ckpt_root_or_dir: str, model, optimizer=None, scheduler=None,
-                    restore_rng: bool = True) -> tuple[int, Any] | None:
+def load_checkpoint(
+    ckpt_root_or_dir: str, model, optimizer=None, scheduler=None, restore_rng: bool = True
+) -> tuple[int, Any] | None:
     """Load the newest loadable checkpoint (collective). Returns (step, extra_state), or None
     when ``ckpt_root_or_dir`` holds no checkpoint at all.
 
@@ -474,8 +514,10 @@ def load_checkpoint(ckpt_root_or_dir: str, model, optimizer=None, scheduler=None
     fails to load falls back to the previous complete one with a warning; an explicitly named
     checkpoint directory that fails raises CheckpointError. For a model-only load into an
     existing bf16/fp16 optimizer, call ``optimizer.reload_model_params()`` afterwards."""
-    is_root = not (os.path.exists(os.path.join(ckpt_root_or_dir, META_FILE))
-                   or os.path.exists(os.path.join(ckpt_root_or_dir, MARKER_FILE)))
+    is_root = not (
+        os.path.exists(os.path.join(ckpt_root_or_dir, META_FILE))
+        or os.path.exists(os.path.join(ckpt_root_or_dir, MARKER_FILE))
+    )
     if is_root and not list_checkpoints(ckpt_root_or_dir):
         return None
     candidates = _broadcast(resolve_checkpoint(ckpt_root_or_dir) if rdist.rank() == 0 else None)
@@ -484,8 +526,7 @@ def load_checkpoint(ckpt_root_or_dir: str, model, optimizer=None, scheduler=None
         _check_compatible(path, read_meta(path), optimizer)  # same answer on every rank
         error = None
         try:
-            result = _load_one(path, model, optimizer, scheduler, restore_rng,
-                               retry=path != candidates[0])
+            result = _load_one(path, model, optimizer, scheduler, restore_rng, retry=path != candidates[0])
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - torch DCP's CheckpointException is a BaseException
@@ -497,6 +538,5 @@ def load_checkpoint(ckpt_root_or_dir: str, model, optimizer=None, scheduler=None
         last_error = error or "failed on another rank"
         if not is_root:
             raise CheckpointError(f"cannot load checkpoint {path}: {last_error}")
-        warnings.warn(f"checkpoint {path} failed to load ({last_error}); falling back to an older one",
-                      stacklevel=2)
+        warnings.warn(f"checkpoint {path} failed to load ({last_error}); falling back to an older one", stacklevel=2)
     raise CheckpointError(f"no loadable checkpoint in {ckpt_root_or_dir} (last error: {last_error})")

@@ -28,6 +28,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,12 +36,37 @@ from gspo_megatron.runtime.files import fsync_dir, fsync_file, write_atomic
 
 # safetensors' Dtype enum order (safetensors 0.4 - 0.8, Rust ``Dtype``): files sort tensors by it
 # (largest first). Only the dtypes listed here can be written.
-_DTYPE_ORDER = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32",
-                "F32", "F64", "I64", "U64"]
-_CODES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
-          torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16", torch.float16: "F16",
-          torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.float64: "F64",
-          torch.int64: "I64"}
+_DTYPE_ORDER = [
+    "BOOL",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "F64",
+    "I64",
+    "U64",
+]
+_CODES = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.int16: "I16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+}
 METADATA = {"format": "pt"}
 
 
@@ -90,8 +116,9 @@ class Shard:
 
     def layout(self) -> None:
         order = sorted(self.tensors, key=lambda t: (-_DTYPE_ORDER.index(dtype_code(t[2])), t[0].encode()))
-        entries, start = {"__metadata__": METADATA}, 0
-        relative = {}
+        entries: dict[str, dict[str, Any]] = {"__metadata__": METADATA}
+        start = 0
+        relative: dict[str, int] = {}
         for name, shape, dtype in order:
             end = start + nbytes(shape, dtype)
             entries[name] = {"dtype": dtype_code(dtype), "shape": list(shape), "data_offsets": [start, end]}
@@ -152,8 +179,10 @@ class ShardFiles:
         """pwrite ``tensor``'s bytes at its place; returns the byte count."""
         shape, dtype = self.shapes[name]
         if tensor.dtype != dtype or tuple(tensor.shape) != (tuple(shape) if row is None else tuple(shape[1:])):
-            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the plan says "
-                             f"{tuple(shape)} {dtype}" + ("" if row is None else f" (row {row})"))
+            raise ValueError(
+                f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the plan says "
+                f"{tuple(shape)} {dtype}" + ("" if row is None else f" (row {row})")
+            )
         i, offset = self.where[name]
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
         size = t.numel() * t.element_size()

@@ -50,7 +50,7 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         return t.clone()
     start = t.storage_offset() * t.element_size()
-    view = storage[start:start + nbytes]  # shares the memory and keeps the whole storage alive
+    view = storage[start : start + nbytes]  # shares the memory and keeps the whole storage alive
     return torch.empty(0, dtype=t.dtype).set_(view, 0, t.shape, t.stride())
 
 
@@ -85,19 +85,21 @@ def direct_writer_class():
             exact bytes instead of cloned; a queue of this process for the results."""
             bins = self.thread_count // 2 if self.separation_hint is not None else self.thread_count
             prefix = plan.storage_data.prefix
-            self.write_buckets = []
-            for group, buckets in _split_by_separation_hint(_split_by_size_and_type(bins, plan.items),
-                                                            self.separation_hint).items():
+            # (file path, file name, (byte items, tensor items)) per bucket
+            self.write_buckets: list[tuple[str, str, tuple[list, list]]] = []
+            for group, buckets in _split_by_separation_hint(
+                _split_by_size_and_type(bins, plan.items), self.separation_hint
+            ).items():
                 for bucket in buckets:
                     data = [(item, planner.resolve_data(item)) for item in bucket]
                     bytes_data = [(item, d) for item, d in data if item.type == WriteItemType.BYTE_IO]
-                    tensor_data = [(item, exact_storage(d)) for item, d in data
-                                   if item.type != WriteItemType.BYTE_IO]
+                    tensor_data = [(item, exact_storage(d)) for item, d in data if item.type != WriteItemType.BYTE_IO]
                     if bytes_data or tensor_data:
                         name = f"{group}{prefix}{len(self.write_buckets)}{DEFAULT_SUFFIX}"
-                        self.write_buckets.append((os.path.join(self.checkpoint_dir, name), name,
-                                                   (bytes_data, tensor_data)))
-            self.results_queue = queue.Queue() if self.write_buckets else None
+                        self.write_buckets.append(
+                            (os.path.join(self.checkpoint_dir, name), name, (bytes_data, tensor_data))
+                        )
+            self.results_queue: queue.Queue | None = queue.Queue() if self.write_buckets else None
 
         def get_save_function_and_args(self):
             if not self.write_buckets:
@@ -105,8 +107,11 @@ def direct_writer_class():
             transforms = [self.transforms] if hasattr(self, "transforms") else []
             on_gpu = any(t.device.type != "cpu" for _, _, (_, tensors) in self.write_buckets for _, t in tensors)
             preload = partial(self.preload_tensors, self.write_buckets, True) if on_gpu else None
-            return (partial(self.write_buckets_here, transforms),
-                    preload, [torch.distributed.get_rank(), self.write_buckets, self.results_queue])
+            return (
+                partial(self.write_buckets_here, transforms),
+                preload,
+                [torch.distributed.get_rank(), self.write_buckets, self.results_queue],
+            )
 
         @classmethod
         def write_buckets_here(cls, transforms: list, rank: int, write_buckets: list, results_queue) -> None:
@@ -114,6 +119,7 @@ def direct_writer_class():
             results}`` -- or the first exception -- on ``results_queue``."""
             with ThreadPoolExecutor(max(1, len(write_buckets))) as pool:
                 futures = [pool.submit(cls.write_bucket, transforms, b) for b in write_buckets]
+            results: dict[int, list] | Exception
             try:
                 results = {i: f.result() for i, f in enumerate(futures)}
             except Exception as e:  # noqa: BLE001 (handed to Megatron's finalize, which raises it)
@@ -126,7 +132,9 @@ def direct_writer_class():
             results, kwargs = [], _serialization_kwargs(_write_item)
             with records_without_crc(), open(path, "wb") as stream:
                 for item, data in [*bytes_data, *tensor_data]:  # tensors made exact in prepare_write_data
-                    results.append(_write_item(*transforms, stream, data, item, storage_key, **kwargs))
+                    # (torch's private _write_item: its arguments differ between torch versions, which
+                    # ``transforms`` and ``kwargs`` follow; the checker knows the installed one only)
+                    results.append(_write_item(*transforms, stream, data, item, storage_key, **kwargs))  # type: ignore[call-arg]
                 stream.flush()
                 os.fsync(stream.fileno())
             cls.files_written += 1

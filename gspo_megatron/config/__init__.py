@@ -1,7 +1,8 @@
 """The one typed config: a schema (one dataclass per section), a loader (YAML + dotted overrides) and
 validation that names the field.
 
-- :mod:`gspo_megatron.config.schema`: ``Config`` and its sections, ``ConfigError``.
+- :mod:`gspo_megatron.config.schema`: ``Config`` and its sections (its errors are
+  :class:`gspo_megatron.errors.ConfigError`).
 - :mod:`gspo_megatron.config.loader`: ``load_config``, ``save_config``, ``config_help``.
 - :mod:`gspo_megatron.config.validation`: ``validate`` (world size), ``validate_model_layout`` (model
   dims), and the derived sizes ``data_parallel_size``, ``micro_batches_per_rank``, ``engine_count``.
@@ -13,7 +14,6 @@ from gspo_megatron.config.loader import config_help, load_config, save_config
 from gspo_megatron.config.schema import (
     CheckpointConfig,
     Config,
-    ConfigError,
     DataConfig,
     EvalConfig,
     GSPOConfig,
@@ -36,8 +36,26 @@ from gspo_megatron.config.validation import (
 )
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig", "GSPOConfig",
-    "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
-    "TrainConfig", "config_help", "data_parallel_size", "engine_count", "load_config", "micro_batches_per_rank",
-    "parse_eval_dataset", "save_config", "validate", "validate_model_layout", "values_for",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "EvalConfig",
+    "GSPOConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "config_help",
+    "data_parallel_size",
+    "engine_count",
+    "load_config",
+    "micro_batches_per_rank",
+    "parse_eval_dataset",
+    "save_config",
+    "validate",
+    "validate_model_layout",
+    "values_for",
 ]

@@ -12,12 +12,16 @@ import difflib
 import os
 import types
 import typing
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from gspo_megatron.config.schema import Config, ConfigError
+from gspo_megatron.config.schema import Config
 from gspo_megatron.config.validation import _static_errors
+from gspo_megatron.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 _HINTS: dict[type, dict[str, Any]] = {}
 
@@ -28,7 +32,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
-def _field_type(cls: type, key: str) -> Any:
+def _field_type(cls: type[DataclassInstance], key: str) -> Any:
     """The type the loader checks for ``cls.key``: its annotation, or a Literal of the values its
     ``choices`` registry holds now (``schema._f(..., choices=...)``: gspo.mode, rollout.sync_mode)."""
     f = cls.__dataclass_fields__.get(key)
@@ -76,8 +80,11 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         return [_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)]
     if tp is bool and isinstance(value, bool):
         return value
-    if tp is int and not isinstance(value, bool) and (
-            isinstance(value, int) or isinstance(value, float) and value.is_integer()):
+    if (
+        tp is int
+        and not isinstance(value, bool)
+        and (isinstance(value, int) or isinstance(value, float) and value.is_integer())
+    ):
         return int(value)
     if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:
@@ -94,7 +101,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
 def _did_you_mean(key: str, options: list[str], prefix: str) -> str:
     close = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
     return f"unknown key '{prefix}{key}'" + (
-        f"; did you mean '{prefix}{close[0]}'?" if close else f"; allowed keys: {', '.join(options)}")
+        f"; did you mean '{prefix}{close[0]}'?" if close else f"; allowed keys: {', '.join(options)}"
+    )
 
 
 def _apply(obj: Any, data: dict[str, Any], prefix: str, errors: list[str]) -> None:
@@ -189,15 +197,21 @@ def config_help() -> str:
     """Every field as ``section.key: type = default`` and its one-line description."""
     lines = ["Config fields (YAML sections; override any as section.key=value):"]
 
-    def walk(cls: type, prefix: str) -> None:
+    def walk(cls: type[DataclassInstance], prefix: str) -> None:
         for f in dataclasses.fields(cls):
             tp = _field_type(cls, f.name)
             if _is_section(tp):
                 lines.append(f"\n[{prefix}{f.name}]")
                 walk(tp, f"{prefix}{f.name}.")
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {prefix}{f.name}: {_type_name(tp)} = {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}")
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                assert f.default_factory is not dataclasses.MISSING  # every schema field has a default
+                default = f.default_factory()
+            lines.append(
+                f"  {prefix}{f.name}: {_type_name(tp)} = {yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}"
+            )
             lines.append(f"      {f.metadata.get('help', '')}")
 
     walk(Config, "")

@@ -11,8 +11,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from gspo_megatron.errors import ConfigError  # noqa: F401  (public here too; defined in errors.py: no cycle)
-
 
 def _f(default: Any, help: str, choices: Callable[[], tuple[str, ...]] | None = None) -> Any:
     """A dataclass field whose one-line description feeds :func:`config_help`. ``choices``: the allowed
@@ -48,8 +46,9 @@ def values_for(target: type, *sections: Any, renamed: dict[str, str] | None = No
         key = (renamed or {}).get(f.name, f.name)
         owner = next((s for s in sections if hasattr(s, key)), None)
         if owner is None:
-            raise TypeError(f"{target.__name__}.{f.name}: no config key {key!r} in "
-                            f"{', '.join(type(s).__name__ for s in sections)}")
+            raise TypeError(
+                f"{target.__name__}.{f.name}: no config key {key!r} in {', '.join(type(s).__name__ for s in sections)}"
+            )
         out[f.name] = getattr(owner, key)
     return out
 
@@ -60,24 +59,52 @@ class LoraConfig:
     rank: int = _f(0, "LoRA rank r; 0 = off (every parameter trained)")
     alpha: float = _f(16.0, "LoRA alpha: the adapter output is scaled by alpha / rank")
     dropout: float = _f(0.0, "dropout on the adapter input (training forward only)")
-    target_modules: list[str] = _f(["linear_qkv", "linear_proj", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_fc1", "linear_fc2"], "Megatron linear layers that get adapters: a module name (linear_fc1: dense MLP, shared and routed experts) or a dotted suffix of its path (experts.linear_fc1: routed experts only; shared_experts.linear_fc2; self_attention.linear_qkv); each entry must match a layer of the model")
+    target_modules: list[str] = _f(
+        [
+            "linear_qkv",
+            "linear_proj",
+            "linear_q_proj",
+            "linear_q_down_proj",
+            "linear_q_up_proj",
+            "linear_kv_down_proj",
+            "linear_kv_up_proj",
+            "linear_fc1",
+            "linear_fc2",
+        ],
+        "Megatron linear layers that get adapters: a module name (linear_fc1: dense MLP, shared and routed experts) or a dotted suffix of its path (experts.linear_fc1: routed experts only; shared_experts.linear_fc2; self_attention.linear_qkv); each entry must match a layer of the model",
+    )
 
 
 @dataclass
 class ModelConfig:
-    arch: str | None = _f("tiny-qwen3-moe", "built-in architecture (models.arch.KNOWN_ARCHS) whose config.json dims are used when model.hf_path has no config.json; null: detect from model.hf_path's name")
+    arch: str | None = _f(
+        "tiny-qwen3-moe",
+        "built-in architecture (models.arch.KNOWN_ARCHS) whose config.json dims are used when model.hf_path has no config.json; null: detect from model.hf_path's name",
+    )
     hf_path: str | None = _f(None, "HF directory with config.json (+ weights, tokenizer) to start from")
     checkpoint: str | None = _f(None, "Megatron dist checkpoint to start from (overrides hf_path's weights)")
-    init: Literal["pretrained", "random"] = _f("random", "pretrained: load weights; random: build from the HF config with random weights")
+    init: Literal["pretrained", "random"] = _f(
+        "random", "pretrained: load weights; random: build from the HF config with random weights"
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "parameter / compute dtype")
     fp8: Literal["e4m3", "hybrid"] | None = _f(None, "FP8 training through Transformer Engine (GPU only); null = off")
-    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = _f("delayed", "Transformer Engine FP8 scaling recipe")
-    transformer_impl: Literal["auto", "local", "transformer_engine"] = _f("auto", "layer implementation; auto = transformer_engine with a GPU, local without")
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = _f(
+        "delayed", "Transformer Engine FP8 scaling recipe"
+    )
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
+        "auto", "layer implementation; auto = transformer_engine with a GPU, local without"
+    )
     moe_token_dispatcher: Literal["alltoall", "allgather"] = _f("alltoall", "Megatron MoE token dispatcher")
     moe_aux_loss_coeff: float = _f(0.0, "load-balancing auxiliary loss coefficient (0 = off)")
     recompute: bool = _f(False, "full activation recomputation (store only each layer's input)")
-    fused_logprobs: bool = _f(True, "log-probs / entropy straight from the last hidden states, the output layer fused in and recomputed per token chunk in backward (no [tokens, V/tp] logits; gspo_megatron/losses/fused_logprobs.py); false: the output layer's logits, then the chunked vocab-parallel log-probs")
-    max_seq_len: int = _f(64, "max prompt + response tokens of one sequence: must cover data.max_prompt_len + rollout.max_new_tokens and fit the model's max_position_embeddings; the memory planner sizes activations and KV cache with it")
+    fused_logprobs: bool = _f(
+        True,
+        "log-probs / entropy straight from the last hidden states, the output layer fused in and recomputed per token chunk in backward (no [tokens, V/tp] logits; gspo_megatron/losses/fused_logprobs.py); false: the output layer's logits, then the chunked vocab-parallel log-probs",
+    )
+    max_seq_len: int = _f(
+        64,
+        "max prompt + response tokens of one sequence: must cover data.max_prompt_len + rollout.max_new_tokens and fit the model's max_position_embeddings; the memory planner sizes activations and KV cache with it",
+    )
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -89,8 +116,13 @@ class ParallelConfig:
     etp: int | None = _f(None, "expert tensor parallel size; null = same as tp (resolved on load)")
     cp: int = _f(1, "context parallel size (needs Transformer Engine)")
     sequence_parallel: bool | None = _f(None, "null = auto (on when tp > 1); required for MoE with tp > 1")
-    micro_batch_size: int = _f(4, "sequences per micro-batch (padded rows; used when max_tokens_per_micro_batch is off)")
-    max_tokens_per_micro_batch: int | None = _f(None, "sequence packing: micro-batches of whole sequences concatenated up to this many tokens, balanced over data-parallel ranks by tokens (THD with Transformer Engine; an exact block-diagonal mask on the local spec); 0/null = off (padded rows of micro_batch_size); must be >= model.max_seq_len")
+    micro_batch_size: int = _f(
+        4, "sequences per micro-batch (padded rows; used when max_tokens_per_micro_batch is off)"
+    )
+    max_tokens_per_micro_batch: int | None = _f(
+        None,
+        "sequence packing: micro-batches of whole sequences concatenated up to this many tokens, balanced over data-parallel ranks by tokens (THD with Transformer Engine; an exact block-diagonal mask on the local spec); 0/null = off (padded rows of micro_batch_size); must be >= model.max_seq_len",
+    )
     use_distributed_optimizer: bool = _f(True, "shard optimizer states over data-parallel ranks (ZeRO-1)")
     grad_reduce_in_fp32: bool = _f(True, "fp32 main-grad buffer and gradient all-reduce")
 
@@ -98,7 +130,10 @@ class ParallelConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["hf", "sglang"] = _f("hf", "hf: in-process transformers engine (CPU); sglang: SGLang servers (GPU)")
-    engine_server: Literal["sglang", "cpu"] = _f("sglang", "with engine=sglang: the server program; sglang: the real SGLang server (GPU); cpu: the CPU stand-in that speaks SGLang's HTTP API (gspo_megatron.rollout.cpu_server; for tests and CI, not an inference server)")
+    engine_server: Literal["sglang", "cpu"] = _f(
+        "sglang",
+        "with engine=sglang: the server program; sglang: the real SGLang server (GPU); cpu: the CPU stand-in that speaks SGLang's HTTP API (gspo_megatron.rollout.cpu_server; for tests and CI, not an inference server)",
+    )
     group_size: int = _f(8, "G: responses sampled per prompt (>= 2)")
     prompts_per_step: int = _f(8, "prompts per rollout step (step batch = prompts_per_step * group_size sequences)")
     temperature: float = _f(1.0, "sampling temperature (> 0)")
@@ -106,39 +141,98 @@ class RolloutConfig:
     top_k: int = _f(-1, "top-k sampling; -1 = off")
     max_new_tokens: int = _f(8, "max response tokens")
     stop: list[str] = _f([], "extra stop strings (the tokenizer's EOS always stops)")
-    sync_mode: str = _f("inprocess", "weight sync transport (weight_sync/modes.py): inprocess (hf engine), colocated (CUDA IPC, engines share the training GPUs), disaggregated (NCCL broadcast to separate GPUs)", choices=_sync_modes)
+    sync_mode: str = _f(
+        "inprocess",
+        "weight sync transport (weight_sync/modes.py): inprocess (hf engine), colocated (CUDA IPC, engines share the training GPUs), disaggregated (NCCL broadcast to separate GPUs)",
+        choices=_sync_modes,
+    )
     sync_bucket_mb: float = _f(512.0, "weight-sync bucket size in MiB")
-    sync_verify: bool = _f(True, "check every engine after each sync: every sync, that it reports the weight version just pushed (one /model_info call per engine); on the syncs sync_verify_every picks, also its log-probs of a greedy probe batch against the trainer's (max abs difference <= sync_verify_tol); false = no check")
-    sync_verify_every: int = _f(10, "with sync_verify: run the log-prob probe on the first sync of a run (or resume), on the first sync after an engine restart, and then every N-th sync; 1 = every sync; 0 = never (weight version check only)")
-    sync_verify_tol: float = _f(0.0, "sync_verify tolerance on the max abs log-prob difference; 0 = by dtype (1e-3 float32, 0.25 bfloat16/float16; 1.0 with sync_fp8)")
-    sync_fp8: bool = _f(False, "quantize weights to FP8 on sync (sglang engines the trainer launches; not with rollout.engine_urls, which start from the bf16 checkpoint)")
-    sync_delta: bool = _f(False, "send per tensor only the elements changed since the last sync (weight_sync/delta.py; sync_mode=colocated; the trainer's sending ranks and every engine TP rank keep a host copy of the model in the engine dtype; full syncs at start, on resume and after an engine restart; not with sync_fp8)")
-    offload_train: bool = _f(False, "colocated (or in-process) engines: move training weights/grads/optimizer states to host memory while the engines generate (gspo_megatron/trainer/offload.py)")
+    sync_verify: bool = _f(
+        True,
+        "check every engine after each sync: every sync, that it reports the weight version just pushed (one /model_info call per engine); on the syncs sync_verify_every picks, also its log-probs of a greedy probe batch against the trainer's (max abs difference <= sync_verify_tol); false = no check",
+    )
+    sync_verify_every: int = _f(
+        10,
+        "with sync_verify: run the log-prob probe on the first sync of a run (or resume), on the first sync after an engine restart, and then every N-th sync; 1 = every sync; 0 = never (weight version check only)",
+    )
+    sync_verify_tol: float = _f(
+        0.0,
+        "sync_verify tolerance on the max abs log-prob difference; 0 = by dtype (1e-3 float32, 0.25 bfloat16/float16; 1.0 with sync_fp8)",
+    )
+    sync_fp8: bool = _f(
+        False,
+        "quantize weights to FP8 on sync (sglang engines the trainer launches; not with rollout.engine_urls, which start from the bf16 checkpoint)",
+    )
+    sync_delta: bool = _f(
+        False,
+        "send per tensor only the elements changed since the last sync (weight_sync/delta.py; sync_mode=colocated; the trainer's sending ranks and every engine TP rank keep a host copy of the model in the engine dtype; full syncs at start, on resume and after an engine restart; not with sync_fp8)",
+    )
+    offload_train: bool = _f(
+        False,
+        "colocated (or in-process) engines: move training weights/grads/optimizer states to host memory while the engines generate (gspo_megatron/trainer/offload.py)",
+    )
     engine_tp: int = _f(1, "tensor parallel size of one engine")
-    engine_ep: int = _f(1, "expert parallel size inside one SGLang engine (its --ep-size; divides engine_tp); with sync_fp8 an MoE model needs moe_intermediate_size / (engine_tp / engine_ep) to be a multiple of 128")
+    engine_ep: int = _f(
+        1,
+        "expert parallel size inside one SGLang engine (its --ep-size; divides engine_tp); with sync_fp8 an MoE model needs moe_intermediate_size / (engine_tp / engine_ep) to be a multiple of 128",
+    )
     num_engines: int = _f(0, "number of engines; 0 = auto (colocated: training GPUs / engine_tp; hf: 1)")
-    engine_mem_fraction: float = _f(0.8, "fraction of a GPU's memory an engine fills (weights + KV cache), SGLang's mem_fraction_static")
+    engine_mem_fraction: float = _f(
+        0.8, "fraction of a GPU's memory an engine fills (weights + KV cache), SGLang's mem_fraction_static"
+    )
     engine_urls: list[str] = _f([], "already running engines to use (disaggregated); empty = launch them")
     router_url: str | None = _f(None, "sglang router in front of engine_urls (launch/slurm/train.sbatch sets it)")
     engine_timeout_s: float = _f(600.0, "seconds to wait for one engine request")
-    engine_launch_timeout_s: float = _f(1800.0, "seconds to wait for a launched (or restarted) engine to answer /health_generate")
-    engine_deterministic: bool = _f(False, "sglang: start the engines with --enable-deterministic-inference and send per-sample sampling seeds (SGLang ignores the seeds otherwise; slower kernels); the hf engine always seeds")
+    engine_launch_timeout_s: float = _f(
+        1800.0, "seconds to wait for a launched (or restarted) engine to answer /health_generate"
+    )
+    engine_deterministic: bool = _f(
+        False,
+        "sglang: start the engines with --enable-deterministic-inference and send per-sample sampling seeds (SGLang ignores the seeds otherwise; slower kernels); the hf engine always seeds",
+    )
     max_engine_restarts: int = _f(2, "engine restarts allowed before the run stops")
-    engine_process: bool = _f(False, "hf engine: run it in a child process (a crash is detected, the engine restarted and the step retried)")
+    engine_process: bool = _f(
+        False, "hf engine: run it in a child process (a crash is detected, the engine restarted and the step retried)"
+    )
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and resample to refill the batch")
     max_resample_rounds: int = _f(3, "resampling rounds per step for dynamic_sampling")
     # off-policy overlap (gspo_megatron/rollout/async_producer.py, docs/training.md)
-    max_staleness: int = _f(0, "0 = synchronous loop (rollout -> train -> sync); N >= 1 (sync_mode=disaggregated only): the engines generate the next batches while the trainer trains, and no sample in an optimizer step was generated by weights more than N steps old")
-    over_sample: float = _f(1.0, "with dynamic_sampling: draw ceil(over_sample * needed) prompts at once and stop generating once enough groups with unequal rewards are in (1.0 = off: resample in rounds)")
-    custom_function: str | None = _f(None, "custom rollout hook 'path/to/file.py:fn' or 'package.module:fn', called as fn(generate, sample) -> dict per sample (multi-turn, tools; gspo_megatron/rollout/custom.py; the rollout.* sampling settings, max_new_tokens included, are the defaults of each generate call); null = one generate call per sample")
-    routing_replay: Literal["off", "r2", "r3"] = _f("off", "MoE routing replay (gspo_megatron/trainer/route_replay.py, docs/training.md \"Routing replay\"): off; r3: the engines return each token's routed experts (sglang --enable-return-routed-experts) and both trainer forwards (old policy, policy) replay them; r2: the trainer's old-policy forward records its own routes and the policy forward replays them. MoE models only; not with model.recompute")
-    lora_sync: Literal["merged", "adapter"] = _f("merged", "with model.lora: merged: the export stream merges the adapters into the base weights and the existing sync sends the merged model (every engine, every sync mode); adapter: send only the adapters (not yet implemented: refused)")
+    max_staleness: int = _f(
+        0,
+        "0 = synchronous loop (rollout -> train -> sync); N >= 1 (sync_mode=disaggregated only): the engines generate the next batches while the trainer trains, and no sample in an optimizer step was generated by weights more than N steps old",
+    )
+    over_sample: float = _f(
+        1.0,
+        "with dynamic_sampling: draw ceil(over_sample * needed) prompts at once and stop generating once enough groups with unequal rewards are in (1.0 = off: resample in rounds)",
+    )
+    custom_function: str | None = _f(
+        None,
+        "custom rollout hook 'path/to/file.py:fn' or 'package.module:fn', called as fn(generate, sample) -> dict per sample (multi-turn, tools; gspo_megatron/rollout/custom.py; the rollout.* sampling settings, max_new_tokens included, are the defaults of each generate call); null = one generate call per sample",
+    )
+    routing_replay: Literal["off", "r2", "r3"] = _f(
+        "off",
+        "MoE routing replay (gspo_megatron/trainer/route_replay.py, docs/training.md \"Routing replay\"): off; r3: the engines return each token's routed experts (sglang --enable-return-routed-experts) and both trainer forwards (old policy, policy) replay them; r2: the trainer's old-policy forward records its own routes and the policy forward replays them. MoE models only; not with model.recompute",
+    )
+    lora_sync: Literal["merged", "adapter"] = _f(
+        "merged",
+        "with model.lora: merged: the export stream merges the adapters into the base weights and the existing sync sends the merged model (every engine, every sync mode); adapter: the engines keep the base (sent unmerged on the first sync and after an engine restart) and each sync sends only the adapters (gathered from every TP / PP / EP shard; routed experts as sglang's per-expert experts.<e>.*_proj adapters), as a new sglang LoRA adapter <name>-v<N> (colocated: /load_lora_adapter_from_tensors; disaggregated / rollout.engine_urls: a PEFT directory under rollout.lora_adapter_dir and /load_lora_adapter; the previous version unloaded) that every rollout request names in lora_path (weight_sync/lora_adapter.py; rollout.engine=sglang, no sync_delta / sync_fp8)",
+    )
+    lora_adapter_dir: str = _f(
+        "",
+        "with lora_sync=adapter and engines not colocated (sync_mode=disaggregated or rollout.engine_urls): where each sync writes the adapter as a PEFT directory <dir>/<name>-v<N> for sglang's /load_lora_adapter (a version's directory is removed once unloaded); it must be visible at the same path on the engine hosts (a shared filesystem); empty = <output_dir>/lora_adapters",
+    )
 
 
 @dataclass
 class GSPOConfig:
-    mode: str = _f("gspo", "policy loss (losses/objectives.py, or any registered with register_policy_loss): sequence ratio (gspo), per-token GSPO (gspo_token), token ratio (grpo)", choices=_policy_loss_modes)
-    clip_low: float | None = _f(None, "eps_low, clip range [1 - clip_low, 1 + clip_high]; null = 3e-4 (gspo modes) / 0.2 (grpo)")
+    mode: str = _f(
+        "gspo",
+        "policy loss (losses/objectives.py, or any registered with register_policy_loss): sequence ratio (gspo), per-token GSPO (gspo_token), token ratio (grpo)",
+        choices=_policy_loss_modes,
+    )
+    clip_low: float | None = _f(
+        None, "eps_low, clip range [1 - clip_low, 1 + clip_high]; null = 3e-4 (gspo modes) / 0.2 (grpo)"
+    )
     clip_high: float | None = _f(None, "eps_high; null = 4e-4 (gspo modes) / 0.2 (grpo)")
     kl_coef: float = _f(0.0, "coefficient of the KL to a frozen reference policy (0 = off, no reference model)")
     kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator")
@@ -146,10 +240,19 @@ class GSPOConfig:
     std_normalize: bool = _f(True, "divide advantages by the group's reward std")
     adv_eps: float = _f(1e-6, "eps in A = (r - mean) / (std + eps)")
     tis_cap: float | None = _f(None, "truncated importance sampling cap on pi_trainer_old / pi_engine; null = off")
-    tis_level: Literal["token", "sequence"] | None = _f(None, "with tis_cap: the weight per sequence (the geometric mean of the response tokens' ratios exp(mean_t(old - engine)), never their product) or per token; null = the mode's own (sequence for gspo / gspo_token, token for grpo); gspo takes only sequence")
-    tis_mode: Literal["truncate", "mask"] = _f("truncate", "with tis_cap: truncate (w = min(ratio, tis_cap)) or mask (w = ratio where ratio <= tis_cap, else 0: the sequence or token is dropped from the loss)")
+    tis_level: Literal["token", "sequence"] | None = _f(
+        None,
+        "with tis_cap: the weight per sequence (the geometric mean of the response tokens' ratios exp(mean_t(old - engine)), never their product) or per token; null = the mode's own (sequence for gspo / gspo_token, token for grpo); gspo takes only sequence",
+    )
+    tis_mode: Literal["truncate", "mask"] = _f(
+        "truncate",
+        "with tis_cap: truncate (w = min(ratio, tis_cap)) or mask (w = ratio where ratio <= tis_cap, else 0: the sequence or token is dropped from the loss)",
+    )
     mini_batches: int = _f(2, "optimizer steps per rollout batch (>= 1)")
-    loss_agg: Literal["seq-mean-token-mean", "token-mean"] = _f("seq-mean-token-mean", "loss aggregation: seq-mean-token-mean (each sequence's token mean, averaged over the mini-batch's sequences) or token-mean (sum over the mini-batch's response tokens / their global count; mode grpo only)")
+    loss_agg: Literal["seq-mean-token-mean", "token-mean"] = _f(
+        "seq-mean-token-mean",
+        "loss aggregation: seq-mean-token-mean (each sequence's token mean, averaged over the mini-batch's sequences) or token-mean (sum over the mini-batch's response tokens / their global count; mode grpo only)",
+    )
 
 
 @dataclass
@@ -162,21 +265,30 @@ class OptimizerConfig:
     adam_eps: float = _f(1e-8, "Adam eps")
     clip_grad: float = _f(1.0, "global gradient-norm clip (0 = off)")
     lr_warmup_steps: int = _f(0, "linear warmup optimizer steps")
-    lr_decay_style: Literal["constant", "cosine", "linear"] = _f("constant", "decay after warmup, over train.steps * gspo.mini_batches optimizer steps")
-    cpu_offload_fraction: float = _f(0.0, "fraction of optimizer states kept in host memory (Megatron optimizer_cpu_offload; needs the distributed optimizer)")
+    lr_decay_style: Literal["constant", "cosine", "linear"] = _f(
+        "constant", "decay after warmup, over train.steps * gspo.mini_batches optimizer steps"
+    )
+    cpu_offload_fraction: float = _f(
+        0.0,
+        "fraction of optimizer states kept in host memory (Megatron optimizer_cpu_offload; needs the distributed optimizer)",
+    )
     max_bad_steps: int = _f(3, "consecutive non-finite steps (skipped) before the run stops")
 
 
 @dataclass
 class TrainConfig:
     steps: int = _f(20, "rollout steps")
-    log_interval: int = _f(1, "steps between console log lines when the console shows plain lines (logging.progress=false, or no terminal)")
+    log_interval: int = _f(
+        1, "steps between console log lines when the console shows plain lines (logging.progress=false, or no terminal)"
+    )
 
 
 @dataclass
 class DataConfig:
     path: str | None = _f(None, ".jsonl or .parquet prompt file; null = the built-in data.task")
-    task: str | None = _f("last_digit", "built-in task name (gspo_megatron.data.tasks.TASKS), used when data.path is null")
+    task: str | None = _f(
+        "last_digit", "built-in task name (gspo_megatron.data.tasks.TASKS), used when data.path is null"
+    )
     prompt_key: str = _f("prompt", "column holding the prompt")
     label_key: str = _f("label", "column holding the reference answer")
     apply_chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template")
@@ -190,20 +302,38 @@ class RewardConfig:
     function: str = _f("last_digit", "'math', 'exact_match', a built-in task name, or 'path/to/file.py:fn'")
     timeout_s: float = _f(10.0, "seconds allowed per reward call")
     num_workers: int = _f(0, "reward worker processes; 0 = score in the calling process")
-    max_failure_share: float = _f(1.0, "stop the run when at least this share of one scoring round's reward calls fail (raise, time out, return a non-number or NaN); 1.0 = only when every call fails; partial failures score 0 and are counted (reward/errors, ...)")
+    max_failure_share: float = _f(
+        1.0,
+        "stop the run when at least this share of one scoring round's reward calls fail (raise, time out, return a non-number or NaN); 1.0 = only when every call fails; partial failures score 0 and are counted (reward/errors, ...)",
+    )
     # -- group and remote rewards (gspo_megatron/rewards/grouping.py, remote.py; docs/training.md "Rewards")
-    group: bool = _f(False, "score a prompt's responses together: reward.function (or the server at reward.url) is called as fn(prompt, responses: list[str], label) -> list[float], one value per response")
-    url: str | None = _f(None, "http(s) URL of a reward server (reward model / judge) that scores batches by POST (schema: gspo_megatron/rewards/remote.py); replaces reward.function; null = score locally")
+    group: bool = _f(
+        False,
+        "score a prompt's responses together: reward.function (or the server at reward.url) is called as fn(prompt, responses: list[str], label) -> list[float], one value per response",
+    )
+    url: str | None = _f(
+        None,
+        "http(s) URL of a reward server (reward model / judge) that scores batches by POST (schema: gspo_megatron/rewards/remote.py); replaces reward.function; null = score locally",
+    )
     batch_size: int = _f(16, "reward.url: items per request (samples; groups with reward.group)")
     max_in_flight: int = _f(4, "reward.url: requests in flight at once")
-    retries: int = _f(2, "reward.url: extra attempts of a request that failed fast (connection refused or reset, HTTP 5xx / 429), with backoff, within the round's reward.timeout_s")
+    retries: int = _f(
+        2,
+        "reward.url: extra attempts of a request that failed fast (connection refused or reset, HTTP 5xx / 429), with backoff, within the round's reward.timeout_s",
+    )
 
 
 @dataclass
 class EvalConfig:
     # -- evaluation during training (gspo_megatron/evaluation.py; docs/training.md "Evaluation")
-    interval: int = _f(0, "steps between evaluations; also evaluated before the first step (step 0) and after the last; 0 = no evaluation")
-    datasets: list[str] = _f([], "eval sets, each 'name=path.jsonl|.parquet', 'path' (name = file stem) or 'task:NAME' (rows of a built-in task); same formats and keys as data.*")
+    interval: int = _f(
+        0,
+        "steps between evaluations; also evaluated before the first step (step 0) and after the last; 0 = no evaluation",
+    )
+    datasets: list[str] = _f(
+        [],
+        "eval sets, each 'name=path.jsonl|.parquet', 'path' (name = file stem) or 'task:NAME' (rows of a built-in task); same formats and keys as data.*",
+    )
     n: int = _f(1, "samples per eval prompt")
     greedy: bool = _f(True, "greedy decoding (top_k=1); false = sample with eval.temperature and rollout.top_p / top_k")
     temperature: float = _f(1.0, "sampling temperature when eval.greedy=false")

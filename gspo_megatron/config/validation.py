@@ -10,7 +10,8 @@ from __future__ import annotations
 import difflib
 import os
 
-from gspo_megatron.config.schema import Config, ConfigError
+from gspo_megatron.config.schema import Config
+from gspo_megatron.errors import ConfigError
 from gspo_megatron.weight_sync.modes import SYNC_MODES, modes_where
 
 
@@ -47,7 +48,7 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     """Checks that need neither the world size nor the model dims; every message names its field."""
     e: list[str] = []
 
-    def need(ok: bool, msg: str) -> None:
+    def need(ok: object, msg: str) -> None:  # ok: any value, tested for truth
         if not ok:
             e.append(msg)
 
@@ -59,7 +60,13 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
 
     def exists(name: str, path: str | None, kind: str = "path") -> None:
         if path is not None and check_files:
-            ok = os.path.isfile(path) if kind == "file" else os.path.isdir(path) if kind == "dir" else os.path.exists(path)
+            ok = (
+                os.path.isfile(path)
+                if kind == "file"
+                else os.path.isdir(path)
+                if kind == "dir"
+                else os.path.exists(path)
+            )
             if ok:
                 return
             if not os.path.exists(path):
@@ -75,10 +82,14 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
 
     if m.arch is not None and m.arch not in KNOWN_ARCHS:
         close = difflib.get_close_matches(m.arch, list(KNOWN_ARCHS), n=1)
-        need(False, f"model.arch {m.arch!r} is not a built-in architecture"
-             + (f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(KNOWN_ARCHS)}"))
-    need(m.init == "random" or m.hf_path or m.checkpoint,
-         "model.init=pretrained needs model.hf_path or model.checkpoint")
+        need(
+            False,
+            f"model.arch {m.arch!r} is not a built-in architecture"
+            + (f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(KNOWN_ARCHS)}"),
+        )
+    need(
+        m.init == "random" or m.hf_path or m.checkpoint, "model.init=pretrained needs model.hf_path or model.checkpoint"
+    )
     need(m.arch or m.hf_path, "model.arch or model.hf_path must say which architecture to build")
     exists("model.hf_path", m.hf_path, "dir")
     if m.hf_path and check_files and os.path.isdir(m.hf_path):
@@ -86,7 +97,10 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     exists("model.checkpoint", m.checkpoint)
     if m.fp8 is not None:
         need(m.dtype == "bfloat16", f"model.fp8={m.fp8} needs model.dtype=bfloat16, got {m.dtype}")
-        need(m.transformer_impl != "local", "model.fp8 needs Transformer Engine: model.transformer_impl must be auto or transformer_engine")
+        need(
+            m.transformer_impl != "local",
+            "model.fp8 needs Transformer Engine: model.transformer_impl must be auto or transformer_engine",
+        )
     non_negative("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff)
     positive("model.max_seq_len", m.max_seq_len)
 
@@ -98,10 +112,15 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
         need(False, f"parallel.max_tokens_per_micro_batch must be >= 0 (0/null = off), got {budget}")
     elif budget:
         seq = -(-m.max_seq_len // (2 * p.cp)) * (2 * p.cp) if p.cp > 1 else m.max_seq_len
-        need(budget >= seq, f"parallel.max_tokens_per_micro_batch={budget} must be >= model.max_seq_len"
-             f"{' rounded up to a multiple of 2*parallel.cp' if p.cp > 1 else ''} = {seq} (a sequence is never split)")
-    need(p.cp == 1 or m.transformer_impl != "local",
-         "parallel.cp > 1 needs Transformer Engine attention: model.transformer_impl must be auto or transformer_engine")
+        need(
+            budget >= seq,
+            f"parallel.max_tokens_per_micro_batch={budget} must be >= model.max_seq_len"
+            f"{' rounded up to a multiple of 2*parallel.cp' if p.cp > 1 else ''} = {seq} (a sequence is never split)",
+        )
+    need(
+        p.cp == 1 or m.transformer_impl != "local",
+        "parallel.cp > 1 needs Transformer Engine attention: model.transformer_impl must be auto or transformer_engine",
+    )
 
     r = cfg.rollout
     need(r.group_size >= 2, f"rollout.group_size must be >= 2 (group-relative advantages), got {r.group_size}")
@@ -113,8 +132,10 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     positive("rollout.sync_bucket_mb", r.sync_bucket_mb)
     positive("rollout.engine_tp", r.engine_tp)
     positive("rollout.engine_ep", r.engine_ep)
-    need(r.engine_ep <= 1 or (r.engine == "sglang" and r.engine_tp % r.engine_ep == 0),
-         f"rollout.engine_ep={r.engine_ep} needs rollout.engine=sglang and must divide rollout.engine_tp={r.engine_tp}")
+    need(
+        r.engine_ep <= 1 or (r.engine == "sglang" and r.engine_tp % r.engine_ep == 0),
+        f"rollout.engine_ep={r.engine_ep} needs rollout.engine=sglang and must divide rollout.engine_tp={r.engine_tp}",
+    )
     non_negative("rollout.num_engines", r.num_engines)
     need(0 < r.engine_mem_fraction < 1, f"rollout.engine_mem_fraction must be in (0, 1), got {r.engine_mem_fraction}")
     positive("rollout.engine_timeout_s", r.engine_timeout_s)
@@ -122,12 +143,14 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     non_negative("rollout.max_resample_rounds", r.max_resample_rounds)
     need(r.over_sample >= 1, f"rollout.over_sample must be >= 1, got {r.over_sample}")
     need(r.over_sample == 1 or r.dynamic_sampling, "rollout.over_sample > 1 needs rollout.dynamic_sampling=true")
+
     def callable_spec(name: str, spec: str) -> None:
         """'path/to/file.py:fn' (the file must exist) or 'package.module:fn' (imported by the start-up checks)."""
         target, _, attr = spec.rpartition(":")
         module_form = bool(target) and all(part.isidentifier() for part in target.split("."))
-        if not (attr.isidentifier() and (target.endswith(".py") or module_form)) or \
-                (module_form and not target.endswith(".py") and os.path.isfile(target)):
+        if not (attr.isidentifier() and (target.endswith(".py") or module_form)) or (
+            module_form and not target.endswith(".py") and os.path.isfile(target)
+        ):
             e.append(f"{name} {spec!r} must be 'path/to/file.py:function_name' or 'package.module:function_name'")
         elif target.endswith(".py"):
             exists(name, target, "file")
@@ -135,49 +158,73 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     if r.custom_function is not None:
         callable_spec("rollout.custom_function", r.custom_function)
     sm = SYNC_MODES.get(r.sync_mode)  # None: unknown (only in a Config built in Python; the loader refuses it)
-    need(sm is not None and sm.engine == r.engine,
-         f"rollout.sync_mode must be {_modes(engine=r.engine)} with rollout.engine={r.engine}, got {r.sync_mode}")
+    need(
+        sm is not None and sm.engine == r.engine,
+        f"rollout.sync_mode must be {_modes(engine=r.engine)} with rollout.engine={r.engine}, got {r.sync_mode}",
+    )
     if r.engine == "hf":
         need(not r.sync_fp8, "rollout.sync_fp8 needs rollout.engine=sglang")
         need(r.num_engines in (0, 1), f"rollout.num_engines must be 0 or 1 with rollout.engine=hf, got {r.num_engines}")
-    need(not r.engine_urls or (sm is not None and sm.attaches),
-         f"rollout.engine_urls needs rollout.sync_mode={_modes(attaches=True)}")
-    need(not (r.sync_fp8 and r.engine_urls),
-         "rollout.sync_fp8=true is not supported with rollout.engine_urls (attached engines): they start from the "
-         "bf16 checkpoint (launch/sglang_node.sh) without the FP8 quantization_config the trainer gives the engines "
-         "it launches, so SGLang would skip the weight_scale_inv tensors and load e4m3 bytes into bf16 weights; set "
-         "rollout.sync_fp8=false, or rollout.engine_urls=[] and rollout.num_engines=N to let the trainer launch them")
-    need(not (r.sync_fp8 and r.engine == "sglang" and r.engine_server == "cpu"),
-         "rollout.sync_fp8=true is not supported with rollout.engine_server=cpu: the CPU stand-in server does not read "
-         "the engine's FP8 quantization_config, so it would skip the weight_scale_inv tensors and load e4m3 bytes "
-         "into float weights; set rollout.sync_fp8=false (or rollout.engine_server=sglang on GPUs)")
-    need(not r.sync_delta or sm is None or sm.delta,
-         f"rollout.sync_delta=true needs rollout.sync_mode={_modes(delta=True)}, got {r.sync_mode}: sglang 0.5.23 applies "
-         "a custom weight loader only in update_weights_from_tensor (update_weights_from_distributed always calls "
-         "model.load_weights); set rollout.sync_delta=false")
-    need(not (r.sync_delta and r.sync_fp8),
-         "rollout.sync_delta=true is not supported with rollout.sync_fp8=true (block scales change with every "
-         "update, so an FP8 delta is no smaller; the engine would need the FP8 copy too); set one of them to false")
-    need(not r.engine_urls or r.num_engines in (0, len(r.engine_urls)),
-         f"rollout.num_engines={r.num_engines} but rollout.engine_urls lists {len(r.engine_urls)} engines")
-    need(sm is None or not sm.separate_gpus or r.num_engines >= 1 or r.engine_urls,
-         f"rollout.num_engines must be >= 1 (or rollout.engine_urls set) with rollout.sync_mode={r.sync_mode}")
+    need(
+        not r.engine_urls or (sm is not None and sm.attaches),
+        f"rollout.engine_urls needs rollout.sync_mode={_modes(attaches=True)}",
+    )
+    need(
+        not (r.sync_fp8 and r.engine_urls),
+        "rollout.sync_fp8=true is not supported with rollout.engine_urls (attached engines): they start from the "
+        "bf16 checkpoint (launch/sglang_node.sh) without the FP8 quantization_config the trainer gives the engines "
+        "it launches, so SGLang would skip the weight_scale_inv tensors and load e4m3 bytes into bf16 weights; set "
+        "rollout.sync_fp8=false, or rollout.engine_urls=[] and rollout.num_engines=N to let the trainer launch them",
+    )
+    need(
+        not (r.sync_fp8 and r.engine == "sglang" and r.engine_server == "cpu"),
+        "rollout.sync_fp8=true is not supported with rollout.engine_server=cpu: the CPU stand-in server does not read "
+        "the engine's FP8 quantization_config, so it would skip the weight_scale_inv tensors and load e4m3 bytes "
+        "into float weights; set rollout.sync_fp8=false (or rollout.engine_server=sglang on GPUs)",
+    )
+    need(
+        not r.sync_delta or sm is None or sm.delta,
+        f"rollout.sync_delta=true needs rollout.sync_mode={_modes(delta=True)}, got {r.sync_mode}: sglang 0.5.23 applies "
+        "a custom weight loader only in update_weights_from_tensor (update_weights_from_distributed always calls "
+        "model.load_weights); set rollout.sync_delta=false",
+    )
+    need(
+        not (r.sync_delta and r.sync_fp8),
+        "rollout.sync_delta=true is not supported with rollout.sync_fp8=true (block scales change with every "
+        "update, so an FP8 delta is no smaller; the engine would need the FP8 copy too); set one of them to false",
+    )
+    need(
+        not r.engine_urls or r.num_engines in (0, len(r.engine_urls)),
+        f"rollout.num_engines={r.num_engines} but rollout.engine_urls lists {len(r.engine_urls)} engines",
+    )
+    need(
+        sm is None or not sm.separate_gpus or r.num_engines >= 1 or r.engine_urls,
+        f"rollout.num_engines must be >= 1 (or rollout.engine_urls set) with rollout.sync_mode={r.sync_mode}",
+    )
     non_negative("rollout.max_staleness", r.max_staleness)
     non_negative("rollout.sync_verify_every", r.sync_verify_every)
     non_negative("rollout.sync_verify_tol", r.sync_verify_tol)
-    need(r.max_staleness == 0 or (sm is not None and sm.allows_staleness),
-         f"rollout.max_staleness={r.max_staleness} needs rollout.sync_mode={_modes(allows_staleness=True)} (got {r.sync_mode}): "
-         "overlapping generation with training needs engines on their own GPUs; colocated or in-process engines "
-         "share the training devices and cannot generate while the trainer trains")
-    need(r.max_staleness == 0 or r.custom_function is None,
-         "rollout.max_staleness >= 1 with rollout.custom_function is not supported: the hook's records do not carry "
-         "the weight version of each token, which off-policy training needs")
-    need(r.routing_replay != "r3" or r.engine == "sglang",
-         "rollout.routing_replay=r3 needs rollout.engine=sglang (the engines must return their routed experts; "
-         "rollout.engine_server=cpu on CPU); the in-process hf engine does not (use r2 or off)")
-    need(r.routing_replay == "off" or not m.recompute,
-         f"rollout.routing_replay={r.routing_replay} with model.recompute=true is not supported: the forward "
-         "recomputed in backward would route without the replayed experts")
+    need(
+        r.max_staleness == 0 or (sm is not None and sm.allows_staleness),
+        f"rollout.max_staleness={r.max_staleness} needs rollout.sync_mode={_modes(allows_staleness=True)} (got {r.sync_mode}): "
+        "overlapping generation with training needs engines on their own GPUs; colocated or in-process engines "
+        "share the training devices and cannot generate while the trainer trains",
+    )
+    need(
+        r.max_staleness == 0 or r.custom_function is None,
+        "rollout.max_staleness >= 1 with rollout.custom_function is not supported: the hook's records do not carry "
+        "the weight version of each token, which off-policy training needs",
+    )
+    need(
+        r.routing_replay != "r3" or r.engine == "sglang",
+        "rollout.routing_replay=r3 needs rollout.engine=sglang (the engines must return their routed experts; "
+        "rollout.engine_server=cpu on CPU); the in-process hf engine does not (use r2 or off)",
+    )
+    need(
+        r.routing_replay == "off" or not m.recompute,
+        f"rollout.routing_replay={r.routing_replay} with model.recompute=true is not supported: the forward "
+        "recomputed in backward would route without the replayed experts",
+    )
     lora = cfg.model.lora
     need(lora.rank >= 0, f"model.lora.rank must be >= 0 (0 = off), got {lora.rank}")
     if lora.rank > 0:
@@ -188,21 +235,33 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
         need(0.0 <= lora.dropout < 1.0, f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
         need(bool(lora.target_modules), "model.lora.target_modules must name at least one layer")
         for t in lora.target_modules:
-            need(t.split(".")[-1] in known, f"model.lora.target_modules entry {t!r} must end in one of {', '.join(known)}")
-        need(m.transformer_impl != "transformer_engine" and not m.fp8,
-             "model.lora needs Megatron's local layer spec (model.transformer_impl=local or auto without "
-             "Transformer Engine, no model.fp8): the adapters wrap its ColumnParallelLinear / RowParallelLinear")
-    need(r.lora_sync != "adapter",
-         "rollout.lora_sync=adapter is not implemented yet (next step: adapter tensors through sglang's "
-         "/load_lora_adapter_from_tensors); use rollout.lora_sync=merged")
-    need(not r.offload_train or sm is None or not sm.separate_gpus,
-         "rollout.offload_train needs engines on the training devices "
-         f"(rollout.sync_mode {_modes(separate_gpus=False)}), got {r.sync_mode}")
-    need(m.max_seq_len >= cfg.data.max_prompt_len + r.max_new_tokens,
-         f"model.max_seq_len={m.max_seq_len} must be >= data.max_prompt_len + rollout.max_new_tokens "
-         f"= {cfg.data.max_prompt_len} + {r.max_new_tokens}")
+            need(
+                t.split(".")[-1] in known,
+                f"model.lora.target_modules entry {t!r} must end in one of {', '.join(known)}",
+            )
+        need(
+            m.transformer_impl != "transformer_engine" and not m.fp8,
+            "model.lora needs Megatron's local layer spec (model.transformer_impl=local or auto without "
+            "Transformer Engine, no model.fp8): the adapters wrap its ColumnParallelLinear / RowParallelLinear",
+        )
+    if r.lora_sync == "adapter":  # weight_sync/lora_adapter.py
+        from gspo_megatron.weight_sync.lora_adapter import adapter_sync_refusal
+
+        why = adapter_sync_refusal(cfg)
+        need(why is None, why or "")
+    need(
+        not r.offload_train or sm is None or not sm.separate_gpus,
+        "rollout.offload_train needs engines on the training devices "
+        f"(rollout.sync_mode {_modes(separate_gpus=False)}), got {r.sync_mode}",
+    )
+    need(
+        m.max_seq_len >= cfg.data.max_prompt_len + r.max_new_tokens,
+        f"model.max_seq_len={m.max_seq_len} must be >= data.max_prompt_len + rollout.max_new_tokens "
+        f"= {cfg.data.max_prompt_len} + {r.max_new_tokens}",
+    )
 
     g = cfg.gspo
+    assert g.clip_low is not None and g.clip_high is not None, "the loader resolves them (config.loader._resolve)"
     positive("gspo.clip_low", g.clip_low)
     need(g.clip_low < 1, f"gspo.clip_low must be < 1 (the lower bound is 1 - clip_low), got {g.clip_low}")
     positive("gspo.clip_high", g.clip_high)
@@ -213,12 +272,16 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
         positive("gspo.tis_cap", g.tis_cap)
     need(g.mini_batches >= 1, f"gspo.mini_batches must be >= 1, got {g.mini_batches}")
     objective = _policy_objective(g.mode, e)
-    need(objective is None or objective.config_token_mean or g.loss_agg == "seq-mean-token-mean",
-         f"gspo.loss_agg={g.loss_agg} is not allowed with gspo.mode={g.mode}: GSPO weighs every sequence "
-         "equally, use seq-mean-token-mean (token-mean is for mode grpo)")
-    need(objective is None or not objective.sequence_ratio or g.tis_level in (None, "sequence"),
-         f"gspo.tis_level={g.tis_level} is not allowed with gspo.mode={g.mode}: it has one ratio per sequence, "
-         "so the engine/trainer weight is per sequence too (tis_level: sequence)")
+    need(
+        objective is None or objective.config_token_mean or g.loss_agg == "seq-mean-token-mean",
+        f"gspo.loss_agg={g.loss_agg} is not allowed with gspo.mode={g.mode}: GSPO weighs every sequence "
+        "equally, use seq-mean-token-mean (token-mean is for mode grpo)",
+    )
+    need(
+        objective is None or not objective.sequence_ratio or g.tis_level in (None, "sequence"),
+        f"gspo.tis_level={g.tis_level} is not allowed with gspo.mode={g.mode}: it has one ratio per sequence, "
+        "so the engine/trainer weight is per sequence too (tis_level: sequence)",
+    )
     step = cfg.step_batch_size
     if g.mini_batches >= 1 and p.micro_batch_size >= 1 and not budget:
         need(step % (g.mini_batches * p.micro_batch_size) == 0, _batch_rule(cfg, dp=1))
@@ -232,9 +295,14 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     positive("optimizer.adam_eps", o.adam_eps)
     non_negative("optimizer.clip_grad", o.clip_grad)
     non_negative("optimizer.lr_warmup_steps", o.lr_warmup_steps)
-    need(0 <= o.cpu_offload_fraction <= 1, f"optimizer.cpu_offload_fraction must be in [0, 1], got {o.cpu_offload_fraction}")
-    need(o.cpu_offload_fraction == 0 or p.use_distributed_optimizer,
-         "optimizer.cpu_offload_fraction > 0 needs parallel.use_distributed_optimizer=true")
+    need(
+        0 <= o.cpu_offload_fraction <= 1,
+        f"optimizer.cpu_offload_fraction must be in [0, 1], got {o.cpu_offload_fraction}",
+    )
+    need(
+        o.cpu_offload_fraction == 0 or p.use_distributed_optimizer,
+        "optimizer.cpu_offload_fraction > 0 needs parallel.use_distributed_optimizer=true",
+    )
     need(o.max_bad_steps >= 1, f"optimizer.max_bad_steps must be >= 1, got {o.max_bad_steps}")
 
     positive("train.steps", cfg.train.steps)
@@ -258,12 +326,17 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
         callable_spec("reward.function", fn)
     else:
         rewards = _builtin_rewards()
-        need(fn in rewards or fn in tasks, f"reward.function {fn!r} is not built in; use one of "
-             f"{', '.join(rewards + tasks)}, 'path/to/file.py:fn' or 'package.module:fn'")
+        need(
+            fn in rewards or fn in tasks,
+            f"reward.function {fn!r} is not built in; use one of "
+            f"{', '.join(rewards + tasks)}, 'path/to/file.py:fn' or 'package.module:fn'",
+        )
     positive("reward.timeout_s", cfg.reward.timeout_s)
     non_negative("reward.num_workers", cfg.reward.num_workers)
-    need(0 < cfg.reward.max_failure_share <= 1,
-         f"reward.max_failure_share must be in (0, 1], got {cfg.reward.max_failure_share}")
+    need(
+        0 < cfg.reward.max_failure_share <= 1,
+        f"reward.max_failure_share must be in (0, 1], got {cfg.reward.max_failure_share}",
+    )
 
     e.extend(_reward_errors(cfg))
     e.extend(_eval_errors(cfg, check_files))
@@ -272,7 +345,10 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     non_negative("checkpoint.interval", c.interval)
     non_negative("checkpoint.keep_last", c.keep_last)
     exists("checkpoint.load", c.load, "dir")
-    need(cfg.logging.wandb_project is None or bool(cfg.logging.wandb_project), "logging.wandb_project must be non-empty or null")
+    need(
+        cfg.logging.wandb_project is None or bool(cfg.logging.wandb_project),
+        "logging.wandb_project must be non-empty or null",
+    )
     return e
 
 
@@ -305,7 +381,7 @@ def parse_eval_dataset(entry: str) -> tuple[str, str]:
     name, sep, source = entry.partition("=")
     if not sep:
         source = entry
-        name = entry[len("task:"):] if entry.startswith("task:") else os.path.splitext(os.path.basename(entry))[0]
+        name = entry[len("task:") :] if entry.startswith("task:") else os.path.splitext(os.path.basename(entry))[0]
     return name.strip(), source.strip()
 
 
@@ -348,11 +424,13 @@ def _eval_errors(cfg: Config, check_files: bool) -> list[str]:
 def _batch_rule(cfg: Config, dp: int) -> str:
     r, g, p = cfg.rollout, cfg.gspo, cfg.parallel
     need = g.mini_batches * dp * p.micro_batch_size
-    return (f"rollout.prompts_per_step * rollout.group_size = {r.prompts_per_step} * {r.group_size} = "
-            f"{cfg.step_batch_size} sequences per step must be divisible by gspo.mini_batches * data-parallel "
-            f"size * parallel.micro_batch_size = {g.mini_batches} * {dp} * {p.micro_batch_size} = {need} "
-            "(each mini-batch is split evenly over the data-parallel ranks, and each rank's share into whole "
-            "micro-batches)")
+    return (
+        f"rollout.prompts_per_step * rollout.group_size = {r.prompts_per_step} * {r.group_size} = "
+        f"{cfg.step_batch_size} sequences per step must be divisible by gspo.mini_batches * data-parallel "
+        f"size * parallel.micro_batch_size = {g.mini_batches} * {dp} * {p.micro_batch_size} = {need} "
+        "(each mini-batch is split evenly over the data-parallel ranks, and each rank's share into whole "
+        "micro-batches)"
+    )
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
@@ -393,16 +471,19 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     e = layout_errors(p.tp, p.pp, p.ep, p.etp, p.cp, world_size=world_size)
     if not e:
         dp = data_parallel_size(cfg, world_size)
-        if not p.max_tokens_per_micro_batch and \
-                cfg.step_batch_size % (cfg.gspo.mini_batches * dp * p.micro_batch_size):
+        if not p.max_tokens_per_micro_batch and cfg.step_batch_size % (cfg.gspo.mini_batches * dp * p.micro_batch_size):
             e.append(_batch_rule(cfg, dp))
     if SYNC_MODES[r.sync_mode].colocated:
         if world_size % r.engine_tp:
-            e.append(f"rollout.engine_tp={r.engine_tp} must divide the number of training GPUs {world_size} "
-                     "(colocated engines share them)")
+            e.append(
+                f"rollout.engine_tp={r.engine_tp} must divide the number of training GPUs {world_size} "
+                "(colocated engines share them)"
+            )
         elif r.num_engines and r.num_engines * r.engine_tp != world_size:
-            e.append(f"rollout.num_engines * rollout.engine_tp = {r.num_engines} * {r.engine_tp} must equal the "
-                     f"number of training GPUs {world_size} with colocated engines (or set num_engines: 0 = auto)")
+            e.append(
+                f"rollout.num_engines * rollout.engine_tp = {r.num_engines} * {r.engine_tp} must equal the "
+                f"number of training GPUs {world_size} with colocated engines (or set num_engines: 0 = auto)"
+            )
     if e:
         raise ConfigError(e)
 
@@ -418,8 +499,10 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
     e = layout_errors(p.tp, p.pp, p.ep, p.etp, p.cp, hf=hf_config, sequence_parallel=p.sequence_parallel)
 
     if cfg.model.max_seq_len > d.max_position_embeddings and d.rope_type == "default":
-        e.append(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
-                 f"= {d.max_position_embeddings}")
+        e.append(
+            f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
+            f"= {d.max_position_embeddings}"
+        )
     if r.routing_replay != "off" and not d.moe_layers:
         e.append(f"rollout.routing_replay={r.routing_replay} needs an MoE model; this one is dense (no routed experts)")
     if r.engine == "sglang":

@@ -18,7 +18,7 @@ _EXPORTS = {
     "TASKS": "tasks",
     "Task": "tasks",
     "get_task": "tasks",
-    "shaped_integer_reward": "tasks",
+    "shaped_integer_reward": "answer_reward",
     "build_demo_tokenizer": "tokenizer",
     "load_tokenizer": "tokenizer",
     "padded_vocab_size": "tokenizer",

@@ -11,7 +11,7 @@ import json
 import os
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, overload
 
 from gspo_megatron.errors import UserInputError
 
@@ -97,7 +97,13 @@ class PromptDataset(Sequence[PromptRow]):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> PromptRow: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[PromptRow]: ...
+
+    def __getitem__(self, i: int | slice) -> PromptRow | list[PromptRow]:
         return self.rows[i]
 
     @classmethod
@@ -126,7 +132,13 @@ class PromptDataset(Sequence[PromptRow]):
             raise DatasetError(f"{path}: unsupported dataset format (expected .jsonl or .parquet)")
         return cls._build(
             ((f"{path} {loc}", rec) for loc, rec in records),
-            tokenizer, prompt_key, label_key, max_prompt_tokens, use_chat_template, skip_bad_rows, path,
+            tokenizer,
+            prompt_key,
+            label_key,
+            max_prompt_tokens,
+            use_chat_template,
+            skip_bad_rows,
+            path,
         )
 
     @classmethod
@@ -145,7 +157,13 @@ class PromptDataset(Sequence[PromptRow]):
         """Build from in-memory rows (e.g. ``get_task(name).rows(n, seed)``)."""
         return cls._build(
             ((f"{source} row {i}", rec) for i, rec in enumerate(records, start=1)),
-            tokenizer, prompt_key, label_key, max_prompt_tokens, use_chat_template, skip_bad_rows, source,
+            tokenizer,
+            prompt_key,
+            label_key,
+            max_prompt_tokens,
+            use_chat_template,
+            skip_bad_rows,
+            source,
         )
 
     @classmethod
@@ -169,8 +187,9 @@ class PromptDataset(Sequence[PromptRow]):
         if not rows and not skipped:
             raise DatasetError(f"{name}: the data file is empty (no rows)")
         if not rows:
-            raise DatasetError(f"{name}: no usable rows ({len(skipped)} malformed rows skipped; "
-                               f"the first: {skipped[0]})")
+            raise DatasetError(
+                f"{name}: no usable rows ({len(skipped)} malformed rows skipped; the first: {skipped[0]})"
+            )
         return cls(rows, skipped_rows=len(skipped), skip_reasons=skipped)
 
 
@@ -180,21 +199,21 @@ def _validate_row(where, record, tokenizer, prompt_key, label_key, max_prompt_to
     if not isinstance(record, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if prompt_key not in record:
-        raise DatasetError(f"{where}: missing key {prompt_key!r} (data.prompt_key); the row has "
-                           f"{_keys(record)}")
+        raise DatasetError(f"{where}: missing key {prompt_key!r} (data.prompt_key); the row has {_keys(record)}")
     prompt = record[prompt_key]
     if not isinstance(prompt, str):
         raise DatasetError(f"{where}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
     if not prompt.strip():
         raise DatasetError(f"{where}: {prompt_key!r} is empty")
     if label_key is not None and label_key not in record:
-        raise DatasetError(f"{where}: missing key {label_key!r} (data.label_key); the row has "
-                           f"{_keys(record)}")
+        raise DatasetError(f"{where}: missing key {label_key!r} (data.label_key); the row has {_keys(record)}")
     text = format_prompt(tokenizer, prompt, templated)
     ids = encode_prompt(tokenizer, text, templated)
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-        raise DatasetError(f"{where}: prompt has {len(ids)} tokens{' with the chat template' if templated else ''}, "
-                           f"more than data.max_prompt_len={max_prompt_tokens}")
+        raise DatasetError(
+            f"{where}: prompt has {len(ids)} tokens{' with the chat template' if templated else ''}, "
+            f"more than data.max_prompt_len={max_prompt_tokens}"
+        )
     label = record[label_key] if label_key is not None else None
     return PromptRow(prompt=prompt, text=text, prompt_ids=ids, label=label, source=where)
 

@@ -17,13 +17,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from gspo_megatron.data.answer_reward import (  # noqa: F401 (re-exported)
-    CLEAN_CREDIT,
-    CORRECT_CREDIT,
-    FORMAT_CREDIT,
-    _ascii_digits,
-    shaped_integer_reward,
-)
+from gspo_megatron.data.answer_reward import shaped_integer_reward
 
 
 @dataclass(frozen=True)
@@ -76,7 +70,7 @@ TASKS: dict[str, Task] = {
     "tool_calc": Task(
         name="tool_calc",
         description="7*8=? with a calculator tool (rollout.custom_function "
-                    "gspo_megatron.data.tool_calc:tool_calc_rollout); reward in [0, 1]",
+        "gspo_megatron.data.tool_calc:tool_calc_rollout); reward in [0, 1]",
         make_row=lambda rng: _tool_calc().make_row(rng),
         reward=lambda prompt, response, label: _tool_calc().single_turn_reward(prompt, response, label),
         max_new_tokens=4,

@@ -15,7 +15,7 @@ import os
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|pad|>"
 IM_START_TOKEN = "<|im_start|>"
@@ -77,7 +77,7 @@ def build_demo_tokenizer(out_dir: str | os.PathLike | None = None) -> PreTrained
     return fast
 
 
-def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
+def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """Load a tokenizer directory (the demo one or any HF tokenizer) with transformers."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory not found: {path}")

@@ -16,7 +16,7 @@ A first turn ending otherwise is the answer. The tool output is tokenized with t
 engine's.
 
 Reward in [0, 1]: ``TOOL_CREDIT * [a calculator call that evaluates] + (1 - TOOL_CREDIT) *
-shaped_integer_reward(answer, label)`` (see :func:`gspo_megatron.data.tasks.shaped_integer_reward`).
+shaped_integer_reward(answer, label)`` (see :func:`gspo_megatron.data.answer_reward.shaped_integer_reward`).
 Metrics: ``custom/tool_calls`` (share of samples calling the tool), ``custom/tool_errors``,
 ``custom/correct``.
 """

@@ -1,7 +1,7 @@
 """GSPO / GSPO-token / GRPO losses, group advantages, vocab-parallel log-probs and the Megatron loss function.
 
-    from gspo_megatron.losses import policy_loss
-    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, response_mask, mode="gspo")
+from gspo_megatron.losses import policy_loss
+loss, metrics = policy_loss(logprobs, old_logprobs, advantages, response_mask, mode="gspo")
 """
 
 from gspo_megatron.losses.advantages import GroupAdvantages, group_advantages

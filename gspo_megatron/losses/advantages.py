@@ -84,11 +84,11 @@ def group_advantages(
         raise ValueError("rewards is empty")
     r = rewards.detach().float().reshape(-1, group_size)
     if not bool(torch.isfinite(r).all()):
-        bad = (~torch.isfinite(r)).reshape(-1).nonzero()[0].item()
+        bad = int((~torch.isfinite(r)).reshape(-1).nonzero()[0].item())
         raise ValueError(f"rewards must be finite; rewards[{bad}] = {r.reshape(-1)[bad].item()}")
     mean = r.mean(dim=1)
     std = r.std(dim=1, unbiased=unbiased_std) if group_size > 1 else torch.zeros_like(mean)
-    zero_var = (r.amax(dim=1) == r.amin(dim=1))
+    zero_var = r.amax(dim=1) == r.amin(dim=1)
     centered = r - mean[:, None]
     adv = centered / (std[:, None] + eps) if normalize_std else centered
     adv = torch.where(zero_var[:, None], torch.zeros_like(adv), adv)

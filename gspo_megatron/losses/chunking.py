@@ -29,8 +29,14 @@ def local_targets(targets: Tensor, vocab_start: int, vocab_local: int) -> tuple[
     return torch.where(in_shard, local, torch.zeros_like(local)), in_shard
 
 
-def softmax_chunk_grad(logp: Tensor, entropy: Tensor | None, grad_logprobs: Tensor | None,
-                       grad_entropy: Tensor | None, col: Tensor, in_shard: Tensor) -> Tensor:
+def softmax_chunk_grad(
+    logp: Tensor,
+    entropy: Tensor | None,
+    grad_logprobs: Tensor | None,
+    grad_entropy: Tensor | None,
+    col: Tensor,
+    in_shard: Tensor,
+) -> Tensor:
     """Gradient with respect to the scaled logits z = logits / T of one chunk, from its log-softmax.
 
     Args (all for the chunk's c tokens): logp [c, V/tp] = log p_v (overwritten: the result reuses
@@ -41,10 +47,12 @@ def softmax_chunk_grad(logp: Tensor, entropy: Tensor | None, grad_logprobs: Tens
     """
     p = torch.exp(logp)
     if grad_entropy is not None:  # dH/dz = -p (log p + H)
+        assert entropy is not None  # the entropy gradient comes with the entropy
         g = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
         if grad_logprobs is not None:
             g.sub_(p.mul_(grad_logprobs[:, None]))
     else:
+        assert grad_logprobs is not None  # at least one of the two gradients is given
         g = p.mul_(-grad_logprobs[:, None])
     del p
     if grad_logprobs is not None:

@@ -46,8 +46,17 @@ from gspo_megatron.losses.reductions import group_rank, group_size
 
 class _FusedVocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, tp_group, temperature: float, chunk: int,
-                with_entropy: bool, vocab_size: int | None):
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        tp_group,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+        vocab_size: int | None,
+    ):
         n = hidden.shape[0]
         vocab_local = weight.shape[0]
         vocab_start = group_rank(tp_group) * vocab_local
@@ -81,11 +90,13 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
         has = torch.isfinite(m_loc)  # a rank whose shard is all padding contributes nothing
         delta = torch.where(has, m_loc - m, torch.zeros_like(m))
         a = torch.where(has, torch.exp(delta), torch.zeros_like(m))
-        red = torch.stack([
-            a * stats[0],
-            a * (stats[1] + delta * stats[0]),
-            torch.where(in_shard, stats[2] - m, torch.zeros_like(m)),
-        ])
+        red = torch.stack(
+            [
+                a * stats[0],
+                a * (stats[1] + delta * stats[0]),
+                torch.where(in_shard, stats[2] - m, torch.zeros_like(m)),
+            ]
+        )
         if multi:
             dist.all_reduce(red, op=dist.ReduceOp.SUM, group=tp_group)
         log_sum = red[0].log()
@@ -114,17 +125,23 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         acc_dt = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=acc_dt, device=weight.device) if need_w else None
+        grad_ent = grad_entropy if use_entropy else None
         for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
             h = hidden[lo:hi].to(weight.dtype)
             logp = (h @ w.t()).to(norm.dtype).div_(temperature).sub_(norm[lo:hi, None])  # log p_v
-            g = softmax_chunk_grad(logp, entropy[lo:hi] if use_entropy else None,
-                                   None if grad_logprobs is None else grad_logprobs[lo:hi],
-                                   grad_entropy[lo:hi] if use_entropy else None, col[lo:hi], in_shard[lo:hi])
+            g = softmax_chunk_grad(
+                logp,
+                entropy[lo:hi] if use_entropy else None,
+                None if grad_logprobs is None else grad_logprobs[lo:hi],
+                None if grad_ent is None else grad_ent[lo:hi],
+                col[lo:hi],
+                in_shard[lo:hi],
+            )
             g = g.div_(temperature).to(weight.dtype)  # [c, V/tp]: the logits' gradient, GEMM dtype
-            if need_h:
+            if grad_hidden is not None:  # (need_h)
                 grad_hidden[lo:hi] = (g @ w).to(hidden.dtype)
-            if need_w:
+            if grad_w is not None:  # (need_w)
                 grad_w[:valid_cols] += (g.t() @ h).to(acc_dt)
             del g
         return (grad_hidden, None if grad_w is None else grad_w.to(weight.dtype)) + nones
@@ -161,11 +178,13 @@ def fused_vocab_parallel_logprobs(
         and ``weight``. Every rank of ``tp_group`` calls it (collectives).
     """
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden [..., H] and weight [V/tp, H] disagree: hidden {tuple(hidden.shape)}, "
-                         f"weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden [..., H] and weight [V/tp, H] disagree: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
+        )
     if hidden.shape[:-1] != targets.shape:
-        raise ValueError(f"hidden [..., H] and targets [...] disagree: hidden {tuple(hidden.shape)}, "
-                         f"targets {tuple(targets.shape)}")
+        raise ValueError(
+            f"hidden [..., H] and targets [...] disagree: hidden {tuple(hidden.shape)}, targets {tuple(targets.shape)}"
+        )
     if not (hidden.is_floating_point() and weight.is_floating_point()):
         raise TypeError(f"hidden and weight must be floating point, got {hidden.dtype}, {weight.dtype}")
     if targets.dtype not in (torch.int64, torch.int32):
@@ -182,5 +201,6 @@ def fused_vocab_parallel_logprobs(
     flat_t = targets.reshape(-1).long()
     chunk = chunk_tokens(chunk_size, weight.shape[0])
     logprobs, entropy = _FusedVocabParallelLogprobs.apply(
-        flat_h, weight, flat_t, tp_group, float(temperature), chunk, with_entropy, vocab_size)
+        flat_h, weight, flat_t, tp_group, float(temperature), chunk, with_entropy, vocab_size
+    )
     return logprobs.view(lead), (entropy.view(lead) if with_entropy else None)

@@ -75,12 +75,15 @@ def _check_batch(batch: dict[str, Any], logits: Tensor) -> tuple[int, int]:
     if missing:
         raise KeyError(f"micro-batch is missing {missing} (needed by the GSPO loss function)")
     if logits.dim() != 3:
-        raise ValueError(f"output_tensor must be logits [b, s, V/tp] or hidden states [b, s, H], "
-                         f"got shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"output_tensor must be logits [b, s, V/tp] or hidden states [b, s, H], got shape {tuple(logits.shape)}"
+        )
     b, s = logits.shape[:2]
     for k in SHAPE_CHECKED_KEYS:
         if batch.get(k) is not None and tuple(batch[k].shape) != (b, s):
-            raise ValueError(f"batch[{k!r}] must be [b, s] = [{b}, {s}] like the model output, got {tuple(batch[k].shape)}")
+            raise ValueError(
+                f"batch[{k!r}] must be [b, s] = [{b}, {s}] like the model output, got {tuple(batch[k].shape)}"
+            )
     return b, s
 
 
@@ -133,8 +136,14 @@ def make_megatron_loss_func(
     def loss_func(output_tensor: Tensor, output_weight: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         b, s = _check_batch(batch, output_tensor)
         logprobs, entropy = token_logprobs(
-            output_tensor, batch["labels"], output_weight, tp_group=tp_group, temperature=temperature,
-            chunk_size=chunk_size, with_entropy=with_entropy, vocab_size=vocab_size,
+            output_tensor,
+            batch["labels"],
+            output_weight,
+            tp_group=tp_group,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+            vocab_size=vocab_size,
         )
         adv = batch["advantages"]
         token_adv = adv.dim() == 2
@@ -144,15 +153,28 @@ def make_megatron_loss_func(
             raise KeyError("micro-batch needs 'num_seqs' when 'advantages' is per token [b, s]")
         num_seqs = int(batch["num_seqs"]) if "num_seqs" in batch else adv.numel()
 
-        def flat(key: str) -> Tensor | None:
+        def flat(key: str) -> Tensor:  # one of REQUIRED_KEYS (_check_batch)
+            return batch[key].reshape(-1)
+
+        def flat_optional(key: str) -> Tensor | None:
             x = batch.get(key)
             return None if x is None else x.reshape(-1)
 
         loss, metrics = policy_loss_flat(
-            logprobs.reshape(-1), flat("old_logprobs"), adv.reshape(-1), flat("loss_mask"), flat("seq_index"),
-            num_seqs, cfg, ref_logprobs=flat("ref_logprobs"), entropy=None if entropy is None else entropy.reshape(-1),
-            engine_logprobs=flat("engine_logprobs"), normalizer=batch["normalizer"], cp_group=cp_group,
-            token_advantages=token_adv, check_finite=check_finite,
+            logprobs.reshape(-1),
+            flat("old_logprobs"),
+            adv.reshape(-1),
+            flat("loss_mask"),
+            flat("seq_index"),
+            num_seqs,
+            cfg,
+            ref_logprobs=flat_optional("ref_logprobs"),
+            entropy=None if entropy is None else entropy.reshape(-1),
+            engine_logprobs=flat_optional("engine_logprobs"),
+            normalizer=batch["normalizer"],
+            cp_group=cp_group,
+            token_advantages=token_adv,
+            check_finite=check_finite,
         )
         return loss * scale, metrics
 
@@ -181,8 +203,14 @@ def make_megatron_logprob_func(
             raise KeyError("micro-batch is missing 'labels' (needed to compute log-probs)")
         with torch.no_grad():
             logprobs, entropy = token_logprobs(
-                output_tensor, batch["labels"], output_weight, tp_group=tp_group, temperature=temperature,
-                chunk_size=chunk_size, with_entropy=with_entropy, vocab_size=vocab_size,
+                output_tensor,
+                batch["labels"],
+                output_weight,
+                tp_group=tp_group,
+                temperature=temperature,
+                chunk_size=chunk_size,
+                with_entropy=with_entropy,
+                vocab_size=vocab_size,
             )
         out = {"logprobs": logprobs}
         if entropy is not None:

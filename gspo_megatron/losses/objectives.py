@@ -106,21 +106,30 @@ TIS_LEVELS = ("token", "sequence")
 TIS_MODES = ("truncate", "mask")
 
 
-def register_policy_loss(name: str, *, default_clip: tuple[float, float], sequence_ratio: bool = False,
-                         config_token_mean: bool = False, help: str = "",
-                         tis_level: str | None = None) -> Callable[[Objective], Objective]:
+def register_policy_loss(
+    name: str,
+    *,
+    default_clip: tuple[float, float],
+    sequence_ratio: bool = False,
+    config_token_mean: bool = False,
+    help: str = "",
+    tis_level: str | None = None,
+) -> Callable[[Objective], Objective]:
     """Decorator: register ``fn(inputs: LossInputs, clip_low, clip_high) -> ObjectiveTerms`` as mode
     ``name``. tis_level None: "sequence" for a ``sequence_ratio`` mode, else "token"."""
     level = tis_level or ("sequence" if sequence_ratio else "token")
     if level not in TIS_LEVELS or (sequence_ratio and level != "sequence"):
-        raise ValueError(f"policy loss {name!r}: tis_level must be one of {TIS_LEVELS} ('sequence' for a "
-                         f"sequence_ratio mode), got {tis_level!r}")
+        raise ValueError(
+            f"policy loss {name!r}: tis_level must be one of {TIS_LEVELS} ('sequence' for a "
+            f"sequence_ratio mode), got {tis_level!r}"
+        )
 
     def deco(fn: Objective) -> Objective:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = PolicyObjective(name, fn, (float(default_clip[0]), float(default_clip[1])),
-                                              sequence_ratio, config_token_mean, help, level)
+        POLICY_LOSSES[name] = PolicyObjective(
+            name, fn, (float(default_clip[0]), float(default_clip[1])), sequence_ratio, config_token_mean, help, level
+        )
         return fn
 
     return deco
@@ -152,6 +161,7 @@ def clipped_objective(ratio: Tensor, adv: Tensor, low: float, high: float) -> tu
 def gspo(x: LossInputs, clip_low: float, clip_high: float) -> ObjectiveTerms:
     """J_i = min(s_i A_i, clip(s_i) A_i) (times tis_seq_i); this CP rank's share of sequence i is
     local_count_i / |y_i|, so the shares add up to J over the CP group."""
+    assert x.adv_seq is not None  # a sequence_ratio objective: policy_loss_flat refuses token advantages
     obj_seq, cut_seq = clipped_objective(x.seq_ratio, x.adv_seq, clip_low, clip_high)
     if x.tis_seq is not None:
         obj_seq = obj_seq * x.tis_seq

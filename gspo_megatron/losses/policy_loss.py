@@ -68,7 +68,6 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """Hyper-parameters of the loss. ``mode``: a registered objective (``objectives.policy_loss_modes()``).
@@ -90,7 +89,8 @@ class PolicyLossConfig:
     def __post_init__(self) -> None:
         objective = policy_objective(self.mode, "mode")
         low, high = objective.default_clip
-        object.__setattr__(self, "clip_low", low if self.clip_low is None else float(self.clip_low))
+        clip_low = low if self.clip_low is None else float(self.clip_low)
+        object.__setattr__(self, "clip_low", clip_low)
         object.__setattr__(self, "clip_high", high if self.clip_high is None else float(self.clip_high))
         for name in ("clip_low", "clip_high"):
             v = getattr(self, name)
@@ -98,7 +98,7 @@ class PolicyLossConfig:
                 raise ValueError(
                     f"{name} must be a finite epsilon > 0 (clip range [1 - clip_low, 1 + clip_high]), got {v}"
                 )
-        if self.clip_low >= 1:
+        if clip_low >= 1:
             raise ValueError(f"clip_low must be < 1 (lower clip bound 1 - clip_low > 0), got {self.clip_low}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
@@ -121,8 +121,10 @@ class PolicyLossConfig:
         if level not in TIS_LEVELS:
             raise ValueError(f"tis_level must be one of {TIS_LEVELS} (or None), got {self.tis_level!r}")
         if objective.sequence_ratio and level != "sequence":
-            raise ValueError(f"tis_level={level!r} weights tokens, but mode={self.mode!r} has one ratio per "
-                             "sequence; use tis_level='sequence'")
+            raise ValueError(
+                f"tis_level={level!r} weights tokens, but mode={self.mode!r} has one ratio per "
+                "sequence; use tis_level='sequence'"
+            )
         object.__setattr__(self, "tis_level", level)
         if self.tis_mode not in TIS_MODES:
             raise ValueError(f"tis_mode must be one of {TIS_MODES}, got {self.tis_mode!r}")
@@ -204,8 +206,17 @@ def policy_loss_flat(
     n = logprobs.shape[0] if logprobs.dim() == 1 else -1
     if logprobs.dim() != 1:
         raise ValueError(f"logprobs must be 1-D [N], got {tuple(logprobs.shape)}")
-    _check_shapes(n, {"old_logprobs": old_logprobs, "response_mask": response_mask, "seq_index": seq_index,
-                      "ref_logprobs": ref_logprobs, "entropy": entropy, "engine_logprobs": engine_logprobs})
+    _check_shapes(
+        n,
+        {
+            "old_logprobs": old_logprobs,
+            "response_mask": response_mask,
+            "seq_index": seq_index,
+            "ref_logprobs": ref_logprobs,
+            "entropy": entropy,
+            "engine_logprobs": engine_logprobs,
+        },
+    )
     if not isinstance(num_seqs, int) or num_seqs < 1:
         raise ValueError(f"num_seqs must be a positive int, got {num_seqs!r}")
     if token_advantages is None:  # infer; when N == S the per-sequence reading wins
@@ -290,27 +301,52 @@ def policy_loss_flat(
     seq_ratio = torch.exp(log_seq_ratio)
     tis_seq = tis_tok = tis = None
     if cfg.tis_cap is not None:
-        tis = tis_weights(sums["engine_gap"] / count_safe if cfg.tis_level == "sequence" else rows["engine_gap"],
-                          cfg.tis_cap, cfg.tis_mode)
+        tis = tis_weights(
+            sums["engine_gap"] / count_safe if cfg.tis_level == "sequence" else rows["engine_gap"],
+            cfg.tis_cap,
+            cfg.tis_mode,
+        )
         tis_seq, tis_tok = (tis[0], tis[0][seq]) if cfg.tis_level == "sequence" else (None, tis[0])
 
     # Per-token aggregation weight: 1/|y_i| (seq-mean-token-mean) or 1 (token-mean), 0 off the response.
     tok_w = maskf / count_safe[seq] if cfg.aggregation == "seq-mean-token-mean" else maskf
-    terms = spec.fn(LossInputs(lp=lp, delta=delta, seq=seq, tok_w=tok_w, adv_seq=adv_seq, adv_tok=adv_tok,
-                               log_seq_ratio=log_seq_ratio, seq_ratio=seq_ratio, local_count=local[1],
-                               count_safe=count_safe, tis_seq=tis_seq, tis_tok=tis_tok),
-                    cfg.clip_low, cfg.clip_high)
+    assert cfg.clip_low is not None and cfg.clip_high is not None  # resolved by PolicyLossConfig.__post_init__
+    terms = spec.fn(
+        LossInputs(
+            lp=lp,
+            delta=delta,
+            seq=seq,
+            tok_w=tok_w,
+            adv_seq=adv_seq,
+            adv_tok=adv_tok,
+            log_seq_ratio=log_seq_ratio,
+            seq_ratio=seq_ratio,
+            local_count=local[1],
+            count_safe=count_safe,
+            tis_seq=tis_seq,
+            tis_tok=tis_tok,
+        ),
+        cfg.clip_low,
+        cfg.clip_high,
+    )
     objective = terms.objective
     loss = -objective
     if cfg.kl_coef != 0:
+        assert ref is not None  # checked above: kl_coef != 0 needs ref_logprobs
         loss = loss + cfg.kl_coef * (tok_w * kl_estimate(lp, ref, cfg.kl_estimator)).sum()
     if cfg.entropy_coef != 0:
+        assert entropy is not None  # checked above: entropy_coef != 0 needs entropy
         loss = loss - cfg.entropy_coef * (tok_w * masked(entropy)).sum()
     loss = loss / denom
 
     if check_finite:
-        for name, t in {"logprobs": logprobs, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs,
-                        "entropy": entropy, "engine_logprobs": engine_logprobs}.items():
+        for name, t in {
+            "logprobs": logprobs,
+            "old_logprobs": old_logprobs,
+            "ref_logprobs": ref_logprobs,
+            "entropy": entropy,
+            "engine_logprobs": engine_logprobs,
+        }.items():
             if t is not None:
                 checks[name] = (~torch.isfinite(t.detach()) & mask).any()
         adv_ok = torch.isfinite(advantages.detach())
@@ -319,9 +355,19 @@ def policy_loss_flat(
     return PolicyLossOutput(loss=loss, metrics=metrics)
 
 
-def _metrics(cfg: PolicyLossConfig, loss: Tensor, objective: Tensor, sums: dict[str, Tensor], valid: Tensor,
-             num_valid: Tensor, seq_ratio: Tensor, terms: ObjectiveTerms, mask: Tensor,
-             tis: tuple[Tensor, Tensor] | None, checks: dict[str, Tensor]) -> dict[str, float]:
+def _metrics(
+    cfg: PolicyLossConfig,
+    loss: Tensor,
+    objective: Tensor,
+    sums: dict[str, Tensor],
+    valid: Tensor,
+    num_valid: Tensor,
+    seq_ratio: Tensor,
+    terms: ObjectiveTerms,
+    mask: Tensor,
+    tis: tuple[Tensor, Tensor] | None,
+    checks: dict[str, Tensor],
+) -> dict[str, float]:
     """All metrics in one tensor and one device sync; raises for failed ``checks`` (naming the argument).
     tis: (weights, capped) of :func:`tis_weights` at ``cfg.tis_level`` ([S] or [N]), or None."""
     cut_seq, cut_tok = terms.cut_seq, terms.cut_tok
@@ -335,6 +381,11 @@ def _metrics(cfg: PolicyLossConfig, loss: Tensor, objective: Tensor, sums: dict[
         def seq_mean(per_seq: Tensor) -> Tensor:
             return (per_seq.to(f32) * vf).sum() / nv
 
+        if cut_seq is not None:
+            clip_fraction = seq_mean(cut_seq)
+        else:
+            assert cut_tok is not None  # an objective sets one of the two
+            clip_fraction = (cut_tok & mask).sum() / ntok
         sr = seq_ratio.detach()
         any_valid = num_valid > 0
         one = sr.new_ones(())
@@ -348,7 +399,7 @@ def _metrics(cfg: PolicyLossConfig, loss: Tensor, objective: Tensor, sums: dict[
             "ratio_min": torch.where(any_valid, torch.where(valid, sr, sr.new_full((), math.inf)).min(), one),
             "ratio_max": torch.where(any_valid, torch.where(valid, sr, sr.new_full((), -math.inf)).max(), one),
             "approx_kl_old": seq_mean(sums["k3_old"] / count_safe),
-            "clip_fraction": seq_mean(cut_seq) if cut_seq is not None else (cut_tok & mask).sum() / ntok,
+            "clip_fraction": clip_fraction,
         }
         for key, name in (("entropy", "entropy"), ("kl_ref", "kl_ref"), ("engine_absgap", "engine_logprob_absdiff")):
             if key in sums:
@@ -403,19 +454,35 @@ def policy_loss(
         Other options: see :class:`PolicyLossConfig` and :func:`policy_loss_flat`.
     Returns ``(loss, metrics)``: loss = -J (scalar tensor), metrics: dict of floats.
     """
-    cfg = PolicyLossConfig(mode=mode, clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
-                           kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, tis_cap=tis_cap,
-                           tis_level=tis_level, tis_mode=tis_mode)
+    cfg = PolicyLossConfig(
+        mode=mode,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        aggregation=aggregation,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        tis_cap=tis_cap,
+        tis_level=tis_level,
+        tis_mode=tis_mode,
+    )
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     b, t = logprobs.shape
-    for name, x in {"old_logprobs": old_logprobs, "response_mask": response_mask, "ref_logprobs": ref_logprobs,
-                    "entropy": entropy, "engine_logprobs": engine_logprobs}.items():
+    for name, x in {
+        "old_logprobs": old_logprobs,
+        "response_mask": response_mask,
+        "ref_logprobs": ref_logprobs,
+        "entropy": entropy,
+        "engine_logprobs": engine_logprobs,
+    }.items():
         if x is not None and x.shape != (b, t):
             raise ValueError(f"{name} must have the shape of logprobs [B, T] = [{b}, {t}], got {tuple(x.shape)}")
     if advantages.shape == (b, t):
         if policy_objective(cfg.mode).sequence_ratio:
-            raise ValueError(f"advantages must be [B] for mode={mode!r}; token advantages [B, T] need mode='gspo_token'")
+            raise ValueError(
+                f"advantages must be [B] for mode={mode!r}; token advantages [B, T] need mode='gspo_token'"
+            )
         adv = advantages.reshape(-1)
     elif advantages.shape == (b,):
         adv = advantages
@@ -427,8 +494,18 @@ def policy_loss(
         return None if x is None else x.reshape(-1)
 
     return policy_loss_flat(
-        flat(logprobs), flat(old_logprobs), adv, flat(response_mask), seq_index, b, cfg,
-        ref_logprobs=flat(ref_logprobs), entropy=flat(entropy), engine_logprobs=flat(engine_logprobs),
-        normalizer=normalizer, cp_group=cp_group, check_finite=check_finite,
+        logprobs.reshape(-1),
+        old_logprobs.reshape(-1),
+        adv,
+        response_mask.reshape(-1),
+        seq_index,
+        b,
+        cfg,
+        ref_logprobs=flat(ref_logprobs),
+        entropy=flat(entropy),
+        engine_logprobs=flat(engine_logprobs),
+        normalizer=normalizer,
+        cp_group=cp_group,
+        check_finite=check_finite,
         token_advantages=advantages.dim() == 2,
     )

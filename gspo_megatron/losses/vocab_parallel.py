@@ -31,8 +31,16 @@ from gspo_megatron.losses.reductions import group_rank, group_size
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_all: Tensor, targets: Tensor, tp_group, temperature: float, chunk: int,
-                with_entropy: bool, vocab_size: int | None):
+    def forward(
+        ctx,
+        logits_all: Tensor,
+        targets: Tensor,
+        tp_group,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+        vocab_size: int | None,
+    ):
         n, vocab_local = logits_all.shape
         vocab_start = group_rank(tp_group) * vocab_local
         multi = group_size(tp_group) > 1
@@ -46,7 +54,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         # Pass 1: row max of the raw logits (T > 0, so max(z) = max(logits) / T, the same rounding).
         shift = torch.full((n,), -torch.inf, dtype=cdt, device=logits.device)
         for lo in range(0, n if valid_cols else 0, chunk):
-            shift[lo:lo + chunk] = logits[lo:lo + chunk].max(dim=-1).values.to(cdt) / temperature
+            shift[lo : lo + chunk] = logits[lo : lo + chunk].max(dim=-1).values.to(cdt) / temperature
         if multi:
             dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
 
@@ -96,14 +104,20 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         grad_logits_all = torch.zeros_like(logits_all) if pad else torch.empty_like(logits_all)
         grad_logits = grad_logits_all[:, :valid_cols]
         use_entropy = ctx.with_entropy and grad_entropy is not None
+        grad_ent = grad_entropy if use_entropy else None
         for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
             # log p_v = z_v - m - log S, recomputed for this chunk only.
             logp = logits[lo:hi].to(shift.dtype, copy=True).div_(temperature)
             logp.sub_(shift[lo:hi, None] + log_sum[lo:hi, None])
-            g = softmax_chunk_grad(logp, entropy[lo:hi] if use_entropy else None,
-                                   None if grad_logprobs is None else grad_logprobs[lo:hi],
-                                   grad_entropy[lo:hi] if use_entropy else None, col[lo:hi], in_shard[lo:hi])
+            g = softmax_chunk_grad(
+                logp,
+                entropy[lo:hi] if use_entropy else None,
+                None if grad_logprobs is None else grad_logprobs[lo:hi],
+                None if grad_ent is None else grad_ent[lo:hi],
+                col[lo:hi],
+                in_shard[lo:hi],
+            )
             grad_logits[lo:hi] = g.div_(temperature)
             del g
         return grad_logits_all, None, None, None, None, None, None

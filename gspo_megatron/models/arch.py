@@ -66,5 +66,7 @@ def model_hf_config(cfg: Config) -> tuple[dict, str]:
         return dict(KNOWN_ARCHS[m.arch]), f"built-in table ({m.arch})"
     if m.hf_path and (name := detect_arch(m.hf_path)):
         return dict(KNOWN_ARCHS[name]), f"built-in table ({name}, detected from model.hf_path's name)"
-    raise ConfigError(f"model.hf_path {m.hf_path!r} has no config.json and its name matches no built-in "
-                      f"architecture; set model.arch to one of {', '.join(KNOWN_ARCHS)}")
+    raise ConfigError(
+        f"model.hf_path {m.hf_path!r} has no config.json and its name matches no built-in "
+        f"architecture; set model.arch to one of {', '.join(KNOWN_ARCHS)}"
+    )

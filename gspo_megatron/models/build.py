@@ -7,15 +7,18 @@ used on GPU when TE imports (FP8 options come from ``fp8_fields``); Megatron's l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.models import hf_config
-from gspo_megatron.models.hf_config import load_hf_config  # noqa: F401  (public here too)
 from gspo_megatron.models.registry import get_family
 from gspo_megatron.parallel_layout import layout_errors
 from gspo_megatron.runtime import distributed as rdist
+
+if TYPE_CHECKING:
+    from gspo_megatron.models.lora import LoraOptions
 
 
 @dataclass
@@ -33,7 +36,7 @@ class ModelOptions:
     # tensor-parallel attributes of the parameters: never train such a model with TP > 1.
     perform_initialization: bool = True
     # model.lora: adapters on the local spec's linears, every other parameter frozen (models/lora.py)
-    lora: "LoraOptions | None" = None  # noqa: F821
+    lora: LoraOptions | None = None
 
 
 def use_transformer_engine(impl: str) -> bool:
@@ -43,11 +46,13 @@ def use_transformer_engine(impl: str) -> bool:
         import transformer_engine  # noqa: F401
 
         have_te = torch.cuda.is_available()
-    except Exception:  # TE does not import without CUDA
+    except Exception:  # noqa: BLE001 - TE does not import without CUDA
         have_te = False
     if impl == "transformer_engine" and not have_te:
-        raise RuntimeError("model.transformer_impl=transformer_engine but Transformer Engine "
-                           "is not usable here (needs CUDA and the transformer-engine package)")
+        raise RuntimeError(
+            "model.transformer_impl=transformer_engine but Transformer Engine "
+            "is not usable here (needs CUDA and the transformer-engine package)"
+        )
     return have_te
 
 
@@ -59,8 +64,7 @@ def check_layout(hf: dict, tp: int, pp: int, ep: int, etp: int | None = None) ->
         raise ValueError("; ".join(errors))
 
 
-def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int,
-                       opts: ModelOptions):
+def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int, opts: ModelOptions):
     """The Megatron config (the family's class, e.g. TransformerConfig) for an HF config and a layout."""
     family = get_family(hf)
     fields = family.config_fields(hf)
@@ -111,8 +115,15 @@ def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp:
     return config_class(**fields)
 
 
-def build_model(hf: dict, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-                cp: int = 1, opts: ModelOptions | None = None):
+def build_model(
+    hf: dict,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    cp: int = 1,
+    opts: ModelOptions | None = None,
+):
     """This rank's GPTModel (its pipeline stage; its experts). Call after init_distributed."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -199,4 +210,3 @@ def mark_replicated_experts(model, tp: int, ep: int, etp: int | None) -> int:
                 param.allreduce = False
                 marked += 1
     return marked
-

@@ -95,12 +95,18 @@ class CarriedTensors:
         if os.path.isfile(path):
             self._file = safe_open(path, "pt")
             self.names = sorted(self._file.keys())
-        elif any(os.path.isfile(os.path.join(directory, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
+        elif any(
+            os.path.isfile(os.path.join(directory, f)) for f in ("model.safetensors", "model.safetensors.index.json")
+        ):
             self._reader = SafetensorsReader(directory)
             self.names = carried_names(hf, self._reader.names())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._file.get_tensor(name) if self._file is not None else self._reader.get(name)
+        if self._file is not None:
+            return self._file.get_tensor(name)
+        if self._reader is None:  # neither source: ``names`` is empty
+            raise KeyError(f"{name!r} is not a carried tensor here (none found)")
+        return self._reader.get(name)
 
     def entries(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         out = []
@@ -109,7 +115,7 @@ class CarriedTensors:
                 s = self._file.get_slice(name)
                 out.append((name, tuple(s.get_shape()), _DTYPES[s.get_dtype()]))
             else:
-                t = self._reader.get(name)
+                t = self.get(name)
                 out.append((name, tuple(t.shape), t.dtype))
         return out
 
@@ -119,9 +125,20 @@ class CarriedTensors:
         self._file = self._reader = None
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def save_carried(hf_dir: str, out_dir: str) -> bool:
@@ -137,8 +154,11 @@ def save_carried(hf_dir: str, out_dir: str) -> bool:
         if not src.names:
             return False
         os.makedirs(out_dir, exist_ok=True)
-        save_file({n: src.get(n).contiguous() for n in src.names}, os.path.join(out_dir, CARRIED_FILE),
-                  metadata={"format": "pt"})
+        save_file(
+            {n: src.get(n).contiguous() for n in src.names},
+            os.path.join(out_dir, CARRIED_FILE),
+            metadata={"format": "pt"},
+        )
         return True
     finally:
         src.close()

@@ -9,7 +9,8 @@ A family is one folder under ``models/`` (``qwen3_moe/``, ``mixtral/``, ...) hol
   fuse groups (``mapping.FuseGroup``: HF tensors the engine fuses only when they arrive in one
   ``load_weights`` call, kept in one sync bucket; DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa``);
 - the dimensions the planner needs (``dims``);
-- the checkpoint naming of routed experts the CPU engine needs (``expert_naming``);
+- the checkpoint naming of routed experts the CPU engine and the CPU server's sharding need
+  (``expert_naming``, or ``stacked_expert_naming`` for experts stacked per layer);
 - the HF tensors an FP8 weight sync quantizes (``fp8_modules`` / ``fp8_excluded``), and the modules an
   FP8 engine must keep unquantized (``fp8_engine_unquantized``);
 - what sglang 0.5.23's model class for the family builds differently from the config
@@ -32,9 +33,9 @@ import torch.nn.functional as F
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.dims import ModelDims
 from gspo_megatron.models.mapping import MappingRegistry, Rule
-from gspo_megatron.models.registry import get_family  # noqa: F401  (kept for existing callers)
 from gspo_megatron.models.rules import (
     ExpertNaming,
+    StackedExpertNaming,
     attention_dims,
     dense_mlp_rules,
     embedding_rules,
@@ -56,9 +57,9 @@ class ModelFamily:
     model_types: tuple[str, ...] = ()  # default: (name,)
     architectures: tuple[str, ...] = ()
     expert_naming: ExpertNaming | None = None
-    # True: routed experts are stacked per layer in the checkpoint under the names transformers keeps
-    # in memory (gpt-oss), so the CPU engine loads them by name (no per-expert naming)
-    experts_stacked_in_checkpoint: bool = False
+    # routed experts stacked per layer in the checkpoint under the names transformers keeps in memory
+    # (gpt-oss): the CPU engine loads them by name (no per-expert naming), the CPU server shards them
+    stacked_expert_naming: StackedExpertNaming | None = None
     fp8_modules: tuple[str, ...] = ()
     fp8_excluded: tuple[str, ...] = FP8_EXCLUDED
     # modules (under ``model.layers.<i>.``) that an FP8-on-sync engine must build unquantized, listed as
@@ -75,11 +76,19 @@ class ModelFamily:
     tiny: dict = {}
     published: dict[str, dict] = {}
 
+    @property
+    def experts_stacked_in_checkpoint(self) -> bool:
+        """True: routed experts are stacked per layer in the checkpoint (``stacked_expert_naming``)."""
+        return self.stacked_expert_naming is not None
+
     def __init__(self):
         if not self.model_types:
             self.model_types = (self.name,)
-        self._fp8 = re.compile(r"\.(" + "|".join(map(re.escape, self.fp8_modules)) + r")\.weight$") \
-            if self.fp8_modules else None
+        self._fp8 = (
+            re.compile(r"\.(" + "|".join(map(re.escape, self.fp8_modules)) + r")\.weight$")
+            if self.fp8_modules
+            else None
+        )
         self._fp8_no = re.compile("|".join(map(re.escape, self.fp8_excluded))) if self.fp8_excluded else None
 
     def __repr__(self) -> str:
@@ -130,8 +139,11 @@ class ModelFamily:
 
     def rotary_kwargs(self, hf: dict) -> dict:
         """GPTModel's position-embedding arguments."""
-        return dict(position_embedding_type="rope", rotary_base=hf_config.rope_theta(hf),
-                    rotary_percent=hf_config.partial_rotary_factor(hf))
+        return dict(
+            position_embedding_type="rope",
+            rotary_base=hf_config.rope_theta(hf),
+            rotary_percent=hf_config.partial_rotary_factor(hf),
+        )
 
     def mapping(self, hf: dict) -> MappingRegistry:
         raise NotImplementedError
@@ -149,24 +161,31 @@ class ModelFamily:
         cls = self.architectures[0] if self.architectures else self.name
         e = []
         if hf.get("tie_word_embeddings", False) and not self.sglang_ties_lm_head:
-            e.append(f"config.json tie_word_embeddings=true is not supported with rollout.engine=sglang for {self.name}: "
-                     f"sglang's {cls} keeps lm_head apart from embed_tokens and the weight sync of a tied model "
-                     "sends no lm_head.weight, so the engine's lm_head would never be written; use an untied "
-                     "checkpoint (tie_word_embeddings: false, with lm_head.weight) or rollout.engine=hf")
+            e.append(
+                f"config.json tie_word_embeddings=true is not supported with rollout.engine=sglang for {self.name}: "
+                f"sglang's {cls} keeps lm_head apart from embed_tokens and the weight sync of a tied model "
+                "sends no lm_head.weight, so the engine's lm_head would never be written; use an untied "
+                "checkpoint (tie_word_embeddings: false, with lm_head.weight) or rollout.engine=hf"
+            )
         if self.sglang_every_layer_sparse and self.is_moe(hf):
             dense = [i for i, m in enumerate(moe_layer_pattern(hf)) if not m]
             if dense:
-                e.append(f"config.json mlp_only_layers={list(hf.get('mlp_only_layers') or [])} / decoder_sparse_step="
-                         f"{hf.get('decoder_sparse_step') or 1} (dense layers {dense}) is not supported with "
-                         f"rollout.engine=sglang: sglang's {cls} builds routed experts in every layer, so those "
-                         "layers' MLPs would never be written by the weight sync; use mlp_only_layers: [] and "
-                         "decoder_sparse_step: 1, or rollout.engine=hf")
+                e.append(
+                    f"config.json mlp_only_layers={list(hf.get('mlp_only_layers') or [])} / decoder_sparse_step="
+                    f"{hf.get('decoder_sparse_step') or 1} (dense layers {dense}) is not supported with "
+                    f"rollout.engine=sglang: sglang's {cls} builds routed experts in every layer, so those "
+                    "layers' MLPs would never be written by the weight sync; use mlp_only_layers: [] and "
+                    "decoder_sparse_step: 1, or rollout.engine=hf"
+                )
         return e
 
     def fp8_quantizes(self, name: str) -> bool:
         """Whether an FP8 weight sync quantizes HF tensor ``name`` (a 2-D weight; the caller checks)."""
-        return (self._fp8 is not None and self._fp8.search(name) is not None
-                and not (self._fp8_no is not None and self._fp8_no.search(name)))
+        return (
+            self._fp8 is not None
+            and self._fp8.search(name) is not None
+            and not (self._fp8_no is not None and self._fp8_no.search(name))
+        )
 
 
 def moe_layer_pattern(hf: dict) -> list[int]:
@@ -188,7 +207,7 @@ class GQAFamily(ModelFamily):
     attention_bias_on_o_proj: bool = True  # Llama/Qwen3 semantics of attention_bias (refused)
     shared_expert_block: str | None = None  # HF name of the shared expert MLP under the layer
     shared_expert_gate: str | None = None  # HF name of its sigmoid gate weight, if any
-    fp8_modules = GQA_FP8_MODULES
+    fp8_modules: tuple[str, ...] = GQA_FP8_MODULES
 
     # -- config -----------------------------------------------------------------------------------
     def has_qk_norm(self, hf: dict) -> bool:
@@ -202,15 +221,18 @@ class GQAFamily(ModelFamily):
     def check(self, hf: dict) -> None:
         kind = hf_config.rope_type(hf)
         if kind not in ("default", "yarn"):
-            raise ValueError(f"config.json rope type {kind!r} (rope_scaling / rope_parameters) is not "
-                             f"supported for {self.name} yet (default RoPE and yarn only)")
+            raise ValueError(
+                f"config.json rope type {kind!r} (rope_scaling / rope_parameters) is not "
+                f"supported for {self.name} yet (default RoPE and yarn only)"
+            )
         if kind == "yarn":
             from gspo_megatron.models.yarn import yarn_fields
 
             yarn_fields(hf, self.name)  # raises naming what Megatron cannot express
         if self.qkv_bias is None and self.attention_bias_on_o_proj and hf.get("attention_bias"):
-            raise ValueError(f"config.json attention_bias=true (a bias on q/k/v and o_proj) is not supported "
-                             f"for {self.name}")
+            raise ValueError(
+                f"config.json attention_bias=true (a bias on q/k/v and o_proj) is not supported for {self.name}"
+            )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json hidden_act {act!r} is not supported (silu only)")
@@ -270,8 +292,10 @@ class GQAFamily(ModelFamily):
             moe_layer_freq=1 if all(pattern) else pattern,
         )
         if self.shared_expert_block:
-            fields.update(moe_shared_expert_intermediate_size=self.shared_ffn_hidden(hf),
-                          moe_shared_expert_gate=self.shared_expert_gate is not None)
+            fields.update(
+                moe_shared_expert_intermediate_size=self.shared_ffn_hidden(hf),
+                moe_shared_expert_gate=self.shared_expert_gate is not None,
+            )
         return fields
 
     def shared_ffn_hidden(self, hf: dict) -> int:
@@ -296,12 +320,21 @@ class GQAFamily(ModelFamily):
         moe_layers = tuple(i for i, m in enumerate(moe_layer_pattern(hf)) if m) if experts else ()
         bias = self.has_qkv_bias(hf)
         return ModelDims(
-            model_type=self.name, vocab_size=g(hf, "vocab_size"), hidden=g(hf, "hidden_size"),
-            num_layers=g(hf, "num_hidden_layers"), num_heads=hf_config.num_heads(hf),
-            num_kv_heads=hf_config.num_kv_heads(hf), head_dim=hf_config.head_dim(hf),
-            ffn_hidden=g(hf, "intermediate_size"), moe_ffn_hidden=self.moe_ffn_hidden(hf) if experts else 0,
-            num_experts=experts, topk=g(hf, "num_experts_per_tok") if experts else 0, moe_layers=moe_layers,
-            qk_norm=self.has_qk_norm(hf), qkv_bias=bias, o_bias=False,
+            model_type=self.name,
+            vocab_size=g(hf, "vocab_size"),
+            hidden=g(hf, "hidden_size"),
+            num_layers=g(hf, "num_hidden_layers"),
+            num_heads=hf_config.num_heads(hf),
+            num_kv_heads=hf_config.num_kv_heads(hf),
+            head_dim=hf_config.head_dim(hf),
+            ffn_hidden=g(hf, "intermediate_size"),
+            moe_ffn_hidden=self.moe_ffn_hidden(hf) if experts else 0,
+            num_experts=experts,
+            topk=g(hf, "num_experts_per_tok") if experts else 0,
+            moe_layers=moe_layers,
+            qk_norm=self.has_qk_norm(hf),
+            qkv_bias=bias,
+            o_bias=False,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings") or 1 << 30),
             rope_type=hf_config.rope_type(hf),
@@ -312,6 +345,7 @@ class GQAFamily(ModelFamily):
 
 # -- the sigmoid router of DeepSeek-V3 / GLM-4.5 (shared by those families) --------------------------
 
+
 def sigmoid_router_check(hf: dict, family: str) -> None:
     """Refuse (one line) what Megatron-Core's sigmoid top-k computes differently from transformers'
     DeepSeek-style router: ``norm_topk_prob=false`` with top-k > 1 (Megatron always renormalizes),
@@ -319,12 +353,16 @@ def sigmoid_router_check(hf: dict, family: str) -> None:
     its top-(topk/topk_group) experts, transformers by its top-2)."""
     topk = hf_config.get_int(hf, "num_experts_per_tok")
     if topk > 1 and not hf.get("norm_topk_prob", True):
-        raise ValueError(f"config.json norm_topk_prob=false with num_experts_per_tok > 1 is not supported for "
-                         f"{family} (Megatron renormalizes sigmoid top-k)")
+        raise ValueError(
+            f"config.json norm_topk_prob=false with num_experts_per_tok > 1 is not supported for "
+            f"{family} (Megatron renormalizes sigmoid top-k)"
+        )
     groups, gtopk = router_groups(hf)
-    if groups and topk // gtopk != 2:
-        raise ValueError(f"config.json num_experts_per_tok={topk} // topk_group={gtopk} != 2 is not supported "
-                         f"for {family} (group scores: top-2 per group)")
+    if groups and gtopk is not None and topk // gtopk != 2:  # router_groups: both None or both set
+        raise ValueError(
+            f"config.json num_experts_per_tok={topk} // topk_group={gtopk} != 2 is not supported "
+            f"for {family} (group scores: top-2 per group)"
+        )
 
 
 def router_groups(hf: dict) -> tuple[int | None, int | None]:
@@ -338,6 +376,11 @@ def sigmoid_router_fields(hf: dict) -> dict:
     buffer, frozen (``moe_router_bias_update_rate=0``: not trained by the policy loss, exported and
     synced as loaded), group-limited top-k, ``routed_scaling_factor``."""
     groups, gtopk = router_groups(hf)
-    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                moe_router_bias_update_rate=0.0, moe_router_num_groups=groups, moe_router_group_topk=gtopk,
-                moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0))
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=groups,
+        moe_router_group_topk=gtopk,
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+    )

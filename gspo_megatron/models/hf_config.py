@@ -139,8 +139,7 @@ def rope_parameters(hf: dict) -> dict:
         if not isinstance(d, dict):
             raise HFConfigError(f"{_what(hf)}: {key} must be a JSON object, got {d!r}")
         if any(isinstance(v, dict) for v in d.values()):
-            raise HFConfigError(f"{_what(hf)}: {key} nested per layer type ({', '.join(d)}) is not "
-                                "supported")
+            raise HFConfigError(f"{_what(hf)}: {key} nested per layer type ({', '.join(d)}) is not supported")
         out.update(d)
     if out.get("partial_rotary_factor") is None and hf.get("rotary_dim") is not None:
         out["partial_rotary_factor"] = int(hf["rotary_dim"]) / head_dim(hf)

@@ -54,11 +54,14 @@ def output_weight(gpt) -> torch.Tensor:
 def check_fused_supported(gpt) -> None:
     cfg = gpt.config
     if getattr(cfg, "mtp_num_layers", None):
-        raise ValueError("model.fused_logprobs needs a model without multi-token prediction "
-                         "(mtp_num_layers); set model.fused_logprobs=false")
+        raise ValueError(
+            "model.fused_logprobs needs a model without multi-token prediction "
+            "(mtp_num_layers); set model.fused_logprobs=false"
+        )
     if getattr(cfg, "defer_embedding_wgrad_compute", False):
-        raise ValueError("model.fused_logprobs is incompatible with defer_embedding_wgrad_compute; "
-                         "set model.fused_logprobs=false")
+        raise ValueError(
+            "model.fused_logprobs is incompatible with defer_embedding_wgrad_compute; set model.fused_logprobs=false"
+        )
 
 
 def _enter_output_region(layer, input_, weight=None, runtime_gather_output=None):

@@ -46,13 +46,21 @@ import math
 import weakref
 import zlib
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-ATTENTION_TARGETS = ("linear_qkv", "linear_proj", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
-                     "linear_kv_down_proj", "linear_kv_up_proj")
+ATTENTION_TARGETS = (
+    "linear_qkv",
+    "linear_proj",
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+)
 MLP_TARGETS = ("linear_fc1", "linear_fc2")
 DEFAULT_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 
@@ -75,8 +83,13 @@ class LoraOptions:
         return float(self.alpha) / int(self.rank)
 
     def to_dict(self) -> dict:
-        return dict(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
-                    target_modules=list(self.target_modules), seed=self.seed)
+        return dict(
+            rank=self.rank,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            seed=self.seed,
+        )
 
 
 class _SumGrad(torch.autograd.Function):
@@ -101,8 +114,16 @@ def _group_size(group) -> int:
 class _LoraMixin:
     """The adapter state shared by both subclasses (set by :meth:`_init_lora`)."""
 
-    def _init_lora(self, opts: LoraOptions, global_name: str, gated: bool, a_full_in: int, a_cols: slice | None,
-                   b_rows: int) -> None:
+    # provided by the Megatron linear the mixin is combined with (ColumnParallelLinear /
+    # RowParallelLinear, a torch.nn.Module)
+    weight: torch.nn.Parameter
+    tp_group: dist.ProcessGroup | None
+    training: bool
+    state_dict: Callable[..., dict[str, Any]]
+
+    def _init_lora(
+        self, opts: LoraOptions, global_name: str, gated: bool, a_full_in: int, a_cols: slice | None, b_rows: int
+    ) -> None:
         dtype, device = self.weight.dtype, self.weight.device
         r = int(opts.rank)
         g = torch.Generator().manual_seed((int(opts.seed) * 1_000_003 + zlib.crc32(global_name.encode())) % 2**63)
@@ -113,14 +134,14 @@ class _LoraMixin:
         self.lora_A = torch.nn.Parameter(a.to(dtype=dtype, device=device).contiguous())
         self.lora_B = torch.nn.Parameter(torch.zeros(b_rows, r, dtype=dtype, device=device))
         for p in (self.lora_A, self.lora_B):
-            p.lora_adapter = True  # weights._mapped skips these; export merges them (merged_weight)
-            p.allreduce = getattr(self.weight, "allreduce", True)  # expert-parallel like the expert
+            setattr(p, "lora_adapter", True)  # weights._mapped skips these; export merges them (merged_weight)
+            setattr(p, "allreduce", getattr(self.weight, "allreduce", True))  # expert-parallel like the expert
         self.lora_scaling = opts.scaling
         self.lora_dropout = float(opts.dropout)
         self.lora_gated = gated
         self.lora_global_name = global_name
         me = weakref.ref(self)
-        self.weight.lora_merged = lambda: merged_weight(me())
+        setattr(self.weight, "lora_merged", lambda: merged_weight(me()))
 
     def _lora_input(self, x):
         return F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout > 0 else x
@@ -132,8 +153,9 @@ class _LoraMixin:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         state_dict = self.state_dict(prefix="", keep_vars=True)
-        out = make_sharded_tensors_for_checkpoint(state_dict, prefix, axis_map, sharded_offsets,
-                                                  tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+        out = make_sharded_tensors_for_checkpoint(
+            state_dict, prefix, axis_map, sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]
+        )
         if self.lora_gated and f"{prefix}lora_B" in out:  # [gate_t; up_t] rows, like the fc1 weight
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
@@ -235,7 +257,8 @@ def apply_lora(model, opts: LoraOptions) -> int:
 
     column, row = lora_classes()
     gnames = global_names(model)
-    wrapped, used = 0, set()
+    wrapped = 0
+    used: set[str] = set()
     for name, module in list(model.named_modules()):
         if not name or not matches(name, opts.target_modules):
             continue
@@ -243,14 +266,21 @@ def apply_lora(model, opts: LoraOptions) -> int:
         if type(module) is layers.ColumnParallelLinear:
             module.__class__ = column
             gated = name.endswith("linear_fc1") and bool(module.config.gated_linear_unit)
-            module._init_lora(opts, gnames[name + ".weight"], gated, module.input_size, None,
-                              module.output_size_per_partition)
+            module._init_lora(
+                opts, gnames[name + ".weight"], gated, module.input_size, None, module.output_size_per_partition
+            )
         elif type(module) is layers.RowParallelLinear:
             module.__class__ = row
             rank = dist.get_rank(module.tp_group) if _group_size(module.tp_group) > 1 else 0
             n = module.input_size_per_partition
-            module._init_lora(opts, gnames[name + ".weight"], False, module.input_size,
-                              slice(rank * n, (rank + 1) * n), module.output_size)
+            module._init_lora(
+                opts,
+                gnames[name + ".weight"],
+                False,
+                module.input_size,
+                slice(rank * n, (rank + 1) * n),
+                module.output_size,
+            )
             from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
             set_tensor_model_parallel_attributes(module.lora_A, True, 1, 1)
@@ -259,8 +289,10 @@ def apply_lora(model, opts: LoraOptions) -> int:
         elif isinstance(module, (column, row)):
             continue
         else:
-            raise ValueError(f"model.lora.target_modules: {name} is a {type(module).__name__}, not a local-spec "
-                             "ColumnParallelLinear / RowParallelLinear (set model.transformer_impl=local)")
+            raise ValueError(
+                f"model.lora.target_modules: {name} is a {type(module).__name__}, not a local-spec "
+                "ColumnParallelLinear / RowParallelLinear (set model.transformer_impl=local)"
+            )
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         set_tensor_model_parallel_attributes(module.lora_B, True, 0, 1)
@@ -296,10 +328,12 @@ def adapter_nbytes(model) -> int:
     the merged model). Per LoRA linear ``r * (in + out) * element_size`` (full ``in`` / ``out``: A
     [r, in], B [out, r]). Collective when distributed (one all_gather_object of {global name: bytes},
     so TP / DP replicas count once and PP / EP owners all count); 0 without LoRA."""
-    mine = {m.lora_global_name: int(m.lora_A.shape[0]) * (int(m.input_size) + int(m.output_size))
-            * m.lora_A.element_size() for _, m in lora_modules(model)}
+    mine = {
+        m.lora_global_name: int(m.lora_A.shape[0]) * (int(m.input_size) + int(m.output_size)) * m.lora_A.element_size()
+        for _, m in lora_modules(model)
+    }
     if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
+        everyone: list[dict[str, int]] = [{} for _ in range(dist.get_world_size())]  # each rank's, filled in
         dist.all_gather_object(everyone, mine)
         for d in everyone:
             mine.update(d)

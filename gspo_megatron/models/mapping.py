@@ -54,8 +54,7 @@ class Rule:
 
     split_dim: int | None = None
 
-    def __init__(self, megatron: str, hf: str | Sequence[str], parallel: str | None = None,
-                 export: bool = True):
+    def __init__(self, megatron: str, hf: str | Sequence[str], parallel: str | None = None, export: bool = True):
         self.megatron = megatron
         self.hf = (hf,) if isinstance(hf, str) else tuple(hf)
         self.parallel = parallel
@@ -78,7 +77,10 @@ class Rule:
         tensors are not stacked). The second ``*`` of the pattern is the global expert index."""
         if not self.stacked_experts:
             return None
-        return int(self.match(megatron_name)[1])
+        indices = self.match(megatron_name)
+        if indices is None:
+            raise ValueError(f"{megatron_name} does not match the rule {self.megatron!r}")
+        return int(indices[1])
 
     # -- overridden per sharding kind ------------------------------------------------------------
     def to_local(self, hf: Sequence[torch.Tensor], rank: int, size: int) -> torch.Tensor:
@@ -92,8 +94,7 @@ class Rule:
             return [shards[0]]
         return [torch.cat(list(shards), dim=self.split_dim)]
 
-    def load_into(self, param: torch.Tensor, hf: Sequence[torch.Tensor], rank: int, size: int,
-                  copy=None) -> None:
+    def load_into(self, param: torch.Tensor, hf: Sequence[torch.Tensor], rank: int, size: int, copy=None) -> None:
         """``param.copy_(self.to_local(hf, rank, size))`` without building the shard first where the
         rule allows it: each HF piece (a view of the memory-mapped file) is copied straight into its
         place in ``param`` (one copy instead of two or three: the conversion's hot loop). Exactly the
@@ -220,14 +221,20 @@ class FusedQKV(Rule):
             return None
         q, k, v = hf
         rest = tuple(param.shape[1:])
-        if (tuple(q.shape) != (g * per * hd, *rest) or tuple(k.shape) != (g * hd, *rest)
-                or tuple(v.shape) != (g * hd, *rest) or param.shape[0] != g // size * (per + 2) * hd):
+        if (
+            tuple(q.shape) != (g * per * hd, *rest)
+            or tuple(k.shape) != (g * hd, *rest)
+            or tuple(v.shape) != (g * hd, *rest)
+            or param.shape[0] != g // size * (per + 2) * hd
+        ):
             return None
         lo, hi = rank * (g // size), (rank + 1) * (g // size)  # this rank's query groups
         mine = param.view(g // size, (per + 2) * hd, *rest)
-        return [(mine[:, :per * hd], q.reshape(g, per * hd, *rest)[lo:hi]),
-                (mine[:, per * hd:(per + 1) * hd], k.reshape(g, hd, *rest)[lo:hi]),
-                (mine[:, (per + 1) * hd:], v.reshape(g, hd, *rest)[lo:hi])]
+        return [
+            (mine[:, : per * hd], q.reshape(g, per * hd, *rest)[lo:hi]),
+            (mine[:, per * hd : (per + 1) * hd], k.reshape(g, hd, *rest)[lo:hi]),
+            (mine[:, (per + 1) * hd :], v.reshape(g, hd, *rest)[lo:hi]),
+        ]
 
     def from_shards(self, shards):
         d = self.dims

@@ -40,16 +40,27 @@ def packed_bounds(packed_seq_params, tokens: int) -> list[int]:
 class PackedAttentionMixin:
     """Adds THD ``packed_seq_params`` to a local ``DotProductAttention`` class (module docstring)."""
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         base = super()
         if packed_seq_params is None:
-            return base.forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                attention_bias=attention_bias)
+            return base.forward(
+                query, key, value, attention_mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias
+            )
         cu = packed_bounds(packed_seq_params, query.shape[0])
-        outs = [base.forward(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
-                             attn_mask_type=attn_mask_type, attention_bias=attention_bias)
-                for a, b in zip(cu[:-1], cu[1:]) if b > a]
+        outs = [
+            base.forward(
+                query[a:b].unsqueeze(1),
+                key[a:b].unsqueeze(1),
+                value[a:b].unsqueeze(1),
+                None,
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+            )
+            for a, b in zip(cu[:-1], cu[1:])
+            if b > a
+        ]
         return torch.cat(outs, dim=0)  # [t, 1, heads*dim]
 
 
@@ -78,10 +89,14 @@ def use_packed_local_attention(block_spec) -> int:
         attn = getattr(getattr(layer, "submodules", None), "self_attention", None)
         sub = getattr(attn, "submodules", None)
         core = getattr(sub, "core_attention", None)
-        if isinstance(core, type) and issubclass(core, DotProductAttention):
+        if sub is not None and isinstance(core, type) and issubclass(core, DotProductAttention):
             sub.core_attention = packed_variant(core)
             n += 1
-        elif isinstance(getattr(core, "module", None), type) and issubclass(core.module, DotProductAttention):
+        elif (
+            core is not None
+            and isinstance(getattr(core, "module", None), type)
+            and issubclass(core.module, DotProductAttention)
+        ):
             core.module = packed_variant(core.module)  # a ModuleSpec
             n += 1
     return n

@@ -21,7 +21,7 @@ def global_names(model) -> dict[str, str]:
         m = LAYER.match(name)
         if m:
             layer = layers[int(m.group(1))]
-            g = f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
+            g = f"decoder.layers.{layer.layer_number - 1}." + name[m.end() :]
             experts = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
             if experts is not None:
                 g = _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.local_experts.{experts[int(e.group(1))]}.", g)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     from gspo_megatron.models.family import ModelFamily
+    from gspo_megatron.models.rules import ExpertNaming, StackedExpertNaming
 
 _BY_TYPE: dict[str, "ModelFamily"] = {}
 _BY_ARCH: dict[str, "ModelFamily"] = {}
@@ -29,6 +30,7 @@ def register_family(cls):
     for arch in family.architectures:
         _BY_ARCH[arch] = family
     cls.instance = family
+    _NAMINGS.clear()
     return cls
 
 
@@ -46,7 +48,7 @@ def supported_model_types() -> list[str]:
 
 
 def family_for_model_type(model_type: str | None) -> "ModelFamily | None":
-    return _BY_TYPE.get(model_type)
+    return None if model_type is None else _BY_TYPE.get(model_type)
 
 
 def get_family(hf: dict) -> "ModelFamily":
@@ -60,21 +62,60 @@ def get_family(hf: dict) -> "ModelFamily":
             if arch in _BY_ARCH:
                 return _BY_ARCH[arch]
     archs = f" (architectures {hf['architectures']!r})" if hf.get("architectures") else ""
-    raise UnsupportedModelError(f"unsupported architecture: config.json model_type {mt!r}{archs} is not "
-                                f"supported; supported model_types: {', '.join(supported_model_types())}")
+    raise UnsupportedModelError(
+        f"unsupported architecture: config.json model_type {mt!r}{archs} is not "
+        f"supported; supported model_types: {', '.join(supported_model_types())}"
+    )
 
 
 def expert_naming(model_type: str | None):
     """The checkpoint naming of routed experts for ``model_type`` (None: no family or no experts)."""
-    f = _BY_TYPE.get(model_type)
+    f = family_for_model_type(model_type)
     return None if f is None else f.expert_naming
 
 
 def experts_stacked(model_type: str | None) -> bool:
     """Whether ``model_type``'s checkpoints keep routed experts stacked per layer under the names
     transformers holds in memory (gpt-oss), so they load by name."""
-    f = _BY_TYPE.get(model_type)
+    f = family_for_model_type(model_type)
     return bool(f is not None and f.experts_stacked_in_checkpoint)
+
+
+def expert_weight(name: str) -> tuple[int, str] | None:
+    """(expert, ``"gate" | "up" | "down"``) when checkpoint tensor ``name`` is one routed expert's
+    weight under some family's ``expert_naming`` (``ExpertNaming.weight_of``), else None."""
+    for naming in _namings()[0]:
+        found = naming.weight_of(name)
+        if found is not None:
+            return found
+    return None
+
+
+def stacked_expert_naming(name: str) -> "StackedExpertNaming | None":
+    """The ``stacked_expert_naming`` of the family whose checkpoints hold ``name`` as a stacked expert
+    tensor (gpt-oss's ``mlp.experts.gate_up_proj``, ...), else None."""
+    for naming in _namings()[1]:
+        if naming.tensor_of(name) is not None:
+            return naming
+    return None
+
+
+def _namings() -> tuple[list["ExpertNaming"], list["StackedExpertNaming"]]:
+    """The distinct ``expert_naming`` and ``stacked_expert_naming`` of the registered families, in
+    registration order (cached; ``register_family`` empties the cache)."""
+    if not _NAMINGS:
+        experts: list[ExpertNaming] = []
+        stacked: list[StackedExpertNaming] = []
+        for f in families():
+            if f.expert_naming is not None and f.expert_naming not in experts:
+                experts.append(f.expert_naming)
+            if f.stacked_expert_naming is not None and f.stacked_expert_naming not in stacked:
+                stacked.append(f.stacked_expert_naming)
+        _NAMINGS.append((experts, stacked))
+    return _NAMINGS[0]
+
+
+_NAMINGS: list[tuple[list["ExpertNaming"], list["StackedExpertNaming"]]] = []  # _namings()'s cache
 
 
 def fp8_quantizes(name: str) -> bool:

@@ -10,6 +10,8 @@ whose Megatron name does not occur in the built model is never resolved.
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +49,61 @@ class ExpertNaming:
     down: str
     router: str = "gate.weight"
 
+    def weight_of(self, name: str) -> tuple[int, str] | None:
+        """(expert, ``"gate" | "up" | "down"``) when checkpoint tensor ``name`` is one routed expert's
+        weight in this naming (``...{block}.experts.<e>.{gate|up|down}.weight``), else None. HF
+        linear weights are [out, in]: the intermediate dimension is dim 0 of gate / up, dim 1 of down."""
+        m = _expert_weight_re(self).search(name)
+        if m is None:
+            return None
+        role = "gate" if m.group("proj") == self.gate else "up" if m.group("proj") == self.up else "down"
+        return int(m.group("e")), role
+
+
+@functools.lru_cache(maxsize=None)
+def _expert_weight_re(naming: ExpertNaming) -> re.Pattern[str]:
+    projs = "|".join(re.escape(p) for p in (naming.gate, naming.up, naming.down))
+    return re.compile(rf"\.{re.escape(naming.block)}\.experts\.(?P<e>\d+)\.(?P<proj>{projs})\.weight$")
+
+
+@dataclass(frozen=True)
+class StackedExpertNaming:
+    """How a family names routed experts stacked per layer in the HF checkpoint (gpt-oss, under the
+    names transformers keeps in memory): ``{block}.experts.{gate_up}`` [E, H, 2I] (gate / up
+    interleaved on the last dim) + ``{gate_up}{bias}`` [E, 2I], ``{block}.experts.{down}`` [E, I, H]
+    + ``{down}{bias}`` [E, H]."""
+
+    block: str
+    gate_up: str
+    down: str
+    bias: str = "_bias"
+
+    def tensor_of(self, name: str) -> tuple[str, bool] | None:
+        """(``gate_up`` or ``down`` projection, whether it is the bias) when checkpoint tensor ``name``
+        is one of this naming's stacked expert tensors, else None."""
+        for proj in (self.gate_up, self.down):
+            for is_bias, suffix in ((False, ""), (True, self.bias)):
+                if name.endswith(f".{self.block}.experts.{proj}{suffix}"):
+                    return proj, is_bias
+        return None
+
+    def intermediate_dim(self, name: str) -> int | None:
+        """The dimension of stacked tensor ``name`` that holds the intermediate size (what expert
+        tensor parallelism cuts): 2 of ``gate_up``, 1 of its bias and of ``down``; None for ``down``'s
+        bias [E, H], which has none. Raises ValueError for a name this naming does not hold."""
+        found = self.tensor_of(name)
+        if found is None:
+            raise ValueError(f"{name} is not a stacked expert tensor of {self}")
+        proj, is_bias = found
+        if proj == self.down:
+            return None if is_bias else 1
+        return 1 if is_bias else 2
+
 
 def attention_dims(hf: dict) -> AttentionDims:
-    return AttentionDims(num_heads=hf_config.num_heads(hf), num_query_groups=hf_config.num_kv_heads(hf),
-                         head_dim=hf_config.head_dim(hf))
+    return AttentionDims(
+        num_heads=hf_config.num_heads(hf), num_query_groups=hf_config.num_kv_heads(hf), head_dim=hf_config.head_dim(hf)
+    )
 
 
 def embedding_rules(hf: dict) -> list[Rule]:
@@ -94,8 +147,9 @@ def pre_mlp_norm_rules(hf_norm: str = "post_attention_layernorm") -> list[Rule]:
     ]
 
 
-def dense_mlp_rules(block: str = "mlp", gate: str = "gate_proj", up: str = "up_proj",
-                    down: str = "down_proj") -> list[Rule]:
+def dense_mlp_rules(
+    block: str = "mlp", gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"
+) -> list[Rule]:
     """A gated (SwiGLU) dense MLP: fc1 = [gate; up] column-parallel, fc2 row-parallel over TP."""
     return [
         GatedFC1(f"{L}.mlp.linear_fc1.weight", [f"{H}.{block}.{gate}.weight", f"{H}.{block}.{up}.weight"], "tp"),
@@ -108,8 +162,10 @@ def routed_expert_rules(naming: ExpertNaming) -> list[Rule]:
     gate, up, down = (f"{H}.{naming.block}.experts.*.{p}.weight" for p in (naming.gate, naming.up, naming.down))
     rules: list[Rule] = [Replicated(f"{L}.mlp.router.weight", f"{H}.{naming.block}.{naming.router}")]
     for fc1, fc2 in (
-        (f"{L}.mlp.experts.local_experts.*.linear_fc1.weight",
-         f"{L}.mlp.experts.local_experts.*.linear_fc2.weight"),  # SequentialMLP (local spec)
+        (
+            f"{L}.mlp.experts.local_experts.*.linear_fc1.weight",
+            f"{L}.mlp.experts.local_experts.*.linear_fc2.weight",
+        ),  # SequentialMLP (local spec)
         (f"{L}.mlp.experts.linear_fc1.weight*", f"{L}.mlp.experts.linear_fc2.weight*"),  # TE grouped GEMM
     ):
         rules += [GatedFC1(fc1, [gate, up], "etp"), RowParallel(fc2, down, "etp")]
@@ -120,8 +176,11 @@ def shared_expert_rules(block: str, gate_weight: str | None = None) -> list[Rule
     """Megatron's SharedExpertMLP (TP-sharded like a dense MLP) from ``{block}.{gate,up,down}_proj``;
     ``gate_weight``: HF name (under the layer) of its sigmoid gate [1, hidden], when it has one."""
     rules: list[Rule] = [
-        GatedFC1(f"{L}.mlp.shared_experts.linear_fc1.weight",
-                 [f"{H}.{block}.gate_proj.weight", f"{H}.{block}.up_proj.weight"], "tp"),
+        GatedFC1(
+            f"{L}.mlp.shared_experts.linear_fc1.weight",
+            [f"{H}.{block}.gate_proj.weight", f"{H}.{block}.up_proj.weight"],
+            "tp",
+        ),
         RowParallel(f"{L}.mlp.shared_experts.linear_fc2.weight", f"{H}.{block}.down_proj.weight", "tp"),
     ]
     if gate_weight:
@@ -146,12 +205,14 @@ def mla_attention_rules(hf: dict) -> list[Rule]:
     MLA RoPE treats the rope rows as interleaved pairs, as transformers does with ``rope_interleave``
     (the default): the rows map as they are; with ``rope_interleave=false`` the rope rows of q (per
     head) and of kv_a are interleaved on load and restored on export (``PermutedRows``)."""
-    heads, nope, rope = (hf_config.get_int(hf, k) for k in ("num_attention_heads", "qk_nope_head_dim",
-                                                              "qk_rope_head_dim"))
+    heads, nope, rope = (
+        hf_config.get_int(hf, k) for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim")
+    )
     kv_lora = hf_config.get_int(hf, "kv_lora_rank")
     order = list(range(rope)) if hf.get("rope_interleave", True) else _interleave(rope)
-    q_perm = torch.tensor([h * (nope + rope) + i for h in range(heads)
-                           for i in list(range(nope)) + [nope + j for j in order]])
+    q_perm = torch.tensor(
+        [h * (nope + rope) + i for h in range(heads) for i in list(range(nope)) + [nope + j for j in order]]
+    )
     kv_perm = torch.tensor(list(range(kv_lora)) + [kv_lora + j for j in order])
     a = f"{L}.self_attention"
     rules: list[Rule] = [
@@ -177,9 +238,13 @@ def mla_fuse_groups(hf: dict) -> list[FuseGroup]:
     weight (``weight_sync/fp8_quant.quantize_bucket_fp8``), so grouping the weights groups the scales."""
     if not hf.get("q_lora_rank"):
         return []
-    return [FuseGroup((f"{H}.self_attn.q_a_proj.weight", f"{H}.self_attn.kv_a_proj_with_mqa.weight"),
-                      "sglang DeepseekV2WeightLoaderMixin: fused_qkv_a_proj_with_mqa = cat(q_a_proj, "
-                      "kv_a_proj_with_mqa) within one load_weights call")]
+    return [
+        FuseGroup(
+            (f"{H}.self_attn.q_a_proj.weight", f"{H}.self_attn.kv_a_proj_with_mqa.weight"),
+            "sglang DeepseekV2WeightLoaderMixin: fused_qkv_a_proj_with_mqa = cat(q_a_proj, "
+            "kv_a_proj_with_mqa) within one load_weights call",
+        )
+    ]
 
 
 def router_bias_rule(hf_name: str) -> Rule:
@@ -187,21 +252,23 @@ def router_bias_rule(hf_name: str) -> Rule:
     return Replicated(f"{L}.mlp.router.expert_bias", f"{H}.{hf_name}")
 
 
-def stacked_expert_rules(block: str = "mlp") -> list[Rule]:
-    """Routed experts stored stacked per layer with biases (gpt-oss): ``{block}.experts.gate_up_proj``
-    [E, H, 2I] (gate/up interleaved on the last dim) + ``gate_up_proj_bias`` [E, 2I],
-    ``down_proj`` [E, I, H] + ``down_proj_bias`` [E, H]; the router ``{block}.router`` with a bias.
-    Megatron's local spec (SequentialMLP) holds one fc1/fc2 per expert; each rule maps that expert's
-    row of the stacked tensor (``weights.py`` reads just that row, and stacks the rows on export)."""
+def stacked_expert_rules(naming: StackedExpertNaming) -> list[Rule]:
+    """Routed experts stored stacked per layer with biases (gpt-oss, ``StackedExpertNaming``):
+    ``{block}.experts.gate_up_proj`` [E, H, 2I] (gate/up interleaved on the last dim) +
+    ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H] + ``down_proj_bias`` [E, H]; the router
+    ``{block}.router`` with a bias. Megatron's local spec (SequentialMLP) holds one fc1/fc2 per expert;
+    each rule maps that expert's row of the stacked tensor (``weights.py`` reads just that row, and
+    stacks the rows on export)."""
+    block = naming.block
     e = f"{H}.{block}.experts"
     x = f"{L}.mlp.experts.local_experts.*"
     return [
         Replicated(f"{L}.mlp.router.weight", f"{H}.{block}.router.weight"),
         Replicated(f"{L}.mlp.router.bias", f"{H}.{block}.router.bias"),
-        StackedExpertFC1(f"{x}.linear_fc1.weight", f"{e}.gate_up_proj", "etp", transposed=True),
-        StackedExpertFC1(f"{x}.linear_fc1.bias", f"{e}.gate_up_proj_bias", "etp", transposed=False),
-        StackedExpertFC2(f"{x}.linear_fc2.weight", f"{e}.down_proj", "etp"),
-        StackedExpertReplicated(f"{x}.linear_fc2.bias", f"{e}.down_proj_bias", "etp"),
+        StackedExpertFC1(f"{x}.linear_fc1.weight", f"{e}.{naming.gate_up}", "etp", transposed=True),
+        StackedExpertFC1(f"{x}.linear_fc1.bias", f"{e}.{naming.gate_up}{naming.bias}", "etp", transposed=False),
+        StackedExpertFC2(f"{x}.linear_fc2.weight", f"{e}.{naming.down}", "etp"),
+        StackedExpertReplicated(f"{x}.linear_fc2.bias", f"{e}.{naming.down}{naming.bias}", "etp"),
     ]
 
 

@@ -31,11 +31,12 @@ def hf_model_from_config(cfg: dict, dtype: torch.dtype = torch.float32):
     return model_cls(config).to(dtype)
 
 
-def save_tiny_hf_model(kind: str, out_dir: str, seed: int = 0, dtype=torch.float32,
-                       max_shard_size: str | int | None = None, **overrides):
+def save_tiny_hf_model(
+    kind: str, out_dir: str, seed: int = 0, dtype=torch.float32, max_shard_size: str | int | None = None, **overrides
+):
     """Build a tiny random ``kind`` model (a family name) and ``save_pretrained`` it. Router, gate
-    norm weights and expert-score correction biases are randomized too, so routing, gates and norms are
-exercised."""
+        norm weights and expert-score correction biases are randomized too, so routing, gates and norms are
+    exercised."""
     family = next((f for f in families() if f.name == kind), None) or family_for_model_type(kind)
     if family is None or not family.tiny:
         raise ValueError(f"no tiny config for {kind!r}; known: {', '.join(TINY_CONFIGS)}")

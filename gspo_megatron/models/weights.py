@@ -27,7 +27,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,7 @@ class SafetensorsReader:
                 self.where = {k: "model.safetensors" for k in f.keys()}
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {hf_dir}")
-        self._open = {}
+        self._open: dict[str, Any] = {}  # file -> its safetensors ``safe_open`` handle
         self._fds: dict[str, int] = {}
         self._offsets: dict[str, dict[str, int]] = {}  # file -> tensor -> absolute byte offset
         # the last tensors ``get`` returned, kept alive (so no other tensor can take their
@@ -124,7 +124,7 @@ class SafetensorsReader:
             path = os.path.join(self.hf_dir, fname)
             try:
                 self._open[fname] = self._safe_open(path, "pt")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types; one line naming the file
                 raise ValueError(f"cannot read {path}: {e}") from None
         return self._open[fname]
 
@@ -148,7 +148,7 @@ class SafetensorsReader:
 
     def get_row(self, name: str, index: int) -> torch.Tensor:
         """``get(name)[index]``, reading only that row from disk (one expert of a stacked tensor)."""
-        return self._file(name).get_slice(name)[index:index + 1][0]
+        return self._file(name).get_slice(name)[index : index + 1][0]
 
     def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` (same shapes), by ``pread`` where ``src`` is a run of a file."""
@@ -195,8 +195,9 @@ def load_hf_weights(model, hf_dir: str, progress: Callable[[int], object] | None
             try:
                 rule.load_into(param, full, rank, size, copy=reader.copy_into)  # file -> param
             except ValueError as e:
-                raise ValueError(f"{hf_names} do not fit Megatron parameter {gname} of shape "
-                                 f"{tuple(param.shape)}: {e}") from None
+                raise ValueError(
+                    f"{hf_names} do not fit Megatron parameter {gname} of shape {tuple(param.shape)}: {e}"
+                ) from None
             n += 1
             if progress is not None:
                 progress(1)
@@ -229,6 +230,11 @@ class _Item:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+# what each rank declares of the items it owns (``build_export_plan``): (global name, HF names, HF
+# shapes, dtype name, owner rank, stack)
+_Declared = tuple[str, tuple[str, ...], tuple[tuple[int, ...], ...], str, int, tuple[int, int] | None]
+
+
 def _sort_key(global_name: str, hf_names, expert: int | None = None) -> tuple:
     m = LAYER.match(global_name)
     if global_name.startswith("embedding."):
@@ -254,7 +260,7 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
     """The global, ordered export plan (collective: one all_gather_object) and this rank's part."""
     mapping = get_family(model.hf_config).mapping(model.hf_config)
     mine: dict[str, tuple[Rule, torch.nn.Parameter]] = {}
-    declared = []
+    declared: list[_Declared] = []
     me = rdist.rank()
     for _, g, rule, hf_names, param in _mapped(model, mapping):
         if not rule.export or not _is_dp_first(rule.parallel):
@@ -267,8 +273,9 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
             expert = rule.expert_index(g)
             stack = None if expert is None else (expert, hf_config.num_experts(model.hf_config))
             declared.append((g, hf_names, shapes, dtype_name(param.dtype), me, stack))
+    everyone: list[list[_Declared]]
     if rdist.world_size() > 1:
-        everyone = [None] * dist.get_world_size()
+        everyone = [[] for _ in range(dist.get_world_size())]  # each rank's ``declared``, filled in
         dist.all_gather_object(everyone, declared)
     else:
         everyone = [declared]
@@ -276,8 +283,16 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
     for decl in everyone:
         for g, hf_names, shapes, dtype, owner, stack in decl:
             if g not in items or owner < items[g].owner:
-                items[g] = _Item(_sort_key(g, hf_names, stack and stack[0]), g, tuple(hf_names), shapes,
-                                 torch_dtype(dtype), owner, stack, mapping.fuse_key(hf_names))
+                items[g] = _Item(
+                    _sort_key(g, hf_names, stack and stack[0]),
+                    g,
+                    tuple(hf_names),
+                    shapes,
+                    torch_dtype(dtype),
+                    owner,
+                    stack,
+                    mapping.fuse_key(hf_names),
+                )
     return group_fused(sorted(items.values(), key=lambda it: it.key)), mine
 
 
@@ -315,7 +330,8 @@ def _units(items: list[_Item]) -> Iterator[list[_Item]]:
 def _buckets(items: list[_Item], bucket_bytes: int) -> Iterator[list[_Item]]:
     """Greedy buckets of at most ``bucket_bytes``, never cutting a fuse group (``_units``); a unit
     larger than the limit gets a bucket of its own."""
-    bucket, size = [], 0
+    bucket: list[_Item] = []
+    size = 0
     for unit in _units(items):
         nbytes = sum(it.nbytes for it in unit)
         if bucket and size + nbytes > bucket_bytes:
@@ -337,9 +353,79 @@ def _destination(dst, owner: int) -> int | None:
     return dst(owner) if callable(dst) else int(dst)
 
 
+class FlatBucket(list):
+    """A bucket (list of (HF name, tensor)) whose tensors are views into one uint8 buffer ``flat``
+    (``export_hf_weights(..., flat=...)``): a transport can send ``flat`` as it is (one broadcast,
+    or sglang's ``flattened_bucket`` payload) instead of flattening the tensors again. The views are
+    element-aligned; ``byte_offset(t)`` is a tensor's place in ``flat``. They are valid until the
+    stream's next bucket is requested (the buffer is reused)."""
+
+    flat: torch.Tensor
+
+    def byte_offset(self, t: torch.Tensor) -> int:
+        return t.data_ptr() - self.flat.data_ptr()
+
+
+class BucketBuffer:
+    """One reusable uint8 buffer for ``export_hf_weights(flat=...)``, grown to the largest bucket;
+    ``share``: in shared memory (CPU tensors then travel to another process without a copy)."""
+
+    def __init__(self, share: bool = False):
+        self.share = share
+        self.buf: torch.Tensor | None = None
+
+    def __call__(self, nbytes: int, device) -> torch.Tensor:
+        device = torch.device(device)
+        if self.buf is None or self.buf.numel() < nbytes or self.buf.device != device:
+            self.buf = None  # free the old one first
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            if self.share and device.type == "cpu":
+                buf.share_memory_()
+            self.buf = buf
+        return self.buf[:nbytes]
+
+
+_ALIGN = 16  # byte alignment of each owner's segment of a flat bucket
+
+
+def _flat_layout(entries: list, segment_of) -> tuple[list[int], list[tuple[int, int, int]], int]:
+    """Byte offsets of ``entries`` ((item, hf index) pairs) in a flat bucket: grouped by
+    ``segment_of(item)`` (first-seen order; each group starts ``_ALIGN``-aligned), widest elements
+    first inside a group, so every view is element-aligned. Returns (offsets in entry order,
+    [(segment key, start, end)], total bytes)."""
+    keys: dict = {}
+    for it, _ in entries:
+        keys.setdefault(segment_of(it), len(keys))
+    order = sorted(range(len(entries)), key=lambda i: (keys[segment_of(entries[i][0])], -entries[i][0].dtype.itemsize))
+    offsets = [0] * len(entries)
+    segments: list[tuple[int, int, int]] = []
+    pos = 0
+    for i in order:
+        it, k = entries[i]
+        seg = segment_of(it)
+        if not segments or segments[-1][0] != seg:
+            pos = -(-pos // _ALIGN) * _ALIGN
+            segments.append((seg, pos, pos))
+        offsets[i] = pos
+        n = it.dtype.itemsize
+        for d in it.hf_shapes[k]:
+            n *= d
+        pos += n
+        segments[-1] = (seg, segments[-1][1], pos)
+    return offsets, segments, pos
+
+
+def _view(flat: torch.Tensor, offset: int, shape, dtype) -> torch.Tensor:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return flat[offset : offset + n].view(dtype).view(shape)
+
+
 @torch.no_grad()
-def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
-                      dst=0) -> Iterator[list[tuple[str, torch.Tensor]] | None]:
+def export_hf_weights(
+    model, bucket_bytes: int = 512 << 20, plan=None, dst=0, flat=None
+) -> Iterator[list[tuple[str, torch.Tensor]] | None]:
     """Collective generator over buckets of full HF tensors (see module docstring). Every rank must
     iterate it to the end. ``plan`` may be a cached ``build_export_plan(model)``.
 
@@ -352,8 +438,17 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
       each bucket routed to it (possibly an empty list), other ranks yield None.
     Buckets are cut from the global plan, so a destination's part of a bucket is at most
     ``bucket_bytes`` (a single larger tensor or fuse group excepted), and a fuse group (one layer's
-    tensors, one owner) reaches its destination in one bucket."""
+    tensors, one owner) reaches its destination in one bucket.
+
+    ``flat`` (same on every rank; None: plain lists): an allocator ``(nbytes, device) -> uint8
+    tensor`` (e.g. :class:`BucketBuffer`). A receiving rank then gets each bucket as a
+    :class:`FlatBucket` whose tensors are views into one buffer (buckets holding stacked-expert
+    rows excepted), filled by copying (owner), receiving (``dist.recv``) or, with ``ALL_RANKS``,
+    one broadcast per owner per bucket instead of one per tensor."""
     items, mine = plan if plan is not None else build_export_plan(model)
+    if flat is not None:
+        yield from _export_flat(items, mine, bucket_bytes, dst, flat)
+        return
     me = rdist.rank()
     pending: dict[str, dict[int, torch.Tensor]] = {}  # stacked HF tensor -> its expert rows so far
     owners = {it.owner for it in items}
@@ -372,21 +467,139 @@ def export_hf_weights(model, bucket_bytes: int = 512 << 20, plan=None,
                     for t in tensors:
                         dist.broadcast(t, src=it.owner)
             elif me == it.owner and me != target:
+                if tensors is None:
+                    raise RuntimeError(f"rank {me} owns {it.global_name} in the export plan but holds no shard of it")
                 for t in tensors:
                     dist.send(t.contiguous(), dst=target)
                 continue
-            elif me == target and tensors is None:
+            elif me != target:
+                continue
+            elif tensors is None:
                 tensors = [torch.empty(s, dtype=it.dtype, device=_device()) for s in it.hf_shapes]
                 for t in tensors:
                     dist.recv(t, src=it.owner)
-            elif me != target:
-                continue
             if it.stack is not None:
                 out.extend(_stack_rows(pending, it, tensors))
                 continue
-            out.extend((n, t.clone() if _aliases_param(t, mine, it) else t)
-                       for n, t in zip(it.hf_names, tensors))
+            out.extend((n, t.clone() if _aliases_param(t, mine, it) else t) for n, t in zip(it.hf_names, tensors))
         yield out if receives else None
+
+
+def _export_flat(items, mine, bucket_bytes: int, dst, alloc) -> Iterator[list[tuple[str, torch.Tensor]] | None]:
+    """``export_hf_weights`` with ``flat``: the same collectives per item, except that with
+    ``ALL_RANKS`` each bucket's items travel as one broadcast per owner (its segment of the buffer)."""
+    me = rdist.rank()
+    world = rdist.world_size()
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    destinations = {_destination(dst, it.owner) for it in items}
+    receives = None in destinations or me in destinations
+    # (E)TP groups spanning the whole world (e.g. tp = world): with ALL_RANKS every rank has every
+    # shard of their items after the gather, so each assembles them itself (no broadcast)
+    whole = {k for k in ("tp", "etp") if world > 1 and dst == ALL_RANKS and _rank_size(k)[1] == world}
+    for bucket in _buckets(items, bucket_bytes):
+        targets = [_destination(dst, it.owner) for it in bucket]
+        shards = _gather_bucket(bucket, mine)
+        local = {g for g in shards if targets[0] is None and mine[g][0].parallel in whole}
+        entries = [
+            (it, k) for it, tg in zip(bucket, targets) if tg is None or tg == me for k in range(len(it.hf_names))
+        ]
+        buf = None
+        if entries and not any(it.stack is not None for it in bucket):
+            # ALL_RANKS: one segment per owner (one broadcast each) and one of the ``local`` items;
+            # else one gapless run
+            offsets, segments, total = _flat_layout(
+                entries,
+                (lambda it: -1 if it.global_name in local else it.owner) if targets[0] is None else (lambda it: 0),
+            )
+            buf = alloc(total, _device())
+            where = {(it.global_name, k): o for (it, k), o in zip(entries, offsets)}
+        out: list[tuple[str, torch.Tensor]] = FlatBucket() if buf is not None else []
+        for it, target in zip(bucket, targets):
+            if it.global_name in shards:
+                tensors = (
+                    mine[it.global_name][0].from_shards(shards[it.global_name])
+                    if me == it.owner or (buf is not None and it.global_name in local)
+                    else None
+                )
+            else:
+                tensors = gather_full(it, mine) if it.global_name in mine else None
+            if target is not None and me == it.owner and me != target:
+                if tensors is None:
+                    raise RuntimeError(f"rank {me} owns {it.global_name} in the export plan but holds no shard of it")
+                for t in tensors:
+                    dist.send(t.contiguous(), dst=target)
+                continue
+            if target is not None and me != target:
+                continue
+            if buf is None:  # a bucket with stacked-expert rows: as the plain stream does
+                if tensors is None:
+                    tensors = [torch.empty(s, dtype=it.dtype, device=_device()) for s in it.hf_shapes]
+                    for t in tensors:
+                        if target is not None:
+                            dist.recv(t, src=it.owner)
+                        elif world > 1:
+                            dist.broadcast(t, src=it.owner)
+                elif target is None and world > 1:
+                    tensors = [t.contiguous() for t in tensors]
+                    for t in tensors:
+                        dist.broadcast(t, src=it.owner)
+                if it.stack is not None:
+                    out.extend(_stack_rows(pending, it, tensors))
+                else:
+                    out.extend(
+                        (n, t.clone() if _aliases_param(t, mine, it) else t) for n, t in zip(it.hf_names, tensors)
+                    )
+                continue
+            views = [_view(buf, where[(it.global_name, k)], s, it.dtype) for k, s in enumerate(it.hf_shapes)]
+            if tensors is not None:  # the owner (or, a ``local`` item, every rank)
+                for v, t in zip(views, tensors):
+                    v.copy_(t)
+            elif target is not None:  # the destination, from the owner
+                for v in views:
+                    dist.recv(v, src=it.owner)
+            out.extend(zip(it.hf_names, views))
+        if buf is not None:
+            if world > 1 and targets[0] is None:  # ALL_RANKS: every rank, segment by segment
+                for owner, start, end in segments:
+                    if owner != -1:  # -1: the ``local`` items, assembled on every rank
+                        dist.broadcast(buf[start:end], src=owner)
+            cast(FlatBucket, out).flat = buf
+        yield out if receives else None
+
+
+def _gather_bucket(bucket: list[_Item], mine: dict) -> dict[str, list[torch.Tensor]]:
+    """The (E)TP shards of every item of ``bucket`` this rank holds a shard of, by one all-gather
+    per parallel kind (``tp``, ``etp``: first-seen order, the same on every rank) of all those
+    shards packed into one buffer, instead of one all-gather per item. global name -> [shard of
+    group rank 0, 1, ...] (views into the gathered buffer)."""
+    kinds: dict[str, list[_Item]] = {}
+    for it in bucket:
+        if it.global_name in mine:
+            parallel = mine[it.global_name][0].parallel
+            if parallel in ("tp", "etp"):
+                kinds.setdefault(parallel, []).append(it)
+    out: dict[str, list[torch.Tensor]] = {}
+    if not dist.is_initialized():
+        return out
+    for parallel, its in kinds.items():
+        group = _group(parallel)
+        size = dist.get_world_size(group) if group is not None else 1
+        if size == 1:
+            continue
+        datas = [weight_data(mine[it.global_name][1]) for it in its]
+        offsets, pos = [], 0
+        for d in datas:
+            pos = -(-pos // _ALIGN) * _ALIGN
+            offsets.append(pos)
+            pos += d.numel() * d.element_size()
+        pack = torch.empty(pos, dtype=torch.uint8, device=datas[0].device)
+        for d, o in zip(datas, offsets):
+            _view(pack, o, d.shape, d.dtype).copy_(d)
+        gathered = [torch.empty_like(pack) for _ in range(size)]
+        dist.all_gather(gathered, pack, group=group)
+        for it, d, o in zip(its, datas, offsets):
+            out[it.global_name] = [_view(g, o, d.shape, d.dtype) for g in gathered]
+    return out
 
 
 def gather_full(it: _Item, mine: dict) -> list[torch.Tensor] | None:
@@ -409,6 +622,8 @@ def gather_full(it: _Item, mine: dict) -> list[torch.Tensor] | None:
 def _stack_rows(pending: dict, it: _Item, tensors) -> list[tuple[str, torch.Tensor]]:
     """Collect expert ``it.stack[0]``'s rows of stacked HF tensors; return each stacked tensor
     [num_experts, ...] once its last row arrived (in the bucket of that row), else nothing."""
+    if it.stack is None:
+        raise ValueError(f"{it.global_name} is not a row of stacked HF tensors")
     expert, count = it.stack
     done = []
     for name, t in zip(it.hf_names, tensors):

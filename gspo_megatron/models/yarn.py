@@ -50,22 +50,26 @@ def yarn_fields(hf: dict, family: str) -> dict:
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"config.json partial_rotary_factor with YaRN rope is not supported for {family}")
     max_pos = hf_config.get_int(hf, "max_position_embeddings")
-    orig = int(rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
-               or max_pos)
+    orig = int(rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or max_pos)
     factor = float(rope.get("factor") or max_pos / orig)
     a, m, m_all = rope.get("attention_factor"), rope.get("mscale"), rope.get("mscale_all_dim")
     if a is not None:
         if factor <= 1:
             if float(a) != 1.0:
-                raise ValueError(f"config.json rope attention_factor={a} with factor <= 1 is not supported "
-                                 f"for {family}")
+                raise ValueError(
+                    f"config.json rope attention_factor={a} with factor <= 1 is not supported for {family}"
+                )
             m, m_all = None, None
         else:
             m, m_all = (float(a) - 1.0) / (0.1 * math.log(factor)), 0.0
     elif not (m and m_all):
         m, m_all = None, None
-    return dict(yarn_rotary_scaling_factor=factor, yarn_original_max_position_embeddings=orig,
-                yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1),
-                yarn_mscale=None if m is None else float(m),
-                yarn_mscale_all_dim=None if m_all is None else float(m_all),
-                yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
+    return dict(
+        yarn_rotary_scaling_factor=factor,
+        yarn_original_max_position_embeddings=orig,
+        yarn_beta_fast=float(rope.get("beta_fast") or 32),
+        yarn_beta_slow=float(rope.get("beta_slow") or 1),
+        yarn_mscale=None if m is None else float(m),
+        yarn_mscale_all_dim=None if m_all is None else float(m_all),
+        yarn_correction_range_round_to_int=bool(rope.get("truncate", True)),
+    )

@@ -20,11 +20,13 @@ BUILTIN_REWARDS: dict = {}
 
 def builtin_reward(name: str):
     """Register ``fn(prompt, response, label) -> float`` as the built-in reward spec ``name``."""
+
     def register(fn):
         if name in BUILTIN_REWARDS:
             raise ValueError(f"built-in reward {name!r} is registered twice")
         BUILTIN_REWARDS[name] = fn
         return fn
+
     return register
 
 
@@ -45,9 +47,7 @@ def _math_verify():
     try:
         import math_verify
     except ImportError as e:  # optional dependency: only the math reward needs it
-        raise ImportError(
-            "the 'math' reward needs the math-verify package (pip install math-verify)"
-        ) from e
+        raise ImportError("the 'math' reward needs the math-verify package (pip install math-verify)") from e
     # The runner bounds each call, so math-verify's signal timeouts are off; silence its warning.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     return math_verify
@@ -60,8 +60,7 @@ def math_reward(prompt: str, response: str, label) -> float:
     runner bounds every call."""
     mv = _math_verify()
     gold_text = str(label)
-    gold = mv.parse(gold_text if "$" in gold_text or "\\boxed" in gold_text else f"${gold_text}$",
-                    parsing_timeout=None)
+    gold = mv.parse(gold_text if "$" in gold_text or "\\boxed" in gold_text else f"${gold_text}$", parsing_timeout=None)
     if not gold:
         gold = mv.parse(gold_text, parsing_timeout=None)
     if not gold:

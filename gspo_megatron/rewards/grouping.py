@@ -25,14 +25,16 @@ def as_group_rewards(value: Any, size: int) -> list[float]:
     return [as_reward(v) for v in values]
 
 
-def make_calls(prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any], group_size: int,
-               group: bool) -> list[tuple[str, Any, Any]]:
+def make_calls(
+    prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any], group_size: int, group: bool
+) -> list[tuple[str, Any, Any]]:
     """The calls of one round: (prompt, response, label) per sample, or with ``group`` (prompt,
     [G responses], label) per group. ValueError when the lists differ in length, n is not a multiple
     of ``group_size``, or a group's prompts differ (the rows are not group-contiguous)."""
     if not len(prompts) == len(responses) == len(labels):
-        raise ValueError(f"prompts, responses and labels differ in length: {len(prompts)}, {len(responses)}, "
-                         f"{len(labels)}")
+        raise ValueError(
+            f"prompts, responses and labels differ in length: {len(prompts)}, {len(responses)}, {len(labels)}"
+        )
     if not group:
         return list(zip(prompts, responses, labels))
     n, G = len(prompts), group_size
@@ -40,9 +42,9 @@ def make_calls(prompts: Sequence[str], responses: Sequence[str], labels: Sequenc
         raise ValueError(f"{n} samples cannot be cut into groups of {G}")
     calls = []
     for start in range(0, n, G):
-        if any(p != prompts[start] for p in prompts[start:start + G]):
+        if any(p != prompts[start] for p in prompts[start : start + G]):
             raise ValueError(f"samples {start}..{start + G - 1} are not one prompt's group")
-        calls.append((prompts[start], list(responses[start:start + G]), labels[start]))
+        calls.append((prompts[start], list(responses[start : start + G]), labels[start]))
     return calls
 
 

@@ -30,15 +30,22 @@ def as_reward(value: Any) -> float:
         raise TypeError(f"returned {type(value).__name__} {value!r:.40}, expected a number") from None
 
 
-def check_failure_share(spec: str, stats: dict[str, float], n: int, last_error: str | None,
-                        max_failure_share: float, field: str = "reward.function") -> None:
+def check_failure_share(
+    spec: str,
+    stats: dict[str, float],
+    n: int,
+    last_error: str | None,
+    max_failure_share: float,
+    field: str = "reward.function",
+) -> None:
     """Raise RewardFailure when (errors + timeouts + non-finite) / n >= max_failure_share; the
     message names ``field`` (reward.function, or reward.url for a server) and ``spec``."""
     failed = stats["reward/errors"] + stats["reward/timeouts"] + stats["reward/nonfinite"]
     if n and failed / n >= max_failure_share:
         raise RewardFailure(
             f"{field} {spec!r} failed on {int(failed)} of {n} calls in one scoring round "
-            f"(reward.max_failure_share={max_failure_share:g}); last error: {last_error}")
+            f"(reward.max_failure_share={max_failure_share:g}); last error: {last_error}"
+        )
 
 
 def tally_results(results: Sequence[tuple[str, Any]], spec: str) -> tuple[list[float], dict[str, float], str | None]:

@@ -15,16 +15,26 @@ from __future__ import annotations
 import argparse
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
 
 from gspo_megatron.rewards.grouping import call_reward
+
+
+class RewardServer(ThreadingHTTPServer):
+    """The HTTP server with what its handlers score with: ``fn`` (the reward spec's function) and
+    ``group`` (``fn(prompt, [responses], label)`` per group)."""
+
+    fn: Callable[..., Any]
+    group: bool
 
 
 class RewardHandler(BaseHTTPRequestHandler):
     """Scores ``{"mode", "items"}`` with ``self.server.fn``; answers ``{"rewards": [...]}``."""
 
     protocol_version = "HTTP/1.1"
+    server: RewardServer  # (the one make_server builds)
 
-    def log_message(self, format, *args):  # noqa: A002 - quiet: one line per request is noise
+    def log_message(self, format, *args):  # quiet: one line per request is noise
         pass
 
     def _send(self, code: int, payload: dict) -> None:
@@ -35,7 +45,7 @@ class RewardHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def do_GET(self):  # noqa: N802 - http.server's naming
+    def do_GET(self):  # http.server's naming
         if self.path.rstrip("/") == "/health":
             self._send(200, {"ok": True})
         else:
@@ -49,8 +59,10 @@ class RewardHandler(BaseHTTPRequestHandler):
         """One reward (or, with mode group, one list) per item; None where the function raised."""
         group = batch.get("mode") == "group"
         if group != self.server.group:
-            raise ValueError(f"this server scores mode {'group' if self.server.group else 'single'}, "
-                             f"the request asks for {batch.get('mode')!r}")
+            raise ValueError(
+                f"this server scores mode {'group' if self.server.group else 'single'}, "
+                f"the request asks for {batch.get('mode')!r}"
+            )
         out = []
         for item in batch["items"]:
             call = (item["prompt"], item["responses"] if group else item["response"], item.get("label"))
@@ -60,7 +72,7 @@ class RewardHandler(BaseHTTPRequestHandler):
                 out.append(None)
         return out
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         try:
             batch = self.read_batch()
             rewards = self.score_batch(batch)
@@ -70,21 +82,24 @@ class RewardHandler(BaseHTTPRequestHandler):
         self._send(200, {"rewards": rewards})
 
 
-def make_server(spec: str, host: str = "127.0.0.1", port: int = 0, group: bool = False,
-                handler: type[RewardHandler] = RewardHandler) -> ThreadingHTTPServer:
+def make_server(
+    spec: str, host: str = "127.0.0.1", port: int = 0, group: bool = False, handler: type[RewardHandler] = RewardHandler
+) -> RewardServer:
     """A server (not yet serving: call ``serve_forever()``) scoring with reward spec ``spec``;
     port 0 picks a free port (``server.server_address[1]``)."""
     from gspo_megatron.rewards.registry import get_reward_fn
 
-    server = ThreadingHTTPServer((host, port), handler)
+    server = RewardServer((host, port), handler)
     server.daemon_threads = True
     server.fn, server.group = get_reward_fn(spec), group
     return server
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gspo_megatron.rewards.reference_server",
-                                     description="Reference reward server (gspo_megatron/rewards/remote.py schema).")
+    parser = argparse.ArgumentParser(
+        prog="python -m gspo_megatron.rewards.reference_server",
+        description="Reference reward server (gspo_megatron/rewards/remote.py schema).",
+    )
     parser.add_argument("--function", default="last_digit", help="reward spec, as reward.function")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 = a free port (printed)")
@@ -92,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     server = make_server(args.function, args.host, args.port, args.group)
     host, port = server.server_address[:2]
-    print(f"reward server listening on http://{host}:{port}/score ({args.function}, "
-          f"mode {'group' if args.group else 'single'})", flush=True)
+    assert isinstance(host, str)  # an AF_INET server's address (typeshed also allows bytes)
+    print(
+        f"reward server listening on http://{host}:{port}/score ({args.function}, "
+        f"mode {'group' if args.group else 'single'})",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from gspo_megatron.data.tasks import TASKS
 from gspo_megatron.rewards.builtin import BUILTIN_REWARDS
-from gspo_megatron.user_code import load_callable  # noqa: F401 (re-exported)
+from gspo_megatron.user_code import load_callable
 
 RewardFn = Callable[[str, str, Any], float]
 
@@ -28,7 +28,7 @@ def get_reward_fn(spec: str) -> RewardFn:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    task_name = spec[len("task:"):] if spec.startswith("task:") else spec
+    task_name = spec[len("task:") :] if spec.startswith("task:") else spec
     if task_name in TASKS:
         return TASKS[task_name].reward
     if ":" in spec:

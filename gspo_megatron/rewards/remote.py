@@ -78,7 +78,7 @@ def parse_answer(answer: Any, calls: Sequence[tuple[str, Any, Any]], group: bool
     values = answer["rewards"]
     if len(values) != len(calls):
         raise ValueError(f"the answer has {len(values)} rewards for {len(calls)} items")
-    out = []
+    out: list[tuple[str, Any]] = []
     for value, call in zip(values, calls):
         try:
             out.append(("ok", as_group_rewards(value, len(call[1])) if group else as_reward(value)))
@@ -92,12 +92,23 @@ class RemoteRewardScorer:
     ``score(prompts, responses, labels, group_size) -> (rewards, stats)`` and ``close()`` as the
     local scorers. ``stats`` adds ``reward/remote_requests`` and ``reward/remote_retries``."""
 
-    def __init__(self, url: str, *, timeout_s: float = 10.0, batch_size: int = 16, max_in_flight: int = 4,
-                 retries: int = 2, group: bool = False, max_failure_share: float = 1.0,
-                 backoff_s: float = 0.1):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 10.0,
+        batch_size: int = 16,
+        max_in_flight: int = 4,
+        retries: int = 2,
+        group: bool = False,
+        max_failure_share: float = 1.0,
+        backoff_s: float = 0.1,
+    ):
         if timeout_s <= 0 or batch_size < 1 or max_in_flight < 1 or retries < 0:
-            raise ValueError(f"bad remote reward limits: timeout_s={timeout_s}, batch_size={batch_size}, "
-                             f"max_in_flight={max_in_flight}, retries={retries}")
+            raise ValueError(
+                f"bad remote reward limits: timeout_s={timeout_s}, batch_size={batch_size}, "
+                f"max_in_flight={max_in_flight}, retries={retries}"
+            )
         self.url, self.timeout_s, self.batch_size = url, timeout_s, batch_size
         self.max_in_flight, self.retries, self.group = max_in_flight, retries, group
         self.max_failure_share, self.backoff_s = max_failure_share, backoff_s
@@ -120,8 +131,9 @@ class RemoteRewardScorer:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                return [("timeout", f"reward server {self.url} gave no answer within reward.timeout_s="
-                                    f"{self.timeout_s:g}s")] * len(calls)
+                return [
+                    ("timeout", f"reward server {self.url} gave no answer within reward.timeout_s={self.timeout_s:g}s")
+                ] * len(calls)
             with self._lock:
                 self._in_flight += 1
                 self.max_seen_in_flight = max(self.max_seen_in_flight, self._in_flight)
@@ -129,8 +141,9 @@ class RemoteRewardScorer:
             try:
                 return parse_answer(_post(self.url, body, left), calls, self.group)
             except TimeoutError:
-                return [("timeout", f"reward server {self.url} gave no answer within reward.timeout_s="
-                                    f"{self.timeout_s:g}s")] * len(calls)
+                return [
+                    ("timeout", f"reward server {self.url} gave no answer within reward.timeout_s={self.timeout_s:g}s")
+                ] * len(calls)
             except ValueError as e:
                 return [("error", str(e))] * len(calls)
             except _Retryable as e:
@@ -144,12 +157,13 @@ class RemoteRewardScorer:
                 with self._lock:
                     self._in_flight -= 1
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any],
-              group_size: int = 1) -> tuple[list[float], dict[str, float]]:
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any], group_size: int = 1
+    ) -> tuple[list[float], dict[str, float]]:
         """One round: never longer than about ``timeout_s`` however the server behaves."""
         calls = make_calls(prompts, responses, labels, group_size, self.group)
         deadline = time.monotonic() + self.timeout_s
-        batches = [calls[i:i + self.batch_size] for i in range(0, len(calls), self.batch_size)]
+        batches = [calls[i : i + self.batch_size] for i in range(0, len(calls), self.batch_size)]
         counters = {"requests": 0, "retries": 0}
         pool = ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix="gspo-remote-reward")
         futures = [pool.submit(self._request, b, deadline, counters) for b in batches]
@@ -160,8 +174,15 @@ class RemoteRewardScorer:
             if f in done and not f.cancelled():
                 results.extend(f.result())
             else:
-                results.extend([("timeout", f"reward server {self.url} gave no answer within reward.timeout_s="
-                                            f"{self.timeout_s:g}s")] * len(b))
+                results.extend(
+                    [
+                        (
+                            "timeout",
+                            f"reward server {self.url} gave no answer within reward.timeout_s={self.timeout_s:g}s",
+                        )
+                    ]
+                    * len(b)
+                )
         per_sample = expand_results(results, group_size, self.group)
         rewards, stats, last_error = tally_results(per_sample, self.url)
         self.last_error = last_error or self.last_error
@@ -172,4 +193,3 @@ class RemoteRewardScorer:
 
     def close(self) -> None:
         pass
-

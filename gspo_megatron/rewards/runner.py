@@ -19,12 +19,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
 from gspo_megatron.rewards.grouping import call_reward, expand_results, make_calls
-from gspo_megatron.rewards.outcomes import (  # noqa: F401 - RewardFailure, as_reward: re-exported
-    RewardFailure,
-    as_reward,
-    check_failure_share,
-    tally_results,
-)
+from gspo_megatron.rewards.outcomes import check_failure_share, tally_results
 from gspo_megatron.runtime.children import run_dying_with_parent
 
 
@@ -35,7 +30,7 @@ def _worker_main(conn: Connection, spec: str, group: bool = False) -> None:
         from gspo_megatron.rewards.registry import get_reward_fn
 
         fn = get_reward_fn(spec)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the user's reward module may raise anything while importing
         conn.send(("load_error", traceback.format_exc()))
         return
     conn.send(("ready", None))
@@ -49,7 +44,7 @@ def _worker_main(conn: Connection, spec: str, group: bool = False) -> None:
         index, prompt, response, label = msg
         try:
             conn.send((index, "ok", call_reward(fn, (prompt, response, label), group)))
-        except BaseException as e:  # the user's code may raise anything, even SystemExit
+        except BaseException as e:  # noqa: BLE001 - the user's code may raise anything, even SystemExit
             conn.send((index, "error", f"{type(e).__name__}: {e}"))
 
 
@@ -61,11 +56,13 @@ class InlineRewardScorer:
     def __init__(self, spec: str, max_failure_share: float = 1.0, group: bool = False):
         from gspo_megatron.rewards.registry import get_reward_fn
 
-        self.spec, self.fn, self.last_error = spec, get_reward_fn(spec), None
+        self.spec, self.fn = spec, get_reward_fn(spec)
+        self.last_error: str | None = None
         self.max_failure_share, self.group = max_failure_share, group
 
-    def score(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any],
-              group_size: int = 1) -> tuple[list[float], dict[str, float]]:
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any], group_size: int = 1
+    ) -> tuple[list[float], dict[str, float]]:
         """Rewards of n group-contiguous samples (``group_size`` responses per prompt; used with
         ``group``) and the failure counts."""
         results: list[tuple[str, Any]] = []
@@ -111,8 +108,15 @@ class RewardRunner:
     with the worker's traceback). Use as a context manager or call ``close()``.
     """
 
-    def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 10.0, start_timeout_s: float = 120.0,
-                 max_failure_share: float = 1.0, group: bool = False):
+    def __init__(
+        self,
+        spec: str,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        start_timeout_s: float = 120.0,
+        max_failure_share: float = 1.0,
+        group: bool = False,
+    ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
@@ -189,7 +193,7 @@ class RewardRunner:
                         results[idx] = ("error", "reward worker died")
                         self._replace(i)
                         continue
-                    except Exception as e:  # e.g. an unpicklable label
+                    except Exception as e:  # noqa: BLE001 - e.g. an unpicklable label
                         results[idx] = ("error", f"cannot send item {idx} to the worker: {e}")
                         continue
                     w.task, w.deadline = idx, now + self.timeout_s
@@ -247,5 +251,5 @@ class RewardRunner:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to report to
             pass

@@ -47,8 +47,9 @@ class AsyncProducer:
     collect(step) -> RolloutBatch (draws from ``sampler``); history: rank 0's ``WeightHistory`` (the
     engine version names); last_step: the run's final step (nothing is generated past it)."""
 
-    def __init__(self, collect: Callable, sampler, max_staleness: int, start_step: int, last_step: int,
-                 history: WeightHistory):
+    def __init__(
+        self, collect: Callable, sampler, max_staleness: int, start_step: int, last_step: int, history: WeightHistory
+    ):
         self.collect, self.sampler, self.n = collect, sampler, int(max_staleness)
         self.last_step, self.history = last_step, history
         self.engine_version = start_step  # the policy version the engines hold (set by each sync)
@@ -116,7 +117,9 @@ class AsyncProducer:
             if step not in self.pending:
                 error = self.error
                 self.error = None
-                raise error  # type: ignore[misc]
+                if error is None:  # wait_for returned: the batch is pending or the producer failed
+                    raise RuntimeError(f"rollout producer: no batch for step {step} and no error")
+                raise error
             batch, state, version = self.pending.pop(step)
             engine_wait, self.engine_wait = self.engine_wait, 0.0
             pending = len(self.pending)
@@ -124,18 +127,27 @@ class AsyncProducer:
         ages = []
         for r in batch.records:
             if r.token_versions is None:
-                raise RuntimeError("rollout.max_staleness needs engines that report the weight version of each "
-                                   "sample (SGLang's meta_info.weight_version); this engine does not")
+                raise RuntimeError(
+                    "rollout.max_staleness needs engines that report the weight version of each "
+                    "sample (SGLang's meta_info.weight_version); this engine does not"
+                )
             r.behaviour_version = [self.history.policy_version(v) for v in r.token_versions]
             ages.append(trainer_version - min(r.behaviour_version, default=trainer_version))
         if ages and max(ages) > self.n:
-            raise RuntimeError(f"step {step}: a sample is {max(ages)} policy versions old, more than "
-                               f"rollout.max_staleness={self.n} (generated at version {version})")
-        batch.metrics.update({
-            "rollout/staleness_mean": sum(ages) / max(len(ages), 1), "rollout/staleness_max": float(max(ages, default=0)),
-            "rollout/engine_policy_version": float(version), "rollout/trainer_wait_s": waited,
-            "rollout/engine_wait_s": engine_wait,
-            "rollout/pending_batches": float(pending)})
+            raise RuntimeError(
+                f"step {step}: a sample is {max(ages)} policy versions old, more than "
+                f"rollout.max_staleness={self.n} (generated at version {version})"
+            )
+        batch.metrics.update(
+            {
+                "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
+                "rollout/staleness_max": float(max(ages, default=0)),
+                "rollout/engine_policy_version": float(version),
+                "rollout/trainer_wait_s": waited,
+                "rollout/engine_wait_s": engine_wait,
+                "rollout/pending_batches": float(pending),
+            }
+        )
         return batch
 
     def hold_for_sync(self, target: int) -> float:
@@ -145,8 +157,12 @@ class AsyncProducer:
         t0 = time.perf_counter()
         upto = min(target + self.n, self.last_step)
         with self.cond:
-            self.cond.wait_for(lambda: self.thread is None or not self.thread.is_alive()
-                               or self.produced_through >= upto or self.error is not None)
+            self.cond.wait_for(
+                lambda: self.thread is None
+                or not self.thread.is_alive()
+                or self.produced_through >= upto
+                or self.error is not None
+            )
         self.generating.acquire()
         return time.perf_counter() - t0
 
@@ -202,6 +218,8 @@ class Overlap:
         return metrics
 
     def collect(self, step: int):
+        if self.producer is None:  # the collector runs on rank 0, which holds the producer
+            raise RuntimeError("Overlap.collect: no producer on this rank (rank 0 collects)")
         return self.producer.take(step, self.history.current)
 
     def close(self) -> None:

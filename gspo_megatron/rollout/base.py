@@ -57,9 +57,7 @@ class RolloutEngine(abc.ABC):
     """A generator of G samples per prompt that receives new weights after every optimizer step."""
 
     @abc.abstractmethod
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
-    ) -> list[list[RolloutSample]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
         """Return, for each prompt (token ids), a list of n samples."""
 
     def generate_stream(

@@ -44,12 +44,19 @@ def sampling_params(cfg: Config, tokenizer, seed: int) -> SamplingParams:
     for s in cfg.rollout.stop:
         ids = tokenizer.encode(s, add_special_tokens=False)
         if len(ids) != 1:
-            raise ValueError(f"rollout.stop entry {s!r} is not a single token ({ids}); "
-                             "only single-token stop strings are supported")
+            raise ValueError(
+                f"rollout.stop entry {s!r} is not a single token ({ids}); only single-token stop strings are supported"
+            )
         stop_ids.append(ids[0])
     r = cfg.rollout
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids, seed=seed)
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=stop_ids,
+        seed=seed,
+    )
 
 
 def _records(samples, scores, k0) -> list[Sample]:
@@ -59,12 +66,18 @@ def _records(samples, scores, k0) -> list[Sample]:
     for j, s in enumerate(samples):
         if len(s.response_logprobs) != len(s.response_ids):
             raise RuntimeError("rollout engine returned log-probs that do not match its response ids")
-        recs.append(Sample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                           engine_logprobs=list(s.response_logprobs), reward=float(scores[k0 + j]),
-                           finish_reason=s.finish_reason,
-                           token_versions=list(s.token_versions) if s.token_versions is not None else None,
-                           routed_experts=getattr(s, "routed_experts", None),
-                           indexer_topk=getattr(s, "indexer_topk", None)))
+        recs.append(
+            Sample(
+                prompt_ids=list(s.prompt_ids),
+                response_ids=list(s.response_ids),
+                engine_logprobs=list(s.response_logprobs),
+                reward=float(scores[k0 + j]),
+                finish_reason=s.finish_reason,
+                token_versions=list(s.token_versions) if s.token_versions is not None else None,
+                routed_experts=getattr(s, "routed_experts", None),
+                indexer_topk=getattr(s, "indexer_topk", None),
+            )
+        )
     return recs
 
 
@@ -94,15 +107,26 @@ def _stream_groups(cfg, engine, rows, tokenizer, rewards, seed):
         stream.close()
 
 
-def _custom_groups(cfg, engine, rows, tokenizer, rewards, params):
+def _custom_groups(cfg, engine, rows, tokenizer, rewards, params) -> tuple[list[list[Sample]], dict]:
     """The rollout hook (rollout.custom_function) on every sample of ``rows``: (groups, stats)."""
     from gspo_megatron.rollout.custom import HookSample, check_result, load_hook, run_hooks
 
     spec, G = cfg.rollout.custom_function, cfg.rollout.group_size
     hook = load_hook(spec)
-    samples = [HookSample(prompt=r.prompt, prompt_ids=list(r.prompt_ids), label=r.label, index=j, tokenizer=tokenizer,
-                          params=params, max_response_tokens=cfg.model.max_seq_len - len(r.prompt_ids), source=r.source)
-               for r in rows for j in range(G)]
+    samples = [
+        HookSample(
+            prompt=r.prompt,
+            prompt_ids=list(r.prompt_ids),
+            label=r.label,
+            index=j,
+            tokenizer=tokenizer,
+            params=params,
+            max_response_tokens=cfg.model.max_seq_len - len(r.prompt_ids),
+            source=r.source,
+        )
+        for r in rows
+        for j in range(G)
+    ]
     results, calls = run_hooks(hook, spec, engine, samples, params)
     checked = [check_result(res, smp, c, spec) for res, smp, c in zip(results, samples, calls)]  # Samples
     unscored = [i for i, c in enumerate(checked) if c.reward is None]
@@ -115,13 +139,16 @@ def _custom_groups(cfg, engine, rows, tokenizer, rewards, params):
             ids = ids[:-1] if not checked[i].truncated and ids[-1] in stop else ids
             texts.append(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
         if cfg.reward.group and len(unscored) != len(checked):
-            raise UserInputError(f"rollout.custom_function {spec!r} returned a reward for some samples and None for "
-                                 "others: with reward.group every sample's reward must come from the group function")
-        scores, stats = rewards.score([samples[i].prompt for i in unscored], texts, [samples[i].label for i in unscored],
-                                      group_size=G)
+            raise UserInputError(
+                f"rollout.custom_function {spec!r} returned a reward for some samples and None for "
+                "others: with reward.group every sample's reward must come from the group function"
+            )
+        scores, stats = rewards.score(
+            [samples[i].prompt for i in unscored], texts, [samples[i].label for i in unscored], group_size=G
+        )
         for i, v in zip(unscored, scores):
             checked[i].reward = float(v)
-    return [checked[gi * G:(gi + 1) * G] for gi in range(len(rows))], stats
+    return [checked[gi * G : (gi + 1) * G] for gi in range(len(rows))], stats
 
 
 def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer, rewards) -> RolloutBatch:
@@ -130,7 +157,9 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
     t0 = time.perf_counter()
     r = cfg.rollout
     G, want = r.group_size, r.prompts_per_step
-    kept, spare, stats_sum = [], [], {}
+    kept: list[list[Sample]] = []
+    spare: list[list[Sample]] = []  # zero-variance groups (dynamic sampling), used to fill up
+    stats_sum: dict[str, float] = {}
     rounds, first_round, drawn, generated = 0, None, 0, 0
     while len(kept) < want:
         need = want - len(kept)
@@ -165,13 +194,18 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
             break
     kept = (kept + spare)[:want]
     records = [rec for g in kept for rec in g]
+    if first_round is None:  # the loop runs at least once (prompts_per_step >= 1)
+        raise ValueError(f"rollout.prompts_per_step must be >= 1, got {want}")
     all_rewards, first_zero_frac = first_round
+    batch_rewards = [rec.reward for rec in records if rec.reward is not None]
+    if len(batch_rewards) != len(records):  # every group was scored before its advantages
+        raise RuntimeError("collect_rollouts: an unscored sample reached the batch")
     lens = [rec.response_len for rec in records]
     metrics = {
         # reward statistics of the first round: what the current policy scores on fresh prompts
         "reward/mean": float(sum(all_rewards) / len(all_rewards)),
         "reward/std": float(torch.tensor(all_rewards).std(unbiased=False)),
-        "reward/batch_mean": sum(rec.reward for rec in records) / len(records),
+        "reward/batch_mean": sum(batch_rewards) / len(records),
         "rollout/zero_variance_frac": float(first_zero_frac),
         "rollout/rounds": float(rounds),
         "rollout/groups_generated": float(generated),
@@ -192,9 +226,12 @@ def _custom_metrics(records: list[Sample]) -> dict:
     cleared (they are not broadcast to the training ranks)."""
     if not records or records[0].generate_calls is None:
         return {}
-    out = {"rollout/trained_token_frac": sum(rec.trained_tokens for rec in records)
-           / max(sum(rec.response_len for rec in records), 1),
-           "rollout/generate_calls_mean": sum(rec.generate_calls for rec in records) / len(records)}
+    out = {
+        "rollout/trained_token_frac": sum(rec.trained_tokens for rec in records)
+        / max(sum(rec.response_len for rec in records), 1),
+        "rollout/generate_calls_mean": sum(rec.generate_calls for rec in records if rec.generate_calls is not None)
+        / len(records),
+    }  # (every custom-hook Sample counts its calls)
     sums: dict[str, list[float]] = {}
     for rec in records:
         for k, v in rec.metrics.items():

@@ -48,8 +48,11 @@ def quietly(fn, *args) -> bool:
         fn(*args)
         return True
     except Exception as e:  # noqa: BLE001 - a dead engine: the sync or rollout that follows restarts it
-        print(f"[gspo-train] engine memory call failed ({type(e).__name__}: {e}); the next engine call "
-              "decides whether to restart", flush=True)
+        print(
+            f"[gspo-train] engine memory call failed ({type(e).__name__}: {e}); the next engine call "
+            "decides whether to restart",
+            flush=True,
+        )
         return False
 
 

@@ -103,9 +103,14 @@ class Trajectory:
         return len(self.response_ids)
 
     def result(self, reward: float | None = None, metrics: dict | None = None) -> dict:
-        return dict(response_ids=list(self.response_ids), loss_mask=list(self.loss_mask),
-                    logprobs=list(self.logprobs), reward=reward, metrics=dict(metrics or {}),
-                    truncated=self.truncated)
+        return dict(
+            response_ids=list(self.response_ids),
+            loss_mask=list(self.loss_mask),
+            logprobs=list(self.logprobs),
+            reward=reward,
+            metrics=dict(metrics or {}),
+            truncated=self.truncated,
+        )
 
 
 # -- loading and checking the hook --------------------------------------------------------------
@@ -132,8 +137,9 @@ def load_hook(spec: str) -> Callable:
     try:
         sig.bind(None, None)
     except TypeError as e:
-        raise UserInputError(f"{FIELD} {spec!r}: {getattr(fn, '__name__', spec)}{sig} cannot be called as "
-                             f"fn(generate, sample): {e}") from None
+        raise UserInputError(
+            f"{FIELD} {spec!r}: {getattr(fn, '__name__', spec)}{sig} cannot be called as fn(generate, sample): {e}"
+        ) from None
     return fn
 
 
@@ -200,7 +206,10 @@ class _Dispatcher:
                     self.cv.wait()
             if call.error is not None:
                 raise EngineCallFailed(call.error)
+            if call.result is None:  # the dispatcher answers each call with a sample or an error
+                raise RuntimeError("generate: the engine call ended without a sample")
             return call.result
+
         return generate
 
     def calls_params(self, overrides: dict) -> SamplingParams:
@@ -247,8 +256,9 @@ class _Dispatcher:
                     self.cv.notify_all()
 
 
-def run_hooks(hook: Callable, spec: str, engine, samples: Sequence[HookSample], params: SamplingParams
-              ) -> tuple[list[dict], list[list[_Call]]]:
+def run_hooks(
+    hook: Callable, spec: str, engine, samples: Sequence[HookSample], params: SamplingParams
+) -> tuple[list[dict], list[list[_Call]]]:
     """Call ``hook(generate, sample)`` for every sample concurrently (one thread each), their
     generate calls batched (see :class:`_Dispatcher`). Returns (results, each sample's calls).
     A hook that raises: UserInputError naming the field, the row and file:line; an engine failure
@@ -265,8 +275,9 @@ def run_hooks(hook: Callable, spec: str, engine, samples: Sequence[HookSample], 
         finally:
             disp.finished()
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"rollout-hook-{i}")
-               for i in range(len(samples))]
+    threads = [
+        threading.Thread(target=run, args=(i,), daemon=True, name=f"rollout-hook-{i}") for i in range(len(samples))
+    ]
     for t in threads:
         t.start()
     disp.serve()
@@ -277,8 +288,10 @@ def run_hooks(hook: Callable, spec: str, engine, samples: Sequence[HookSample], 
             raise e.cause
     for i, e in enumerate(errors):
         if e is not None:
-            raise UserInputError(f"{FIELD} {spec!r} raised on {samples[i].source or f'sample {i}'}: "
-                                 f"{type(e).__name__}: {e}{_user_frame(e, spec)}") from None
+            raise UserInputError(
+                f"{FIELD} {spec!r} raised on {samples[i].source or f'sample {i}'}: "
+                f"{type(e).__name__}: {e}{_user_frame(e, spec)}"
+            ) from None
     return results, disp.calls
 
 
@@ -291,8 +304,10 @@ def check_result(result: Any, sample: HookSample, calls: Sequence[_Call], spec: 
     ``generate_calls``. Raises UserInputError naming the field and the offending key."""
     where = f"{FIELD} {spec!r} (on {sample.source or f'sample {sample.index}'})"
     if not isinstance(result, dict):
-        raise UserInputError(f"{where} returned {type(result).__name__}, expected a dict with response_ids, "
-                             "loss_mask, reward (see gspo_megatron/rollout/custom.py)")
+        raise UserInputError(
+            f"{where} returned {type(result).__name__}, expected a dict with response_ids, "
+            "loss_mask, reward (see gspo_megatron/rollout/custom.py)"
+        )
     missing = [k for k in ("response_ids", "loss_mask") if k not in result]
     if missing:
         raise UserInputError(f"{where} returned a dict without {missing}; it has {sorted(result)}")
@@ -307,8 +322,10 @@ def check_result(result: Any, sample: HookSample, calls: Sequence[_Call], spec: 
     if not ids:
         raise UserInputError(f"{where}: response_ids is empty")
     if len(ids) > sample.max_response_tokens:
-        raise UserInputError(f"{where}: {len(ids)} response tokens exceed the budget of {sample.max_response_tokens} "
-                             f"(model.max_seq_len - prompt length; sample.max_response_tokens)")
+        raise UserInputError(
+            f"{where}: {len(ids)} response tokens exceed the budget of {sample.max_response_tokens} "
+            f"(model.max_seq_len - prompt length; sample.max_response_tokens)"
+        )
     lps = result.get("logprobs")
     if lps is not None and (not isinstance(lps, (list, tuple)) or len(lps) != len(ids)):
         n = len(lps) if isinstance(lps, (list, tuple)) else type(lps).__name__
@@ -327,24 +344,38 @@ def check_result(result: Any, sample: HookSample, calls: Sequence[_Call], spec: 
         reward = float(reward)
     metrics = result.get("metrics") or {}
     if not isinstance(metrics, dict) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in metrics.items()):
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in metrics.items()
+    ):
         raise UserInputError(f"{where}: metrics must be a dict of str -> number")
     truncated = result.get("truncated")
     if truncated is None:
         truncated = bool(calls) and calls[-1].result is not None and calls[-1].result.finish_reason == "length"
     # routing replay r3: each position's route from the call that ran it (tool output: the next call's prefill)
-    routes = compose_routes(list(sample.prompt_ids) + [int(t) for t in ids],
-                            [(c.prompt_ids, c.result.response_ids, c.result.routed_experts)
-                             for c in calls if c.result is not None])
+    routes = compose_routes(
+        list(sample.prompt_ids) + [int(t) for t in ids],
+        [(c.prompt_ids, c.result.response_ids, c.result.routed_experts) for c in calls if c.result is not None],
+    )
     # DSA models: the indexer's selection composes the same way (query t's keys depend on tokens 0..t only)
-    indexer = compose_routes(list(sample.prompt_ids) + [int(t) for t in ids],
-                             [(c.prompt_ids, c.result.response_ids, getattr(c.result, "indexer_topk", None))
-                              for c in calls if c.result is not None])
-    return Sample(prompt_ids=list(sample.prompt_ids), response_ids=[int(t) for t in ids],
-                  loss_mask=[int(m) for m in mask], engine_logprobs=engine_lps, reward=reward,
-                  metrics={k: float(v) for k, v in metrics.items()},
-                  finish_reason="length" if truncated else "stop", generate_calls=len(calls),
-                  routed_experts=routes, indexer_topk=indexer)
+    indexer = compose_routes(
+        list(sample.prompt_ids) + [int(t) for t in ids],
+        [
+            (c.prompt_ids, c.result.response_ids, getattr(c.result, "indexer_topk", None))
+            for c in calls
+            if c.result is not None
+        ],
+    )
+    return Sample(
+        prompt_ids=list(sample.prompt_ids),
+        response_ids=[int(t) for t in ids],
+        loss_mask=[int(m) for m in mask],
+        engine_logprobs=engine_lps,
+        reward=reward,
+        metrics={k: float(v) for k, v in metrics.items()},
+        finish_reason="length" if truncated else "stop",
+        generate_calls=len(calls),
+        routed_experts=routes,
+        indexer_topk=indexer,
+    )
 
 
 def match_sampled(ids: list[int], mask: list[int], calls: Sequence[_Call]) -> list[float] | str:
@@ -381,16 +412,20 @@ def match_sampled(ids: list[int], mask: list[int], calls: Sequence[_Call]) -> li
                 if k == 0:
                     continue  # a call left out
                 if k < len(got) and pos + k < e:
-                    return (f"trained token {pos + k} (response_ids[{pos + k}] = {ids[pos + k]}) is not what the "
-                            f"engine sampled ({got[k]}): policy tokens must keep the engine's ids (never "
-                            "re-tokenize the policy's text)")
+                    return (
+                        f"trained token {pos + k} (response_ids[{pos + k}] = {ids[pos + k]}) is not what the "
+                        f"engine sampled ({got[k]}): policy tokens must keep the engine's ids (never "
+                        "re-tokenize the policy's text)"
+                    )
                 out[pos : pos + k] = [float(x) for x in sampled.response_logprobs[:k]]
                 pos += k
                 matched = True
                 break
             if not matched:
-                return (f"trained tokens from response_ids[{pos}] on were not sampled by this sample's generate "
-                        "calls (loss_mask=1 only on tokens generate() returned, in call order)")
+                return (
+                    f"trained tokens from response_ids[{pos}] on were not sampled by this sample's generate "
+                    "calls (loss_mask=1 only on tokens generate() returned, in call order)"
+                )
     return out
 
 
@@ -403,12 +438,21 @@ def dry_run(spec: str, row, tokenizer, max_seq_len: int, stop_id: int | None) ->
 
     class _StopEngine:
         def generate(self, prompts, n, params):
-            return [[RolloutSample(list(p), [tok], [0.0], "stop" if stop_id is not None else "length")
-                     for _ in range(n)] for p in prompts]
+            return [
+                [RolloutSample(list(p), [tok], [0.0], "stop" if stop_id is not None else "length") for _ in range(n)]
+                for p in prompts
+            ]
 
     params = SamplingParams(stop_token_ids=[] if stop_id is None else [stop_id])
-    sample = HookSample(prompt=row.prompt, prompt_ids=list(row.prompt_ids), label=row.label, index=0,
-                        tokenizer=tokenizer, params=params, max_response_tokens=max_seq_len - len(row.prompt_ids),
-                        source=row.source)
+    sample = HookSample(
+        prompt=row.prompt,
+        prompt_ids=list(row.prompt_ids),
+        label=row.label,
+        index=0,
+        tokenizer=tokenizer,
+        params=params,
+        max_response_tokens=max_seq_len - len(row.prompt_ids),
+        source=row.source,
+    )
     results, calls = run_hooks(hook, spec, _StopEngine(), [sample], params)
     check_result(results[0], sample, calls[0], spec)

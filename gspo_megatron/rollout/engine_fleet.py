@@ -54,8 +54,14 @@ class EngineFleet:
     (e.g. ``random_seed``, ``enable_deterministic_inference``, quantization). ``route_spec``: the policy's
     ``rollout.routing.RouteSpec`` with routing replay r3 (every request asks for its routed experts)."""
 
-    def __init__(self, cfg, model_path: str, server_args: dict[str, Any] | None = None,
-                 log_dir: str | None = None, route_spec: Any = None):
+    def __init__(
+        self,
+        cfg,
+        model_path: str,
+        server_args: dict[str, Any] | None = None,
+        log_dir: str | None = None,
+        route_spec: Any = None,
+    ):
         r = cfg.rollout
         self.rank, self.world = rdist.rank(), rdist.world_size()
         self.colocated = sync_mode(r.sync_mode).colocated  # engines share the training GPUs
@@ -66,10 +72,16 @@ class EngineFleet:
         self.cfg, self.model_path, self.output_dir = cfg, model_path, cfg.output_dir
         self.processes: dict[tuple[int, int], Any] = {}  # (engine, node_rank) -> Popen, on the launcher
         self.attached = bool(r.engine_urls)
-        self.base_args = dict(model_path=model_path, tp_size=r.engine_tp, skip_server_warmup=True,
-                              enable_memory_saver=self.colocated, mem_fraction_static=r.engine_mem_fraction,
-                              enable_deterministic_inference=r.engine_deterministic,
-                              custom_weight_loader=[DELTA_LOADER] if r.sync_delta else None, **(server_args or {}))
+        self.base_args = dict(
+            model_path=model_path,
+            tp_size=r.engine_tp,
+            skip_server_warmup=True,
+            enable_memory_saver=self.colocated,
+            mem_fraction_static=r.engine_mem_fraction,
+            enable_deterministic_inference=r.engine_deterministic,
+            custom_weight_loader=[DELTA_LOADER] if r.sync_delta else None,
+            **(server_args or {}),
+        )
         if self.attached:
             self.specs = [EngineSpec(e, r.engine_tp, (), ()) for e in range(len(r.engine_urls))]
             self.urls = list(r.engine_urls)
@@ -97,7 +109,9 @@ class EngineFleet:
             self.engine = SGLangRolloutEngine(
                 [SGLangHttpClient(u, timeout_s=self.request_timeout_s) for u in self.urls],
                 router=SGLangHttpClient(router, timeout_s=self.request_timeout_s) if router else None,
-                send_seeds=r.engine_deterministic, route_spec=route_spec)
+                send_seeds=r.engine_deterministic,
+                route_spec=route_spec,
+            )
 
     # -- launching -------------------------------------------------------------------------------------
     def _choose_ports(self) -> dict[int, tuple[int, int]]:
@@ -116,8 +130,7 @@ class EngineFleet:
         http_port, dist_port = self.ports[spec.index]
         args = dict(self.base_args, host=part.address, port=http_port, base_gpu_id=part.base_gpu_id)
         if part.nnodes > 1:
-            args.update(nnodes=part.nnodes, node_rank=part.node_rank,
-                        dist_init_addr=f"{spec.http_address}:{dist_port}")
+            args.update(nnodes=part.nnodes, node_rank=part.node_rank, dist_init_addr=f"{spec.http_address}:{dist_port}")
         return args
 
     def _launch(self, engines: list[int]) -> None:
@@ -137,12 +150,17 @@ class EngineFleet:
                     env.setdefault("SGLANG_DSA_FUSE_TOPK", "0")  # KV-pool slots (rollout/routing.py)
                 # the engine's own model dir (FP8-on-sync engines start quantized) and extra flags
                 model_path, extra_cli = prepare_engine_model_dir(
-                    self.cfg, self.model_path, os.path.join(self.output_dir, "engine_model", f"rank{self.rank}"))
+                    self.cfg, self.model_path, os.path.join(self.output_dir, "engine_model", f"rank{self.rank}")
+                )
                 args = dict(self._part_args(spec, part), model_path=model_path)
                 self.processes[(spec.index, part.node_rank)] = launch_server(
-                    args, module=self.module, log_path=log, python=sys.executable, env=env, extra_cli=extra_cli)
-                print(f"[gspo-train] rank {self.rank}: engine {spec.index} part {part.node_rank}/{part.nnodes} "
-                      f"({spec.tp} TP ranks, {self.module}) starting; log {log}", flush=True)
+                    args, module=self.module, log_path=log, python=sys.executable, env=env, extra_cli=extra_cli
+                )
+                print(
+                    f"[gspo-train] rank {self.rank}: engine {spec.index} part {part.node_rank}/{part.nnodes} "
+                    f"({spec.tp} TP ranks, {self.module}) starting; log {log}",
+                    flush=True,
+                )
         errors = []
         for spec in self.specs:
             part = spec.parts[0]
@@ -150,9 +168,12 @@ class EngineFleet:
                 proc = self.processes[(spec.index, 0)]
                 url = f"http://{part.address}:{self.ports[spec.index][0]}"
                 try:
-                    wait_until_healthy(SGLangHttpClient(url), proc, self.wait_s,
-                                       os.path.join(self.log_dir, f"engine{spec.index}_node0.log")
-                                       if self.log_dir else None)
+                    wait_until_healthy(
+                        SGLangHttpClient(url),
+                        proc,
+                        self.wait_s,
+                        os.path.join(self.log_dir, f"engine{spec.index}_node0.log") if self.log_dir else None,
+                    )
                 except SGLangError as e:
                     errors.append(str(e))
         errors = [e for part in _all_gather(errors) for e in part]
@@ -174,7 +195,7 @@ class EngineFleet:
     def restart(self, engines: list[int]) -> None:
         """Collective: bring ``engines`` (dead ones, as rank 0 found) back on the same URLs."""
         if self.attached:
-            if self.rank == 0:
+            if self.engine is not None:  # rank 0
                 for e in engines:
                     wait_until_healthy(SGLangHttpClient(self.urls[e]), None, self.wait_s)
                     self.engine.engine_restarted(e)
@@ -189,6 +210,8 @@ class EngineFleet:
 
     def dead_engines(self) -> list[int]:
         """Rank 0: the engines that do not answer (see :func:`dead_engines`)."""
+        if self.engine is None:  # built on rank 0 only
+            raise RuntimeError("EngineFleet.dead_engines: rank 0 only (it holds the engines' client)")
         return dead_engines(self.engine)
 
     def shutdown(self) -> None:
@@ -202,6 +225,8 @@ def dead_engines(engine: SGLangRolloutEngine) -> list[int]:
     the kv_cache resume) only ``/server_info``, a round trip to its scheduler that generates nothing:
     sglang runs the health request on the released KV pool, an illegal memory access on a GPU."""
     # a busy engine answers /health_generate only after its running request: give it time
-    return [e for e, c in enumerate(engine.clients)
-            if not (c.alive(timeout_s=HEALTH_TIMEOUT_S) if engine.released[e] else c.health(timeout_s=HEALTH_TIMEOUT_S))]
-
+    return [
+        e
+        for e, c in enumerate(engine.clients)
+        if not (c.alive(timeout_s=HEALTH_TIMEOUT_S) if engine.released[e] else c.health(timeout_s=HEALTH_TIMEOUT_S))
+    ]

@@ -63,8 +63,14 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 
 
 def _fp8_ep_choices(dims, tp: int) -> list[int]:
-    return [ep for ep in range(1, tp + 1) if tp % ep == 0 and dims.num_experts % ep == 0
-            and dims.moe_ffn_hidden % (tp // ep) == 0 and (dims.moe_ffn_hidden // (tp // ep)) % BLOCK == 0]
+    return [
+        ep
+        for ep in range(1, tp + 1)
+        if tp % ep == 0
+        and dims.num_experts % ep == 0
+        and dims.moe_ffn_hidden % (tp // ep) == 0
+        and (dims.moe_ffn_hidden // (tp // ep)) % BLOCK == 0
+    ]
 
 
 def _experts_fp8(dims) -> bool:
@@ -93,26 +99,37 @@ def engine_layout_errors(cfg, dims) -> list[str]:
         if dims.num_experts % ep:
             e.append(f"rollout.engine_ep={ep} must divide the number of experts {dims.num_experts}")
         if dims.moe_ffn_hidden % moe_tp:
-            e.append(f"rollout.engine_tp / rollout.engine_ep = {tp} / {ep} = {moe_tp} (SGLang's moe_tp_size) must "
-                     f"divide the expert intermediate size {dims.moe_ffn_hidden}")
+            e.append(
+                f"rollout.engine_tp / rollout.engine_ep = {tp} / {ep} = {moe_tp} (SGLang's moe_tp_size) must "
+                f"divide the expert intermediate size {dims.moe_ffn_hidden}"
+            )
         elif r.sync_fp8 and _experts_fp8(dims) and (dims.moe_ffn_hidden // moe_tp) % BLOCK:
             choices = _fp8_ep_choices(dims, tp)
-            hint = (f"; set rollout.engine_ep to one of {choices}" if choices
-                    else "; no engine_ep works at this engine_tp: change rollout.engine_tp or set rollout.sync_fp8=false")
-            e.append(f"rollout.sync_fp8: the expert intermediate size per engine rank, {dims.moe_ffn_hidden} / "
-                     f"(rollout.engine_tp / rollout.engine_ep) = {dims.moe_ffn_hidden} / ({tp} / {ep}) = "
-                     f"{dims.moe_ffn_hidden // moe_tp}, must be a multiple of {BLOCK} (SGLang's block-FP8 MoE){hint}")
+            hint = (
+                f"; set rollout.engine_ep to one of {choices}"
+                if choices
+                else "; no engine_ep works at this engine_tp: change rollout.engine_tp or set rollout.sync_fp8=false"
+            )
+            e.append(
+                f"rollout.sync_fp8: the expert intermediate size per engine rank, {dims.moe_ffn_hidden} / "
+                f"(rollout.engine_tp / rollout.engine_ep) = {dims.moe_ffn_hidden} / ({tp} / {ep}) = "
+                f"{dims.moe_ffn_hidden // moe_tp}, must be a multiple of {BLOCK} (SGLang's block-FP8 MoE){hint}"
+            )
     if r.sync_fp8 and dims.num_heads % tp == 0:  # (heads not dividing engine_tp is refused elsewhere)
         # merged q/k/v: every output partition (also the o_proj input, = q) per rank
         q, kv = dims.num_heads // tp * dims.head_dim, max(1, dims.num_kv_heads // tp) * dims.head_dim
         if q % BLOCK or kv % BLOCK:
-            e.append(f"rollout.sync_fp8: the attention q / k / v partitions per engine rank ({q} / {kv} / {kv} at "
-                     f"rollout.engine_tp={tp}, head_dim {dims.head_dim}) must be multiples of {BLOCK} "
-                     "(SGLang's block-FP8 linear layers)")
+            e.append(
+                f"rollout.sync_fp8: the attention q / k / v partitions per engine rank ({q} / {kv} / {kv} at "
+                f"rollout.engine_tp={tp}, head_dim {dims.head_dim}) must be multiples of {BLOCK} "
+                "(SGLang's block-FP8 linear layers)"
+            )
     if r.sync_fp8 and dims.num_dense_layers and (dims.ffn_hidden % tp or (dims.ffn_hidden // tp) % BLOCK):
-        e.append(f"rollout.sync_fp8: the dense MLP intermediate size per engine rank, intermediate_size / "
-                 f"rollout.engine_tp = {dims.ffn_hidden} / {tp}, must be a multiple of {BLOCK} "
-                 "(SGLang's block-FP8 linear layers)")
+        e.append(
+            f"rollout.sync_fp8: the dense MLP intermediate size per engine rank, intermediate_size / "
+            f"rollout.engine_tp = {dims.ffn_hidden} / {tp}, must be a multiple of {BLOCK} "
+            "(SGLang's block-FP8 linear layers)"
+        )
     return e
 
 
@@ -157,12 +174,12 @@ def _atomic_write_json(path: str, data: dict) -> None:
 def prepare_engine_model_dir(cfg, hf_dir: str, out_dir: str) -> tuple[str, list[str]]:
     """The model path and extra server arguments for one SGLang engine (see the module docstring).
 
-    Raises ``config.ConfigError`` (one line per problem) when the engine layout cannot load the model,
+    Raises ``errors.ConfigError`` (one line per problem) when the engine layout cannot load the model,
     ``FileNotFoundError`` when ``hf_dir`` has no config.json. Idempotent: several launchers (one per
     node of a multi-node engine) may write the same ``out_dir``; files are replaced atomically."""
     from gspo_megatron.errors import ConfigError
-    from gspo_megatron.models.build import load_hf_config
     from gspo_megatron.models.dims import ModelDims
+    from gspo_megatron.models.hf_config import load_hf_config
 
     hf = load_hf_config(hf_dir)
     errors = engine_layout_errors(cfg, ModelDims.from_hf_config(hf)) + engine_model_errors(cfg, hf)
@@ -172,18 +189,26 @@ def prepare_engine_model_dir(cfg, hf_dir: str, out_dir: str) -> tuple[str, list[
     if not cfg.rollout.sync_fp8:
         return hf_dir, args
     if hf.get("quantization_config"):
-        raise ConfigError(f"rollout.sync_fp8: {hf_dir}/config.json already has a quantization_config "
-                          f"({hf['quantization_config'].get('quant_method')!r}); train from a bf16 checkpoint")
+        raise ConfigError(
+            f"rollout.sync_fp8: {hf_dir}/config.json already has a quantization_config "
+            f"({hf['quantization_config'].get('quant_method')!r}); train from a bf16 checkpoint"
+        )
     os.makedirs(out_dir, exist_ok=True)
     for name in sorted(os.listdir(hf_dir)):
         src = os.path.join(hf_dir, name)
-        if (not os.path.isfile(src) or name == "config.json" or name in _WEIGHT_INDEXES
-                or name.endswith(_WEIGHT_SUFFIXES) or name.startswith(".")):
+        if (
+            not os.path.isfile(src)
+            or name == "config.json"
+            or name in _WEIGHT_INDEXES
+            or name.endswith(_WEIGHT_SUFFIXES)
+            or name.startswith(".")
+        ):
             continue
         shutil.copyfile(src, os.path.join(out_dir, name + ".tmp"))
         os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
     from gspo_megatron.models.hf_config import file_config  # (a vision-language config: as its file holds it)
 
-    _atomic_write_json(os.path.join(out_dir, "config.json"),
-                       {**file_config(hf), "quantization_config": fp8_quantization_config(hf)})
+    _atomic_write_json(
+        os.path.join(out_dir, "config.json"), {**file_config(hf), "quantization_config": fp8_quantization_config(hf)}
+    )
     return out_dir, args

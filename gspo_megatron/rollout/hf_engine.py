@@ -14,7 +14,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -23,13 +23,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Pretrai
 from gspo_megatron.models.registry import expert_naming, experts_stacked, supported_model_types
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 _FUSED_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 class HFCheckpointLayout:
     """Maps HF checkpoint-layout names to (views of) a transformers model's in-memory parameters."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: PreTrainedModel):
         self.model_type: str = model.config.model_type
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         # persistent buffers are checkpoint tensors too (DeepSeek's router e_score_correction_bias)
@@ -145,7 +148,8 @@ class HFRolloutEngine(RolloutEngine):
     ):
         self.config = _as_config(config)
         model_cls = AutoModelForCausalLM._model_mapping.get(type(self.config), None)
-        if attn_implementation == "sdpa" and model_cls is not None and not model_cls._supports_sdpa:
+        # transformers 5 annotates the mapping's values as (class, class) pairs; this one holds a class
+        if attn_implementation == "sdpa" and model_cls is not None and not model_cls._supports_sdpa:  # type: ignore[attr-defined]
             attn_implementation = "eager"  # e.g. gpt-oss (attention sinks): transformers has no SDPA path
         with torch.random.fork_rng(devices=[]):  # random init must not move the caller's RNG
             torch.manual_seed(seed)
@@ -189,9 +193,7 @@ class HFRolloutEngine(RolloutEngine):
 
     # -------------------------------------------------------------------------------- generation
     @torch.no_grad()
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
-    ) -> list[list[RolloutSample]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
         _check_params(params, n)
         generator = self._generator
         if params.seed is not None:
@@ -206,8 +208,12 @@ class HFRolloutEngine(RolloutEngine):
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
-        recorder: Any = None, indexer_recorder: Any = None,
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator,
+        recorder: Any = None,
+        indexer_recorder: Any = None,
     ) -> list[RolloutSample]:
         """recorder: a ``cpu_server.routes.RouteRecorder`` on this model, or None; with one, each
         sample's ``routed_experts`` is int32 [P + R - 1, num_hidden_layers, topk]: the prompt's
@@ -266,10 +272,10 @@ class HFRolloutEngine(RolloutEngine):
             routes = selection = None
             n_out = int(keep.sum())
             if recorder is not None:
-                parts = [step_routes[0][i, width - len(prompts[i]):]] + [r[i] for r in step_routes[1:n_out]]
+                parts = [step_routes[0][i, width - len(prompts[i]) :]] + [r[i] for r in step_routes[1:n_out]]
                 routes = torch.cat(parts).to(torch.int32).numpy()
             if indexer_recorder is not None:
-                parts = [step_index[0][i, width - len(prompts[i]):]] + [r[i] for r in step_index[1:n_out]]
+                parts = [step_index[0][i, width - len(prompts[i]) :]] + [r[i] for r in step_index[1:n_out]]
                 selection = torch.cat(parts).to(torch.int32).numpy()
             result.append(
                 RolloutSample(

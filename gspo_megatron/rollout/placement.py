@@ -55,9 +55,12 @@ class RankInfo:
 
 def gather_rank_infos() -> list[RankInfo]:
     """Every rank's RankInfo, indexed by global rank (collective: one all_gather_object)."""
-    me = RankInfo(rank=rdist.rank(),
-                  node=int(os.environ.get("GROUP_RANK", "0")),
-                  local_rank=int(os.environ.get("LOCAL_RANK", "0")), address=node_address())
+    me = RankInfo(
+        rank=rdist.rank(),
+        node=int(os.environ.get("GROUP_RANK", "0")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        address=node_address(),
+    )
     if rdist.world_size() == 1:
         return [me]
     out: list = [None] * dist.get_world_size()
@@ -107,8 +110,10 @@ def plan_engines(infos: list[RankInfo], num_engines: int, tp: int, colocated: bo
     specs = []
     if colocated:
         if num_engines * tp != world:
-            raise ValueError(f"colocated engines: rollout.num_engines * rollout.engine_tp = {num_engines} * {tp} "
-                             f"must equal the {world} training ranks")
+            raise ValueError(
+                f"colocated engines: rollout.num_engines * rollout.engine_tp = {num_engines} * {tp} "
+                f"must equal the {world} training ranks"
+            )
         for e in range(num_engines):
             ranks = list(range(e * tp, (e + 1) * tp))
             nodes: list[int] = []
@@ -121,9 +126,11 @@ def plan_engines(infos: list[RankInfo], num_engines: int, tp: int, colocated: bo
                 parts.append(EnginePart(e, first, k, len(nodes), infos[first].local_rank, infos[first].address))
             sizes = {sum(1 for r in ranks if infos[r].node == n) for n in nodes}
             if len(sizes) != 1:
-                raise ValueError(f"engine {e} spans nodes unevenly ({sorted(sizes)} GPUs per node): SGLang splits "
-                                 "an engine's TP ranks evenly over its nodes; choose rollout.engine_tp as a multiple "
-                                 "or a divisor of the GPUs per node")
+                raise ValueError(
+                    f"engine {e} spans nodes unevenly ({sorted(sizes)} GPUs per node): SGLang splits "
+                    "an engine's TP ranks evenly over its nodes; choose rollout.engine_tp as a multiple "
+                    "or a divisor of the GPUs per node"
+                )
             specs.append(EngineSpec(e, tp, tuple(ranks), tuple(parts)))
         return specs
     local_world = sum(1 for i in infos if i.node == infos[0].node)

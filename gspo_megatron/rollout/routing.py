@@ -102,8 +102,9 @@ def route_spec_of(hf_config: dict) -> RouteSpec:
     from gspo_megatron.models.dims import ModelDims
 
     d = ModelDims.from_hf_config(hf_config)
-    return RouteSpec(d.num_layers, d.topk, d.num_experts, int(getattr(d, "index_topk", 0) or 0),
-                     tuple(int(i) for i in d.moe_layers))
+    return RouteSpec(
+        d.num_layers, d.topk, d.num_experts, int(getattr(d, "index_topk", 0) or 0), tuple(int(i) for i in d.moe_layers)
+    )
 
 
 class RoutedExpertsError(ValueError):
@@ -126,8 +127,10 @@ def _payload_bytes(payload: Any, where: str, server_flag: str, request_flag: str
     """The bytes of a base64 ``meta_info`` payload; RoutedExpertsError naming ``where`` when it is
     missing (and which server flag / request field asks for it), not a string, or not base64."""
     if payload is None:
-        raise RoutedExpertsError(f"{where} is missing (was the server started with {server_flag} and "
-                                 f"the request sent with {request_flag}=true?)")
+        raise RoutedExpertsError(
+            f"{where} is missing (was the server started with {server_flag} and "
+            f"the request sent with {request_flag}=true?)"
+        )
     if not isinstance(payload, str):
         raise RoutedExpertsError(f"{where} must be a base64 string, got {type(payload).__name__}")
     try:
@@ -169,7 +172,8 @@ def decode_routed_experts(
         raise RoutedExpertsError(
             f"{where} holds {flat.size} int32 values ({got}); expected {num_tokens} tokens x "
             f"{num_layers} layers x top-{topk} = {num_tokens * per_token} (routes cover "
-            f"[{REQUEST_START}, seqlen - 1) of prompt + output)")
+            f"[{REQUEST_START}, seqlen - 1) of prompt + output)"
+        )
     routes = flat.reshape(num_tokens, num_layers, topk).copy()
     layers = np.arange(num_layers) if moe_layers is None else np.asarray(sorted(moe_layers), dtype=np.int64)
     moe = routes[:, layers]
@@ -179,19 +183,22 @@ def decode_routed_experts(
             bad = np.argwhere((moe < 0) | (moe >= num_experts))[0]
             raise RoutedExpertsError(
                 f"{where}: expert id {int(moe[tuple(bad)])} at token {bad[0]}, layer {layers[bad[1]]} is outside "
-                f"[0, {num_experts}) (ids seen: {lo}..{hi})")
+                f"[0, {num_experts}) (ids seen: {lo}..{hi})"
+            )
         if topk > 1:
             srt = np.sort(moe, axis=-1)
             dup = np.argwhere((srt[..., 1:] == srt[..., :-1]).any(-1))
             if dup.size:
                 t, layer = dup[0][0], layers[dup[0][1]]
-                raise RoutedExpertsError(f"{where}: token {t}, layer {layer} repeats an expert in its top-{topk} "
-                                         f"{routes[t, layer].tolist()}")
+                raise RoutedExpertsError(
+                    f"{where}: token {t}, layer {layer} repeats an expert in its top-{topk} {routes[t, layer].tolist()}"
+                )
     return routes
 
 
-def decode_indexer_topk(payload: Any, *, num_tokens: int, num_layers: int, index_topk: int,
-                        engine: str = "?", request: str = "?") -> np.ndarray:
+def decode_indexer_topk(
+    payload: Any, *, num_tokens: int, num_layers: int, index_topk: int, engine: str = "?", request: str = "?"
+) -> np.ndarray:
     """Decode and validate ``meta_info["indexer_topk"]`` -> int32 [num_tokens, num_layers, index_topk].
 
     num_tokens: ``seqlen - 1`` (row ``t`` is query position ``t``). Raises :class:`RoutedExpertsError`
@@ -205,17 +212,21 @@ def decode_indexer_topk(payload: Any, *, num_tokens: int, num_layers: int, index
     flat = np.frombuffer(raw[: len(raw) - len(raw) % 4], dtype=np.int32)
     want = num_tokens * num_layers * index_topk
     if len(raw) % 4 or flat.size != want:
-        raise RoutedExpertsError(f"{where} holds {len(raw)} bytes; expected {num_tokens} tokens x {num_layers} "
-                                 f"layers x index_topk {index_topk} int32 = {want * 4} bytes (rows [0, seqlen - 1))")
+        raise RoutedExpertsError(
+            f"{where} holds {len(raw)} bytes; expected {num_tokens} tokens x {num_layers} "
+            f"layers x index_topk {index_topk} int32 = {want * 4} bytes (rows [0, seqlen - 1))"
+        )
     sel = flat.reshape(num_tokens, num_layers, index_topk).copy()
     if sel.size:
         pos = np.arange(num_tokens, dtype=np.int64)[:, None, None]
         bad = np.argwhere((sel < NO_ROUTE) | (sel > pos))
         if bad.size:
             t, layer, _ = bad[0]
-            raise RoutedExpertsError(f"{where}: token {t}, layer {layer} selects keys {sel[t, layer].tolist()} outside "
-                                     f"[-1, {t}] (sequence positions; sglang needs SGLANG_DSA_FUSE_TOPK=0, "
-                                     "whose ids are positions, not KV-pool slots)")
+            raise RoutedExpertsError(
+                f"{where}: token {t}, layer {layer} selects keys {sel[t, layer].tolist()} outside "
+                f"[-1, {t}] (sequence positions; sglang needs SGLANG_DSA_FUSE_TOPK=0, "
+                "whose ids are positions, not KV-pool slots)"
+            )
         count = (sel >= 0).sum(-1)
         need = np.minimum(np.arange(num_tokens) + 1, index_topk)[:, None]
         srt = np.sort(sel, axis=-1)
@@ -223,13 +234,14 @@ def decode_indexer_topk(payload: Any, *, num_tokens: int, num_layers: int, index
         wrong = np.argwhere((count != need) | dup)
         if wrong.size:
             t, layer = wrong[0]
-            raise RoutedExpertsError(f"{where}: token {t}, layer {layer} selects {sel[t, layer].tolist()}; expected "
-                                     f"{int(need[t, 0])} distinct keys of [0, {t}] and -1 for the rest")
+            raise RoutedExpertsError(
+                f"{where}: token {t}, layer {layer} selects {sel[t, layer].tolist()}; expected "
+                f"{int(need[t, 0])} distinct keys of [0, {t}] and -1 for the rest"
+            )
     return sel
 
 
-def routes_on_row(routes: np.ndarray | None, length: int, num_layers: int, topk: int,
-                  start_len: int = 0) -> np.ndarray:
+def routes_on_row(routes: np.ndarray | None, length: int, num_layers: int, topk: int, start_len: int = 0) -> np.ndarray:
     """One sequence's routes laid on its token positions: int32 [length, num_layers, topk].
 
     routes: [length - 1 - start_len, L, K] from :func:`decode_routed_experts` (None: no routes);
@@ -242,9 +254,11 @@ def routes_on_row(routes: np.ndarray | None, length: int, num_layers: int, topk:
     routes = np.asarray(routes, dtype=np.int32)
     n = route_tokens(length, 0, start_len)
     if routes.shape != (n, num_layers, topk):
-        raise RoutedExpertsError(f"routed_experts: shape {tuple(routes.shape)} does not fit a sequence of "
-                                 f"{length} tokens from position {start_len} ({n}, {num_layers}, {topk})")
-    out[start_len:start_len + n] = routes
+        raise RoutedExpertsError(
+            f"routed_experts: shape {tuple(routes.shape)} does not fit a sequence of "
+            f"{length} tokens from position {start_len} ({n}, {num_layers}, {topk})"
+        )
+    out[start_len : start_len + n] = routes
     return out
 
 
@@ -279,8 +293,10 @@ def compose_routes(tokens: list[int], calls: list[tuple[list[int], list[int], An
         seq = list(prompt) + list(output)
         routes = np.asarray(routes, dtype=np.int32)
         if routes.shape != (len(seq) - 1, L, K):
-            raise RoutedExpertsError(f"routed_experts of a generate call: shape {routes.shape} for {len(seq)} tokens; "
-                                     f"expected {(len(seq) - 1, L, K)}")
+            raise RoutedExpertsError(
+                f"routed_experts of a generate call: shape {routes.shape} for {len(seq)} tokens; "
+                f"expected {(len(seq) - 1, L, K)}"
+            )
         same = 0
         while same < min(len(seq), len(tokens)) and seq[same] == tokens[same]:
             same += 1

@@ -46,7 +46,9 @@ SyncHook = Callable[[Callable[[], dict]], dict]  # hook(sync) -> the sync's metr
 class Collector(Protocol):
     """What generates the batch of a step (rank 0; ``sampler`` None elsewhere)."""
 
-    sampler: Any  # state_dict() / load_state_dict(): the prompt position, restored after a failure
+    @property
+    def sampler(self) -> Any:  # state_dict() / load_state_dict(): the prompt position, restored after a failure
+        ...
 
     def collect(self, step: int) -> RolloutBatch: ...
 
@@ -66,10 +68,20 @@ class RolloutSession:
     that only syncs). dead_engines() -> the indices of engines that do not answer (rank 0).
     restart(dead): collective, brings them back. colocation: default not colocated, no offload."""
 
-    def __init__(self, syncer, engine, collector: Collector | None, max_restarts: int,
-                 dead_engines: Callable[[], list[int]], restart: Callable[[list[int]], None], *,
-                 colocation: Colocation | None = None, verifier: SyncVerifier | None = None,
-                 sync_hooks: Sequence[SyncHook] = (), after_sync: Callable[[Any], None] | None = None):
+    def __init__(
+        self,
+        syncer,
+        engine,
+        collector: Collector | None,
+        max_restarts: int,
+        dead_engines: Callable[[], list[int]],
+        restart: Callable[[list[int]], None],
+        *,
+        colocation: Colocation | None = None,
+        verifier: SyncVerifier | None = None,
+        sync_hooks: Sequence[SyncHook] = (),
+        after_sync: Callable[[Any], None] | None = None,
+    ):
         self.syncer, self.engine, self.collector = syncer, engine, collector
         self.max_restarts, self.dead_engines, self.restart = max_restarts, dead_engines, restart
         self.colocation = colocation if colocation is not None else Colocation(engine)
@@ -94,8 +106,11 @@ class RolloutSession:
             return ("fatal", f"rollout failed with a healthy engine: {why}")
         self.restarts += 1
         if self.restarts > self.max_restarts:
-            return ("fatal", f"rollout engine failed {self.restarts} times (rollout.max_engine_restarts="
-                             f"{self.max_restarts}); last error: {why}")
+            return (
+                "fatal",
+                f"rollout engine failed {self.restarts} times (rollout.max_engine_restarts="
+                f"{self.max_restarts}); last error: {why}",
+            )
         print(f"[gspo-train] rollout engine died (engines {dead}: {why.splitlines()[0]}); restarting", flush=True)
         return ("restart", dead)
 
@@ -109,7 +124,7 @@ class RolloutSession:
             raise UserInputError(status[1])
         try:
             self.restart(status[1])
-        except Exception as e:  # noqa: BLE001 - the same message on every rank
+        except Exception as e:  # the same message on every rank
             raise RuntimeError(f"rollout engine(s) {status[1]} died and could not be restarted: {e}") from e
         if self.verifier is not None:
             self.verifier.engine_restarted()
@@ -117,8 +132,11 @@ class RolloutSession:
         if restarted is not None:  # delta sync: a restarted engine holds no copy, the next push is full
             restarted()
         if self.rank == 0:
-            print(f"[gspo-train] rollout engine(s) {status[1]} restarted ({self.restarts}/{self.max_restarts}), "
-                  "re-syncing weights and retrying", flush=True)
+            print(
+                f"[gspo-train] rollout engine(s) {status[1]} restarted ({self.restarts}/{self.max_restarts}), "
+                "re-syncing weights and retrying",
+                flush=True,
+            )
         return False
 
     def sync(self) -> dict:
@@ -131,7 +149,7 @@ class RolloutSession:
         self.colocation.before_push()
         while True:
             metrics = self.syncer.sync()
-            status = ("ok",)
+            status: tuple | None = ("ok",)
             if self.rank == 0 and self.syncer.errors:
                 status = self._failed("; ".join(self.syncer.errors))
             if not self._act(broadcast(status)):
@@ -145,16 +163,18 @@ class RolloutSession:
                 return metrics
             status = None
             if self.rank == 0:
-                status = self._failed(problem) if self.dead_engines() else (
-                    "fatal", f"weight sync check failed: {problem}")
+                status = (
+                    self._failed(problem) if self.dead_engines() else ("fatal", f"weight sync check failed: {problem}")
+                )
             self._act(broadcast(status))
 
     def _check(self, metrics: dict) -> str | None:
         """Every rank, after a sync: None when the engines pass the verifier, else the problem."""
         if self.verifier is None:
             return None
-        return self.verifier.check(self.engine, str(self.syncer.version), self.syncs, metrics,
-                                   generation=self.colocation.for_probe)
+        return self.verifier.check(
+            self.engine, str(self.syncer.version), self.syncs, metrics, generation=self.colocation.for_probe
+        )
 
     def rollout(self, step: int) -> tuple[list, dict | None]:
         """The batch of a training step: (records on every rank, rank 0's rollout metrics or None).
@@ -177,6 +197,8 @@ class RolloutSession:
         while True:
             msg, batch = None, None
             if self.rank == 0:
+                if collect is None:  # rank 0 holds the collector (and evaluation passes its own)
+                    raise RuntimeError("RolloutSession: rank 0 has nothing to collect a batch with")
                 position = self.sampler.state_dict()
                 try:
                     batch = collect(step)

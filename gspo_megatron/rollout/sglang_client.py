@@ -132,8 +132,14 @@ class SGLangHttpClient:
         return info.get("weight_version") if isinstance(info, dict) else None
 
     def generate(
-        self, input_ids: Sequence[Sequence[int]], sampling_params: Sequence[dict], return_logprob: bool = True,
-        batch: bool = True, return_routed_experts: bool = False, return_indexer_topk: bool = False,
+        self,
+        input_ids: Sequence[Sequence[int]],
+        sampling_params: Sequence[dict],
+        return_logprob: bool = True,
+        batch: bool = True,
+        return_routed_experts: bool = False,
+        return_indexer_topk: bool = False,
+        lora_path: str | None = None,
     ) -> list[dict]:
         """``/generate`` from token ids; one output dict per input, in order. ``batch``: one request
         with lists of ``input_ids`` and ``sampling_params`` (the SGLang server's batch form);
@@ -141,19 +147,37 @@ class SGLangHttpClient:
         object (the form the SGLang router's ``/generate`` accepts: its request type takes one
         sampling-params object). ``return_routed_experts``: ask for ``meta_info["routed_experts"]``
         over the whole sequence (``routed_experts_start_len`` 0; ``rollout/routing.py``);
-        ``return_indexer_topk`` (DSA models): ``meta_info["indexer_topk"]``, always ``[0, seqlen - 1)``."""
-        extra = {"return_routed_experts": True, "routed_experts_start_len": 0} if return_routed_experts else {}
+        ``return_indexer_topk`` (DSA models): ``meta_info["indexer_topk"]``, always ``[0, seqlen - 1)``;
+        ``lora_path``: the loaded LoRA adapter to serve with (None: the base)."""
+        extra: dict[str, Any] = (
+            {"return_routed_experts": True, "routed_experts_start_len": 0} if return_routed_experts else {}
+        )
         if return_indexer_topk:
             extra["return_indexer_topk"] = True
+        if lora_path is not None:  # sglang's GenerateReqInput.lora_path: the adapter name (one for the batch)
+            extra["lora_path"] = lora_path
         if batch:
-            out = self.post("generate", {"input_ids": [list(map(int, ids)) for ids in input_ids],
-                                         "sampling_params": list(sampling_params), "return_logprob": return_logprob,
-                                         **extra})
+            out = self.post(
+                "generate",
+                {
+                    "input_ids": [list(map(int, ids)) for ids in input_ids],
+                    "sampling_params": list(sampling_params),
+                    "return_logprob": return_logprob,
+                    **extra,
+                },
+            )
             return out if isinstance(out, list) else [out]
         outs = []
         for ids, sp in zip(input_ids, sampling_params):
-            out = self.post("generate", {"input_ids": list(map(int, ids)), "sampling_params": dict(sp),
-                                         "return_logprob": return_logprob, **extra})
+            out = self.post(
+                "generate",
+                {
+                    "input_ids": list(map(int, ids)),
+                    "sampling_params": dict(sp),
+                    "return_logprob": return_logprob,
+                    **extra,
+                },
+            )
             outs.append(out[0] if isinstance(out, list) else out)
         return outs
 
@@ -204,24 +228,47 @@ class SGLangHttpClient:
         _check(self.post("update_weights_from_tensor", payload), f"{self}.update_weights_from_tensor")
 
     def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
         backend: str = "nccl",
     ) -> None:
-        payload = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-                       world_size=world_size, group_name=group_name, backend=backend)
+        payload = dict(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
         _check(self.post("init_weights_update_group", payload), f"{self}.init_weights_update_group")
 
     def destroy_weights_update_group(self, group_name: str) -> None:
-        _check(self.post("destroy_weights_update_group", {"group_name": group_name}),
-               f"{self}.destroy_weights_update_group")
+        _check(
+            self.post("destroy_weights_update_group", {"group_name": group_name}),
+            f"{self}.destroy_weights_update_group",
+        )
 
     def update_weights_from_distributed(
-        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group_name: str,
-        flush_cache: bool = False, weight_version: str | None = None, load_format: str | None = None,
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+        load_format: str | None = None,
     ) -> None:
-        payload: dict[str, Any] = dict(names=list(names), dtypes=list(dtypes),
-                                       shapes=[list(s) for s in shapes], group_name=group_name,
-                                       flush_cache=flush_cache)
+        payload: dict[str, Any] = dict(
+            names=list(names),
+            dtypes=list(dtypes),
+            shapes=[list(s) for s in shapes],
+            group_name=group_name,
+            flush_cache=flush_cache,
+        )
         if weight_version is not None:
             payload["weight_version"] = weight_version
         if load_format is not None:

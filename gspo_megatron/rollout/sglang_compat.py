@@ -33,14 +33,37 @@ def flattened_bucket_class() -> Any | None:
     return FlattenedTensorBucket
 
 
+def flattened_metadata_class() -> Any | None:
+    """sglang's FlattenedTensorMetadata (next to FlattenedTensorBucket), or None."""
+    cls = flattened_bucket_class()
+    if cls is None:
+        return None
+    import sys
+
+    return getattr(sys.modules.get(cls.__module__), "FlattenedTensorMetadata", None)
+
+
+def require_flattened_bucket_class() -> Any:
+    """``flattened_bucket_class()`` where a payload says ``load_format="flattened_bucket"`` (its
+    sender had the class); ImportError when this sglang lacks it."""
+    cls = flattened_bucket_class()
+    if cls is None:
+        raise ImportError(
+            "load_format flattened_bucket needs sglang's FlattenedTensorBucket, which does not import here"
+        )
+    return cls
+
+
 def multiprocessing_serializer() -> Any:
     """sglang's MultiprocessingSerializer (ForkingPickler + base64); ImportError names the fix."""
     try:
         from sglang.srt.utils import MultiprocessingSerializer
     except ImportError as e:
-        raise ImportError("weight sync by update_weights_from_tensor needs sglang's serializer "
-                          f"(pip install --no-deps sglang=={SGLANG_VERSION_TESTED}; see the Makefile for "
-                          "the few packages it imports)") from e
+        raise ImportError(
+            "weight sync by update_weights_from_tensor needs sglang's serializer "
+            f"(pip install --no-deps sglang=={SGLANG_VERSION_TESTED}; see the Makefile for "
+            "the few packages it imports)"
+        ) from e
     return MultiprocessingSerializer
 
 

@@ -65,24 +65,37 @@ def server_args_to_cli(server_args: dict[str, Any]) -> list[str]:
     return cli
 
 
-def wait_until_healthy(client: SGLangHttpClient, proc: subprocess.Popen | None, timeout_s: float,
-                       log_path: str | None = None) -> None:
+def wait_until_healthy(
+    client: SGLangHttpClient, proc: subprocess.Popen | None, timeout_s: float, log_path: str | None = None
+) -> None:
     """Poll ``/health_generate`` until it answers; raise naming the URL (and log) on death/timeout."""
     deadline = time.monotonic() + timeout_s
+    pause = 0.25  # a CPU stand-in is up in seconds, a GPU server in minutes: poll often first, then every 2 s
     while time.monotonic() < deadline:
         if client.health(timeout_s=5.0):
             return
         if proc is not None and proc.poll() is not None:
-            raise SGLangError(f"SGLang server for {client.base_url} exited with code {proc.returncode}"
-                              + (f"; see {log_path}" if log_path else ""))
-        time.sleep(2.0)
-    raise SGLangError(f"SGLang server {client.base_url} not healthy after {timeout_s:.0f}s"
-                      + (f"; see {log_path}" if log_path else ""))
+            raise SGLangError(
+                f"SGLang server for {client.base_url} exited with code {proc.returncode}"
+                + (f"; see {log_path}" if log_path else "")
+            )
+        time.sleep(pause)
+        pause = min(2.0, 2 * pause)
+    raise SGLangError(
+        f"SGLang server {client.base_url} not healthy after {timeout_s:.0f}s"
+        + (f"; see {log_path}" if log_path else "")
+    )
 
 
-def launch_server(server_args: dict[str, Any], *, module: str = "sglang.launch_server", log_path: str | None = None,
-                  python: str = sys.executable, env: dict[str, str] | None = None,
-                  extra_cli: Sequence[str] = ()) -> subprocess.Popen:
+def launch_server(
+    server_args: dict[str, Any],
+    *,
+    module: str = "sglang.launch_server",
+    log_path: str | None = None,
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+    extra_cli: Sequence[str] = (),
+) -> subprocess.Popen:
     """Start ``python -m <module>`` (``sglang.launch_server``, or the CPU stand-in
     ``gspo_megatron.rollout.cpu_server`` that takes the same flags); returns at once (see
     :func:`wait_until_healthy`). The server runs in its own process group (so that
@@ -98,16 +111,32 @@ def launch_server(server_args: dict[str, Any], *, module: str = "sglang.launch_s
     child_env = without_torchrun_env(dict(os.environ if env is None else env))
     child_env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     child_env.pop("PYTORCH_ALLOC_CONF", None)
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # owned by the child
     from gspo_megatron.runtime import children
 
     argv = [python, "-m", module, *server_args_to_cli(server_args), *extra_cli]
-    return subprocess.Popen(children.dying_with_this_process(argv), stdout=out, stderr=subprocess.STDOUT,
-                            env=child_env, start_new_session=True)
+    return subprocess.Popen(
+        children.dying_with_this_process(argv),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=child_env,
+        start_new_session=True,
+    )
 
 
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def without_torchrun_env(env: dict[str, str]) -> dict[str, str]:
@@ -159,9 +188,15 @@ def parse_output(prompt_ids: Sequence[int], out: dict) -> RolloutSample:
     logps = [float(e[0]) for e in entries]
     if "output_ids" in out and list(out["output_ids"]) != ids:
         raise SGLangError(f"output_ids {out['output_ids']} disagree with output_token_logprobs ids {ids}")
-    return RolloutSample(prompt_ids=list(prompt_ids), response_ids=ids, response_logprobs=logps,
-                         finish_reason=kind, token_versions=token_versions(meta, len(ids)),
-                         routed_experts=out.get(ROUTES_KEY), indexer_topk=out.get(INDEXER_KEY))
+    return RolloutSample(
+        prompt_ids=list(prompt_ids),
+        response_ids=ids,
+        response_logprobs=logps,
+        finish_reason=kind,
+        token_versions=token_versions(meta, len(ids)),
+        routed_experts=out.get(ROUTES_KEY),
+        indexer_topk=out.get(INDEXER_KEY),
+    )
 
 
 def token_versions(meta: dict, n: int) -> list[str] | None:
@@ -176,9 +211,10 @@ def token_versions(meta: dict, n: int) -> list[str] | None:
         for sp in spans:
             for t in range(int(sp["start"]), min(int(sp["end"]), n)):
                 out[t] = str(sp["version"])
-        if any(v is None for v in out):
+        covered = [v for v in out if v is not None]
+        if len(covered) != n:
             raise SGLangError(f"meta_info.weight_versions {spans} does not cover the {n} response tokens")
-        return out  # type: ignore[return-value]
+        return covered
     version = meta.get("weight_version")
     return None if version is None else [str(version)] * n
 
@@ -194,8 +230,16 @@ class SGLangRolloutEngine(RolloutEngine):
     (``RoutedExpertsError`` names the engine and the request) and land on ``RolloutSample.routed_experts``.
     """
 
-    def __init__(self, clients: Sequence[Any], *, router: Any = None, max_concurrency: int = 64,
-                 memory_tags: Sequence[str] = MEMORY_TAGS, send_seeds: bool = False, route_spec: Any = None):
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        *,
+        router: Any = None,
+        max_concurrency: int = 64,
+        memory_tags: Sequence[str] = MEMORY_TAGS,
+        send_seeds: bool = False,
+        route_spec: Any = None,
+    ):
         if not clients:
             raise ValueError("SGLangRolloutEngine: clients is empty")
         self.clients = list(clients)
@@ -206,10 +250,19 @@ class SGLangRolloutEngine(RolloutEngine):
         self.route_spec = route_spec
         self.served = [0] * len(self.clients)  # generate requests answered per engine (not the router)
         self.released: list[set[str]] = [set() for _ in self.clients]  # memory tags each engine released
+        # rollout.lora_sync=adapter: the sglang LoRA adapter every request names (weight_sync/lora_adapter.py)
+        self.lora_path: str | None = None
 
     @classmethod
-    def attach(cls, urls: Sequence[str], *, router_url: str | None = None, api_key: str | None = None,
-               wait_timeout_s: float = 0.0, **kw) -> "SGLangRolloutEngine":
+    def attach(
+        cls,
+        urls: Sequence[str],
+        *,
+        router_url: str | None = None,
+        api_key: str | None = None,
+        wait_timeout_s: float = 0.0,
+        **kw,
+    ) -> "SGLangRolloutEngine":
         """Use servers someone else started (e.g. the Slurm script's SGLang nodes); with
         ``wait_timeout_s`` > 0, wait until every server (and the router) is healthy."""
         clients = [SGLangHttpClient(u, api_key=api_key) for u in urls]
@@ -220,8 +273,7 @@ class SGLangRolloutEngine(RolloutEngine):
         return cls(clients, router=router, **kw)
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], n: int,
-                 params: SamplingParams) -> list[list[RolloutSample]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
         """Each prompt repeated n times (per-sample seeds ``seed + i*n + j`` when seeds are sent)."""
         return self._generate(prompts, n, params, targets=[self.router] if self.router is not None else self.clients)
 
@@ -233,8 +285,12 @@ class SGLangRolloutEngine(RolloutEngine):
             raise ValueError(f"generate: n must be >= 1, got {n}")
         pool = ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(prompts))))
         try:
-            futures = {pool.submit(self._generate, [p], n, params_for(params, i, n, self.send_seeds), [targets[i % len(targets)]]): i
-                       for i, p in enumerate(prompts)}
+            futures = {
+                pool.submit(
+                    self._generate, [p], n, params_for(params, i, n, self.send_seeds), [targets[i % len(targets)]]
+                ): i
+                for i, p in enumerate(prompts)
+            }
             for fut in as_completed(futures):
                 yield [(futures[fut], fut.result()[0])]
         finally:
@@ -271,11 +327,14 @@ class SGLangRolloutEngine(RolloutEngine):
         def run(g: int) -> None:
             idx = groups[g]
             target = targets[g % len(targets)]
-            kw = {"return_routed_experts": True} if self.route_spec is not None else {}
-            if self.route_spec is not None and getattr(self.route_spec, "index_topk", 0):
+            kw: dict[str, Any] = {"return_routed_experts": True} if self.route_spec is not None else {}
+            if self.route_spec is not None and bool(getattr(self.route_spec, "index_topk", 0)):
                 kw["return_indexer_topk"] = True
-            res = target.generate([ids[k] for k in idx], [sps[k] for k in idx], return_logprob=True,
-                                  batch=target is not self.router, **kw)
+            if self.lora_path is not None:
+                kw["lora_path"] = self.lora_path
+            res = target.generate(
+                [ids[k] for k in idx], [sps[k] for k in idx], return_logprob=True, batch=target is not self.router, **kw
+            )
             if len(res) != len(idx):
                 raise SGLangError(f"{target} returned {len(res)} outputs for {len(idx)} inputs")
             for k, r in zip(idx, res):
@@ -289,28 +348,40 @@ class SGLangRolloutEngine(RolloutEngine):
 
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(groups))) as pool:
             list(pool.map(run, range(len(groups))))
-        return outputs  # type: ignore[return-value]
+        done = [o for o in outputs if o is not None]
+        if len(done) != len(ids):  # every group's run filled its outputs or raised
+            raise SGLangError(f"{len(done)} outputs for {len(ids)} inputs")
+        return done
 
     def _routes(self, target: Any, k: int, prompt: list[int], out: dict):
         """The decoded, validated routes of one answer: int32 [P + R - 1, layers, topk]."""
         meta = out.get("meta_info") or {}
         n_out = len(meta.get("output_token_logprobs") or out.get("output_ids") or [])
         spec = self.route_spec
-        return decode_routed_experts(meta.get(META_KEY), num_tokens=route_tokens(len(prompt), n_out),
-                                     num_layers=spec.num_layers, topk=spec.topk, num_experts=spec.num_experts,
-                                     engine=getattr(target, "base_url", str(target)),
-                                     request=f"{meta.get('id', '?')} (input {k} of the call)",
-                                     moe_layers=getattr(spec, "moe_layers", None))
+        return decode_routed_experts(
+            meta.get(META_KEY),
+            num_tokens=route_tokens(len(prompt), n_out),
+            num_layers=spec.num_layers,
+            topk=spec.topk,
+            num_experts=spec.num_experts,
+            engine=getattr(target, "base_url", str(target)),
+            request=f"{meta.get('id', '?')} (input {k} of the call)",
+            moe_layers=getattr(spec, "moe_layers", None),
+        )
 
     def _indexer(self, target: Any, k: int, prompt: list[int], out: dict):
         """The decoded, validated indexer selection of one answer (DSA): int32 [P + R - 1, layers, index_topk]."""
         meta = out.get("meta_info") or {}
         n_out = len(meta.get("output_token_logprobs") or out.get("output_ids") or [])
         spec = self.route_spec
-        return decode_indexer_topk(meta.get(INDEXER_META_KEY), num_tokens=route_tokens(len(prompt), n_out),
-                                   num_layers=spec.num_layers, index_topk=spec.index_topk,
-                                   engine=getattr(target, "base_url", str(target)),
-                                   request=f"{meta.get('id', '?')} (input {k} of the call)")
+        return decode_indexer_topk(
+            meta.get(INDEXER_META_KEY),
+            num_tokens=route_tokens(len(prompt), n_out),
+            num_layers=spec.num_layers,
+            index_topk=spec.index_topk,
+            engine=getattr(target, "base_url", str(target)),
+            request=f"{meta.get('id', '?')} (input {k} of the call)",
+        )
 
     def take_served(self) -> list[int]:
         """Requests each engine answered since the last call (the router's are not attributed)."""

@@ -15,6 +15,7 @@ import pickle
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -35,7 +36,7 @@ def _child_main(conn: Connection, factory: Callable[..., RolloutEngine], kwargs:
     """Child loop: build the engine, then serve calls until told to stop or the pipe closes."""
     try:
         engine = factory(**kwargs)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - sent to the parent, which raises it there
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
     conn.send_bytes(pickle.dumps(("ok", None)))
@@ -51,7 +52,7 @@ def _child_main(conn: Connection, factory: Callable[..., RolloutEngine], kwargs:
         try:
             result = None if method == "__ping__" else getattr(engine, method)(*args, **kw)
             reply = ("ok", result)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - sent to the parent, which raises it there
             reply = ("error", traceback.format_exc())
         conn.send_bytes(pickle.dumps(reply))
 
@@ -79,12 +80,12 @@ class SubprocessRolloutEngine(RolloutEngine):
         self.health_timeout_s = health_timeout_s
         if start_method not in mp.get_all_start_methods() or start_method == "fork":
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
-        self._ctx = mp.get_context(start_method)
+        self._ctx = mp.get_context("forkserver") if start_method == "forkserver" else mp.get_context("spawn")
         if start_method == "forkserver":
             # Children fork from a clean server that imported the factory's module once, so a
             # restart after a crash takes a fraction of a second instead of re-importing torch.
             self._ctx.set_forkserver_preload(["torch", getattr(factory, "__module__", "torch")])
-        self._proc = None
+        self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
         self.restarts = 0
         self._start()
@@ -94,7 +95,9 @@ class SubprocessRolloutEngine(RolloutEngine):
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         self._proc = self._ctx.Process(
             # dies with the trainer (also on SIGKILL), not only with the fork server
-            target=run_dying_with_parent, args=(_child_main, child_conn, self.factory, self.kwargs), daemon=True
+            target=run_dying_with_parent,
+            args=(_child_main, child_conn, self.factory, self.kwargs),
+            daemon=True,
         )
         self._proc.start()
         child_conn.close()
@@ -163,9 +166,7 @@ class SubprocessRolloutEngine(RolloutEngine):
         return self._receive(method, self.call_timeout_s if timeout_s is None else timeout_s)
 
     # ------------------------------------------------------------------------------ interface
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
-    ) -> list[list[RolloutSample]]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[RolloutSample]]:
         return self._call("generate", [list(map(int, p)) for p in prompts], n, params)
 
     def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -218,5 +219,5 @@ class SubprocessRolloutEngine(RolloutEngine):
     def __del__(self) -> None:
         try:
             self._kill()
-        except Exception:
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to report to
             pass

@@ -53,17 +53,24 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from multiprocessing.managers import SyncManager
 
 PR_SET_PDEATHSIG = 1
 PR_GET_PDEATHSIG = 2
 
 # Resolved once at import, so that the child between fork and exec only makes the call.
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True) \
-    if sys.platform.startswith("linux") else None
+_libc = (
+    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if sys.platform.startswith("linux")
+    else None
+)
 
 
 def _prctl(option: int, arg: int) -> int:
+    assert _libc is not None  # Linux only: the callers check
     return _libc.prctl(option, ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
@@ -117,8 +124,10 @@ def dying_with_this_process(argv: Sequence[str], sig: int = signal.SIGKILL) -> l
     thread (PR_SET_PDEATHSIG fires when the forking *thread* ends), else RuntimeError. Off Linux
     ``argv`` is returned unchanged."""
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("dying_with_this_process(): start child processes from the main thread (the "
-                           "kernel would kill them when the starting thread ends)")
+        raise RuntimeError(
+            "dying_with_this_process(): start child processes from the main thread (the "
+            "kernel would kill them when the starting thread ends)"
+        )
     if _libc is None:
         return list(argv)
     return [sys.executable, "-I", "-S", "-c", _EXEC_DYING_WITH_PARENT, str(int(sig)), str(os.getpid()), *argv]
@@ -176,7 +185,7 @@ def install_fork_hooks() -> None:
     _fork_hooks_installed = True
 
 
-_writer_manager = None
+_writer_manager: SyncManager | None = None
 
 
 def adopt_checkpoint_writers() -> None:
@@ -204,4 +213,5 @@ def adopt_checkpoint_writers() -> None:
 
 def writer_manager_pid() -> int | None:
     """PID of the Manager server started by ``adopt_checkpoint_writers`` (None before)."""
-    return None if _writer_manager is None else _writer_manager._process.pid
+    # (BaseManager._process: private, not in typeshed)
+    return None if _writer_manager is None else _writer_manager._process.pid  # type: ignore[attr-defined]

@@ -75,8 +75,24 @@ _PROXIED_MODULES = (
 )
 
 _FACTORIES = (
-    "empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn", "randint", "randperm",
-    "empty_like", "zeros_like", "ones_like", "full_like", "as_tensor", "linspace", "eye", "tril_indices",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "arange",
+    "tensor",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "as_tensor",
+    "linspace",
+    "eye",
+    "tril_indices",
     "triu_indices",
 )
 
@@ -162,8 +178,9 @@ def _make_cuda_shim() -> types.SimpleNamespace:
     shim.max_memory_allocated = lambda *a, **k: 0
     shim.memory_reserved = lambda *a, **k: 0
     shim.reset_peak_memory_stats = lambda *a, **k: None
-    shim.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
-                                      range=lambda *a, **k: contextlib.nullcontext())
+    shim.nvtx = types.SimpleNamespace(
+        range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None, range=lambda *a, **k: contextlib.nullcontext()
+    )
     # The "CUDA" RNG of the model-parallel tracker is the CPU generator.
     shim.get_rng_state = lambda *a, **k: torch.get_rng_state()
     shim.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
@@ -210,7 +227,7 @@ def activate(force: bool = False) -> bool:
         except ImportError:  # module absent in this megatron-core version
             continue
         if getattr(mod, "torch", None) is torch:
-            mod.torch = proxy
+            setattr(mod, "torch", proxy)  # (a module imported by name: its attributes are not typed)
     _patch_rng_tracker()
     _patch_moe_split_sizes()
     _patch_uneven_first_dim_collectives()
@@ -283,8 +300,9 @@ def _patch_uneven_first_dim_collectives() -> None:
         sizes = [int(n) for n in output_split_sizes]
         rank, m = group.rank(), max(sizes)
         if input_.shape[0] != sizes[rank]:
-            raise RuntimeError(f"uneven all-gather: rank {rank} holds {input_.shape[0]} rows, "
-                               f"output_split_sizes says {sizes[rank]}")
+            raise RuntimeError(
+                f"uneven all-gather: rank {rank} holds {input_.shape[0]} rows, output_split_sizes says {sizes[rank]}"
+            )
         out = torch.empty((len(sizes) * m, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
         torch.distributed.all_gather_into_tensor(out, _pad_rows(input_, m), group=group)
         return torch.cat([out[r * m : r * m + n] for r, n in enumerate(sizes)], dim=0)
@@ -300,8 +318,9 @@ def _patch_uneven_first_dim_collectives() -> None:
         torch.distributed.reduce_scatter_tensor(out, padded, group=group)
         return out[: sizes[rank]]
 
-    gather._gspo_patched = True
-    reduce_scatter._gspo_patched = True
+    # (function attributes, set with setattr: a type checker knows no attributes on a function)
+    setattr(gather, "_gspo_patched", True)
+    setattr(reduce_scatter, "_gspo_patched", True)
     mappings._gather_along_first_dim = gather
     mappings._reduce_scatter_along_first_dim = reduce_scatter
 
@@ -332,7 +351,7 @@ def _patch_tied_embedding_setup() -> None:
         with _tensor_cuda_is_identity():
             return original(self, *args, **kwargs)
 
-    setup._gspo_patched = True
+    setattr(setup, "_gspo_patched", True)  # (a function attribute, see above)
     LanguageModule.setup_embeddings_and_output_layer = setup
 
 
@@ -372,7 +391,7 @@ def _wrap_in(owner, attr: str, ctx_factory) -> None:
         with ctx_factory():
             return fn(*args, **kwargs)
 
-    wrapped._gspo_patched = True
+    setattr(wrapped, "_gspo_patched", True)  # (a function attribute, see above)
     setattr(owner, attr, wrapped)
 
 
@@ -419,12 +438,21 @@ def _patch_torch_norm() -> None:
     if getattr(torch_norm.WrappedTorchNorm, "_gspo_patched", False):
         return
 
-    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-                zero_centered_gamma=False, normalization="LayerNorm"):
+    def __new__(
+        cls,
+        config,
+        hidden_size,
+        eps=1e-5,
+        persist_layer_norm=False,
+        zero_centered_gamma=False,
+        normalization="LayerNorm",
+    ):
         norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
         if norm_cls is None or config.layernorm_zero_centered_gamma:
-            raise ValueError(f"normalization {config.normalization!r} (zero-centered gamma="
-                             f"{config.layernorm_zero_centered_gamma}) needs Transformer Engine or apex")
+            raise ValueError(
+                f"normalization {config.normalization!r} (zero-centered gamma="
+                f"{config.layernorm_zero_centered_gamma}) needs Transformer Engine or apex"
+            )
         # params_dtype as TE's norms (upstream leaves the cast to Float16Module; without it a bf16
         # model would keep fp32 norm weights, and HF -> Megatron -> HF would change their dtype)
         norm = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)

@@ -104,9 +104,9 @@ def _destroy_megatron_groups(ps) -> None:
     groups left alive, 36 s with them destroyed). Destroys the groups parallel_state holds, then
     its state. Models built in the previous layout must not be used afterwards (they were already
     wrong for the new one)."""
-    groups = []
+    groups: list[dist.ProcessGroup] = []
     for value in vars(ps).values():
-        for g in (value if isinstance(value, (list, tuple)) else (value,)):
+        for g in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(g, dist.ProcessGroup) and g is not dist.group.WORLD and all(g is not x for x in groups):
                 groups.append(g)
     ps.destroy_model_parallel()
@@ -127,7 +127,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     mrandom.initialize_rng_tracker(force_reset=True)
     mrandom.model_parallel_cuda_manual_seed(seed, force_reset_rng=True) if _accepts_force_reset(
-        mrandom.model_parallel_cuda_manual_seed) else mrandom.model_parallel_cuda_manual_seed(seed)
+        mrandom.model_parallel_cuda_manual_seed
+    ) else mrandom.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)  # the tracker's `add` reseeds the default generator on CPU
 
 

@@ -105,7 +105,9 @@ def check_fp8_runtime(opts: FP8Options, prefix: str = "fp8") -> None:
     try:
         import transformer_engine  # noqa: F401
     except ImportError as e:
-        raise RuntimeError(f"{prefix}.fp8={opts.fp8!r} needs transformer-engine (pip install transformer-engine[pytorch])") from e
+        raise RuntimeError(
+            f"{prefix}.fp8={opts.fp8!r} needs transformer-engine (pip install transformer-engine[pytorch])"
+        ) from e
     need = MIN_CAPABILITY[opts.recipe]
     have = torch.cuda.get_device_capability()
     if have < need:

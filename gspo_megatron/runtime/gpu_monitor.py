@@ -44,7 +44,7 @@ class GpuMonitor:
             count = pynvml.nvmlDeviceGetCount()
             self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _visible_indices(count)]
             self._nvml = pynvml
-        except Exception as e:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded...
+        except Exception as e:  # noqa: BLE001 - ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded...
             logger.debug("GPU monitor disabled: %s", e)
             self._nvml, self._handles = None, []
 
@@ -63,7 +63,7 @@ class GpuMonitor:
                 used.append(mem.used / _GB)
                 total.append(mem.total / _GB)
                 util.append(float(self._nvml.nvmlDeviceGetUtilizationRates(h).gpu))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a metric, never a reason to stop training
             logger.debug("NVML query failed: %s", e)
             return {}
         out = {
@@ -81,6 +81,6 @@ class GpuMonitor:
         if self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()
-            except Exception:
+            except Exception:  # noqa: BLE001 - shutting down the monitor
                 pass
             self._nvml, self._handles = None, []

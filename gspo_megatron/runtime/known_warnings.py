@@ -24,12 +24,18 @@ KNOWN: tuple[tuple[str, type[Warning], str], ...] = (
     (r"(Transformer Engine and Apex are|Apex is) not installed", UserWarning, r"megatron\."),
     # Megatron's own DistributedOptimizer.zero_grad reads .grad of its fp32 shard views (its source
     # says "throws grad-access warning")
-    (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning,
-     r"megatron\.core\.optimizer\."),
+    (
+        r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+        UserWarning,
+        r"megatron\.core\.optimizer\.",
+    ),
     # torch (2.13 here) deprecates the collectives Megatron's grad/param buffers call; its deprecation
     # wrapper reports them from its own c10d_logger frame
-    (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning,
-     r"torch\.distributed\.c10d_logger$"),
+    (
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        FutureWarning,
+        r"torch\.distributed\.c10d_logger$",
+    ),
 )
 
 
@@ -50,10 +56,15 @@ def backend_note(hidden: bool) -> str | None:
 
     suffix = " (their warnings hidden; --debug shows them)" if hidden else ""
     if not torch.cuda.is_available():
-        return ("[gspo-train] CPU path: Transformer Engine / Apex absent, Megatron's local layer spec and "
-                f"torch norms and optimizers in use{suffix}")
-    missing = [name for name, mod in (("Transformer Engine", "transformer_engine"), ("Apex", "apex"))
-               if importlib.util.find_spec(mod) is None]
+        return (
+            "[gspo-train] CPU path: Transformer Engine / Apex absent, Megatron's local layer spec and "
+            f"torch norms and optimizers in use{suffix}"
+        )
+    missing = [
+        name
+        for name, mod in (("Transformer Engine", "transformer_engine"), ("Apex", "apex"))
+        if importlib.util.find_spec(mod) is None
+    ]
     if not missing:
         return None
     return f"[gspo-train] {' and '.join(missing)} not installed: Megatron's torch fallbacks in use{suffix}"

@@ -33,6 +33,13 @@ import torch
 from gspo_megatron.sample import Sample
 
 
+def behaviour_versions(record: Sample) -> list[int]:
+    """The policy version of each of ``record``'s response tokens (an off-policy run's Samples carry
+    them: ``rollout.async_producer.AsyncProducer.take``)."""
+    assert record.behaviour_version is not None, "an off-policy Sample carries behaviour_version"
+    return record.behaviour_version
+
+
 def _params(model) -> list[torch.Tensor]:
     chunks = model if isinstance(model, (list, tuple)) else [model]
     return [p for m in chunks for p in m.parameters()]
@@ -71,8 +78,10 @@ class WeightHistory:
         try:
             return self.policy_of_sync[str(engine_version)]
         except KeyError:
-            raise RuntimeError(f"an engine reported weight version {engine_version!r}, which no weight sync "
-                               f"of this run pushed (known: {sorted(self.policy_of_sync)})") from None
+            raise RuntimeError(
+                f"an engine reported weight version {engine_version!r}, which no weight sync "
+                f"of this run pushed (known: {sorted(self.policy_of_sync)})"
+            ) from None
 
     # -- the recomputation -----------------------------------------------------------------------
     @contextmanager
@@ -83,8 +92,10 @@ class WeightHistory:
             yield
             return
         if version not in self.snapshots:
-            raise RuntimeError(f"no copy of policy version {version} is kept (current {self.current}, "
-                               f"rollout.max_staleness={self.max_staleness}, kept {sorted(self.snapshots)})")
+            raise RuntimeError(
+                f"no copy of policy version {version} is kept (current {self.current}, "
+                f"rollout.max_staleness={self.max_staleness}, kept {sorted(self.snapshots)})"
+            )
         if self.current not in self.snapshots:
             raise RuntimeError(f"the current policy version {self.current} was never synced")
         with torch.no_grad():
@@ -97,8 +108,9 @@ class WeightHistory:
                 for p, cur in zip(self.params, self.snapshots[self.current]):
                     p.copy_(cur, non_blocking=True)
 
-    def attach_old_logprobs(self, model, batches: list[dict], records: list[Sample], temperature: float,
-                            fused_logprobs: bool = True) -> dict:
+    def attach_old_logprobs(
+        self, model, batches: list[dict], records: list[Sample], temperature: float, fused_logprobs: bool = True
+    ) -> dict:
         """batch["old_logprobs"] [b, s]: each response token's log-prob under the trainer's weights of
         the policy version that generated it (``batch["behaviour_version"]``, per token). One forward
         over every micro-batch per distinct version in ``records`` (the step's Samples, their
@@ -108,7 +120,7 @@ class WeightHistory:
 
         counts: dict[int, int] = {}
         for r in records:
-            for v in r.behaviour_version:
+            for v in behaviour_versions(r):
                 counts[int(v)] = counts.get(int(v), 0) + 1
         for b in batches:
             b["old_logprobs"] = torch.zeros_like(b["loss_mask"])

@@ -24,7 +24,7 @@ import torch
 
 from gspo_megatron.sample import PER_TOKEN_FIELDS, Sample
 from gspo_megatron.trainer import route_replay
-from gspo_megatron.trainer.packing import (  # noqa: F401 (PAD_LABEL, TOKEN_KEYS re-exported)
+from gspo_megatron.trainer.packing import (
     INDEXER_KEY,
     PAD_LABEL,
     ROUTES_KEY,
@@ -107,8 +107,9 @@ def fp8_alignment(recipe: str = "delayed") -> int:
     return 32 if recipe == "mxfp8" else 16
 
 
-def sequence_multiple(tp: int, cp: int, fp8: str | bool | None = None, sp: bool | None = None,
-                      fp8_recipe: str = "delayed") -> int:
+def sequence_multiple(
+    tp: int, cp: int, fp8: str | bool | None = None, sp: bool | None = None, fp8_recipe: str = "delayed"
+) -> int:
     """What a padded row's length (a packed row's total length) must divide.
 
     - sequence parallelism: tp (each TP rank holds s/tp positions);
@@ -159,10 +160,8 @@ def gather_context_parallel(local: torch.Tensor, cp_group) -> torch.Tensor:
     cp = dist.get_world_size(cp_group)
     parts = [torch.empty_like(local) for _ in range(cp)]
     dist.all_gather(parts, local.contiguous(), group=cp_group)
-    chunks = [None] * (2 * cp)
-    for r, part in enumerate(parts):
-        first, second = part.chunk(2, dim=1)
-        chunks[r], chunks[2 * cp - 1 - r] = first, second
+    halves = [part.chunk(2, dim=1) for part in parts]  # CP rank r holds chunks r and 2 * cp - 1 - r
+    chunks = [first for first, _ in halves] + [second for _, second in reversed(halves)]
     return torch.cat(chunks, dim=1)
 
 
@@ -210,16 +209,26 @@ def _forward_step(loss_func_factory: Callable[[dict], Callable], fused_logprobs:
     batch = to_device(raw)  # a new dict: r2's record is kept in ``raw`` too (after_forward)
     route_replay.before_forward(model, batch)  # routing replay (rollout.routing_replay): this batch's targets
     # fused: hidden states [b, s, H] + the output weight shard, bound to the loss function
-    output, weight = lm_forward(model, batch["tokens"], batch["position_ids"], fused=fused_logprobs,
-                                attention_mask=row_padding_mask(model, batch),
-                                packed_seq_params=packed_seq_params(batch))
+    output, weight = lm_forward(
+        model,
+        batch["tokens"],
+        batch["position_ids"],
+        fused=fused_logprobs,
+        attention_mask=row_padding_mask(model, batch),
+        packed_seq_params=packed_seq_params(batch),
+    )
     route_replay.after_forward(model, batch, keep_in=raw)
     loss_func = loss_func_factory(batch)
     return output, (loss_func if weight is None else partial(loss_func, output_weight=weight))
 
 
-def run_schedule(model, batches: list[dict], loss_func_factory: Callable[[dict], Callable],
-                 forward_only: bool, fused_logprobs: bool = True) -> list:
+def run_schedule(
+    model,
+    batches: list[dict],
+    loss_func_factory: Callable[[dict], Callable],
+    forward_only: bool,
+    fused_logprobs: bool = True,
+) -> list:
     """Run Megatron's forward-backward schedule (1F1B with PP>1) over ``batches``. Every rank of the
     model-parallel group calls it with the same batches. Returns what the loss functions reported
     (non-empty on the last pipeline stage only). ``fused_logprobs`` (config ``model.fused_logprobs``):
@@ -244,8 +253,9 @@ def run_schedule(model, batches: list[dict], loss_func_factory: Callable[[dict],
 
 
 @torch.no_grad()
-def compute_logprobs(model, batches: list[dict], temperature: float = 1.0,
-                     with_entropy: bool = False, fused_logprobs: bool = True) -> list[dict] | None:
+def compute_logprobs(
+    model, batches: list[dict], temperature: float = 1.0, with_entropy: bool = False, fused_logprobs: bool = True
+) -> list[dict] | None:
     """Per-token log-probs [b, s] of each batch's labels (vocab-parallel, no vocab gather; with
     ``fused_logprobs`` no logits either). Returns the list of {"logprobs", ("entropy")} per batch on
     the last pipeline stage, None elsewhere."""
@@ -257,12 +267,14 @@ def compute_logprobs(model, batches: list[dict], temperature: float = 1.0,
     model.eval()
     try:
         out = run_schedule(
-            model, batches,
+            model,
+            batches,
             lambda b: make_megatron_logprob_func(
-                b, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature,
-                with_entropy=with_entropy),
-            forward_only=True, fused_logprobs=fused_logprobs)
+                b, tp_group=ps.get_tensor_model_parallel_group(), temperature=temperature, with_entropy=with_entropy
+            ),
+            forward_only=True,
+            fused_logprobs=fused_logprobs,
+        )
     finally:
         model.train(was_training)
     return out if ps.is_pipeline_last_stage() else None
-

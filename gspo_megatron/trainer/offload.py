@@ -157,7 +157,7 @@ class TrainStateOffloader:
             raise RuntimeError("TrainStateOffloader.offload: the training state is already offloaded")
         t0 = time.perf_counter()
         storages = self._storages()
-        del self._host[len(storages):]
+        del self._host[len(storages) :]
         total = 0
         for i, s in enumerate(storages):
             n = s.nbytes()

@@ -48,8 +48,7 @@ NO_ROUTE = -1  # = rollout.routing.NO_ROUTE
 #: positions within each sequence (``lay_routes(..., attr="indexer_topk")``)
 INDEXER_KEY = "indexer_topk"
 # every [b, s(, ...)] tensor of a micro-batch (padded or packed): what a CP split or reorder must cut
-TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", *PER_TOKEN_FIELDS, ROUTES_KEY,
-              INDEXER_KEY)
+TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", *PER_TOKEN_FIELDS, ROUTES_KEY, INDEXER_KEY)
 
 
 def response_mask(values, n: int, i: int) -> torch.Tensor:
@@ -78,14 +77,17 @@ def per_token_values(s: Sample, key: str, i: int) -> torch.Tensor:
 
 def advantages_of(seqs: Sequence[Sample]) -> torch.Tensor:
     """The Samples' ``advantage`` as a float tensor [S]; ValueError naming the first one without."""
-    missing = [i for i, s in enumerate(seqs) if s.advantage is None]
-    if missing:
-        raise ValueError(f"sequence {missing[0]}: advantage is None while the micro-batch's first sequence has one")
-    return torch.tensor([float(s.advantage) for s in seqs])
+    values: list[float] = []
+    for i, s in enumerate(seqs):
+        if s.advantage is None:
+            raise ValueError(f"sequence {i}: advantage is None while the micro-batch's first sequence has one")
+        values.append(float(s.advantage))
+    return torch.tensor(values)
 
 
-def lay_routes(seqs: Sequence[Sample], rows: int, width: int, starts: Sequence[tuple[int, int]],
-               attr: str = ROUTES_KEY) -> torch.Tensor | None:
+def lay_routes(
+    seqs: Sequence[Sample], rows: int, width: int, starts: Sequence[tuple[int, int]], attr: str = ROUTES_KEY
+) -> torch.Tensor | None:
     """The Samples' ``routed_experts`` (int32 [n - 1, L, K] for a sequence of n tokens: the engine's
     route of token t in row t, ``rollout/routing.py``) laid on a micro-batch: int32 [rows, width, L, K],
     sequence i's token t at row ``starts[i][0]``, position ``starts[i][1] + t``; NO_ROUTE (-1) on the
@@ -106,9 +108,11 @@ def lay_routes(seqs: Sequence[Sample], rows: int, width: int, starts: Sequence[t
             raise ValueError(f"sequence {i}: {attr} is None while the micro-batch's first sequence has them")
         r = np.asarray(getattr(s, attr), dtype=np.int32)
         if r.shape != (s.length - 1, L, K):
-            raise ValueError(f"sequence {i}: {attr} has shape {r.shape} for {s.length} tokens; expected "
-                             f"{(s.length - 1, L, K)} (the engine's values of tokens 0 .. n-2)")
-        out[row, a:a + s.length - 1] = torch.from_numpy(r)
+            raise ValueError(
+                f"sequence {i}: {attr} has shape {r.shape} for {s.length} tokens; expected "
+                f"{(s.length - 1, L, K)} (the engine's values of tokens 0 .. n-2)"
+            )
+        out[row, a : a + s.length - 1] = torch.from_numpy(r)
     return out
 
 
@@ -140,8 +144,7 @@ def pack_first_fit(indices: Sequence[int], lengths: Sequence[int], budget: int) 
     room: list[int] = []
     for i in sorted(indices, key=lambda i: (-lengths[i], i)):
         if lengths[i] > budget:
-            raise ValueError(f"a sequence of {lengths[i]} tokens exceeds parallel.max_tokens_per_micro_batch="
-                             f"{budget}")
+            raise ValueError(f"a sequence of {lengths[i]} tokens exceeds parallel.max_tokens_per_micro_batch={budget}")
         for b, r in enumerate(room):
             if lengths[i] <= r:
                 bins[b].append(i)
@@ -153,8 +156,7 @@ def pack_first_fit(indices: Sequence[int], lengths: Sequence[int], budget: int) 
     return [sorted(b) for b in bins]
 
 
-def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int,
-                       seg_multiple: int = 1) -> list[list[list[int]]]:
+def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int, seg_multiple: int = 1) -> list[list[list[int]]]:
     """The whole plan, identical on every rank: plan[r] = rank r's micro-batches (index lists), all
     ranks with the same number of micro-batches (trailing empty lists for the lighter ranks).
     ``lengths`` are sequence lengths; each costs its length rounded up to ``seg_multiple``."""
@@ -164,8 +166,13 @@ def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int,
     return [p + [[] for _ in range(count - len(p))] for p in per_rank]
 
 
-def collate_packed(seqs: Sequence[Sample], pad_id: int = 0, seg_multiple: int = 1, row_multiple: int = 1,
-                   seq_ids: Sequence | None = None) -> dict:
+def collate_packed(
+    seqs: Sequence[Sample],
+    pad_id: int = 0,
+    seg_multiple: int = 1,
+    row_multiple: int = 1,
+    seq_ids: Sequence | None = None,
+) -> dict:
     """One packed micro-batch (module docstring) from Samples (``gspo_megatron.sample``; as in
     ``trainer.micro_batches.collate``, the optional per-token fields and advantage of the first Sample decide
     which keys the batch has). An empty ``seqs``
@@ -193,28 +200,34 @@ def collate_packed(seqs: Sequence[Sample], pad_id: int = 0, seg_multiple: int = 
     keys = [k for k in PER_TOKEN_FIELDS if seqs and getattr(seqs[0], k) is not None]
     per_token = {k: torch.zeros(total) for k in keys}
     for k in range(len(bounds) - 1):
-        position[bounds[k]:bounds[k + 1]] = torch.arange(bounds[k + 1] - bounds[k])
+        position[bounds[k] : bounds[k + 1]] = torch.arange(bounds[k + 1] - bounds[k])
     for i, s in enumerate(seqs):
         ids = torch.as_tensor(s.tokens, dtype=torch.long)
         n, p, a = ids.numel(), s.prompt_len, bounds[i]
         if not 1 <= p <= n:
             raise ValueError(f"sequence {i}: prompt_len {p} outside [1, {n}]")
-        tokens[a:a + n] = ids
-        labels[a:a + n - 1] = ids[1:]
-        mask[a + p - 1:a + n - 1] = 1.0 if s.loss_mask is None else response_mask(s.loss_mask, n - p, i)
-        seq_index[a:a + segs[i]] = i
+        tokens[a : a + n] = ids
+        labels[a : a + n - 1] = ids[1:]
+        mask[a + p - 1 : a + n - 1] = 1.0 if s.loss_mask is None else response_mask(s.loss_mask, n - p, i)
+        seq_index[a : a + segs[i]] = i
         for key, t in per_token.items():
-            t[a + p - 1:a + n - 1] = per_token_values(s, key, i)
+            t[a + p - 1 : a + n - 1] = per_token_values(s, key, i)
     cu = torch.tensor(bounds, dtype=torch.int32)
     batch = dict(
-        tokens=tokens[None], position_ids=position[None], labels=labels[None], loss_mask=mask[None],
-        seq_index=seq_index[None], **{k: t[None] for k, t in per_token.items()},
-        cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()), num_seqs=max(len(seqs), 1),
+        tokens=tokens[None],
+        position_ids=position[None],
+        labels=labels[None],
+        loss_mask=mask[None],
+        seq_index=seq_index[None],
+        **{k: t[None] for k, t in per_token.items()},
+        cu_seqlens=cu,
+        max_seqlen=int((cu[1:] - cu[:-1]).max()),
+        num_seqs=max(len(seqs), 1),
         num_real_tokens=sum(s.length for s in seqs),
         seq_ids=list(seq_ids) if seq_ids is not None else list(range(len(seqs))),
     )
     for key in (ROUTES_KEY, INDEXER_KEY):
-        routes = lay_routes(seqs, 1, total, [(0, a) for a in bounds[:len(seqs)]], key)
+        routes = lay_routes(seqs, 1, total, [(0, a) for a in bounds[: len(seqs)]], key)
         if routes is not None:
             batch[key] = routes
     if seqs and seqs[0].advantage is not None:
@@ -237,8 +250,15 @@ def packed_seq_params(batch: dict):
 
     cu = batch["cu_seqlens"].to(torch.int32)
     n = int(batch["max_seqlen"])
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                           cu_seqlens_kv_padded=cu, max_seqlen_q=n, max_seqlen_kv=n)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=n,
+        max_seqlen_kv=n,
+    )
 
 
 def context_parallel_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
@@ -250,8 +270,10 @@ def context_parallel_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torc
         if (b - a) % (2 * cp):
             raise ValueError(f"segment of {b - a} tokens is not a multiple of 2*cp = {2 * cp}")
         c = (b - a) // (2 * cp)
-        parts += [torch.arange(a + rank * c, a + (rank + 1) * c),
-                  torch.arange(a + (2 * cp - 1 - rank) * c, a + (2 * cp - rank) * c)]
+        parts += [
+            torch.arange(a + rank * c, a + (rank + 1) * c),
+            torch.arange(a + (2 * cp - 1 - rank) * c, a + (2 * cp - rank) * c),
+        ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 

@@ -71,16 +71,25 @@ class MaskedRouteReplay:
         self.targets: torch.Tensor | None = None  # [num_tokens, K] int64, NO_ROUTE rows keep their own
         self.own: torch.Tensor | None = None  # the router's own top-k of the last call [num_tokens, K]
 
-    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_topk=None,
-                        default_compute_topk: Callable | None = None):
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups=None,
+        group_topk=None,
+        default_compute_topk: Callable | None = None,
+    ):
+        assert default_compute_topk is not None  # (Megatron's signature; its router always passes it)
         probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         self.own = own.detach()
         if self.targets is None:
             return probs, own
         tgt = self.targets.to(scores.device)
         if tgt.shape != own.shape:
-            raise ValueError(f"routing replay, layer {self.layer}: targets {tuple(tgt.shape)} for a router "
-                             f"input of {tuple(own.shape)} [tokens, topk]")
+            raise ValueError(
+                f"routing replay, layer {self.layer}: targets {tuple(tgt.shape)} for a router "
+                f"input of {tuple(own.shape)} [tokens, topk]"
+            )
         routed = (tgt != NO_ROUTE).all(-1, keepdim=True)
         ids = torch.where(routed, tgt, own)
         return scores.gather(1, ids), ids
@@ -130,8 +139,10 @@ def local_targets(routes: torch.Tensor, layer: int, sp_rank: int = 0, sp_size: i
     if sp_size > 1:
         s = routes.shape[1]
         if s % sp_size:
-            raise ValueError(f"routing replay: row length {s} is not a multiple of the sequence-parallel size {sp_size}")
-        routes = routes[:, sp_rank * (s // sp_size):(sp_rank + 1) * (s // sp_size)]
+            raise ValueError(
+                f"routing replay: row length {s} is not a multiple of the sequence-parallel size {sp_size}"
+            )
+        routes = routes[:, sp_rank * (s // sp_size) : (sp_rank + 1) * (s // sp_size)]
     return router_targets(routes, layer)
 
 
@@ -185,7 +196,11 @@ class RouteReplay:
             if self.mode == "r2":
                 routed = (batch["labels"] != PAD_LABEL)[..., None, None].to(torch.int64)  # [b, s, 1, 1]
                 keep = local_targets(routed, 0, self.sp_rank, self.sp_size)[:, 0].bool()  # router order
-                batch[R2_KEY] = {rep.layer: torch.where(keep[:, None], rep.own, NO_ROUTE) for rep in self.replays}
+                r2 = {}
+                for rep in self.replays:
+                    assert rep.own is not None  # every router of this rank ran in the forward
+                    r2[rep.layer] = torch.where(keep[:, None], rep.own, NO_ROUTE)
+                batch[R2_KEY] = r2
             else:
                 for rep in self.replays:
                     if rep.targets is None or rep.own is None:
@@ -225,8 +240,8 @@ def _owner(model: torch.nn.Module) -> torch.nn.Module:
     """The innermost module under wrappers that hold it as ``.module`` (Megatron's DDP,
     Float16Module): the state lives there, so the DDP wrapper the trainer runs and the bare model the
     sync probe scores with share one :class:`RouteReplay` (one set of routers, one state)."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
+    while isinstance(inner := getattr(model, "module", None), torch.nn.Module):
+        model = inner
     return model
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
 from gspo_megatron.losses.policy_loss import PolicyLossConfig
 from gspo_megatron.runtime.distributed import device
 from gspo_megatron.sample import Sample
+from gspo_megatron.trainer.behaviour_policy import behaviour_versions
 from gspo_megatron.trainer.micro_batches import (
     collate,
     compute_logprobs,
@@ -47,8 +49,16 @@ from gspo_megatron.trainer.optimizer import optimizer_step, zero_grads
 from gspo_megatron.trainer.packing import collate_packed, plan_micro_batches
 from gspo_megatron.trainer.route_replay import replay_phase, route_replay_for
 
-_MEAN_KEYS = ("ratio_mean", "approx_kl_old", "clip_fraction", "entropy", "kl_ref",
-              "engine_logprob_absdiff", "tis_weight_mean", "tis_capped_fraction")
+_MEAN_KEYS = (
+    "ratio_mean",
+    "approx_kl_old",
+    "clip_fraction",
+    "entropy",
+    "kl_ref",
+    "engine_logprob_absdiff",
+    "tis_weight_mean",
+    "tis_capped_fraction",
+)
 
 
 @dataclass
@@ -72,12 +82,21 @@ def row_multiple(cfg: Config, tp: int, cp: int) -> int:
     """What this run's rows (packed rows) must be padded to a multiple of: ``trainer.micro_batches.sequence_multiple``
     with ``model.fp8`` / ``model.fp8_recipe`` and sequence parallelism as ``models.build`` resolves
     ``parallel.sequence_parallel`` (None: on when tp > 1)."""
-    return sequence_multiple(tp, cp, fp8=cfg.model.fp8, sp=cfg.parallel.sequence_parallel,
-                             fp8_recipe=cfg.model.fp8_recipe)
+    return sequence_multiple(
+        tp, cp, fp8=cfg.model.fp8, sp=cfg.parallel.sequence_parallel, fp8_recipe=cfg.model.fp8_recipe
+    )
 
 
-def split_batch(cfg: Config, records: list[Sample], dp: int, dp_rank: int, pad_id: int,
-                multiple: int | None = None, cp_group=None, tp: int | None = None):
+def split_batch(
+    cfg: Config,
+    records: list[Sample],
+    dp: int,
+    dp_rank: int,
+    pad_id: int,
+    multiple: int | None = None,
+    cp_group=None,
+    tp: int | None = None,
+):
     """Mini-batches (lists of this rank's micro-batch dicts, each carrying its mini-batch's global
     normalizer). ``multiple``: what a row's length must divide; None: ``row_multiple(cfg, tp, cp)``
     (``tp`` None: Megatron's tensor-parallel size), which takes ``model.fp8`` into account.
@@ -100,15 +119,29 @@ def split_batch(cfg: Config, records: list[Sample], dp: int, dp_rank: int, pad_i
         mb = records[lo : (m + 1) * n // M]
         norm = sum(r.trained_tokens if token_mean else int(r.trained_tokens > 0) for r in mb)
         if budget:
-            plan = plan_micro_batches([r.length for r in mb], dp, budget,
-                                      seg_multiple=2 * cp if cp > 1 else 1)[dp_rank]
-            micro = [collate_packed([mb[i] for i in idx], pad_id=pad_id, seg_multiple=2 * cp if cp > 1 else 1,
-                                    row_multiple=multiple, seq_ids=[lo + i for i in idx]) for idx in plan]
+            plan = plan_micro_batches([r.length for r in mb], dp, budget, seg_multiple=2 * cp if cp > 1 else 1)[dp_rank]
+            micro = [
+                collate_packed(
+                    [mb[i] for i in idx],
+                    pad_id=pad_id,
+                    seg_multiple=2 * cp if cp > 1 else 1,
+                    row_multiple=multiple,
+                    seq_ids=[lo + i for i in idx],
+                )
+                for idx in plan
+            ]
         else:
             mine = [i for i in range(len(mb)) if i % dp == dp_rank]
             size = cfg.parallel.micro_batch_size
-            micro = [collate([mb[i] for i in mine[j : j + size]], pad_id=pad_id, multiple=multiple,
-                             seq_ids=[lo + i for i in mine[j : j + size]]) for j in range(0, len(mine), size)]
+            micro = [
+                collate(
+                    [mb[i] for i in mine[j : j + size]],
+                    pad_id=pad_id,
+                    multiple=multiple,
+                    seq_ids=[lo + i for i in mine[j : j + size]],
+                )
+                for j in range(0, len(mine), size)
+            ]
         micro = [to_device(b) for b in micro]
         for b in micro:
             b["normalizer"] = float(max(norm, 1))
@@ -126,8 +159,9 @@ def _attach_logprobs(model, batches, key, temperature, fused: bool = True) -> No
         b[key] = out[i]["logprobs"].float() if out is not None else torch.zeros_like(b["loss_mask"])
 
 
-def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[Sample], pad_id: int,
-                   ref_model=None, behaviour=None) -> StepResult:
+def train_on_batch(
+    cfg: Config, ddp, optimizer, scheduler, records: list[Sample], pad_id: int, ref_model=None, behaviour=None
+) -> StepResult:
     """Every rank: recompute old log-probs, then ``gspo.mini_batches`` optimizer steps. Returns the
     step's metrics and whether an update was skipped (:class:`StepResult`), identical on every rank.
 
@@ -140,8 +174,7 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[Sample]
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
-    minis = split_batch(cfg, records, dp, dp_rank, pad_id, multiple=row_multiple(cfg, tp, cp),
-                        cp_group=cp_group)
+    minis = split_batch(cfg, records, dp, dp_rank, pad_id, multiple=row_multiple(cfg, tp, cp), cp_group=cp_group)
     flat = [b for mb in minis for b in mb]
     temp = cfg.rollout.temperature
     fused = cfg.model.fused_logprobs
@@ -150,14 +183,18 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[Sample]
         if replay.mode == "r3":
             missing = [i for i, r in enumerate(records) if r.routed_experts is None]
             if missing:
-                raise ValueError(f"rollout.routing_replay=r3: sample {missing[0]} (of {len(records)}) has no "
-                                 "routed_experts; the engines must be asked for them (rollout.engine=sglang)")
+                raise ValueError(
+                    f"rollout.routing_replay=r3: sample {missing[0]} (of {len(records)}) has no "
+                    "routed_experts; the engines must be asked for them (rollout.engine=sglang)"
+                )
             missing = [i for i, r in enumerate(records) if replay.indexers and r.indexer_topk is None]
             if missing:  # DSA: the indexer's selection is replayed too (trainer/route_replay.py)
-                raise ValueError(f"rollout.routing_replay=r3: sample {missing[0]} (of {len(records)}) has no "
-                                 "indexer_topk; a DSA model's engines must return it (return_indexer_topk)")
+                raise ValueError(
+                    f"rollout.routing_replay=r3: sample {missing[0]} (of {len(records)}) has no "
+                    "indexer_topk; a DSA model's engines must return it (return_indexer_topk)"
+                )
         replay.phase = "old"  # r3: replay the engine's routes; r2: record the trainer's own
-    if behaviour is not None and any(int(v) != behaviour.current for r in records for v in r.behaviour_version):
+    if behaviour is not None and any(int(v) != behaviour.current for r in records for v in behaviour_versions(r)):
         behaviour.attach_old_logprobs(ddp, flat, records, temp, fused)
     else:
         _attach_logprobs(ddp, flat, "old_logprobs", temp, fused)
@@ -190,10 +227,23 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[Sample]
     mb_metrics, applied, grad_norms = [], [], []
     for micro in minis:
         zero_grads(ddp, optimizer)
-        out = run_schedule(ddp, micro, lambda b, n=len(micro): make_megatron_loss_func(
-            b, lcfg, tp_group=tp_group, cp_group=cp_group, num_microbatches=n, data_parallel_size=dp,
-            temperature=temp, compute_entropy=True, check_finite=False), forward_only=False,
-            fused_logprobs=fused)
+        out = run_schedule(
+            ddp,
+            micro,
+            partial(
+                make_megatron_loss_func,
+                cfg=lcfg,
+                tp_group=tp_group,
+                cp_group=cp_group,
+                num_microbatches=len(micro),
+                data_parallel_size=dp,
+                temperature=temp,
+                compute_entropy=True,
+                check_finite=False,
+            ),
+            forward_only=False,
+            fused_logprobs=fused,
+        )
         ok, gn = optimizer_step(optimizer, scheduler)
         applied.append(ok)
         grad_norms.append(gn)
@@ -201,18 +251,20 @@ def train_on_batch(cfg: Config, ddp, optimizer, scheduler, records: list[Sample]
     metrics = _reduce_metrics(mb_metrics, len(minis))
     torch_gap = gap.clone()
     dist.all_reduce(torch_gap)
-    metrics.update({
-        "rollout/logprob_abs_diff": float(torch_gap[0] / max(torch_gap[1], 1.0)),
-        # fraction of the tokens the model computes (per pass) that are padding
-        "perf/padding_frac": float(1.0 - torch_gap[3] / max(torch_gap[2], 1.0)),
-        **({"rollout/route_agreement": float(torch_gap[4] / torch_gap[5])} if torch_gap[5] > 0 else {}),
-        **({"rollout/indexer_agreement": float(torch_gap[6] / torch_gap[7])} if torch_gap[7] > 0 else {}),
-        "train/skipped_updates": float(sum(not a for a in applied)),
-        "train/grad_norm": _mean_finite(grad_norms),
-        "train/lr": float(optimizer.param_groups[0]["lr"]),
-        "perf/old_logprob_s": t_old,
-        "perf/train_s": time.perf_counter() - t0 - t_old,
-    })
+    metrics.update(
+        {
+            "rollout/logprob_abs_diff": float(torch_gap[0] / max(float(torch_gap[1]), 1.0)),
+            # fraction of the tokens the model computes (per pass) that are padding
+            "perf/padding_frac": float(1.0 - torch_gap[3] / max(float(torch_gap[2]), 1.0)),
+            **({"rollout/route_agreement": float(torch_gap[4] / torch_gap[5])} if torch_gap[5] > 0 else {}),
+            **({"rollout/indexer_agreement": float(torch_gap[6] / torch_gap[7])} if torch_gap[7] > 0 else {}),
+            "train/skipped_updates": float(sum(not a for a in applied)),
+            "train/grad_norm": _mean_finite(grad_norms),
+            "train/lr": float(optimizer.param_groups[0]["lr"]),
+            "perf/old_logprob_s": t_old,
+            "perf/train_s": time.perf_counter() - t0 - t_old,
+        }
+    )
     if replay is not None:
         replay.phase = None
     if behaviour is not None:
@@ -253,9 +305,16 @@ def _reduce_metrics(per_minibatch: list[list[dict]], num_minibatches: int) -> di
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     w = max(sums[len(keys)].item(), 1.0)
-    names = {"ratio_mean": "gspo/ratio_mean", "clip_fraction": "gspo/clip_frac", "approx_kl_old": "gspo/approx_kl",
-             "entropy": "policy/entropy", "kl_ref": "loss/kl_ref", "engine_logprob_absdiff": "rollout/engine_gap_seq",
-             "tis_weight_mean": "tis/weight_mean", "tis_capped_fraction": "tis/capped_frac"}
+    names = {
+        "ratio_mean": "gspo/ratio_mean",
+        "clip_fraction": "gspo/clip_frac",
+        "approx_kl_old": "gspo/approx_kl",
+        "entropy": "policy/entropy",
+        "kl_ref": "loss/kl_ref",
+        "engine_logprob_absdiff": "rollout/engine_gap_seq",
+        "tis_weight_mean": "tis/weight_mean",
+        "tis_capped_fraction": "tis/capped_frac",
+    }
     out = {names[k]: sums[i].item() / w for i, k in enumerate(keys) if seen[i] > 0}
     out["loss/total"] = sums[len(keys) + 1].item() / num_minibatches
     out["loss/policy"] = sums[len(keys) + 2].item() / num_minibatches

@@ -3,7 +3,8 @@
 Layout (as slime does it): an engine with TP size k runs on the GPUs of k consecutive training
 ranks ``[src, src + k)``. Every one of those ranks holds the same full bucket on its own GPU; each
 flattens it (sglang's ``FlattenedTensorBucket``: all tensors viewed as uint8 and concatenated, plus
-name/shape/dtype/offset metadata) and serializes the CUDA IPC handle with sglang's
+name/shape/dtype/offset metadata; a ``models.weights.FlatBucket`` from the sync's export stream is
+already one reused buffer and is described, not copied) and serializes the CUDA IPC handle with sglang's
 ``MultiprocessingSerializer`` (base64 string). A gloo ``gather_object`` brings the k payloads to
 ``src``, which calls ``update_weights_from_tensor(serialized_named_tensors=[payload of rank 0..k-1],
 load_format="flattened_bucket")``; engine TP rank i opens payload i, i.e. memory on its own GPU.
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from gspo_megatron.rollout.sglang_client import close_weight_update, open_weight_update
 from gspo_megatron.rollout.sglang_compat import (
     flattened_bucket_class,
+    flattened_metadata_class,
     multiprocessing_serializer,
     patch_torch_reductions,
 )
@@ -71,14 +73,27 @@ def serialize_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     ser = multiprocessing_serializer()
     patch_torch_reductions([t for _, t in bucket])
     cls = flattened_bucket_class()
+    flat = getattr(bucket, "flat", None)  # models.weights.FlatBucket: already one buffer
+    meta_cls = flattened_metadata_class()
+    if flat is not None and bucket and meta_cls is not None and getattr(cls, "supports_multi_dtypes", False):
+        metadata = []
+        for name, t in bucket:
+            start, nbytes = t.data_ptr() - flat.data_ptr(), t.numel() * t.element_size()
+            metadata.append(
+                meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + nbytes, numel=nbytes)
+            )
+        return [ser.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)]
     bucket = [(n, t.detach().contiguous()) for n, t in bucket]
     if cls is None:
         return [ser.serialize(list(bucket), output_str=True)] if bucket else []
     payloads = []
     for group in group_for_flattening(bucket):
         flat = cls(named_tensors=group)
-        payloads.append(ser.serialize({"flattened_tensor": flat.get_flattened_tensor(),
-                                       "metadata": flat.get_metadata()}, output_str=True))
+        payloads.append(
+            ser.serialize(
+                {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}, output_str=True
+            )
+        )
     return payloads
 
 
@@ -87,6 +102,10 @@ def deserialize_payload(payload: str) -> list[tuple[str, torch.Tensor]]:
     obj = multiprocessing_serializer().deserialize(payload)
     if isinstance(obj, dict):
         cls = flattened_bucket_class()
+        if cls is None:  # a dict payload is a flattened bucket: serialize_bucket had the class
+            raise ImportError(
+                "a flattened_bucket payload needs sglang's FlattenedTensorBucket, which does not import here"
+            )
         return cls(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]).reconstruct_tensors()
     return list(obj)
 
@@ -103,8 +122,16 @@ class CudaIpcTransport(WeightTransport):
     delta: send changed elements only (module docstring); the engines must run the delta loader.
     """
 
-    def __init__(self, client: Any = None, *, gather_group: Any = None, gather_src: int | None = None,
-                 fp8: bool = False, manage_session: bool = True, delta: bool = False):
+    def __init__(
+        self,
+        client: Any = None,
+        *,
+        gather_group: Any = None,
+        gather_src: int | None = None,
+        fp8: bool = False,
+        manage_session: bool = True,
+        delta: bool = False,
+    ):
         self.group = gather_group
         self.src = gather_src if gather_src is not None else (rdist.rank())
         self.rank = rdist.rank()
@@ -114,14 +141,18 @@ class CudaIpcTransport(WeightTransport):
         self.client = client
         self.group_size = dist.get_world_size(gather_group) if gather_group is not None else 1
         if self.is_src and hasattr(client, "tp_size") and int(client.tp_size) != self.group_size:
-            raise ValueError(f"CudaIpcTransport: engine {client} has tp_size {client.tp_size} but "
-                             f"gather_group has {self.group_size} ranks (one producer per engine TP rank)")
+            raise ValueError(
+                f"CudaIpcTransport: engine {client} has tp_size {client.tp_size} but "
+                f"gather_group has {self.group_size} ranks (one producer per engine TP rank)"
+            )
         self.fp8 = fp8
         self.manage_session = manage_session
         self.load_format = "flattened_bucket" if flattened_bucket_class() is not None else None
         if delta and fp8:
-            raise ValueError("CudaIpcTransport: delta sync of FP8-quantized weights is not supported "
-                             "(rollout.sync_delta with rollout.sync_fp8)")
+            raise ValueError(
+                "CudaIpcTransport: delta sync of FP8-quantized weights is not supported "
+                "(rollout.sync_delta with rollout.sync_fp8)"
+            )
         self.delta = delta
         self.encoder = DeltaEncoder() if delta and self.is_src else None
         if delta:
@@ -147,7 +178,7 @@ class CudaIpcTransport(WeightTransport):
 
     def begin(self, version: str) -> None:
         self.weight_version = version
-        self.failed: BaseException | None = None
+        self.failed = None
         if self.encoder is not None:
             self.encoder.begin()
         if self.is_src and self.manage_session:
@@ -157,20 +188,30 @@ class CudaIpcTransport(WeightTransport):
         if self.fp8:
             bucket = quantize_bucket_fp8(bucket)
         payloads = self._delta_payloads(bucket) if self.delta else serialize_bucket(bucket)
+        gathered: list[list[str]] | None
         if self.group is not None:
-            gathered = [None] * self.group_size if self.is_src else None
+            # each member's payloads, filled in on src
+            gathered = [[] for _ in range(self.group_size)] if self.is_src else None
             dist.gather_object(payloads, gathered, dst=self.src, group=self.group)
         else:
             gathered = [payloads]
         if self.is_src:
+            if gathered is None:  # src is the gather destination
+                raise RuntimeError(f"CudaIpcTransport: rank {self.rank} is gather_src but gathered nothing")
             counts = {len(p) for p in gathered}
             if len(counts) != 1:
-                raise RuntimeError(f"CudaIpcTransport: ranks produced different payload counts {counts}: "
-                                   "every colocated rank must send the same bucket")
+                raise RuntimeError(
+                    f"CudaIpcTransport: ranks produced different payload counts {counts}: "
+                    "every colocated rank must send the same bucket"
+                )
             for i in range(len(payloads)):
-                self._engine_call(self.client.update_weights_from_tensor, [p[i] for p in gathered],
-                                  load_format=self.load_format, flush_cache=False,
-                                  weight_version=self.weight_version)
+                self._engine_call(
+                    self.client.update_weights_from_tensor,
+                    [p[i] for p in gathered],
+                    load_format=self.load_format,
+                    flush_cache=False,
+                    weight_version=self.weight_version,
+                )
         if self.group is not None:
             dist.barrier(group=self.group)  # producers keep their buffers until the engine loaded
         del payloads, bucket
@@ -180,14 +221,16 @@ class CudaIpcTransport(WeightTransport):
     def _delta_payloads(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
         """The delta entries of ``bucket`` (encoded on ``src``, shared with the group) as one plain
         serialized list for this rank's engine TP rank."""
-        plan = None
-        if self.is_src:
+        plan: list[tuple[str, torch.Tensor | None]] | None = None
+        if self.encoder is not None:  # src (a delta transport's encoder lives there)
             # full tensors (plain HF names) every rank has in its own bucket: only the deltas travel
             plan = [(n, t if n.startswith(DELTA_PREFIX) else None) for n, t in self.encoder.encode_bucket(bucket)]
         if self.group is not None:
             box = [plan]
             dist.broadcast_object_list(box, src=self.src, group=self.group)
             plan = box[0]
+        if plan is None:  # encoded on src, broadcast to the rest of its group
+            raise RuntimeError(f"CudaIpcTransport: rank {self.rank} got no delta plan from gather_src {self.src}")
         local = dict(bucket)
         device = bucket[0][1].device if bucket else torch.device("cpu")
         entries = [(n, (local[n] if t is None else t.to(device)).detach().contiguous()) for n, t in plan]

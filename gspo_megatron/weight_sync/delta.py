@@ -79,12 +79,12 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def index_dtype(n: int) -> torch.dtype:
-    return torch.int32 if n < 2 ** 31 else torch.int64
+    return torch.int32 if n < 2**31 else torch.int64
 
 
 def encoded_sizes(n: int, k: int, elem: int) -> dict[str, int]:
     """Bytes of each encoding of a tensor of ``n`` elements of ``elem`` bytes with ``k`` changed."""
-    idx = 4 if n < 2 ** 31 else 8
+    idx = 4 if n < 2**31 else 8
     return {"index": k * (idx + elem), "bitmask": math.ceil(n / 8) + k * elem, "full": n * elem}
 
 
@@ -95,7 +95,9 @@ def choose_encoding(n: int, k: int, elem: int) -> str:
     return best if s[best] < s["full"] else "full"
 
 
-def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor | None) -> tuple[str, list[tuple[str, torch.Tensor]], int]:
+def encode_tensor(
+    name: str, new: torch.Tensor, old: torch.Tensor | None
+) -> tuple[str, list[tuple[str, torch.Tensor]], int]:
     """(encoding, wire entries, changed count k) for one tensor against the copy ``old`` last sent
     (None: nothing sent yet -> full). ``new`` must already be in the engine dtype."""
     if old is None:
@@ -136,9 +138,12 @@ class DeltaStats:
     encodings: dict[str, int] = field(default_factory=lambda: {"full": 0, "index": 0, "bitmask": 0})
 
     def metrics(self) -> dict[str, float]:
-        return {"sync/delta_wire_bytes": float(self.wire_bytes), "sync/delta_full_bytes": float(self.full_bytes),
-                "sync/delta_fraction": self.changed / max(1, self.elements),
-                "sync/delta_tensors_full": float(self.encodings["full"])}
+        return {
+            "sync/delta_wire_bytes": float(self.wire_bytes),
+            "sync/delta_full_bytes": float(self.full_bytes),
+            "sync/delta_fraction": self.changed / max(1, self.elements),
+            "sync/delta_tensors_full": float(self.encodings["full"]),
+        }
 
 
 def entries_nbytes(entries: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -200,8 +205,10 @@ class DeltaEncoder:
             old.copy_(new)
 
 
-def decode_entries(entries: Sequence[tuple[str, torch.Tensor]], copy: dict[str, tuple[int, torch.Tensor]],
-                   ) -> list[tuple[str, torch.Tensor]]:
+def decode_entries(
+    entries: Sequence[tuple[str, torch.Tensor]],
+    copy: dict[str, tuple[int, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
     """The engine's side of :meth:`DeltaEncoder.encode_bucket`: wire entries -> (HF name, full tensor).
 
     ``copy`` (name -> (epoch, host tensor)) is updated in place: a full entry replaces the copy, a
@@ -222,15 +229,16 @@ def decode_entries(entries: Sequence[tuple[str, torch.Tensor]], copy: dict[str, 
         kind = "index" if name.startswith(IDX) else "bitmask" if name.startswith(MASK) else None
         if kind is None or i + 1 >= len(entries):
             raise ValueError(f"delta payload: unexpected entry {name!r}")
-        hf = name[len(IDX if kind == "index" else MASK):]
+        hf = name[len(IDX if kind == "index" else MASK) :]
         vname, values = entries[i + 1]
         if vname != VAL + hf:
             raise ValueError(f"delta payload: {name!r} must be followed by {VAL + hf!r}, got {vname!r}")
         held = copy.get(hf)
         if held is None or held[0] != epoch:
             why = "no copy of it" if held is None else f"its copy is of epoch {held[0]}, the delta of {epoch}"
-            raise ValueError(f"delta for {hf!r} but this engine holds {why}: the trainer must send a full sync "
-                             "(engine restarted?)")
+            raise ValueError(
+                f"delta for {hf!r} but this engine holds {why}: the trainer must send a full sync (engine restarted?)"
+            )
         apply_delta(held[1], t, values, kind)
         out.append((hf, held[1]))
         i += 2

@@ -29,16 +29,12 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
 
+
 def is_fp8_quantizable(name: str, tensor: torch.Tensor) -> bool:
     """True for 2-D floating weights that a model family quantizes on sync (see module docstring)."""
     from gspo_megatron.models.registry import fp8_quantizes
 
-    return (
-        tensor.dim() == 2
-        and tensor.is_floating_point()
-        and tensor.dtype != FP8_DTYPE
-        and fp8_quantizes(name)
-    )
+    return tensor.dim() == 2 and tensor.is_floating_point() and tensor.dtype != FP8_DTYPE and fp8_quantizes(name)
 
 
 def _check_2d(w: torch.Tensor, what: str) -> None:
@@ -46,9 +42,7 @@ def _check_2d(w: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
 
 
-def quantize_blockwise_fp8(
-    weight: torch.Tensor, block: int = BLOCK
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise_fp8(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [M, N]`` -> ``(q [M, N] float8_e4m3fn, scale_inv [ceil(M/b), ceil(N/b)] float32)``.
 
     All-zero blocks get ``scale_inv = 1`` (any positive value dequantizes them to zero exactly).

@@ -101,16 +101,38 @@ def sync_mode(name: str, field: str = "rollout.sync_mode") -> SyncMode:
 
 
 _TOPOLOGY = "gspo_megatron.weight_sync.topology"
-register_sync_mode(SyncMode(
-    "inprocess", engine="hf", placement="in_process", allows_staleness=False, attaches=False,
-    topology=f"{_TOPOLOGY}:inprocess_topology",
-    help="the in-process transformers engine on rank 0 takes the export stream's buckets (InProcessTransport)"))
-register_sync_mode(SyncMode(
-    "colocated", engine="sglang", placement="colocated", allows_staleness=False, attaches=False,
-    topology=f"{_TOPOLOGY}:colocated_topology", delta=True,
-    help="CUDA IPC handles (shared memory on CPU) to engines sharing the training GPUs (CudaIpcTransport)"))
-register_sync_mode(SyncMode(
-    "disaggregated", engine="sglang", placement="separate", allows_staleness=True, attaches=True,
-    topology=f"{_TOPOLOGY}:disaggregated_topology",
-    help="NCCL broadcast (gloo on CPU) from one source rank per pipeline stage to engines on separate GPUs "
-         "(NcclBroadcastTransport)"))
+register_sync_mode(
+    SyncMode(
+        "inprocess",
+        engine="hf",
+        placement="in_process",
+        allows_staleness=False,
+        attaches=False,
+        topology=f"{_TOPOLOGY}:inprocess_topology",
+        help="the in-process transformers engine on rank 0 takes the export stream's buckets (InProcessTransport)",
+    )
+)
+register_sync_mode(
+    SyncMode(
+        "colocated",
+        engine="sglang",
+        placement="colocated",
+        allows_staleness=False,
+        attaches=False,
+        topology=f"{_TOPOLOGY}:colocated_topology",
+        delta=True,
+        help="CUDA IPC handles (shared memory on CPU) to engines sharing the training GPUs (CudaIpcTransport)",
+    )
+)
+register_sync_mode(
+    SyncMode(
+        "disaggregated",
+        engine="sglang",
+        placement="separate",
+        allows_staleness=True,
+        attaches=True,
+        topology=f"{_TOPOLOGY}:disaggregated_topology",
+        help="NCCL broadcast (gloo on CPU) from one source rank per pipeline stage to engines on separate GPUs "
+        "(NcclBroadcastTransport)",
+    )
+)

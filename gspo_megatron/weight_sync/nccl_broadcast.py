@@ -5,33 +5,38 @@ with DP = TP = EP = CP = 0, which receives its stage's full HF-named tensors fro
 ranks 1.. are every GPU of every engine (engine i's TP ranks start at ``1 + sum(engine_world_sizes[:i])``). SGLang's
 ``init_weights_update_group`` makes the engines join; the trainer joins with
 :func:`init_external_process_group`. Per bucket: each engine is told the metadata
-(``update_weights_from_distributed(names, dtypes, shapes, group_name)``), which blocks while the
-source broadcasts each tensor from group rank 0 (engines allocate and receive in the same order).
+(``update_weights_from_distributed(names, dtypes, shapes, group_name, load_format="flattened_bucket")``),
+which blocks while the source broadcasts the bucket's bytes as one uint8 tensor from group rank 0
+(:func:`flatten_bucket`; the engines allocate it by the metadata). Without sglang's
+``FlattenedTensorBucket.empty``: one broadcast per tensor, received in the same order.
 
 Ranks: only source ranks construct and call this transport (``weight_sync.topology`` builds one per
 stage). With several stages sending to the same engines, a ``lock`` (:class:`StoreLock`) makes the
-stages take turns per bucket: engines serve requests one at a time, and two stages interleaving
-across engines would deadlock. The bytes leaving a source are its stage's share of the model.
+stages take turns per bucket (first come, first served): engines serve requests one at a time,
+and two stages interleaving across engines would deadlock. The bytes leaving a source are its stage's share of the model.
 gloo on CPU (``backend="gloo"``, the CPU rollout server), NCCL on GPU: the same code.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from gspo_megatron.dtypes import dtype_name
 from gspo_megatron.rollout.sglang_client import close_weight_update, open_weight_update
+from gspo_megatron.rollout.sglang_compat import flattened_bucket_class
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 from gspo_megatron.weight_sync.transport import WeightTransport
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 
 def pp_group_name(pp_rank: int, prefix: str = "gspo_weights") -> str:
@@ -61,9 +66,45 @@ def bucket_metadata(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[st
     return names, dtypes, shapes
 
 
-def init_external_process_group(backend: str, init_method: str | None, world_size: int, rank: int, group_name: str,
-                                timeout: timedelta | None = None, prefer_sglang: bool = True,
-                                store: Any = None) -> Any:
+def flatten_bucket(
+    bucket: Sequence[tuple[str, torch.Tensor]], device: torch.device | str
+) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """(one uint8 tensor on ``device`` holding the bucket's bytes, the bucket in that byte order):
+    the layout sglang's ``FlattenedTensorBucket.empty(names, dtypes, shapes)`` rebuilds (back to
+    back, widest elements first so each offset is element-aligned). A ``models.weights.FlatBucket``
+    already laid out so on ``device`` is used as it is (no copy)."""
+    device = torch.device(device)
+    flat = getattr(bucket, "flat", None)
+    if flat is not None and flat.device == device:
+        ordered = sorted(bucket, key=lambda nt: bucket.byte_offset(nt[1]))  # type: ignore[attr-defined]
+        pos = 0
+        for _, t in ordered:
+            if bucket.byte_offset(t) != pos or not t.is_contiguous():  # type: ignore[attr-defined]
+                break
+            pos += t.numel() * t.element_size()
+        else:
+            return flat[:pos], ordered
+    ordered = sorted(bucket, key=lambda nt: -nt[1].element_size())
+    total = sum(t.numel() * t.element_size() for _, t in ordered)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    pos = 0
+    for _, t in ordered:
+        n = t.numel() * t.element_size()
+        flat[pos : pos + n].view(t.dtype).view(t.shape).copy_(t)
+        pos += n
+    return flat, ordered
+
+
+def init_external_process_group(
+    backend: str,
+    init_method: str | None,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta | None = None,
+    prefer_sglang: bool = True,
+    store: Any = None,
+) -> Any:
     """A process group with peers outside this job's default world (the SGLang engines).
 
     ``init_method``: a ``tcp://host:port`` rendezvous; or None and ``store``, a torch.distributed
@@ -93,9 +134,15 @@ def init_external_process_group(backend: str, init_method: str | None, world_siz
             except ImportError:
                 init_custom_process_group = None
             if init_custom_process_group is not None:
-                return init_custom_process_group(backend=backend, init_method=init_method, store=store,
-                                                 world_size=world_size, rank=rank, group_name=group_name,
-                                                 timeout=timeout)
+                return init_custom_process_group(
+                    backend=backend,
+                    init_method=init_method,
+                    store=store,
+                    world_size=world_size,
+                    rank=rank,
+                    group_name=group_name,
+                    timeout=timeout,
+                )
         return _torch_external_group(backend, init_method, store, world_size, rank, group_name, timeout)
 
 
@@ -112,8 +159,15 @@ def _outside_torchelastic():
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
 
 
-def _torch_external_group(backend: str, init_method: str | None, store: Any, world_size: int, rank: int,
-                          group_name: str, timeout: timedelta | None) -> Any:
+def _torch_external_group(
+    backend: str,
+    init_method: str | None,
+    store: Any,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta | None,
+) -> Any:
     from torch.distributed.distributed_c10d import (
         PrefixStore,
         _new_process_group_helper,
@@ -124,32 +178,43 @@ def _torch_external_group(backend: str, init_method: str | None, store: Any, wor
 
     timeout = timeout or default_pg_timeout
     if store is None:  # as sglang's helper: only the store made here by rendezvous is prefixed here
+        if init_method is None:  # what torch's rendezvous says to a missing url
+            raise RuntimeError(f"`url` must be a string. {type(init_method)}: {init_method}")
         store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
         store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
-                                      group_name=group_name, timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], dist.Backend(backend), store, group_name=cast("GroupName", group_name), timeout=timeout
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
 class StoreLock:
-    """A mutex over a torch.distributed Store (e.g. the default TCPStore) shared by all source
-    ranks; ``compare_set`` makes acquire atomic."""
+    """A FIFO mutex over a torch.distributed Store (e.g. the default TCPStore) shared by all source
+    ranks: a ticket lock. ``add`` hands out tickets atomically; the holder of ticket t waits (the
+    store's blocking ``wait``, no polling) for the key that the holder of t - 1 sets on release, and
+    deletes it once it holds the lock (the store keeps no key per acquisition). While held, ``key``
+    names the holder's ``token`` ("" when free)."""
 
     def __init__(self, store: Any, key: str = "gspo_weight_sync_lock", poll_s: float = 0.05):
-        self.store, self.key, self.poll_s = store, key, poll_s
+        self.store, self.key = store, key
+        self.poll_s = poll_s  # unused since the ticket lock (kept for callers passing it)
         self.token = f"held-by-{rdist.rank()}-{id(self)}"
+        self.ticket = 0
 
     def __enter__(self) -> "StoreLock":
-        while True:
-            got = self.store.compare_set(self.key, "", self.token)
-            if (got.decode() if isinstance(got, bytes) else got) == self.token:
-                return self
-            time.sleep(self.poll_s)
+        self.ticket = int(self.store.add(f"{self.key}/tickets", 1))
+        if self.ticket > 1:
+            turn = f"{self.key}/turn/{self.ticket}"
+            self.store.wait([turn])
+            self.store.delete_key(turn)
+        self.store.set(self.key, self.token)
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         self.store.set(self.key, "")
+        self.store.set(f"{self.key}/turn/{self.ticket + 1}", "1")
 
 
 class NcclBroadcastTransport(WeightTransport):
@@ -162,16 +227,33 @@ class NcclBroadcastTransport(WeightTransport):
     manage_session: pause/flush/open the engines' update session in begin (set on one stage only;
     ``barrier`` then lets the other stages wait for it, and is called again before closing).
     prefer_sglang_group_helper: join with sglang's own group helper when importable (else torch's).
+    flattened: send each bucket as one broadcast of its bytes (``load_format="flattened_bucket"``,
+    :func:`flatten_bucket`) where sglang has it, instead of one broadcast per tensor (off by
+    default for engines without that route; ``weight_sync.topology`` turns it on).
     """
 
-    def __init__(self, clients: Sequence[Any], *, engine_world_sizes: Sequence[int], master_address: str,
-                 master_port: int, group_name: str = pp_group_name(0), backend: str = "nccl",
-                 device: torch.device | str | None = None, fp8: bool = False, lock: Any = None,
-                 manage_session: bool = True, barrier: Callable[[], None] | None = None,
-                 timeout_s: float = 1800.0, prefer_sglang_group_helper: bool = True):
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        *,
+        engine_world_sizes: Sequence[int],
+        master_address: str,
+        master_port: int,
+        group_name: str = pp_group_name(0),
+        backend: str = "nccl",
+        device: torch.device | str | None = None,
+        fp8: bool = False,
+        lock: Any = None,
+        manage_session: bool = True,
+        barrier: Callable[[], None] | None = None,
+        timeout_s: float = 1800.0,
+        prefer_sglang_group_helper: bool = True,
+        flattened: bool = False,
+    ):
         if len(clients) != len(engine_world_sizes):
-            raise ValueError(f"NcclBroadcastTransport: {len(clients)} clients but "
-                             f"{len(engine_world_sizes)} engine_world_sizes")
+            raise ValueError(
+                f"NcclBroadcastTransport: {len(clients)} clients but {len(engine_world_sizes)} engine_world_sizes"
+            )
         self.clients = list(clients)
         self.rank_offsets, self.world_size = engine_rank_offsets(engine_world_sizes)
         self.master_address, self.master_port = master_address, int(master_port)
@@ -186,6 +268,9 @@ class NcclBroadcastTransport(WeightTransport):
         self.failed: BaseException | None = None
         self.weight_version = "0"
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)))
+        # sglang 0.5.23's update_weights_from_distributed(load_format="flattened_bucket") receives
+        # a bucket as one broadcast (FlattenedTensorBucket.empty: names in byte order, no gaps)
+        self.flattened = flattened and hasattr(flattened_bucket_class(), "empty")
 
     # -- group lifecycle -------------------------------------------------------------------------
     def connect(self) -> None:
@@ -197,13 +282,31 @@ class NcclBroadcastTransport(WeightTransport):
         if self.group is not None:
             return
         # the group keeps the store (and its server) alive until it is destroyed
-        store = dist.TCPStore(self.master_address, self.master_port, self.world_size, True, self.timeout,
-                              wait_for_workers=False)
-        futures = [self._pool.submit(c.init_weights_update_group, self.master_address, store.port,
-                                     off, self.world_size, self.group_name, self.backend)
-                   for c, off in zip(self.clients, self.rank_offsets)]
-        self.group = init_external_process_group(self.backend, None, self.world_size, 0, self.group_name,
-                                                 self.timeout, prefer_sglang=self.prefer_sglang, store=store)
+        store = dist.TCPStore(
+            self.master_address, self.master_port, self.world_size, True, self.timeout, wait_for_workers=False
+        )
+        futures = [
+            self._pool.submit(
+                c.init_weights_update_group,
+                self.master_address,
+                store.port,
+                off,
+                self.world_size,
+                self.group_name,
+                self.backend,
+            )
+            for c, off in zip(self.clients, self.rank_offsets)
+        ]
+        self.group = init_external_process_group(
+            self.backend,
+            None,
+            self.world_size,
+            0,
+            self.group_name,
+            self.timeout,
+            prefer_sglang=self.prefer_sglang,
+            store=store,
+        )
         for f in futures:
             f.result()
 
@@ -215,14 +318,14 @@ class NcclBroadcastTransport(WeightTransport):
         futures = [self._pool.submit(c.destroy_weights_update_group, self.group_name) for c in self.clients]
         try:
             dist.destroy_process_group(self.group)
-        except Exception:  # noqa: BLE001 - a broken group (dead peer) cannot always be torn down cleanly
+        except Exception:  # a broken group (dead peer) cannot always be torn down cleanly
             if not tolerate_errors:
                 raise
         self.group = None
         for f in futures:
             try:
                 f.result()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 if not tolerate_errors:
                     raise
 
@@ -246,7 +349,7 @@ class NcclBroadcastTransport(WeightTransport):
                 self.failed = e
 
     def begin(self, version: str) -> None:
-        self.failed: BaseException | None = None
+        self.failed = None
         self._guarded(self.connect)
         self.weight_version = version
         if self.manage_session:
@@ -260,17 +363,35 @@ class NcclBroadcastTransport(WeightTransport):
             bucket = quantize_bucket_fp8(bucket)
         if not bucket or self.failed is not None:
             return
-        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+        load_format = None
+        if self.flattened:  # one broadcast of the bucket's bytes (sglang's ``flattened_bucket``)
+            flat, bucket = flatten_bucket(bucket, self.device)
+            tensors = [flat]
+            load_format = "flattened_bucket"
+        else:
+            tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
         names, dtypes, shapes = bucket_metadata(bucket)
         if self.lock is not None:
             with self.lock:
-                self._guarded(self._broadcast, names, dtypes, shapes, tensors)
+                self._guarded(self._broadcast, names, dtypes, shapes, tensors, load_format)
         else:
-            self._guarded(self._broadcast, names, dtypes, shapes, tensors)
+            self._guarded(self._broadcast, names, dtypes, shapes, tensors, load_format)
 
-    def _broadcast(self, names, dtypes, shapes, tensors) -> None:
-        futures = [self._pool.submit(c.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
-                                     False, self.weight_version) for c in self.clients]
+    def _broadcast(self, names, dtypes, shapes, tensors, load_format=None) -> None:
+        kw = {"load_format": load_format} if load_format is not None else {}
+        futures = [
+            self._pool.submit(
+                c.update_weights_from_distributed,
+                names,
+                dtypes,
+                shapes,
+                self.group_name,
+                False,
+                self.weight_version,
+                **kw,
+            )
+            for c in self.clients
+        ]
         handles = [dist.broadcast(t, 0, group=self.group, async_op=True) for t in tensors]
         for h in handles:
             h.wait()

@@ -60,8 +60,10 @@ def check_versions(engine, version: str) -> str | None:
     stale = [(i, v) for i, v in enumerate(versions) if v is not None and v != version]
     if not stale:
         return None
-    return (f"engine {stale[0][0]} reports weight version {stale[0][1]!r} after sync {version!r} "
-            f"({len(stale)} of {len(versions)} engines stale): the sync did not reach it")
+    return (
+        f"engine {stale[0][0]} reports weight version {stale[0][1]!r} after sync {version!r} "
+        f"({len(stale)} of {len(versions)} engines stale): the sync did not reach it"
+    )
 
 
 @dataclass
@@ -71,9 +73,17 @@ class ProbeResult:
     max_abs_diff: float
 
 
-def check_engines(model, engine, version: str, prompts: list[list[int]] | None, tol: float, pad_id: int = 0,
-                  max_new_tokens: int = 4, generation: Callable = nullcontext,
-                  routing_replay: str = "off") -> ProbeResult:
+def check_engines(
+    model,
+    engine,
+    version: str,
+    prompts: list[list[int]] | None,
+    tol: float,
+    pad_id: int = 0,
+    max_new_tokens: int = 4,
+    generation: Callable = nullcontext,
+    routing_replay: str = "off",
+) -> ProbeResult:
     """Collective (see module docstring). ``engine`` and ``prompts`` on rank 0 only. ``generation()``:
     entered on every rank around rank 0's generation (the engines' KV cache must be resumed there).
     ``routing_replay`` ``"r3"``: the trainer replays the probe samples' ``routed_experts`` (int32
@@ -106,20 +116,30 @@ def check_engines(model, engine, version: str, prompts: list[list[int]] | None, 
     if rows is None:
         return ProbeResult(False, broadcast_object(problem), float("inf"))
     with replay_phase(model, "r3" if routes is not None else "off", "policy"):
-        scored = score_rows(model, rows, pad_id=pad_id, routes=routes, indexer=indexer)  # rank 0: full-row log-probs, position 1..
+        scored = score_rows(
+            model, rows, pad_id=pad_id, routes=routes, indexer=indexer
+        )  # rank 0: full-row log-probs, position 1..
     verdict = None
     if rank == 0:
+        if samples is None or scored is None:  # rank 0 generated the rows (rows is not None) and scored them
+            raise RuntimeError("sync probe: rank 0 holds no probe samples or scores")
         worst, where, k = 0.0, "", 0
-        for e, per_engine in enumerate(samples):
+        for engine_i, per_engine in enumerate(samples):
             for p, s in enumerate(per_engine):
-                trainer = scored[k][len(s.prompt_ids) - 1:]
+                trainer = scored[k][len(s.prompt_ids) - 1 :]
                 k += 1
                 for t, (a, b) in enumerate(zip(trainer, s.response_logprobs)):
                     if abs(a - b) > worst:
-                        worst, where = abs(a - b), f"engine {e}, probe prompt {p}, token {t}"
+                        worst, where = abs(a - b), f"engine {engine_i}, probe prompt {p}, token {t}"
         ok = worst <= tol
-        message = "" if ok else (f"engine log-probs differ from the trainer's by {worst:.3g} (> rollout.sync_verify_tol "
-                                 f"{tol:g}) at {where}: the engine does not hold the trainer's weights")
+        message = (
+            ""
+            if ok
+            else (
+                f"engine log-probs differ from the trainer's by {worst:.3g} (> rollout.sync_verify_tol "
+                f"{tol:g}) at {where}: the engine does not hold the trainer's weights"
+            )
+        )
         verdict = ProbeResult(ok, message, worst)
     return broadcast_object(verdict)
 
@@ -134,8 +154,15 @@ class SyncVerifier:
     probe batch (None elsewhere). Every rank keeps the same schedule (same counters).
     routing_replay: ``rollout.routing_replay``; ``"r3"``: the probe replays the engines' routes."""
 
-    def __init__(self, model, tolerance: float, pad_id: int = 0, probe_prompts: list[list[int]] | None = None,
-                 every: int = 1, routing_replay: str = "off"):
+    def __init__(
+        self,
+        model,
+        tolerance: float,
+        pad_id: int = 0,
+        probe_prompts: list[list[int]] | None = None,
+        every: int = 1,
+        routing_replay: str = "off",
+    ):
         self.model, self.tolerance, self.pad_id = model, tolerance, pad_id
         self.routing_replay = routing_replay
         self.probe_prompts, self.every = probe_prompts, every
@@ -155,8 +182,16 @@ class SyncVerifier:
         rank). ``generation``: see :func:`check_engines`; the probe's difference goes to ``metrics``."""
         if not self.probe_due(syncs):
             return broadcast_object(check_versions(engine, version) if rdist.rank() == 0 else None)
-        result = check_engines(self.model, engine, version, self.probe_prompts, self.tolerance, self.pad_id,
-                               generation=generation, routing_replay=self.routing_replay)
+        result = check_engines(
+            self.model,
+            engine,
+            version,
+            self.probe_prompts,
+            self.tolerance,
+            self.pad_id,
+            generation=generation,
+            routing_replay=self.routing_replay,
+        )
         metrics["sync/verify_max_abs_diff"] = result.max_abs_diff
         if result.ok:
             self.probe_owed = False

@@ -8,8 +8,8 @@ engines get is exactly what an export would contain.
 
 A transport failure (a dead engine) never leaves the other ranks stuck in the export collectives:
 the failing rank keeps iterating the stream without sending, and after the stream every rank learns
-whether any rank failed (one all-reduce); the error texts are gathered on rank 0, which decides
-(``rollout.session``).
+whether any rank failed (one all-gather, which also carries the byte counts); the error texts are
+gathered on rank 0, which decides (``rollout.session``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import time
 import torch.distributed as dist
 
 from gspo_megatron.models.lora import adapter_nbytes
-from gspo_megatron.models.weights import build_export_plan, export_hf_weights
+from gspo_megatron.models.weights import BucketBuffer, build_export_plan, export_hf_weights
 from gspo_megatron.runtime import distributed as rdist
-from gspo_megatron.runtime.distributed import any_rank
+
+FLAT_MODES = ("colocated", "disaggregated")  # sync modes whose transports take FlatBucket as it is
 
 
 class WeightSyncer:
@@ -33,6 +34,12 @@ class WeightSyncer:
         self.topology = topology
         self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
         self.plan = build_export_plan(model)
+        # SGLang modes: every bucket arrives as views into one reused buffer (``FlatBucket``), which
+        # the transports send as it is (no flattening copy, one broadcast per bucket); colocated on
+        # CPU it lives in shared memory, so the engines map it instead of the serializer copying it.
+        # The same on every rank (it changes the export's collectives).
+        mode = getattr(topology, "mode", None)
+        self.bucket_buffer = BucketBuffer(share=mode == "colocated") if mode in FLAT_MODES else None
         # model.lora: what an adapter-only sync would send (every adapter once, unsharded)
         self.lora_bytes = adapter_nbytes(model) if _lora_of(model) else 0
         self.version = 0
@@ -59,7 +66,9 @@ class WeightSyncer:
         # a transport whose ranks run collectives per bucket (``keeps_step``) is called for every
         # bucket even after a failure; the others stop sending at the first one
         keeps_step = getattr(transport, "keeps_step", False)
-        for bucket in export_hf_weights(self.model, self.bucket_bytes, plan=self.plan, dst=self.topology.dst):
+        for bucket in export_hf_weights(
+            self.model, self.bucket_bytes, plan=self.plan, dst=self.topology.dst, flat=self.bucket_buffer
+        ):
             if not bucket or transport is None or (error is not None and not keeps_step):
                 continue
             tb = time.perf_counter()
@@ -69,20 +78,26 @@ class WeightSyncer:
             nbytes += bucket_nbytes(bucket)
         if transport is not None and (error is None or keeps_step):
             guard(transport.end)
-        failed = any_rank(error is not None)
+        # one collective for the failure flag and the byte counts (was three)
+        failed, most, total = _failed_and_bytes(error is not None, float(nbytes))
         if failed:  # delta sync: the engines may hold anything now, the next sync is full
             self.engines_restarted()
         self.errors = []
         if failed:
             texts = _gather_to_rank0(f"rank {rank}: {type(error).__name__}: {error}" if error else None)
             self.errors = [t for t in texts if t] if rank == 0 else []
-        most, total = _reduce_over_ranks(float(nbytes))
         delta = getattr(transport, "delta_metrics", None)
-        return {"sync/total_s": time.perf_counter() - t0, "sync/bytes": float(nbytes),
-                "sync/bytes_max_rank": most, "sync/bytes_total": total, "sync/buckets": float(nbuckets),
-                "sync/bucket_s_max": max(bucket_times, default=0.0), "sync/version": float(self.version),
-                **({"sync/lora_adapter_bytes": float(self.lora_bytes)} if self.lora_bytes else {}),
-                **(delta() if delta is not None else {})}
+        return {
+            "sync/total_s": time.perf_counter() - t0,
+            "sync/bytes": float(nbytes),
+            "sync/bytes_max_rank": most,
+            "sync/bytes_total": total,
+            "sync/buckets": float(nbuckets),
+            "sync/bucket_s_max": max(bucket_times, default=0.0),
+            "sync/version": float(self.version),
+            **({"sync/lora_adapter_bytes": float(self.lora_bytes)} if self.lora_bytes else {}),
+            **(delta() if delta is not None else {}),
+        }
 
     def engines_restarted(self) -> None:
         """After a failed sync or an engine restart (every rank): a delta-sync transport forgets
@@ -113,16 +128,17 @@ def _gather_to_rank0(obj) -> list:
     return out or []
 
 
-def _reduce_over_ranks(value: float) -> tuple[float, float]:
-    """(largest, sum) of ``value`` over all ranks: the bytes the busiest sender moved, and all."""
+def _failed_and_bytes(failed: bool, value: float) -> tuple[bool, float, float]:
+    """(whether any rank failed, the largest ``value``, the sum of ``value``) over all ranks, by
+    one all-gather of two numbers per rank."""
     if rdist.world_size() == 1:
-        return value, value
+        return failed, value, value
     import torch
 
     from gspo_megatron.runtime.distributed import device
 
-    t = torch.tensor([value], dtype=torch.float64, device=device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    s = torch.tensor([value], dtype=torch.float64, device=device())
-    dist.all_reduce(s)
-    return float(t[0].item()), float(s.item())
+    mine = torch.tensor([1.0 if failed else 0.0, value], dtype=torch.float64, device=device())
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    rows = torch.stack(everyone).cpu()
+    return bool(rows[:, 0].max().item() > 0), float(rows[:, 1].max().item()), float(rows[:, 1].sum().item())

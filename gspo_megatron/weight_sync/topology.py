@@ -70,25 +70,39 @@ def colocated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopology:
         group = dist.new_group(ranks, backend="gloo") if len(ranks) > 1 else None
         if rank in ranks:
             client = fleet.client(spec.index) if rank == spec.src_rank else None
-            transport = CudaIpcTransport(client, gather_group=group, gather_src=spec.src_rank,
-                                         fp8=cfg.rollout.sync_fp8, delta=cfg.rollout.sync_delta)
-    return SyncTopology(cfg.rollout.sync_mode, ALL_RANKS, transport, sources=[s.src_rank for s in fleet.specs],
-                        engine_urls=list(fleet.urls))
+            transport = CudaIpcTransport(
+                client,
+                gather_group=group,
+                gather_src=spec.src_rank,
+                fp8=cfg.rollout.sync_fp8,
+                delta=cfg.rollout.sync_delta,
+            )
+    return SyncTopology(
+        cfg.rollout.sync_mode,
+        ALL_RANKS,
+        transport,
+        sources=[s.src_rank for s in fleet.specs],
+        engine_urls=list(fleet.urls),
+    )
 
 
 def stage_sources() -> tuple[dict[int, int], list[int]]:
     """(pipeline stage of every global rank, source rank of every stage). Collective."""
     from megatron.core import parallel_state as ps
 
-    me = (ps.get_pipeline_model_parallel_rank(),
-          ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+    me = (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0,
+    )
     everyone: list = [me]
     if rdist.world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, me)
     stage_of = {r: s for r, (s, _) in enumerate(everyone)}
-    sources = [min(r for r, (s, cand) in enumerate(everyone) if s == stage and cand)
-               for stage in range(max(stage_of.values()) + 1)]
+    sources = [
+        min(r for r, (s, cand) in enumerate(everyone) if s == stage and cand)
+        for stage in range(max(stage_of.values()) + 1)
+    ]
     return stage_of, sources
 
 
@@ -106,19 +120,36 @@ def disaggregated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopol
         lock = StoreLock(dist.distributed_c10d._get_default_store()) if len(sources) > 1 else None
         address = node_address()
         transport = NcclBroadcastTransport(
-            [fleet.client(e) for e in range(len(fleet.urls))], engine_world_sizes=fleet.world_sizes,
-            master_address=address, master_port=0, group_name=pp_group_name(stage),
-            backend="nccl" if cuda else "gloo", device=None if cuda else "cpu", fp8=cfg.rollout.sync_fp8,
-            lock=lock, manage_session=stage == 0, barrier=barrier)
+            [fleet.client(e) for e in range(len(fleet.urls))],
+            engine_world_sizes=fleet.world_sizes,
+            master_address=address,
+            master_port=0,
+            group_name=pp_group_name(stage),
+            backend="nccl" if cuda else "gloo",
+            device=None if cuda else "cpu",
+            fp8=cfg.rollout.sync_fp8,
+            lock=lock,
+            manage_session=stage == 0,
+            barrier=barrier,
+            flattened=True,
+        )
 
     def connect_all(reconnect: bool) -> None:
         # engines join one group at a time (each init blocks an engine until its rendezvous is done)
         for src in sources:
             if rank == src:
+                if transport is None:  # built above for every source rank
+                    raise RuntimeError(f"source rank {rank} has no weight-sync transport")
                 transport.reconnect() if reconnect else transport.connect()
             if barrier is not None and rank in sources:
                 barrier()
 
     connect_all(False)
-    return SyncTopology(cfg.rollout.sync_mode, lambda owner: sources[stage_of[owner]], transport,
-                        sources=sources, reconnect_all=lambda: connect_all(True), engine_urls=list(fleet.urls))
+    return SyncTopology(
+        cfg.rollout.sync_mode,
+        lambda owner: sources[stage_of[owner]],
+        transport,
+        sources=sources,
+        reconnect_all=lambda: connect_all(True),
+        engine_urls=list(fleet.urls),
+    )

@@ -11,7 +11,8 @@ import torch
 
 
 def _setup(hf_dir: str, layout: dict):
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
@@ -19,8 +20,9 @@ def _setup(hf_dir: str, layout: dict):
     init_distributed(ParallelLayout(**layout), seed=5)
     model = build_model(load_hf_config(hf_dir), opts=ModelOptions(), **layout)
     load_hf_weights(model, hf_dir)
-    ddp, opt, sched = setup_training(model, OptimOptions(lr=1e-2, lr_warmup_steps=3, total_steps=10,
-                                                         lr_decay_style="cosine"))
+    ddp, opt, sched = setup_training(
+        model, OptimOptions(lr=1e-2, lr_warmup_steps=3, total_steps=10, lr_decay_style="cosine")
+    )
     return model, ddp, opt, sched
 
 
@@ -52,8 +54,7 @@ def _draws() -> dict:
 
     with get_cuda_rng_tracker().fork():
         tracked = torch.rand(3)
-    return dict(python=random.random(), numpy=float(np.random.rand()), torch=torch.rand(3),
-                tracker=tracked)
+    return dict(python=random.random(), numpy=float(np.random.rand()), torch=torch.rand(3), tracker=tracked)
 
 
 def resume_job(rank: int, world: int, hf_dir: str, root: str, layout: dict, other_layout: dict) -> dict:
@@ -77,14 +78,17 @@ def resume_job(rank: int, world: int, hf_dir: str, root: str, layout: dict, othe
     step, extra = ck.load_checkpoint(root, ddp2, opt2, sched2)
     res["resumed"] = (step, extra)
     draws_after_load = _draws()
-    res["rng_equal"] = all(torch.equal(torch.as_tensor(draws_after_save[k]),
-                                       torch.as_tensor(draws_after_load[k])) for k in draws_after_save)
+    res["rng_equal"] = all(
+        torch.equal(torch.as_tensor(draws_after_save[k]), torch.as_tensor(draws_after_load[k]))
+        for k in draws_after_save
+    )
     _fake_step(ddp2, opt2, sched2, seed=2)
     got = _weights(model2)
     res["lr_equal"] = opt2.param_groups[0]["lr"] == expected_lr
     if rank == 0:
         res["weights_equal"] = sorted(got) == sorted(expected) and all(
-            torch.equal(got[k], expected[k]) for k in expected)
+            torch.equal(got[k], expected[k]) for k in expected
+        )
 
     # more checkpoints: keep_last=2 keeps steps 2 and 3
     ck.save_checkpoint(root, 2, ddp2, opt2, sched2, extra_state={"data_position": 18}, keep_last=2)
@@ -135,8 +139,11 @@ def resume_job(rank: int, world: int, hf_dir: str, root: str, layout: dict, othe
         from safetensors.torch import load_file
 
         exported = load_file(os.path.join(out, files[0]))
-        res["export_root_equal"] = len(files) == 1 and sorted(exported) == sorted(weights_at_2) and all(
-            torch.equal(exported[k], weights_at_2[k]) for k in weights_at_2)
+        res["export_root_equal"] = (
+            len(files) == 1
+            and sorted(exported) == sorted(weights_at_2)
+            and all(torch.equal(exported[k], weights_at_2[k]) for k in weights_at_2)
+        )
     destroy_distributed()
     return res
 
@@ -148,7 +155,7 @@ def in_place_merge_job(rank: int, world: int, hf_dir: str, ckpt: str) -> dict:
     from gspo_megatron import convert
     from gspo_megatron.checkpoint.in_place_reads import merge_swiglu_in_place
     from gspo_megatron.checkpoint.manager import load_checkpoint, unwrap
-    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 
     init_distributed(ParallelLayout(), seed=5)
@@ -173,8 +180,13 @@ def in_place_merge_job(rank: int, world: int, hf_dir: str, ckpt: str) -> dict:
     ref = convert.build_empty_model(load_hf_config(hf_dir), 1, 1, 1, None, 1, "float32")
     load_hf_weights(ref, hf_dir)
     mine, want = dict(unwrap(model).named_parameters()), dict(unwrap(ref).named_parameters())
-    return dict(changed=changed, fc1=len(fc1), fallback_ok=fallback_ok, in_place=seen,
-                equal=sorted(mine) == sorted(want) and all(torch.equal(mine[k], want[k]) for k in want))
+    return dict(
+        changed=changed,
+        fc1=len(fc1),
+        fallback_ok=fallback_ok,
+        in_place=seen,
+        equal=sorted(mine) == sorted(want) and all(torch.equal(mine[k], want[k]) for k in want),
+    )
 
 
 def reinit_groups_job(rank: int, world: int, layouts: list[dict]) -> list[int]:
@@ -211,8 +223,13 @@ def direct_reads_job(rank: int, world: int, hf_dir: str, ckpt: str, save_tp: int
     in_place.direct_reader_class = make
     checkpoint.direct_reads = contextlib.nullcontext
     plain, _ = convert.load_model(ckpt, tp=load_tp, ep=world // load_tp)
-    return dict(direct_items=sum(c.direct_items for c in made), base_tensor_items=sum(c.base_tensor_items for c in made),
-                readers=len(made), a=_params(direct), b=_params(plain))
+    return dict(
+        direct_items=sum(c.direct_items for c in made),
+        base_tensor_items=sum(c.base_tensor_items for c in made),
+        readers=len(made),
+        a=_params(direct),
+        b=_params(plain),
+    )
 
 
 def _params(model) -> dict:
@@ -254,16 +271,25 @@ def direct_writes_job(rank: int, world: int, hf_dir: str, root: str, tp: int) ->
     made, make = [], writer.direct_writer_class
     writer.direct_writer_class = lambda: made.append(make()) or made[-1]
     direct = checkpoint.write_checkpoint_dir(os.path.join(root, "direct"), 0, model, save_rng=False)
-    out = dict(direct_forks=len(forks), direct_manager=fa._results_queue is not None,
-               files_written=sum(c.files_written for c in made))
+    out = dict(
+        direct_forks=len(forks),
+        direct_manager=fa._results_queue is not None,
+        files_written=sum(c.files_written for c in made),
+    )
     checkpoint.direct_writes = lambda: contextlib.nullcontext(None)
     mcore = checkpoint.write_checkpoint_dir(os.path.join(root, "mcore"), 0, model, save_rng=False)
-    out.update(mcore_forks=len(forks) - out["direct_forks"], mcore_manager=fa._results_queue is not None,
-               original=_params(model))
+    out.update(
+        mcore_forks=len(forks) - out["direct_forks"],
+        mcore_manager=fa._results_queue is not None,
+        original=_params(model),
+    )
     if rank == 0:
-        out.update(direct_layout=_storage_layout(direct), mcore_layout=_storage_layout(mcore),
-                   direct_files=sorted(os.listdir(os.path.join(direct, checkpoint.DIST_SUBDIR))),
-                   mcore_files=sorted(os.listdir(os.path.join(mcore, checkpoint.DIST_SUBDIR))))
+        out.update(
+            direct_layout=_storage_layout(direct),
+            mcore_layout=_storage_layout(mcore),
+            direct_files=sorted(os.listdir(os.path.join(direct, checkpoint.DIST_SUBDIR))),
+            mcore_files=sorted(os.listdir(os.path.join(mcore, checkpoint.DIST_SUBDIR))),
+        )
     for name, ckpt in (("direct", direct), ("mcore", mcore)):
         out[f"{name}_read_direct"] = _params(convert.load_model(ckpt, **layout)[0])
         with contextlib.ExitStack() as stack:
@@ -289,6 +315,7 @@ def failed_write_job(rank: int, world: int, hf_dir: str, root: str) -> dict:
             @classmethod
             def write_bucket(cls, transforms, bucket):
                 raise OSError(28, "No space left on device", bucket[0])
+
         return Failing
 
     writer.direct_writer_class = failing

@@ -12,7 +12,8 @@ from checkpoint_workers import _weights
 
 
 def _setup(hf_dir: str, layout: dict):
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.lora import LoraOptions
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
@@ -55,8 +56,9 @@ def lora_resume_job(rank: int, world: int, hf_dir: str, root: str, layout: dict,
     res["adapter_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     _fake_step(ddp, opt, sched, seed=1)
-    res["base_unchanged"] = all(torch.equal(p, base_before[n]) for n, p in model.named_parameters()
-                                if not p.requires_grad)
+    res["base_unchanged"] = all(
+        torch.equal(p, base_before[n]) for n, p in model.named_parameters() if not p.requires_grad
+    )
     ck.save_checkpoint(root, 1, ddp, opt, sched, extra_state={"data_position": 3}, keep_last=2)
     weights_at_1 = _weights(model)
     _fake_step(ddp, opt, sched, seed=2)
@@ -68,16 +70,16 @@ def lora_resume_job(rank: int, world: int, hf_dir: str, root: str, layout: dict,
     got = _weights(model2)
     res["adapters_equal"] = all(torch.equal(p, expected_adapters[n]) for n, p in _adapters(model2).items())
     if rank == 0:
-        res["weights_equal"] = sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k])
-                                                                        for k in expected)
+        res["weights_equal"] = sorted(got) == sorted(expected) and all(
+            torch.equal(got[k], expected[k]) for k in expected
+        )
         res["merged_moved"] = any(not torch.equal(weights_at_1[k], expected[k]) for k in expected)
 
     model3 = _setup(hf_dir, other_layout)[0]
     ck.load_checkpoint(os.path.join(root, "step_000001"), model3)
     w3 = _weights(model3)
     if rank == 0:
-        res["other_layout_equal"] = all(torch.allclose(w3[k], weights_at_1[k], rtol=0, atol=1e-6)
-                                        for k in weights_at_1)
+        res["other_layout_equal"] = all(torch.allclose(w3[k], weights_at_1[k], rtol=0, atol=1e-6) for k in weights_at_1)
     from gspo_megatron.convert import megatron_to_hf
 
     out = os.path.join(os.path.dirname(root), "exported")
@@ -89,7 +91,8 @@ def lora_resume_job(rank: int, world: int, hf_dir: str, root: str, layout: dict,
 
         exported = load_file(os.path.join(out, files[0]))
         res["export_equal"] = sorted(exported) == sorted(weights_at_1) and all(
-            torch.allclose(exported[k], weights_at_1[k], rtol=0, atol=1e-6) for k in weights_at_1)
+            torch.allclose(exported[k], weights_at_1[k], rtol=0, atol=1e-6) for k in weights_at_1
+        )
     destroy_distributed()
     return res
 
@@ -98,7 +101,8 @@ def lora_adapter_checkpoint_job(rank: int, world: int, hf_dir: str, out: str, ta
     """Write a LoRA checkpoint (tp = world) of the HF model at ``hf_dir`` with trained-looking adapters
     (B random, not zero) on ``targets`` (None: the default targets) at ``out`` (for the PEFT export)."""
     from gspo_megatron.checkpoint.manager import write_checkpoint_dir
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.lora import DEFAULT_TARGETS, LoraOptions, lora_modules
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed

@@ -8,7 +8,8 @@ import sys
 
 if __name__ == "__main__":  # dist_checkpointing's save starts a multiprocessing manager
     from gspo_megatron.checkpoint.manager import save_checkpoint
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 

@@ -31,15 +31,18 @@ def test_newest_complete_wins_and_tmp_dirs_are_ignored(tmp_path):
     fake_checkpoint(tmp_path / "step_000020.tmp-abcdef", 20)  # an interrupted save
     assert [s for s, _ in ck.list_checkpoints(str(tmp_path))] == [2, 10]
     assert ck.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_000010")
-    assert ck.resolve_checkpoint(str(tmp_path)) == [str(tmp_path / "step_000010"),
-                                                    str(tmp_path / "step_000002")]
+    assert ck.resolve_checkpoint(str(tmp_path)) == [str(tmp_path / "step_000010"), str(tmp_path / "step_000002")]
 
 
 @pytest.mark.parametrize("damage", ["no_marker", "no_meta", "bad_meta", "no_dist_metadata"])
 def test_damaged_newest_is_skipped_with_warning(tmp_path, damage):
     fake_checkpoint(tmp_path / "step_000001", 1)
-    newest = fake_checkpoint(tmp_path / "step_000002", 2, marker=damage != "no_marker",
-                             meta={"no_meta": False, "bad_meta": "{not json"}.get(damage, True))
+    newest = fake_checkpoint(
+        tmp_path / "step_000002",
+        2,
+        marker=damage != "no_marker",
+        meta={"no_meta": False, "bad_meta": "{not json"}.get(damage, True),
+    )
     if damage == "no_dist_metadata":
         os.remove(os.path.join(newest, ck.DIST_SUBDIR, ".metadata"))
     with pytest.warns(UserWarning, match="step_000002"):

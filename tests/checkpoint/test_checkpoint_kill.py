@@ -25,7 +25,8 @@ def load_latest(rank, world, hf_dir, root):
     import torch
 
     from gspo_megatron.checkpoint import manager as ck
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 
     init_distributed(ParallelLayout())
@@ -42,8 +43,13 @@ def test_kill_during_save_loop_leaves_a_loadable_checkpoint(tmp_path):
     save_tiny_hf_model("qwen3_moe", hf_dir, num_hidden_layers=2)
     marker = uuid.uuid4().hex
     env = dict(os.environ, PYTHONPATH=ROOT, GSPO_TEST_MARKER=marker)
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "save_loop_script.py"), hf_dir, root],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "save_loop_script.py"), hf_dir, root],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         for line in proc.stdout:
             if line.startswith("saved 2"):
@@ -61,6 +67,6 @@ def test_kill_during_save_loop_leaves_a_loadable_checkpoint(tmp_path):
         proc.stdout.close()
         fault_injection.kill_marked("GSPO_TEST_MARKER", marker)
     assert alive == [], {p: fault_injection.cmdline(p) for p in alive}  # nothing outlived the saver
-    (step, extra, values), = run_ranks(load_latest, 1, hf_dir, root)
+    ((step, extra, values),) = run_ranks(load_latest, 1, hf_dir, root)
     assert step >= 2 and extra == {"step": step}
     assert values == [float(step)]  # every weight comes from that one save

@@ -5,6 +5,8 @@ different layout (model reshards; optimizer refuses); HF export of a training ro
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from checkpoint_workers import resume_job
@@ -12,12 +14,9 @@ from distributed_harness import run_ranks
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("ckpt")
-    save_tiny_hf_model("qwen3_moe", str(root / "hf"), seed=2, num_hidden_layers=2)
-    return run_ranks(resume_job, 2, str(root / "hf"), str(root / "run"), dict(ep=2), dict(tp=2))
+def job(tiny_hf_checkpoint):
+    hf_dir, _ = tiny_hf_checkpoint("qwen3_moe", seed=2, num_hidden_layers=2)
+    return run_ranks(resume_job, 2, hf_dir, os.path.join(os.path.dirname(hf_dir), "run"), dict(ep=2), dict(tp=2))
 
 
 def test_resume_restores_step_and_extra_state(job):

@@ -13,12 +13,8 @@ from distributed_harness import run_ranks
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    path = str(tmp_path_factory.mktemp("hf") / "hf")
-    save_tiny_hf_model("qwen3_moe", path, seed=6, num_hidden_layers=2)
-    return path
+def hf_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("qwen3_moe", seed=6, num_hidden_layers=2)[0]
 
 
 def _same(r: dict) -> bool:
@@ -27,7 +23,10 @@ def _same(r: dict) -> bool:
 
 def test_same_layout_reads_every_tensor_directly(hf_dir, tmp_path):
     (r,) = run_ranks(direct_reads_job, 1, hf_dir, str(tmp_path / "ckpt"), 1, 1)
-    assert r["readers"] == 1 and r["direct_items"] > 0 and r["base_tensor_items"] == 0, (r["direct_items"], r["base_tensor_items"])
+    assert r["readers"] == 1 and r["direct_items"] > 0 and r["base_tensor_items"] == 0, (
+        r["direct_items"],
+        r["base_tensor_items"],
+    )
     assert _same(r)
 
 
@@ -40,13 +39,17 @@ def test_resharded_load_equals_dcp_reader(hf_dir, tmp_path, save_tp, load_tp):
         assert _same(r)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.arange(12.0).reshape(3, 4).t(),  # strided
-    lambda: torch.randn(5, 7).to(torch.bfloat16),
-    lambda: torch.arange(10.0, dtype=torch.float64)[2:7],  # a storage offset
-    lambda: torch.zeros(0, 3),
-    lambda: torch.tensor(3.5),
-], ids=["transposed", "bf16", "offset", "empty", "scalar"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(12.0).reshape(3, 4).t(),  # strided
+        lambda: torch.randn(5, 7).to(torch.bfloat16),
+        lambda: torch.arange(10.0, dtype=torch.float64)[2:7],  # a storage offset
+        lambda: torch.zeros(0, 3),
+        lambda: torch.tensor(3.5),
+    ],
+    ids=["transposed", "bf16", "offset", "empty", "scalar"],
+)
 def test_saved_tensor_layout_locates_the_bytes_torch_save_wrote(make):
     import io
 
@@ -61,12 +64,15 @@ def test_saved_tensor_layout_locates_the_bytes_torch_save_wrote(make):
     assert meta.device.type == "meta" and meta.dtype == t.dtype and meta.shape == t.shape
     n = meta.untyped_storage().nbytes()
     assert n == t.untyped_storage().nbytes()
-    got = torch.frombuffer(bytearray(data[offset:offset + n]), dtype=t.dtype) if n else torch.empty(0, dtype=t.dtype)
+    got = torch.frombuffer(bytearray(data[offset : offset + n]), dtype=t.dtype) if n else torch.empty(0, dtype=t.dtype)
     assert torch.equal(got.as_strided(meta.shape, meta.stride(), meta.storage_offset()), t)
 
 
-@pytest.mark.parametrize("obj", [{"a": 1}, [torch.ones(2)], torch.nn.Parameter(torch.ones(2)), b"raw bytes"],
-                         ids=["dict", "list", "parameter", "bytes"])
+@pytest.mark.parametrize(
+    "obj",
+    [{"a": 1}, [torch.ones(2)], torch.nn.Parameter(torch.ones(2)), b"raw bytes"],
+    ids=["dict", "list", "parameter", "bytes"],
+)
 def test_saved_tensor_layout_refuses_what_is_not_a_plain_tensor(obj):
     import io
     import pickle

@@ -16,12 +16,8 @@ from distributed_harness import run_ranks
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    path = str(tmp_path_factory.mktemp("hf") / "hf")
-    save_tiny_hf_model("qwen3_moe", path, seed=8, num_hidden_layers=2)
-    return path
+def hf_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("qwen3_moe", seed=8, num_hidden_layers=2)[0]
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -47,7 +43,9 @@ def test_a_failed_write_raises_and_publishes_nothing(hf_dir, tmp_path):
     (r,) = run_ranks(failed_write_job, 1, hf_dir, str(tmp_path))
     # one line naming the checkpoint, the rank and the cause
     assert r["error"] is not None and "\n" not in r["error"], r["error"]
-    assert str(tmp_path / "step") in r["error"] and "rank 0: " in r["error"] and "No space left on device" in r["error"], r["error"]
+    assert (
+        str(tmp_path / "step") in r["error"] and "rank 0: " in r["error"] and "No space left on device" in r["error"]
+    ), r["error"]
     assert "step" not in r["left"], r["left"]  # only the unfinished step.tmp-* directory
 
 
@@ -96,5 +94,5 @@ def test_torch_save_of_the_exact_view_writes_only_its_bytes_and_loads_back():
     for data in bufs.values():
         assert torch.equal(torch.load(io.BytesIO(data)), view)
         meta, offset = saved_tensor_layout(io.BytesIO(data))  # also without CRCs
-        got = torch.frombuffer(bytearray(data[offset:offset + view.numel() * 4]), dtype=torch.float32)
+        got = torch.frombuffer(bytearray(data[offset : offset + view.numel() * 4]), dtype=torch.float32)
         assert torch.equal(got.reshape(view.shape), view) and meta.shape == view.shape

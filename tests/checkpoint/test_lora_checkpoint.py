@@ -5,6 +5,8 @@ adapters train and have optimizer state, the base stays bitwise; a resumed run c
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from distributed_harness import run_ranks
@@ -12,12 +14,9 @@ from lora_checkpoint_workers import lora_resume_job
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("ckpt")
-    save_tiny_hf_model("qwen3_moe", str(root / "hf"), seed=2, num_hidden_layers=2)
-    return run_ranks(lora_resume_job, 2, str(root / "hf"), str(root / "run"), dict(tp=2), dict(ep=2))
+def job(tiny_hf_checkpoint):
+    hf_dir, _ = tiny_hf_checkpoint("qwen3_moe", seed=2, num_hidden_layers=2)
+    return run_ranks(lora_resume_job, 2, hf_dir, os.path.join(os.path.dirname(hf_dir), "run"), dict(tp=2), dict(ep=2))
 
 
 def test_only_adapters_train(job):

@@ -19,14 +19,19 @@ from lora_checkpoint_workers import lora_adapter_checkpoint_job
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOOL = os.path.join(REPO, "tools", "megatron_to_hf.py")
-TARGETS = ["linear_qkv", "linear_proj", "shared_experts.linear_fc1", "shared_experts.linear_fc2", "mlp.linear_fc1",
-           "mlp.linear_fc2"]  # every linear but the routed experts (layer 1 of the tiny model is dense)
+TARGETS = [
+    "linear_qkv",
+    "linear_proj",
+    "shared_experts.linear_fc1",
+    "shared_experts.linear_fc2",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+]  # every linear but the routed experts (layer 1 of the tiny model is dense)
 
 
 def _tool(*args) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, TOOL, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run([sys.executable, TOOL, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +42,15 @@ def dirs(tmp_path_factory):
     save_tiny_hf_model("qwen2_moe", str(root / "hf"), seed=4, num_hidden_layers=2)
     run_ranks(lora_adapter_checkpoint_job, 2, str(root / "hf"), str(root / "ckpt"), TARGETS)
     for fmt in ("merged", "peft"):
-        proc = _tool("--checkpoint", str(root / "ckpt"), "--output", str(root / fmt), "--lora-format", fmt,
-                     *(["--base-model", str(root / "hf")] if fmt == "peft" else []))
+        proc = _tool(
+            "--checkpoint",
+            str(root / "ckpt"),
+            "--output",
+            str(root / fmt),
+            "--lora-format",
+            fmt,
+            *(["--base-model", str(root / "hf")] if fmt == "peft" else []),
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     return root
 
@@ -57,8 +69,11 @@ def test_peft_names_shapes_and_merge(dirs):
     assert cfg["base_model_name_or_path"] == str(dirs / "hf")
     attn = [f"self_attn.{p}_proj" for p in "qkvo"]
     mlp = ["gate_proj", "up_proj", "down_proj"]
-    want = sorted([f"model.layers.{i}.{m}" for i in range(2) for m in attn]
-                  + [f"model.layers.0.mlp.shared_expert.{m}" for m in mlp] + [f"model.layers.1.mlp.{m}" for m in mlp])
+    want = sorted(
+        [f"model.layers.{i}.{m}" for i in range(2) for m in attn]
+        + [f"model.layers.0.mlp.shared_expert.{m}" for m in mlp]
+        + [f"model.layers.1.mlp.{m}" for m in mlp]
+    )
     assert cfg["target_modules"] == want
     peft = _load(dirs / "peft" / "adapter_model.safetensors")
     assert sorted(peft) == sorted(f"base_model.model.{m}.lora_{x}.weight" for m in want for x in "AB")

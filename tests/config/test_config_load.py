@@ -6,7 +6,8 @@ import typing
 import pytest
 import yaml
 
-from gspo_megatron.config import Config, ConfigError, config_help, load_config, save_config
+from gspo_megatron.config import Config, config_help, load_config, save_config
+from gspo_megatron.errors import ConfigError
 
 
 def write(tmp_path, data, name="c.yaml"):
@@ -33,9 +34,19 @@ def test_defaults_are_a_valid_cpu_demo():
 
 def test_yaml_values_and_overrides_are_typed(tmp_path):
     path = write(tmp_path, {"seed": 7, "rollout": {"group_size": 4, "stop": ["</s>"]}, "optimizer": {"lr": 0.01}})
-    cfg = load_config(path, ["optimizer.lr=1e-6", "rollout.temperature=0.7", "model.recompute=true",
-                             "rollout.stop=[a, b]", "gspo.tis_cap=2", "logging.wandb_project=null",
-                             "output_dir=123", "parallel.etp=~"])
+    cfg = load_config(
+        path,
+        [
+            "optimizer.lr=1e-6",
+            "rollout.temperature=0.7",
+            "model.recompute=true",
+            "rollout.stop=[a, b]",
+            "gspo.tis_cap=2",
+            "logging.wandb_project=null",
+            "output_dir=123",
+            "parallel.etp=~",
+        ],
+    )
     assert cfg.seed == 7 and cfg.rollout.group_size == 4
     assert cfg.optimizer.lr == 1e-6 and isinstance(cfg.optimizer.lr, float)  # YAML reads 1e-6 as a string
     assert cfg.rollout.temperature == 0.7 and cfg.model.recompute is True
@@ -49,12 +60,15 @@ def test_later_override_wins_and_single_string_becomes_list():
     assert cfg.seed == 2 and cfg.rollout.stop == ["</s>"]
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("model.hf_pth=/x", "unknown key 'model.hf_pth'; did you mean 'model.hf_path'?"),
-    ("rollout.grup_size=4", "did you mean 'rollout.group_size'?"),
-    ("modle.dtype=float32", "unknown key 'modle'; did you mean 'model'?"),
-    ("gspo.zzzzzz=1", "unknown key 'gspo.zzzzzz'; allowed keys: mode, clip_low"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.hf_pth=/x", "unknown key 'model.hf_pth'; did you mean 'model.hf_path'?"),
+        ("rollout.grup_size=4", "did you mean 'rollout.group_size'?"),
+        ("modle.dtype=float32", "unknown key 'modle'; did you mean 'model'?"),
+        ("gspo.zzzzzz=1", "unknown key 'gspo.zzzzzz'; allowed keys: mode, clip_low"),
+    ],
+)
 def test_unknown_keys_are_rejected_with_did_you_mean(override, expected):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -67,21 +81,24 @@ def test_unknown_key_in_file_is_rejected(tmp_path):
         load_config(path, [])
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("seed=abc", "seed must be int, got 'abc'"),
-    ("model.recompute=1", "model.recompute must be bool, got 1"),
-    ("parallel.tp=2.5", "parallel.tp must be int, got 2.5"),
-    ("optimizer.lr=fast", "optimizer.lr must be float, got 'fast'"),
-    ("model.dtype=bf16", "model.dtype must be one of 'float32', 'bfloat16', 'float16'; got 'bf16'"),
-    ("gspo.mode=gsop", "did you mean 'gspo'?"),
-    ("rollout.stop=3", "rollout.stop must be list[str], got 3"),
-    ("rollout.stop=[a, true]", "rollout.stop[1] must be str, got True"),
-    ("model.max_seq_len=null", "model.max_seq_len must be int, got None"),
-    ("model=3", "model must be a mapping of its keys"),
-    ("rollout.stop=[a", "value is not valid YAML"),
-    ("no_equals_sign", "must look like section.key=value"),
-    ("model..dtype=x", "empty key"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("seed=abc", "seed must be int, got 'abc'"),
+        ("model.recompute=1", "model.recompute must be bool, got 1"),
+        ("parallel.tp=2.5", "parallel.tp must be int, got 2.5"),
+        ("optimizer.lr=fast", "optimizer.lr must be float, got 'fast'"),
+        ("model.dtype=bf16", "model.dtype must be one of 'float32', 'bfloat16', 'float16'; got 'bf16'"),
+        ("gspo.mode=gsop", "did you mean 'gspo'?"),
+        ("rollout.stop=3", "rollout.stop must be list[str], got 3"),
+        ("rollout.stop=[a, true]", "rollout.stop[1] must be str, got True"),
+        ("model.max_seq_len=null", "model.max_seq_len must be int, got None"),
+        ("model=3", "model must be a mapping of its keys"),
+        ("rollout.stop=[a", "value is not valid YAML"),
+        ("no_equals_sign", "must look like section.key=value"),
+        ("model..dtype=x", "empty key"),
+    ],
+)
 def test_type_errors_name_the_field(override, expected):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -170,8 +187,10 @@ def test_tiny_topology_configs_keep_the_recipes_keys():
     tests/topology/test_multinode.py), loadable as they are."""
     import yaml
 
-    for tiny, recipe in (("configs/topology_30b_tiny.yaml", "configs/qwen3_30b_a3b_gspo.yaml"),
-                         ("configs/topology_235b_tiny.yaml", "configs/qwen3_235b_a22b_gspo.yaml")):
+    for tiny, recipe in (
+        ("configs/topology_30b_tiny.yaml", "configs/qwen3_30b_a3b_gspo.yaml"),
+        ("configs/topology_235b_tiny.yaml", "configs/qwen3_235b_a22b_gspo.yaml"),
+    ):
         t, r = (yaml.safe_load(open(p)) for p in (tiny, recipe))
         cfg = load_config(tiny, [])
         assert cfg.rollout.engine == "sglang" and cfg.rollout.engine_server == "cpu"
@@ -195,9 +214,19 @@ def test_component_options_are_read_from_the_config_by_name():
     from gspo_megatron.trainer.optimizer import OptimOptions
     from gspo_megatron.trainer.step import loss_config
 
-    cfg = load_config(None, ["optimizer.lr=0.25", "optimizer.adam_beta2=0.5", "parallel.grad_reduce_in_fp32=false",
-                             "gspo.mode=grpo", "gspo.loss_agg=token-mean", "gspo.tis_cap=2.0",
-                             "model.recompute=true", "model.moe_aux_loss_coeff=0.01"])
+    cfg = load_config(
+        None,
+        [
+            "optimizer.lr=0.25",
+            "optimizer.adam_beta2=0.5",
+            "parallel.grad_reduce_in_fp32=false",
+            "gspo.mode=grpo",
+            "gspo.loss_agg=token-mean",
+            "gspo.tis_cap=2.0",
+            "model.recompute=true",
+            "model.moe_aux_loss_coeff=0.01",
+        ],
+    )
     o = OptimOptions(**values_for(OptimOptions, cfg.optimizer, cfg.parallel, total_steps=6))
     assert (o.lr, o.adam_beta2, o.grad_reduce_in_fp32, o.total_steps) == (0.25, 0.5, False, 6)
     for f in dataclasses.fields(o):

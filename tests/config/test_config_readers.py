@@ -78,7 +78,8 @@ READERS = {
     "rollout.over_sample": "rollout/batch.py",
     "rollout.custom_function": "rollout/batch.py",
     "rollout.routing_replay": "trainer/step.py",  # and factory.py (r3: the engines return routes)
-    "rollout.lora_sync": "config/validation.py",  # merged: the export stream merges (models/lora.py); adapter refused
+    "rollout.lora_sync": "config/validation.py",  # merged: the export stream merges (models/lora.py); adapter: weight_sync/lora_adapter.py (also factory.py, train.py)
+    "rollout.lora_adapter_dir": "train.py",  # lora_sync=adapter, engines not colocated: the PEFT directories (weight_sync/lora_adapter.py)
     "rollout.max_staleness": "rollout/async_producer.py",
     "gspo.mode": "trainer/step.py",
     "gspo.clip_low": "trainer/step.py",
@@ -159,8 +160,9 @@ def reads(source: str, name: str) -> bool:
         return re.search(rf"\bcfg\.{leaf}\b(?!\s*=[^=])", source) is not None
     sec = ".".join(section)  # a nested section (model.lora): its full path
     aliases = ["cfg." + sec] + re.findall(rf"^\s*(\w+)\s*=\s*cfg\.{re.escape(sec)}\s*$", source, re.M)
-    return any(re.search(rf"(?<![\w.]){re.escape(a)}\.{leaf}\b(?!\s*=[^=])", source) for a in aliases) or \
-        read_by_name(source, sec, leaf, aliases)
+    return any(re.search(rf"(?<![\w.]){re.escape(a)}\.{leaf}\b(?!\s*=[^=])", source) for a in aliases) or read_by_name(
+        source, sec, leaf, aliases
+    )
 
 
 def _options_classes() -> dict[str, type]:
@@ -191,12 +193,17 @@ def test_the_table_lists_every_field_and_nothing_else():
     fields = list(all_fields())
     assert sorted(fields) == sorted(READERS), (
         f"fields without a reader entry: {sorted(set(fields) - set(READERS))}; "
-        f"entries for fields that do not exist: {sorted(set(READERS) - set(fields))}")
+        f"entries for fields that do not exist: {sorted(set(READERS) - set(fields))}"
+    )
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="wired by another branch")) if n in PENDING
-    else n for n in sorted(READERS)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="wired by another branch")) if n in PENDING else n
+        for n in sorted(READERS)
+    ],
+)
 def test_each_field_is_read_by_its_module(name):
     path = os.path.join(PKG, READERS[name])
     assert reads(open(path).read(), name), f"{name} is not read in gspo_megatron/{READERS[name]}"

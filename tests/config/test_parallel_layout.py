@@ -3,8 +3,9 @@ model builder and the process-group set-up all report the same problems, each na
 
 import pytest
 
-from gspo_megatron.config import ConfigError, load_config, validate, validate_model_layout
+from gspo_megatron.config import load_config, validate, validate_model_layout
 from gspo_megatron.convert import UsageError, check_world_layout
+from gspo_megatron.errors import ConfigError
 from gspo_megatron.models.arch import KNOWN_ARCHS
 from gspo_megatron.models.build import check_layout
 from gspo_megatron.parallel_layout import layout_errors
@@ -38,20 +39,34 @@ def test_world_size_rules_are_shared_by_config_and_process_groups():
     with pytest.raises(ConfigError, match=msg.replace("*", r"\*")):
         validate(load_config(None, ["parallel.tp=2", "parallel.pp=2"], check_files=False), 6)
     assert layout_errors(1, 1, 4, 1, 1, world_size=2) == [
-        "parallel.ep * parallel.etp * parallel.pp = 4 * 1 * 1 = 4 must divide the world size 2"]
+        "parallel.ep * parallel.etp * parallel.pp = 4 * 1 * 1 = 4 must divide the world size 2"
+    ]
 
 
-@pytest.mark.parametrize("args, hf, expected", [
-    # the family's further TP-split dims (MLA's low-rank projections) and the shared expert, which the
-    # model builder always refused and the config checks now refuse before any rank starts
-    (dict(tp=8), {**DSV3, "kv_lora_rank": 513}, "parallel.tp=8 must divide kv_lora_rank + qk_rope_head_dim = 577"),
-    (dict(tp=8), {**DSV3, "q_lora_rank": 1540}, "parallel.tp=8 must divide q_lora_rank = 1540"),
-    (dict(tp=2), {**QWEN, "shared_expert_intermediate_size": 1025, "model_type": "qwen2_moe",
-                  "architectures": ["Qwen2MoeForCausalLM"]},
-     "parallel.tp=2 must divide the shared expert intermediate size = 1025"),
-    (dict(tp=1, ep=2), {**QWEN, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "intermediate_size": 6144},
-     "parallel.ep=2 needs an MoE model; qwen3 has no experts"),
-    (dict(tp=0), QWEN, "parallel.tp must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, hf, expected",
+    [
+        # the family's further TP-split dims (MLA's low-rank projections) and the shared expert, which the
+        # model builder always refused and the config checks now refuse before any rank starts
+        (dict(tp=8), {**DSV3, "kv_lora_rank": 513}, "parallel.tp=8 must divide kv_lora_rank + qk_rope_head_dim = 577"),
+        (dict(tp=8), {**DSV3, "q_lora_rank": 1540}, "parallel.tp=8 must divide q_lora_rank = 1540"),
+        (
+            dict(tp=2),
+            {
+                **QWEN,
+                "shared_expert_intermediate_size": 1025,
+                "model_type": "qwen2_moe",
+                "architectures": ["Qwen2MoeForCausalLM"],
+            },
+            "parallel.tp=2 must divide the shared expert intermediate size = 1025",
+        ),
+        (
+            dict(tp=1, ep=2),
+            {**QWEN, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "intermediate_size": 6144},
+            "parallel.ep=2 needs an MoE model; qwen3 has no experts",
+        ),
+        (dict(tp=0), QWEN, "parallel.tp must be >= 1, got 0"),
+    ],
+)
 def test_model_rules(args, hf, expected):
     assert expected in layout_errors(**args, hf=hf), layout_errors(**args, hf=hf)

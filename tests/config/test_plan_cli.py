@@ -17,29 +17,60 @@ def plan_cli(*args):
 
 
 def test_cli_recipe_that_fits_exits_0():
-    rc, out = plan_cli("--config", "configs/qwen3_30b_a3b_gspo.yaml", "--nodes", "2", "--gpus-per-node", "8",
-                       "--gpu-memory-gb", "80")
+    rc, out = plan_cli(
+        "--config", "configs/qwen3_30b_a3b_gspo.yaml", "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory-gb", "80"
+    )
     assert rc == 0, out
     assert "TP 2  PP 1  CP 1  EP 8  ETP 1  DP 8  expert-DP 2" in out
     assert "experts per rank 16 (of 128)" in out and "headroom" in out
 
 
-@pytest.mark.parametrize("args, rc, expected", [
-    (["--config", "configs/qwen3_235b_a22b_gspo.yaml", "--nodes", "2"], 2,
-     "parallel.ep * parallel.etp * parallel.pp = 32 * 1 * 2 = 64 must divide the world size 16"),
-    (["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--nodes", "2", "parallel.tp=8"], 2,
-     "parallel.tp=8 must divide num_key_value_heads = 4"),
-    (["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--nodes", "2", "parallel.tpp=2"], 2,
-     "unknown key 'parallel.tpp'; did you mean 'parallel.tp'?"),
-    (["--config", "configs/qwen3_235b_a22b_gspo.yaml", "--nodes", "8", "--gpu-memory-gb", "40"], 1,
-     "-> DOES NOT FIT"),
-    (["--config", "configs/qwen3_235b_a22b_gspo.yaml", "--nodes", "8", "rollout.offload_train=false"], 1,
-     "does not fit: no room for the KV cache: raise rollout.engine_mem_fraction or rollout.engine_tp, or set "
-     "rollout.offload_train=true"),
-    (["--config", "configs/qwen3_235b_a22b_gspo.yaml", "--nodes", "8", "--gpu-memory-gb", "60",
-      "optimizer.cpu_offload_fraction=0", "rollout.engine_mem_fraction=0.9"], 1, "optimizer.cpu_offload_fraction"),
-    (["--nodes", "0"], 2, "--nodes must be > 0"),
-])
+@pytest.mark.parametrize(
+    "args, rc, expected",
+    [
+        (
+            ["--config", "configs/qwen3_235b_a22b_gspo.yaml", "--nodes", "2"],
+            2,
+            "parallel.ep * parallel.etp * parallel.pp = 32 * 1 * 2 = 64 must divide the world size 16",
+        ),
+        (
+            ["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--nodes", "2", "parallel.tp=8"],
+            2,
+            "parallel.tp=8 must divide num_key_value_heads = 4",
+        ),
+        (
+            ["--config", "configs/qwen3_30b_a3b_gspo.yaml", "--nodes", "2", "parallel.tpp=2"],
+            2,
+            "unknown key 'parallel.tpp'; did you mean 'parallel.tp'?",
+        ),
+        (
+            ["--config", "configs/qwen3_235b_a22b_gspo.yaml", "--nodes", "8", "--gpu-memory-gb", "40"],
+            1,
+            "-> DOES NOT FIT",
+        ),
+        (
+            ["--config", "configs/qwen3_235b_a22b_gspo.yaml", "--nodes", "8", "rollout.offload_train=false"],
+            1,
+            "does not fit: no room for the KV cache: raise rollout.engine_mem_fraction or rollout.engine_tp, or set "
+            "rollout.offload_train=true",
+        ),
+        (
+            [
+                "--config",
+                "configs/qwen3_235b_a22b_gspo.yaml",
+                "--nodes",
+                "8",
+                "--gpu-memory-gb",
+                "60",
+                "optimizer.cpu_offload_fraction=0",
+                "rollout.engine_mem_fraction=0.9",
+            ],
+            1,
+            "optimizer.cpu_offload_fraction",
+        ),
+        (["--nodes", "0"], 2, "--nodes must be > 0"),
+    ],
+)
 def test_exit_codes(args, rc, expected):
     buf = io.StringIO()
     a = build_arg_parser().parse_args(args)

@@ -7,24 +7,28 @@ import pytest
 import torch
 import transformers
 
-from gspo_megatron.config import ConfigError, load_config
-from gspo_megatron.planner import (
-    GIB,
-    KNOWN_ARCHS,
-    ModelDims,
-    PlanError,
-    detect_arch,
-    make_plan,
-    model_hf_config,
-    param_counts,
-)
+from gspo_megatron.config import load_config
+from gspo_megatron.errors import ConfigError
+from gspo_megatron.models.arch import KNOWN_ARCHS, detect_arch, model_hf_config
+from gspo_megatron.planner import GIB, ModelDims, PlanError, make_plan, param_counts
 
 TINY = KNOWN_ARCHS["tiny-qwen3-moe"]
-HF_CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
-SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=48, max_position_embeddings=64)
+HF_CLASSES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    max_position_embeddings=64,
+)
 
 
 def hf_model(cfg: dict):
@@ -36,14 +40,28 @@ def hf_model(cfg: dict):
 
 VARIANTS = {
     "tiny-qwen3-moe": TINY,
-    "qwen3_moe with dense layers": {**SMALL, "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 2,
-                                    "moe_intermediate_size": 16, "decoder_sparse_step": 2, "mlp_only_layers": [3], "head_dim": 8},
+    "qwen3_moe with dense layers": {
+        **SMALL,
+        "model_type": "qwen3_moe",
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+        "head_dim": 8,
+    },
     "mixtral": {**SMALL, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3 dense, tied": {**SMALL, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},
     "qwen2 (qkv bias)": {**SMALL, "model_type": "qwen2"},
     "qwen2_moe (shared expert with gate, dense layers)": {
-        **SMALL, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-        "shared_expert_intermediate_size": 24, "mlp_only_layers": [2]},
+        **SMALL,
+        "model_type": "qwen2_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24,
+        "mlp_only_layers": [2],
+    },
 }
 
 
@@ -67,8 +85,10 @@ def test_qwen3_moe_dense_layer_placement_matches_transformers():
     assert d.moe_layers == hf_moe == (1,)
 
 
-@pytest.mark.parametrize("arch, total, active", [
-    ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9), ("mixtral-8x7b", 46.7e9, 12.9e9)])
+@pytest.mark.parametrize(
+    "arch, total, active",
+    [("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9), ("mixtral-8x7b", 46.7e9, 12.9e9)],
+)
 def test_published_totals(arch, total, active):
     c = param_counts(ModelDims.from_hf_config(KNOWN_ARCHS[arch]))
     assert abs(c.total - total) / total < 0.01
@@ -100,8 +120,13 @@ def test_detect_arch_and_config_source_order(tmp_path):
 
 
 def tiny_plan(*overrides, nodes=1, gpus=8, mem=80.0):
-    base = ["rollout.prompts_per_step=16", "rollout.group_size=4", "gspo.mini_batches=2", "parallel.micro_batch_size=1",
-            "model.dtype=bfloat16"]
+    base = [
+        "rollout.prompts_per_step=16",
+        "rollout.group_size=4",
+        "gspo.mini_batches=2",
+        "parallel.micro_batch_size=1",
+        "model.dtype=bfloat16",
+    ]
     return make_plan(load_config(None, base + list(overrides)), nodes, gpus, mem)
 
 
@@ -142,7 +167,9 @@ def test_pipeline_stages_split_the_model():
     assert "logits + grad" in rows(unfused) and "fused log-prob head" not in rows(unfused)
     # 1F1B: the first stage holds pp micro-batches, the last one
     assert (first.in_flight, last.in_flight) == (2, 1)
-    assert tiny_plan("parallel.pp=2", "rollout.prompts_per_step=4", "parallel.micro_batch_size=2").stages[0].in_flight == 1
+    assert (
+        tiny_plan("parallel.pp=2", "rollout.prompts_per_step=4", "parallel.micro_batch_size=2").stages[0].in_flight == 1
+    )
 
 
 def test_activation_estimate_scales():
@@ -185,8 +212,9 @@ def test_colocated_engine_memory_and_kv_cache():
 
 
 def test_disaggregated_engines_take_their_own_gpus():
-    plan = tiny_plan(*SGL, "rollout.sync_mode=disaggregated", "rollout.num_engines=2", "rollout.engine_tp=2",
-                     nodes=2, gpus=4)
+    plan = tiny_plan(
+        *SGL, "rollout.sync_mode=disaggregated", "rollout.num_engines=2", "rollout.engine_tp=2", nodes=2, gpus=4
+    )
     assert plan.engine_gpus == 4 and plan.train_world == 4 and plan.dp == 4
     assert plan.stages[0].rollout_items == [] and plan.engine_gpu is not None
     assert plan.engine_gpu.kv_cache > 0
@@ -204,8 +232,17 @@ def test_fits_and_does_not_fit():
     # the loop skips it, and tests/topology/test_multinode.py runs the 235B shape with it
     assert make_plan(cfg, 8, 8, 80).fits
     assert not make_plan(cfg, 8, 8, 40).fits  # training needs ~53 GiB
-    assert make_plan(load_config("configs/qwen3_235b_a22b_gspo.yaml", ["rollout.offload_train=false"],
-                                 check_files=False), 8, 8, 80).stages[0].kv_cache < 0
+    assert (
+        make_plan(
+            load_config("configs/qwen3_235b_a22b_gspo.yaml", ["rollout.offload_train=false"], check_files=False),
+            8,
+            8,
+            80,
+        )
+        .stages[0]
+        .kv_cache
+        < 0
+    )
     cfg = load_config("configs/qwen3_235b_a22b_gspo.yaml", ["optimizer.cpu_offload_fraction=0"], check_files=False)
     plan = make_plan(cfg, 8, 8, 60)
     assert plan.worst.train_peak > 60 * GIB and not plan.fits

@@ -6,10 +6,19 @@ nothing with replay off or r2, nothing for a model without an indexer."""
 import pytest
 
 from gspo_megatron.config import load_config
-from gspo_megatron.planner import GIB, KNOWN_ARCHS, ModelDims, indexer_bytes_per_sample, make_plan
+from gspo_megatron.models.arch import KNOWN_ARCHS
+from gspo_megatron.planner import GIB, ModelDims, indexer_bytes_per_sample, make_plan
 
-BASE = ["rollout.prompts_per_step=16", "rollout.group_size=4", "gspo.mini_batches=2", "parallel.micro_batch_size=1",
-        "model.dtype=bfloat16", "rollout.engine=sglang", "rollout.sync_mode=colocated", "model.max_seq_len=4096"]
+BASE = [
+    "rollout.prompts_per_step=16",
+    "rollout.group_size=4",
+    "gspo.mini_batches=2",
+    "parallel.micro_batch_size=1",
+    "model.dtype=bfloat16",
+    "rollout.engine=sglang",
+    "rollout.sync_mode=colocated",
+    "model.max_seq_len=4096",
+]
 DSA = ["model.arch=deepseek-v3.2", "parallel.ep=8"]
 
 
@@ -39,8 +48,9 @@ def test_r3_counts_the_indexer_selection_on_dsa_models():
     host = cfg.step_batch_size * (cfg.model.max_seq_len - 1) * d.num_layers * d.index_topk * 4
     assert any("indexer selection" in n and f"{host / GIB:.2f} GiB" in n for n in plan.notes), plan.notes
     for other in ("off", "r2"):
-        plan = make_plan(load_config(None, BASE + DSA + [f"rollout.routing_replay={other}"], check_files=False),
-                         4, 8, 140.0)
+        plan = make_plan(
+            load_config(None, BASE + DSA + [f"rollout.routing_replay={other}"], check_files=False), 4, 8, 140.0
+        )
         assert _row(plan, "routing replay r3: engine indexer selection") is None
         assert not any("indexer selection" in n for n in plan.notes), plan.notes
 

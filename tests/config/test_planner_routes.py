@@ -5,11 +5,19 @@ stage's layers (int64); nothing with replay off."""
 import pytest
 
 from gspo_megatron.config import load_config
-from gspo_megatron.planner import GIB, KNOWN_ARCHS, ModelDims, make_plan, route_bytes_per_sample
+from gspo_megatron.models.arch import KNOWN_ARCHS
+from gspo_megatron.planner import GIB, ModelDims, make_plan, route_bytes_per_sample
 
 TINY = KNOWN_ARCHS["tiny-qwen3-moe"]
-BASE = ["rollout.prompts_per_step=16", "rollout.group_size=4", "gspo.mini_batches=2", "parallel.micro_batch_size=1",
-        "model.dtype=bfloat16", "rollout.engine=sglang", "rollout.sync_mode=colocated"]
+BASE = [
+    "rollout.prompts_per_step=16",
+    "rollout.group_size=4",
+    "gspo.mini_batches=2",
+    "parallel.micro_batch_size=1",
+    "model.dtype=bfloat16",
+    "rollout.engine=sglang",
+    "rollout.sync_mode=colocated",
+]
 
 
 def _route_row(plan, stage=0):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gspo_megatron.config import ConfigError, load_config, validate_model_layout
+from gspo_megatron.config import load_config, validate_model_layout
+from gspo_megatron.errors import ConfigError
 from gspo_megatron.models.arch import KNOWN_ARCHS
 
 SGLANG_CPU = ["rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=colocated"]
@@ -18,17 +19,21 @@ def test_values_and_yaml_off(tmp_path):
     assert load_config(None, ["rollout.routing_replay=r2"]).rollout.routing_replay == "r2"
     assert load_config(None, [*SGLANG_CPU, "rollout.routing_replay=r3"]).rollout.routing_replay == "r3"
     # multi-turn custom rollouts carry each call's routes (rollout.routing.compose_routes)
-    cfg = load_config(None, [*SGLANG_CPU, "rollout.routing_replay=r3", "rollout.custom_function=x.py:f"],
-                      check_files=False)
+    cfg = load_config(
+        None, [*SGLANG_CPU, "rollout.routing_replay=r3", "rollout.custom_function=x.py:f"], check_files=False
+    )
     assert cfg.rollout.custom_function == "x.py:f"
     with pytest.raises(ConfigError, match="rollout.routing_replay must be one of"):
         load_config(None, ["rollout.routing_replay=r4"])
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["rollout.routing_replay=r3"], "rollout.routing_replay=r3 needs rollout.engine=sglang"),
-    (["rollout.routing_replay=r2", "model.recompute=true"], "rollout.routing_replay=r2 with model.recompute=true"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rollout.routing_replay=r3"], "rollout.routing_replay=r3 needs rollout.engine=sglang"),
+        (["rollout.routing_replay=r2", "model.recompute=true"], "rollout.routing_replay=r2 with model.recompute=true"),
+    ],
+)
 def test_refusals(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)

@@ -24,9 +24,11 @@ import sys
 
 import pytest
 
-from gspo_megatron.config import ConfigError, load_config, validate_model_layout
+from gspo_megatron.config import load_config, validate_model_layout
+from gspo_megatron.errors import ConfigError
 from gspo_megatron.models.registry import families, family_for_model_type
 from subprocess_utils import run_group
+from tiny_models import tiny_hf_config
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 _SPEC = importlib.util.find_spec("sglang")
@@ -43,11 +45,6 @@ ENGINES = {
 
 def _cfg(*overrides):
     return load_config(None, list(overrides), check_files=False)
-
-
-def _hf(name: str, **changes) -> dict:
-    f = next(f for f in families() if f.name == name)  # (qwen3_5_moe: model_type qwen3_5_moe_text)
-    return {**f.tiny, "model_type": f.model_types[0], **changes}
 
 
 def _error(cfg, hf) -> str:
@@ -81,19 +78,22 @@ def test_sync_fp8_with_the_cpu_stand_in_is_refused():
 
 # -- defect 10 (a): dense layers of Qwen-MoE ---------------------------------------------------------------
 @pytest.mark.parametrize("engine", list(ENGINES))
-@pytest.mark.parametrize("family, changes, dense", [
-    ("qwen3_moe", dict(mlp_only_layers=[1]), [1]),
-    ("qwen3_moe", dict(decoder_sparse_step=2), [0, 2]),
-    ("qwen2_moe", dict(mlp_only_layers=[1]), [1]),
-    ("qwen2_moe", dict(mlp_only_layers=[], decoder_sparse_step=2), [0, 2]),
-])
+@pytest.mark.parametrize(
+    "family, changes, dense",
+    [
+        ("qwen3_moe", dict(mlp_only_layers=[1]), [1]),
+        ("qwen3_moe", dict(decoder_sparse_step=2), [0, 2]),
+        ("qwen2_moe", dict(mlp_only_layers=[1]), [1]),
+        ("qwen2_moe", dict(mlp_only_layers=[], decoder_sparse_step=2), [0, 2]),
+    ],
+)
 def test_qwen_moe_dense_layers_are_refused_with_sglang_engines(engine, family, changes, dense):
-    hf = _hf(family, **changes)
+    hf = tiny_hf_config(family, **changes)
     msg = _error(_cfg(*ENGINES[engine]), hf)
     assert f"(dense layers {dense}) is not supported with rollout.engine=sglang" in msg
     assert "use mlp_only_layers: [] and decoder_sparse_step: 1, or rollout.engine=hf" in msg
     validate_model_layout(_cfg(), hf)  # the in-process transformers engine builds them as the trainer does
-    validate_model_layout(_cfg(*ENGINES[engine]), _hf(family, mlp_only_layers=[], decoder_sparse_step=1))
+    validate_model_layout(_cfg(*ENGINES[engine]), tiny_hf_config(family, mlp_only_layers=[], decoder_sparse_step=1))
 
 
 # -- defect 10 (b): tied embeddings --------------------------------------------------------------------------
@@ -104,18 +104,20 @@ TIED_IN_SGLANG = ["qwen2", "qwen3", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"
 @pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("family", UNTIED_IN_SGLANG)
 def test_tied_embeddings_refused_where_sglang_keeps_lm_head_apart(engine, family):
-    hf = _hf(family, tie_word_embeddings=True)
+    hf = tiny_hf_config(family, tie_word_embeddings=True)
     if family == "qwen2_moe":
         hf["mlp_only_layers"] = []
     msg = _error(_cfg(*ENGINES[engine]), hf)
-    assert msg.startswith(f"config.json tie_word_embeddings=true is not supported with rollout.engine=sglang for {family}")
+    assert msg.startswith(
+        f"config.json tie_word_embeddings=true is not supported with rollout.engine=sglang for {family}"
+    )
     assert "use an untied checkpoint (tie_word_embeddings: false, with lm_head.weight) or rollout.engine=hf" in msg
     validate_model_layout(_cfg(), hf)
 
 
 @pytest.mark.parametrize("family", TIED_IN_SGLANG)
 def test_tied_embeddings_accepted_where_sglang_ties(family):
-    validate_model_layout(_cfg(*ENGINES["sglang"]), _hf(family, tie_word_embeddings=True))
+    validate_model_layout(_cfg(*ENGINES["sglang"]), tiny_hf_config(family, tie_word_embeddings=True))
 
 
 def test_every_family_is_classified():
@@ -123,10 +125,19 @@ def test_every_family_is_classified():
 
 
 # -- the flags agree with sglang 0.5.23's model classes -------------------------------------------------------
-SGLANG_FILES = {"qwen3_moe": "qwen3_moe.py", "qwen2_moe": "qwen2_moe.py", "mixtral": "mixtral.py",
-                "glm4_moe": "glm4_moe.py", "gpt_oss": "gpt_oss.py", "qwen2": "qwen2.py", "qwen3": "qwen3.py",
-                "deepseek_v3": "deepseek_v2.py", "deepseek_v32": "deepseek_v2.py", "minimax_m2": "minimax_m2.py",
-                "qwen3_next": "qwen3_next.py"}
+SGLANG_FILES = {
+    "qwen3_moe": "qwen3_moe.py",
+    "qwen2_moe": "qwen2_moe.py",
+    "mixtral": "mixtral.py",
+    "glm4_moe": "glm4_moe.py",
+    "gpt_oss": "gpt_oss.py",
+    "qwen2": "qwen2.py",
+    "qwen3": "qwen3.py",
+    "deepseek_v3": "deepseek_v2.py",
+    "deepseek_v32": "deepseek_v2.py",
+    "minimax_m2": "minimax_m2.py",
+    "qwen3_next": "qwen3_next.py",
+}
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:
@@ -142,8 +153,11 @@ def _class(tree: ast.Module, name: str) -> ast.ClassDef:
 def test_family_flags_agree_with_sglang_source(family):
     f = family_for_model_type(family)
     tree = ast.parse(open(os.path.join(SGLANG_DIR, "srt/models", SGLANG_FILES[family])).read())
-    init = ast.unparse(next(n for n in _class(tree, f.architectures[0]).body
-                            if isinstance(n, ast.FunctionDef) and n.name == "__init__"))
+    init = ast.unparse(
+        next(
+            n for n in _class(tree, f.architectures[0]).body if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+        )
+    )
     assert ("self.lm_head = self.model.embed_tokens" in init) == f.sglang_ties_lm_head, family
     if f.sglang_every_layer_sparse:  # the decoder layer declares every layer sparse, whatever the config
         layer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("DecoderLayer"))
@@ -155,20 +169,32 @@ def test_family_flags_agree_with_sglang_source(family):
 
 # -- gspo-train --check reports them: one line, exit 2 ---------------------------------------------------------
 def _check(*args):
-    return run_group([sys.executable, "-m", "gspo_megatron.train", "--check", *args], timeout=180, cwd=REPO,
-                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_group(
+        [sys.executable, "-m", "gspo_megatron.train", "--check", *args],
+        timeout=180,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
 
 
 def test_check_reports_them_in_one_line(tmp_path):
     proc = _check("--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/a", *DISAGG, "rollout.sync_fp8=true")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "rollout.sync_fp8=true is not supported with rollout.engine_urls" in lines[0], proc.stderr
+    assert len(lines) == 1 and "rollout.sync_fp8=true is not supported with rollout.engine_urls" in lines[0], (
+        proc.stderr
+    )
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps(_hf("qwen3_moe", mlp_only_layers=[1])))
-    proc = _check("--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/b", f"model.hf_path={hf}",
-                  "model.arch=null", *ENGINES["cpu"])
+    (hf / "config.json").write_text(json.dumps(tiny_hf_config("qwen3_moe", mlp_only_layers=[1])))
+    proc = _check(
+        "--config",
+        "configs/demo_cpu.yaml",
+        f"output_dir={tmp_path}/b",
+        f"model.hf_path={hf}",
+        "model.arch=null",
+        *ENGINES["cpu"],
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "mlp_only_layers=[1]" in lines[0] and "Traceback" not in proc.stderr, proc.stderr

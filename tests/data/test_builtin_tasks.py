@@ -1,13 +1,7 @@
 import pytest
 
-from gspo_megatron.data.tasks import (
-    CLEAN_CREDIT,
-    CORRECT_CREDIT,
-    FORMAT_CREDIT,
-    TASKS,
-    get_task,
-    shaped_integer_reward,
-)
+from gspo_megatron.data.answer_reward import CLEAN_CREDIT, CORRECT_CREDIT, FORMAT_CREDIT, shaped_integer_reward
+from gspo_megatron.data.tasks import TASKS, get_task
 
 
 def test_rows_are_deterministic_from_seed_and_labels_correct():

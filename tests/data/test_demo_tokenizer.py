@@ -33,8 +33,10 @@ def test_ids_are_utf8_bytes_and_roundtrip_exactly(tok_dir):
     samples = ["", " leading and trailing ", "a\n\tb\r\n", "\x00\x7f", "héllo wörld", "日本語 🌍👍🏽", "  x  y  "]
     # random code points across planes (surrogates excluded: not encodable in UTF-8)
     for _ in range(50):
-        cps = [rng.choice([rng.randint(0, 0x7F), rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0x10FFFF)])
-               for _ in range(rng.randint(1, 20))]
+        cps = [
+            rng.choice([rng.randint(0, 0x7F), rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0x10FFFF)])
+            for _ in range(rng.randint(1, 20))
+        ]
         samples.append("".join(map(chr, cps)))
     for s in samples:
         ids = tok.encode(s, add_special_tokens=False)

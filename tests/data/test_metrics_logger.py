@@ -68,7 +68,9 @@ def test_plain_console_line(tmp_path, capsys):
         log.log(1, {"reward/mean": 0.25, "loss/total": 0.5})
         log.log(2, {"reward/mean": 0.5, "loss/total": 0.125, "perf/step_time_s": 1.5, "other": 7.0})
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 1 and out[0].startswith("step 2/10  reward/mean=0.5  loss/total=0.125  perf/step_time_s=1.5  elapsed=")
+    assert len(out) == 1 and out[0].startswith(
+        "step 2/10  reward/mean=0.5  loss/total=0.125  perf/step_time_s=1.5  elapsed="
+    )
 
 
 def test_wandb_configured_but_missing_is_a_clear_error(tmp_path, monkeypatch):

@@ -27,8 +27,9 @@ def test_jsonl_rows_are_templated_and_tokenized(tmp_path, tok):
     f = write_lines(tmp_path / "d.jsonl", [GOOD, "", json.dumps({"q": "héllo", "a": [1, 2]})])
     with pytest.raises(DatasetError, match=r"d.jsonl line 3: missing key 'prompt'"):
         PromptDataset.from_file(f, tok)
-    ds = PromptDataset.from_file(write_lines(tmp_path / "e.jsonl", [json.dumps({"q": "héllo", "a": [1, 2]})]),
-                                 tok, prompt_key="q", label_key="a")
+    ds = PromptDataset.from_file(
+        write_lines(tmp_path / "e.jsonl", [json.dumps({"q": "héllo", "a": [1, 2]})]), tok, prompt_key="q", label_key="a"
+    )
     row = ds[0]
     assert row.text == "<|im_start|>user\nhéllo<|im_end|>\n<|im_start|>assistant\n"
     assert row.prompt_ids == tok.encode(row.text, add_special_tokens=False)
@@ -47,7 +48,10 @@ def test_jsonl_rows_are_templated_and_tokenized(tmp_path, tok):
         (json.dumps({"prompt": "   ", "label": "4"}), r"line 2: 'prompt' is empty"),
         (json.dumps({"prompt": 5, "label": "4"}), r"line 2: 'prompt' must be a string, got int"),
         # 100 bytes + 19 tokens of chat template
-        (json.dumps({"prompt": "x" * 100, "label": "4"}), r"line 2: prompt has 119 tokens with the chat template, more than data.max_prompt_len=64"),
+        (
+            json.dumps({"prompt": "x" * 100, "label": "4"}),
+            r"line 2: prompt has 119 tokens with the chat template, more than data.max_prompt_len=64",
+        ),
     ],
 )
 def test_bad_rows_name_file_and_line_or_are_skipped(tmp_path, tok, bad_line, message):
@@ -70,8 +74,9 @@ def test_parquet_and_missing_file(tmp_path, tok):
     pq.write_table(table, tmp_path / "d.parquet")
     with pytest.raises(DatasetError, match=r"d\.parquet row 2: 'question' is empty"):
         PromptDataset.from_file(tmp_path / "d.parquet", tok, prompt_key="question", label_key="answer")
-    ds = PromptDataset.from_file(tmp_path / "d.parquet", tok, prompt_key="question", label_key="answer",
-                                 skip_bad_rows=True)
+    ds = PromptDataset.from_file(
+        tmp_path / "d.parquet", tok, prompt_key="question", label_key="answer", skip_bad_rows=True
+    )
     assert [r.label for r in ds] == ["1", "3"] and ds.skipped_rows == 1
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         PromptDataset.from_file(tmp_path / "nope.jsonl", tok)

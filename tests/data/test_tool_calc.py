@@ -8,12 +8,27 @@ from gspo_megatron.data.tasks import get_task
 from gspo_megatron.data.tool_calc import calculator, make_row
 
 
-@pytest.mark.parametrize("expr, want", [
-    ("7*8", "56"), ("3+4", "7"), (" 9 - 12 ", "-3"), ("(2+3)*4", "20"), ("-5*-5", "25"), ("0", "0"),
-    ("2**10", "error"), ("7/2", "error"), ("__import__('os')", "error"), ("x+1", "error"), ("", "error"),
-    ("1.5+1", "error"), ("'a'*3", "error"), ("9" * 7 + "*" + "9" * 7, "error"), ("1+" * 40 + "1", "error"),
-    ("True+1", "error"),
-])
+@pytest.mark.parametrize(
+    "expr, want",
+    [
+        ("7*8", "56"),
+        ("3+4", "7"),
+        (" 9 - 12 ", "-3"),
+        ("(2+3)*4", "20"),
+        ("-5*-5", "25"),
+        ("0", "0"),
+        ("2**10", "error"),
+        ("7/2", "error"),
+        ("__import__('os')", "error"),
+        ("x+1", "error"),
+        ("", "error"),
+        ("1.5+1", "error"),
+        ("'a'*3", "error"),
+        ("9" * 7 + "*" + "9" * 7, "error"),
+        ("1+" * 40 + "1", "error"),
+        ("True+1", "error"),
+    ],
+)
 def test_calculator(expr, want):
     assert calculator(expr) == want
 

@@ -80,9 +80,19 @@ def test_eval_set_metrics_from_fixed_samples(tmp_path):
     build_demo_tokenizer(str(tmp_path))
     tok = load_tokenizer(str(tmp_path))
     n = 6
-    cfg = load_config(None, ["eval.interval=1", "eval.datasets=[task:last_digit]", f"eval.n={n}",
-                             "eval.pass_k=[1,2,5]", "eval.greedy=false", "rollout.prompts_per_step=4",
-                             "reward.function=exact_match", "data.apply_chat_template=false"])
+    cfg = load_config(
+        None,
+        [
+            "eval.interval=1",
+            "eval.datasets=[task:last_digit]",
+            f"eval.n={n}",
+            "eval.pass_k=[1,2,5]",
+            "eval.greedy=false",
+            "rollout.prompts_per_step=4",
+            "reward.function=exact_match",
+            "data.apply_chat_template=false",
+        ],
+    )
     rows = [{"prompt": f"question {i}", "label": f"a{i}"} for i in range(len(FIXED))]
     ds = PromptDataset.from_records(rows, tok, use_chat_template=False)
     texts = [[f"a{i}" if c else "wrong" for c in correct] for i, correct in enumerate(FIXED)]
@@ -98,7 +108,8 @@ def test_eval_set_metrics_from_fixed_samples(tmp_path):
         assert m[f"eval/fixed/pass@{k}"] == pytest.approx(want, abs=1e-12)
     assert m["eval/fixed/reward_failures"] == 0.0
     assert m["eval/fixed/response_len_mean"] == pytest.approx(
-        sum(len(tok.encode(t, add_special_tokens=False)) for ts in texts for t in ts) / len(flat))
+        sum(len(tok.encode(t, add_special_tokens=False)) for ts in texts for t in ts) / len(flat)
+    )
     # prompts go in chunks of rollout.prompts_per_step, eval.n samples each, sampled at eval.temperature
     assert [(c[0], c[1]) for c in engine.calls] == [(4, n), (2, n)]
     assert engine.calls[0][2].top_k == cfg.rollout.top_k and engine.calls[0][2].temperature == cfg.eval.temperature
@@ -107,24 +118,27 @@ def test_eval_set_metrics_from_fixed_samples(tmp_path):
     assert engine.calls[-1][2].top_k == 1
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (["eval.interval=-1"], "eval.interval must be >= 0"),
-    (["eval.interval=2"], "eval.interval=2 needs eval.datasets"),
-    (["eval.n=4", "eval.pass_k=[1,8]"], "eval.pass_k[1]=8 must be in [1, eval.n=4]"),
-    (["eval.n=0"], "eval.n must be >= 1"),
-    (["eval.datasets=[x=data.csv]"], "eval.datasets[0] 'x=data.csv': the file must end in .jsonl or .parquet"),
-    (["eval.datasets=[task:last_digit,task:last_digit]"], "the name 'last_digit' is used twice"),
-    (["eval.datasets=[task:nope]"], "'nope' is not a built-in task"),
-    (["eval.temperature=0"], "eval.temperature must be > 0"),
-    (["reward.url=localhost:8000"], "reward.url must be an http:// or https:// URL with a host"),
-    (["reward.url=http://"], "reward.url must be an http:// or https:// URL with a host"),
-    (["reward.url=http://127.0.0.1:99999/score"], "reward.url has a bad port"),
-    (["reward.batch_size=0"], "reward.batch_size must be >= 1"),
-    (["reward.max_in_flight=0"], "reward.max_in_flight must be >= 1"),
-    (["reward.retries=-1"], "reward.retries must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["eval.interval=-1"], "eval.interval must be >= 0"),
+        (["eval.interval=2"], "eval.interval=2 needs eval.datasets"),
+        (["eval.n=4", "eval.pass_k=[1,8]"], "eval.pass_k[1]=8 must be in [1, eval.n=4]"),
+        (["eval.n=0"], "eval.n must be >= 1"),
+        (["eval.datasets=[x=data.csv]"], "eval.datasets[0] 'x=data.csv': the file must end in .jsonl or .parquet"),
+        (["eval.datasets=[task:last_digit,task:last_digit]"], "the name 'last_digit' is used twice"),
+        (["eval.datasets=[task:nope]"], "'nope' is not a built-in task"),
+        (["eval.temperature=0"], "eval.temperature must be > 0"),
+        (["reward.url=localhost:8000"], "reward.url must be an http:// or https:// URL with a host"),
+        (["reward.url=http://"], "reward.url must be an http:// or https:// URL with a host"),
+        (["reward.url=http://127.0.0.1:99999/score"], "reward.url has a bad port"),
+        (["reward.batch_size=0"], "reward.batch_size must be >= 1"),
+        (["reward.max_in_flight=0"], "reward.max_in_flight must be >= 1"),
+        (["reward.retries=-1"], "reward.retries must be >= 0"),
+    ],
+)
 def test_bad_eval_and_remote_reward_keys_name_the_field(overrides, field):
-    from gspo_megatron.config import ConfigError
+    from gspo_megatron.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
@@ -132,7 +146,7 @@ def test_bad_eval_and_remote_reward_keys_name_the_field(overrides, field):
 
 
 def test_missing_eval_file_is_named_before_start(tmp_path):
-    from gspo_megatron.config import ConfigError
+    from gspo_megatron.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"eval.datasets\[0\] 'held=.*nope.jsonl': file .* does not exist"):
         load_config(None, [f"eval.datasets=[held={tmp_path}/nope.jsonl]", "eval.interval=1"])

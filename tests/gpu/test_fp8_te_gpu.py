@@ -33,9 +33,16 @@ BUDGET = 96  # packed micro-batches of at most 96 tokens (the longest sequence h
 def _config(recipe: str | None, budget: int):
     from gspo_megatron.config import load_config
 
-    o = ["model.arch=tiny-qwen3-moe", "model.init=random", "model.dtype=bfloat16",
-         "model.transformer_impl=transformer_engine", "parallel.micro_batch_size=4",
-         f"parallel.max_tokens_per_micro_batch={budget}", "gspo.mini_batches=1", "optimizer.lr=1e-4"]
+    o = [
+        "model.arch=tiny-qwen3-moe",
+        "model.init=random",
+        "model.dtype=bfloat16",
+        "model.transformer_impl=transformer_engine",
+        "parallel.micro_batch_size=4",
+        f"parallel.max_tokens_per_micro_batch={budget}",
+        "gspo.mini_batches=1",
+        "optimizer.lr=1e-4",
+    ]
     if recipe is not None:
         o += ["model.fp8=hybrid", f"model.fp8_recipe={recipe}"]
     return load_config(None, o)
@@ -67,8 +74,9 @@ def fp8_step(rank: int, world: int, recipe: str) -> dict:
     model = factory.build_model(fp8_cfg, hf)
     mc = get_model_config(model)
     assert mc.fp8 == "hybrid" and mc.fp8_recipe == recipe and mc.moe_router_padding_for_quantization
-    assert any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine")
-               for m in model.modules()), "the TE layer spec was not used"
+    assert any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules()), (
+        "the TE layer spec was not used"
+    )
     with torch.no_grad():  # the same weights in both (bf16 parameters, fp8_param off), before the optimizers copy them
         ref_params = dict(ref.named_parameters())
         assert sorted(n for n, _ in model.named_parameters()) == sorted(ref_params)

@@ -22,8 +22,7 @@ def test_te_thd_packed_equals_padded(tmp_path):
     from packing_workers import make_records, packed_vs_padded
 
     save_tiny_hf_model("qwen3_moe", str(tmp_path / "hf"), seed=5)
-    (res,) = run_ranks(packed_vs_padded, 1, [dict()], str(tmp_path / "hf"), 64, 4, "transformer_engine",
-                       "bfloat16")
+    (res,) = run_ranks(packed_vs_padded, 1, [dict()], str(tmp_path / "hf"), 64, 4, "transformer_engine", "bfloat16")
     e = res[0]
     assert e["finite"] and e["grad_max"] > 0
     assert e["grad_diff"] <= 0.05 * e["grad_max"]

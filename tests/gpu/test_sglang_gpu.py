@@ -26,11 +26,24 @@ def _train(tmp_path, overrides: list[str], nproc: int = 1, timeout_s: float = 18
     if nproc == 1:
         cmd = [sys.executable, "-m", "gspo_megatron.train"]
     else:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(nproc),
-               "-m", "gspo_megatron.train"]
-    cmd += ["--config", os.path.join(ROOT, "configs/topology_30b_tiny.yaml"), f"output_dir={out}",
-            "rollout.engine_server=sglang", "model.dtype=bfloat16", "rollout.sync_verify=true", "rollout.sync_verify_every=1", "train.steps=2",
-            *overrides]
+        cmd = [
+            os.path.join(os.path.dirname(sys.executable), "torchrun"),
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "gspo_megatron.train",
+        ]
+    cmd += [
+        "--config",
+        os.path.join(ROOT, "configs/topology_30b_tiny.yaml"),
+        f"output_dir={out}",
+        "rollout.engine_server=sglang",
+        "model.dtype=bfloat16",
+        "rollout.sync_verify=true",
+        "rollout.sync_verify_every=1",
+        "train.steps=2",
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -39,8 +52,16 @@ def _train(tmp_path, overrides: list[str], nproc: int = 1, timeout_s: float = 18
 def test_colocated_engine_on_one_gpu(tmp_path):
     """One training rank and one SGLang engine sharing the GPU: CUDA IPC sync, memory saver."""
     pytest.importorskip("sglang")
-    metrics = _train(tmp_path, ["parallel.tp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
-                                "rollout.engine_tp=1", "rollout.num_engines=1"])
+    metrics = _train(
+        tmp_path,
+        [
+            "parallel.tp=1",
+            "parallel.ep=1",
+            "parallel.sequence_parallel=false",
+            "rollout.engine_tp=1",
+            "rollout.num_engines=1",
+        ],
+    )
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["rollout/engines_serving"] == 1
@@ -53,7 +74,16 @@ def test_disaggregated_engine_on_a_second_gpu(tmp_path):
     pytest.importorskip("sglang")
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (NCCL refuses two ranks of one group on one device)")
-    metrics = _train(tmp_path, ["parallel.tp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
-                                "rollout.sync_mode=disaggregated", "rollout.engine_tp=1", "rollout.num_engines=1"])
+    metrics = _train(
+        tmp_path,
+        [
+            "parallel.tp=1",
+            "parallel.ep=1",
+            "parallel.sequence_parallel=false",
+            "rollout.sync_mode=disaggregated",
+            "rollout.engine_tp=1",
+            "rollout.num_engines=1",
+        ],
+    )
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["sync/verify_max_abs_diff"] <= 0.25 for m in metrics)

@@ -59,6 +59,7 @@ def _describe(t: torch.Tensor) -> tuple:
 
 # ---------------------------------------------------------------- the engine side (spawned process)
 
+
 def _engine_process(conn, device_index: int | None) -> None:
     """A stand-in sglang TP rank: patch torch's reductions as sglang's tp_worker / weight_updater do,
     then, for every message (a list of payload strings), open each payload on the GPU with
@@ -142,6 +143,7 @@ def engine():
 
 # ---------------------------------------------------------------- (a) serializer + FlattenedTensorBucket
 
+
 def _mixed_bucket(dev: torch.device, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     """Mixed dtypes, in an order that puts bf16 tensors of odd numel ahead of wider ones (the
     flattened bucket must keep every dtype view aligned), a non-contiguous tensor, and tensors big
@@ -161,7 +163,7 @@ def _mixed_bucket(dev: torch.device, seed: int = 0) -> list[tuple[str, torch.Ten
         ("model.layers.1.mlp.experts.0.gate_proj.weight", randn(257, 129).to(torch.float8_e4m3fn).to(dev)),
         ("model.layers.1.self_attn.k_proj.weight", randn(130, 66).to(torch.bfloat16).to(dev).t()),  # strided
         ("model.norm.weight", randn(129).to(torch.bfloat16).to(dev)),
-        ("model.layers.2.counts", torch.randint(-2**31, 2**31 - 1, (4097,), generator=g, dtype=torch.int32).to(dev)),
+        ("model.layers.2.counts", torch.randint(-(2**31), 2**31 - 1, (4097,), generator=g, dtype=torch.int32).to(dev)),
     ]
 
 
@@ -204,6 +206,7 @@ def test_cuda_ipc_per_dtype_payloads_when_flattening_is_single_dtype(engine, mon
 
 # ---------------------------------------------------------------- (b) CudaIpcTransport, FP8 on
 
+
 class _EngineClient:
     """The engine client as CudaIpcTransport sees it (rollout.sglang_client's methods): session calls
     are recorded, ``update_weights_from_tensor`` hands the payloads to the engine process and returns
@@ -217,8 +220,13 @@ class _EngineClient:
         self.loaded: list[list[list[tuple]]] = []
 
     def __getattr__(self, name):
-        if name in {"pause_generation", "flush_cache", "begin_weight_update", "end_weight_update",
-                    "continue_generation"}:
+        if name in {
+            "pause_generation",
+            "flush_cache",
+            "begin_weight_update",
+            "end_weight_update",
+            "continue_generation",
+        }:
             return lambda: self.calls.append(name)
         raise AttributeError(name)
 
@@ -234,12 +242,16 @@ def _fp8_buckets(dev: torch.device) -> list[list[tuple[str, torch.Tensor]]]:
         return torch.randn(*shape, generator=g).to(dtype).to(dev)
 
     return [
-        [("model.layers.0.mlp.down_proj.weight", randn(300, 200)),  # 3 x 2 blocks, partial edges
-         ("model.layers.0.self_attn.q_proj.weight", randn(130, 64)),
-         ("model.layers.0.input_layernorm.weight", randn(64))],
-        [("model.layers.1.mlp.experts.3.up_proj.weight", randn(257, 128, dtype=torch.float32)),
-         ("model.embed_tokens.weight", randn(33, 64)),
-         ("model.norm.weight", torch.ones(64, device=dev))],
+        [
+            ("model.layers.0.mlp.down_proj.weight", randn(300, 200)),  # 3 x 2 blocks, partial edges
+            ("model.layers.0.self_attn.q_proj.weight", randn(130, 64)),
+            ("model.layers.0.input_layernorm.weight", randn(64)),
+        ],
+        [
+            ("model.layers.1.mlp.experts.3.up_proj.weight", randn(257, 128, dtype=torch.float32)),
+            ("model.embed_tokens.weight", randn(33, 64)),
+            ("model.norm.weight", torch.ones(64, device=dev)),
+        ],
     ]
 
 
@@ -273,8 +285,10 @@ def _fp8_transport(engine: _Engine, dev: torch.device) -> None:
         for name, x in b:
             if name in quantized:  # the scale rides in the same payload as its weight
                 assert got[name][1] == tuple(x.shape)
-                assert got[name + SCALE_SUFFIX][:2] == (str(torch.float32),
-                                                        (-(-x.shape[0] // 128), -(-x.shape[1] // 128)))
+                assert got[name + SCALE_SUFFIX][:2] == (
+                    str(torch.float32),
+                    (-(-x.shape[0] // 128), -(-x.shape[1] // 128)),
+                )
             else:  # norms, embeddings: sent as they are
                 assert got[name] == _describe(x)
 
@@ -325,13 +339,14 @@ def _name_order_greedy(items, bucket_bytes: int) -> list[list[str]]:
 
 def _deepseek_export_worker(rank, world):
     from gspo_megatron.models.build import ModelOptions, build_model
-    from gspo_megatron.models.registry import family_for_model_type, get_family
+    from gspo_megatron.models.registry import get_family
     from gspo_megatron.models.weights import build_export_plan, export_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
+    from tiny_models import tiny_hf_config
 
     init_distributed(ParallelLayout())
-    hf = dict(family_for_model_type("deepseek_v3").tiny, model_type="deepseek_v3")
+    hf = tiny_hf_config("deepseek_v3")
     layers = int(hf["num_hidden_layers"])
     # MLA runs on Megatron's local spec only (deepseek_v3.check_transformer_impl)
     model = build_model(hf, opts=ModelOptions(dtype="bfloat16", transformer_impl="local"))
@@ -340,8 +355,10 @@ def _deepseek_export_worker(rank, world):
     items = plan[0]
     # a bucket size that holds a whole q_a / kv_a pair, at which the plan's name order cut greedily
     # splits the most layers' pairs (the smallest such size)
-    pair = max(sum(it.nbytes for it in items if any(f".{i}.{m}." in n for n in it.hf_names for m in MLA_PAIR))
-               for i in range(layers))
+    pair = max(
+        sum(it.nbytes for it in items if any(f".{i}.{m}." in n for n in it.hf_names for m in MLA_PAIR))
+        for i in range(layers)
+    )
     splits = {s: len(_split_mla_layers(_name_order_greedy(items, s), layers)) for s in range(pair, 1 << 19, 128)}
     size = max(splits, key=lambda s: (splits[s], -s))
     streamed, fp8_names, stream_devices = [], [], set()
@@ -362,9 +379,19 @@ def _deepseek_export_worker(rank, world):
                 if k is not None:
                     groups.setdefault(repr(k), set()).add(i)
         groups = {k: sorted(v) for k, v in groups.items()}
-    return dict(layers=layers, devices=sorted(devices), stream_devices=sorted(stream_devices), size=size, pair=pair,
-                old_split=splits[size], names=names, fp8=fp8_names, groups=groups,
-                streamed={n: d for b in streamed for n, d in b}, whole=whole)
+    return dict(
+        layers=layers,
+        devices=sorted(devices),
+        stream_devices=sorted(stream_devices),
+        size=size,
+        pair=pair,
+        old_split=splits[size],
+        names=names,
+        fp8=fp8_names,
+        groups=groups,
+        streamed={n: d for b in streamed for n, d in b},
+        whole=whole,
+    )
 
 
 def test_deepseek_export_on_gpu_keeps_fuse_groups_in_one_bucket():

@@ -20,8 +20,14 @@ def _records(vocab: int, seed: int = 0) -> list[Sample]:
     out = []
     for i, (p, r) in enumerate([(3, 9), (2, 1), (5, 14), (4, 0), (1, 6)]):
         toks = torch.randint(0, vocab, (p + r,), generator=g).tolist()
-        out.append(Sample.from_tokens(toks, p, advantage=float(torch.randn(1, generator=g)),
-                                      old_logprobs=(torch.randn(r, generator=g) * 0.01 - 3.0).tolist()))
+        out.append(
+            Sample.from_tokens(
+                toks,
+                p,
+                advantage=float(torch.randn(1, generator=g)),
+                old_logprobs=(torch.randn(r, generator=g) * 0.01 - 3.0).tolist(),
+            )
+        )
     return out
 
 
@@ -31,7 +37,7 @@ def fused_vs_logits(rank: int, world: int, overrides: list[str], tied: bool) -> 
     from gspo_megatron import factory
     from gspo_megatron.config import load_config
     from gspo_megatron.losses import PolicyLossConfig, make_megatron_loss_func
-    from gspo_megatron.planner import model_hf_config
+    from gspo_megatron.models.arch import model_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.trainer.micro_batches import (
         collate,
@@ -50,7 +56,7 @@ def fused_vs_logits(rank: int, world: int, overrides: list[str], tied: bool) -> 
     vocab = int(hf["vocab_size"])
     records = _records(vocab)
     multiple = sequence_multiple(p.tp, p.cp)
-    batches = [to_device(collate(records[i:i + 3], multiple=multiple)) for i in (0, 3)]
+    batches = [to_device(collate(records[i : i + 3], multiple=multiple)) for i in (0, 3)]
     for b in batches:
         b["normalizer"] = 4.0  # sequences with a response token in the whole batch
     lcfg = PolicyLossConfig(mode="gspo", clip_low=0.2, clip_high=0.2, entropy_coef=0.01)
@@ -66,12 +72,31 @@ def fused_vs_logits(rank: int, world: int, overrides: list[str], tied: bool) -> 
         lps = compute_logprobs(model, batches, temperature=0.8, with_entropy=True, fused_logprobs=fused)
         for prm in model.parameters():
             prm.grad = None
-        metrics = run_schedule(model, batches, lambda b: make_megatron_loss_func(
-            b, lcfg, tp_group=tp_group, cp_group=None, num_microbatches=len(batches), data_parallel_size=1,
-            temperature=0.8, compute_entropy=True), forward_only=False, fused_logprobs=fused)
+        metrics = run_schedule(
+            model,
+            batches,
+            lambda b: make_megatron_loss_func(
+                b,
+                lcfg,
+                tp_group=tp_group,
+                cp_group=None,
+                num_microbatches=len(batches),
+                data_parallel_size=1,
+                temperature=0.8,
+                compute_entropy=True,
+            ),
+            forward_only=False,
+            fused_logprobs=fused,
+        )
         grads = {n: prm.grad.clone() for n, prm in model.named_parameters() if prm.grad is not None}
-        out[fused] = {"logprobs": lps, "metrics": metrics, "grads": grads, "calls": list(calls),
-                      "last": ps.is_pipeline_last_stage(), "hidden": int(hf["hidden_size"]),
-                      "vocab_local": vocab // p.tp}
+        out[fused] = {
+            "logprobs": lps,
+            "metrics": metrics,
+            "grads": grads,
+            "calls": list(calls),
+            "last": ps.is_pipeline_last_stage(),
+            "hidden": int(hf["hidden_size"]),
+            "vocab_local": vocab // p.tp,
+        }
     destroy_distributed()
     return out

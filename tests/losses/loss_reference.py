@@ -19,9 +19,25 @@ def _cut(ratio: float, adv: float, lo: float, hi: float) -> bool:
     return (adv > 0 and ratio > hi) or (adv < 0 and ratio < lo)
 
 
-def reference_loss(lp, old, adv, mask, *, mode, clip_low, clip_high, aggregation="seq-mean-token-mean",
-                   ref=None, kl_coef=0.0, kl_estimator="k3", ent=None, ent_coef=0.0, engine=None, tis_cap=None,
-                   normalizer=None):
+def reference_loss(
+    lp,
+    old,
+    adv,
+    mask,
+    *,
+    mode,
+    clip_low,
+    clip_high,
+    aggregation="seq-mean-token-mean",
+    ref=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    ent=None,
+    ent_coef=0.0,
+    engine=None,
+    tis_cap=None,
+    normalizer=None,
+):
     """lp, old, mask, ref, ent, engine: lists of rows (lists of floats); adv: list (per seq) or rows.
 
     Returns (loss, grad_lp rows, grad_ent rows)."""

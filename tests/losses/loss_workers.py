@@ -23,11 +23,19 @@ def loss_from_logits(logits, data, mode, options, *, tp_group=None, cp_group=Non
     """Vocab-parallel log-probs -> policy_loss_flat; ``data`` holds flat per-token tensors of this rank."""
     lp, ent = vocab_parallel_logprobs(logits, data["targets"], tp_group=tp_group, temperature=0.8, chunk_size=5)
     clip = (8e-3, 1e-2) if mode == "grpo" else (3e-3, 4e-3)
-    cfg = PolicyLossConfig(mode=mode, clip_low=clip[0], clip_high=clip[1],
-                           **options)
+    cfg = PolicyLossConfig(mode=mode, clip_low=clip[0], clip_high=clip[1], **options)
     return policy_loss_flat(
-        lp, data["old"], data["adv"], data["mask"], data["seq"], data["num_seqs"], cfg,
-        ref_logprobs=data["ref"], entropy=ent, engine_logprobs=data["engine"], cp_group=cp_group,
+        lp,
+        data["old"],
+        data["adv"],
+        data["mask"],
+        data["seq"],
+        data["num_seqs"],
+        cfg,
+        ref_logprobs=data["ref"],
+        entropy=ent,
+        engine_logprobs=data["engine"],
+        cp_group=cp_group,
         normalizer=normalizer,
     )
 
@@ -42,7 +50,7 @@ def tp_worker(rank: int, world: int, logits: torch.Tensor, data: dict) -> list:
     v_local = logits.shape[-1] // world
     out = []
     for mode, options in CASES:
-        shard = logits[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+        shard = logits[:, rank * v_local : (rank + 1) * v_local].clone().requires_grad_(True)
         loss, metrics = loss_from_logits(shard, data, mode, options, tp_group=dist.group.WORLD)
         loss.backward()
         out.append((loss.detach(), metrics, shard.grad))
@@ -56,9 +64,10 @@ def tp_padded_vocab_worker(rank: int, world: int, logits: torch.Tensor, cases: l
     v_local = logits.shape[-1] // world
     out = []
     for vocab_size, targets in cases:
-        shard = logits[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
-        lp, ent = vocab_parallel_logprobs(shard, targets, tp_group=dist.group.WORLD, vocab_size=vocab_size,
-                                          chunk_size=3)
+        shard = logits[:, rank * v_local : (rank + 1) * v_local].clone().requires_grad_(True)
+        lp, ent = vocab_parallel_logprobs(
+            shard, targets, tp_group=dist.group.WORLD, vocab_size=vocab_size, chunk_size=3
+        )
         ((lp * weights).sum() + (ent * weights.flip(0)).sum()).backward()
         out.append((lp.detach(), ent.detach(), shard.grad))
     return out
@@ -68,8 +77,10 @@ def cp_worker(rank: int, world: int, logits: torch.Tensor, data: dict, owner: to
     """Each rank holds the tokens ``owner == rank`` (per-token values split across CP ranks)."""
     _init(rank, world)
     idx = (owner == rank).nonzero().squeeze(1)
-    local = {k: (v[idx] if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == owner.numel() else v)
-             for k, v in data.items()}
+    local = {
+        k: (v[idx] if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == owner.numel() else v)
+        for k, v in data.items()
+    }
     out = []
     for mode, options in CASES:
         x = logits[idx].clone().requires_grad_(True)

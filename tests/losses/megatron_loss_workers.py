@@ -75,8 +75,9 @@ def old_and_adv(seqs, model, seed: int = 1):
     with torch.no_grad():
         for tokens, prompt in seqs:
             inputs, labels, _ = token_fields(tokens, prompt)
-            lp, _ = vocab_parallel_logprobs(model(inputs[None]), labels[None], temperature=TEMPERATURE,
-                                            with_entropy=False)
+            lp, _ = vocab_parallel_logprobs(
+                model(inputs[None]), labels[None], temperature=TEMPERATURE, with_entropy=False
+            )
             olds.append(lp[0] + torch.randn(tokens.numel(), generator=g) * 1e-2)
     return olds, torch.randn(len(seqs), generator=g)
 
@@ -108,7 +109,7 @@ def packed_batch(seqs, olds, adv, idx, normalizer, pad: int = 3):
     lengths = torch.tensor([seqs[i][0].numel() for i in idx])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     total = int(cu[-1]) + pad
-    cat = lambda j, fill: torch.cat([torch.cat([p[j] for p in parts]), torch.full((pad,), fill)])  # noqa: E731
+    cat = lambda j, fill: torch.cat([torch.cat([p[j] for p in parts]), torch.full((pad,), fill)])
     return {
         "tokens": cat(0, 0)[None],
         "labels": cat(1, 0)[None],
@@ -128,8 +129,16 @@ def reference_grads(cfg: PolicyLossConfig, seed: int = 0):
     batch = packed_batch(seqs, olds, adv, list(range(len(seqs))), None, pad=0)
     logits = model(batch["tokens"])
     lp, ent = vocab_parallel_logprobs(logits, batch["labels"], temperature=TEMPERATURE)
-    loss, _ = policy_loss_flat(lp[0], batch["old_logprobs"][0], adv, batch["loss_mask"][0], batch["seq_index"][0],
-                               len(seqs), cfg, entropy=ent[0])
+    loss, _ = policy_loss_flat(
+        lp[0],
+        batch["old_logprobs"][0],
+        adv,
+        batch["loss_mask"][0],
+        batch["seq_index"][0],
+        len(seqs),
+        cfg,
+        entropy=ent[0],
+    )
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -146,8 +155,15 @@ def schedule_worker(rank: int, world: int, runs: list[tuple]) -> list:
     return [schedule_run(rank, world, *run) for run in runs]
 
 
-def schedule_run(rank: int, world: int, cfg: PolicyLossConfig, layout: str, num_micro: int,
-                 average_in_collective: bool | None, seed: int = 0):
+def schedule_run(
+    rank: int,
+    world: int,
+    cfg: PolicyLossConfig,
+    layout: str,
+    num_micro: int,
+    average_in_collective: bool | None,
+    seed: int = 0,
+):
     """Run get_forward_backward_func() on this DP rank's share of the global batch.
 
     layout: "padded" or "packed"; average_in_collective: None -> no DDP wrapper (plain .grad), else
@@ -179,8 +195,9 @@ def schedule_run(rank: int, world: int, cfg: PolicyLossConfig, layout: str, num_
             finalize_model_grads,
         )
 
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   average_in_collective=average_in_collective)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, average_in_collective=average_in_collective
+        )
         model = DistributedDataParallel(model.config, ddp_config, model)
         model.config.no_sync_func = model.no_sync
         model.config.finalize_model_grads_func = finalize_model_grads
@@ -190,14 +207,24 @@ def schedule_run(rank: int, world: int, cfg: PolicyLossConfig, layout: str, num_
         batch = next(data_iterator)
         logits = model_(batch["tokens"])
         loss_func = make_megatron_loss_func(
-            batch, cfg, tp_group=ps.get_tensor_model_parallel_group(), cp_group=ps.get_context_parallel_group(),
-            num_microbatches=num_micro, data_parallel_size=dp, temperature=TEMPERATURE,
+            batch,
+            cfg,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            cp_group=ps.get_context_parallel_group(),
+            num_microbatches=num_micro,
+            data_parallel_size=dp,
+            temperature=TEMPERATURE,
         )
         return logits, loss_func
 
     out = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro), model=[model], num_microbatches=num_micro,
-        seq_length=0, micro_batch_size=0, forward_only=False,
+        forward_step_func=forward_step,
+        data_iterator=iter(micro),
+        model=[model],
+        num_microbatches=num_micro,
+        seq_length=0,
+        micro_batch_size=0,
+        forward_only=False,
     )
     loss_sum = sum(m["loss"] for m in out)
     if use_ddp:
@@ -224,11 +251,17 @@ def logprob_worker(rank: int, world: int, num_micro: int, seed: int = 0):
     def forward_step(data_iterator, model_):
         batch = next(data_iterator)
         return model_(batch["tokens"]), make_megatron_logprob_func(
-            batch, tp_group=ps.get_tensor_model_parallel_group(), temperature=TEMPERATURE, with_entropy=True)
+            batch, tp_group=ps.get_tensor_model_parallel_group(), temperature=TEMPERATURE, with_entropy=True
+        )
 
     out = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro), model=[model], num_microbatches=num_micro,
-        seq_length=0, micro_batch_size=0, forward_only=True,
+        forward_step_func=forward_step,
+        data_iterator=iter(micro),
+        model=[model],
+        num_microbatches=num_micro,
+        seq_length=0,
+        micro_batch_size=0,
+        forward_only=True,
     )
     with torch.no_grad():
         direct = [vocab_parallel_logprobs(model(b["tokens"]), b["labels"], temperature=TEMPERATURE) for b in micro]

@@ -26,7 +26,7 @@ def test_matches_reference(normalize_std, unbiased):
     out = group_advantages(rewards, 4, normalize_std=normalize_std, eps=1e-4, unbiased_std=unbiased)
     expected = []
     for i in range(3):
-        expected += py_zscore(rewards[4 * i:4 * i + 4].tolist(), normalize_std, 1e-4, unbiased)
+        expected += py_zscore(rewards[4 * i : 4 * i + 4].tolist(), normalize_std, 1e-4, unbiased)
     torch.testing.assert_close(out.advantages, torch.tensor(expected), rtol=1e-6, atol=1e-7)
     assert out.zero_variance.tolist() == [False, True, False]
     assert out.num_zero_variance == 1 and out.zero_variance_fraction == pytest.approx(1 / 3)

@@ -35,8 +35,9 @@ def make(seed, n=23, h=8, v=37, dtype=torch.float32):
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_values_match_full_log_softmax(chunk_size, temperature):
     hidden, weight, targets = make(0)
-    lp, ent = fused_vocab_parallel_logprobs(hidden.view(1, 23, 8), weight, targets.view(1, 23),
-                                            temperature=temperature, chunk_size=chunk_size)
+    lp, ent = fused_vocab_parallel_logprobs(
+        hidden.view(1, 23, 8), weight, targets.view(1, 23), temperature=temperature, chunk_size=chunk_size
+    )
     ref_lp, ref_ent = reference(hidden, weight, targets, temperature)
     assert lp.shape == (1, 23) and lp.dtype == torch.float32
     torch.testing.assert_close(lp[0].double(), ref_lp, rtol=1e-5, atol=1e-5)
@@ -64,7 +65,7 @@ def test_padded_vocab_gradcheck_and_values():
     targets = targets % 9
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
-    fn = lambda h, w: fused_vocab_parallel_logprobs(h, w, targets, vocab_size=9, chunk_size=2)  # noqa: E731
+    fn = lambda h, w: fused_vocab_parallel_logprobs(h, w, targets, vocab_size=9, chunk_size=2)
     assert torch.autograd.gradcheck(fn, (hidden, weight))
     lp, ent = fn(hidden, weight)
     ref_lp, ref_ent = reference(hidden.detach(), weight.detach(), targets, 1.0, vocab_size=9)
@@ -139,11 +140,17 @@ def _tp_worker(rank, world, hidden, weight, targets, vocab_size, wl, we):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     v_local = weight.shape[0] // world
     h = hidden.clone().requires_grad_(True)
-    w = weight[rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+    w = weight[rank * v_local : (rank + 1) * v_local].clone().requires_grad_(True)
     # as in the model path: the hidden states enter the TP region (backward: all-reduce over TP)
-    lp, ent = fused_vocab_parallel_logprobs(copy_to_tensor_model_parallel_region(h, group=dist.group.WORLD), w,
-                                            targets, tp_group=dist.group.WORLD, temperature=0.8, chunk_size=3,
-                                            vocab_size=vocab_size)
+    lp, ent = fused_vocab_parallel_logprobs(
+        copy_to_tensor_model_parallel_region(h, group=dist.group.WORLD),
+        w,
+        targets,
+        tp_group=dist.group.WORLD,
+        temperature=0.8,
+        chunk_size=3,
+        vocab_size=vocab_size,
+    )
     ((lp * wl).sum() + (ent * we).sum()).backward()
     return lp.detach(), ent.detach(), h.grad, w.grad
 
@@ -167,4 +174,4 @@ def test_tp2_matches_tp1(vocab_size):
         torch.testing.assert_close(lp, lp1, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent, ent1, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(hg, h1.grad, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(wg, w1.grad[rank * 19:(rank + 1) * 19], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(wg, w1.grad[rank * 19 : (rank + 1) * 19], rtol=1e-5, atol=1e-5)

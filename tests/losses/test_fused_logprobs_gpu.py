@@ -12,8 +12,8 @@ from gspo_megatron.losses.fused_logprobs import fused_vocab_parallel_logprobs
 
 def _peak(n, v, h, chunk):
     g = torch.Generator(device="cuda").manual_seed(0)
-    hid = (torch.randn(n, h, device="cuda", generator=g) / h ** 0.25).bfloat16().requires_grad_(True)
-    w = (torch.randn(v, h, device="cuda", generator=g) * 3 / h ** 0.25).bfloat16().requires_grad_(True)
+    hid = (torch.randn(n, h, device="cuda", generator=g) / h**0.25).bfloat16().requires_grad_(True)
+    w = (torch.randn(v, h, device="cuda", generator=g) * 3 / h**0.25).bfloat16().requires_grad_(True)
     targets = torch.randint(0, v, (n,), device="cuda", generator=g)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -44,8 +44,15 @@ def test_advantages_shape():
     with pytest.raises(ValueError, match="advantages.*gspo"):
         policy_loss(lp, old, torch.randn(3, 4), mask, mode="gspo")
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss_flat(lp.reshape(-1), old.reshape(-1), torch.randn(5), mask.reshape(-1),
-                         torch.zeros(12, dtype=torch.long), 3, PolicyLossConfig())
+        policy_loss_flat(
+            lp.reshape(-1),
+            old.reshape(-1),
+            torch.randn(5),
+            mask.reshape(-1),
+            torch.zeros(12, dtype=torch.long),
+            3,
+            PolicyLossConfig(),
+        )
 
 
 @pytest.mark.parametrize("mode", ["gspo", "gspo_token", "grpo"])
@@ -65,13 +72,28 @@ def test_empty_mask_gives_zero_loss_and_metric(mode):
 )
 def test_non_finite_input_names_argument(name):
     lp, old, adv, mask = batch()
-    inputs = {"logprobs": lp.detach().clone(), "old_logprobs": old.clone(), "advantages": adv.clone(),
-              "ref_logprobs": old.clone(), "engine_logprobs": old.clone(), "entropy": torch.ones(3, 4)}
+    inputs = {
+        "logprobs": lp.detach().clone(),
+        "old_logprobs": old.clone(),
+        "advantages": adv.clone(),
+        "ref_logprobs": old.clone(),
+        "engine_logprobs": old.clone(),
+        "entropy": torch.ones(3, 4),
+    }
     inputs[name].view(-1)[1] = float("nan") if name != "old_logprobs" else float("-inf")
     with pytest.raises(ValueError, match=f"non-finite.*{name}"):
-        policy_loss(inputs["logprobs"], inputs["old_logprobs"], inputs["advantages"], mask,
-                    ref_logprobs=inputs["ref_logprobs"], kl_coef=0.1, engine_logprobs=inputs["engine_logprobs"],
-                    tis_cap=2.0, entropy=inputs["entropy"], entropy_coef=0.01)
+        policy_loss(
+            inputs["logprobs"],
+            inputs["old_logprobs"],
+            inputs["advantages"],
+            mask,
+            ref_logprobs=inputs["ref_logprobs"],
+            kl_coef=0.1,
+            engine_logprobs=inputs["engine_logprobs"],
+            tis_cap=2.0,
+            entropy=inputs["entropy"],
+            entropy_coef=0.01,
+        )
 
 
 def test_non_finite_off_the_response_is_ignored():
@@ -86,12 +108,22 @@ def test_non_finite_off_the_response_is_ignored():
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
 
 
-@pytest.mark.parametrize("kw, name", [
-    ({"clip_low": 0.0}, "clip_low"), ({"clip_low": -0.1}, "clip_low"), ({"clip_high": 0.0}, "clip_high"),
-    ({"clip_high": -1.0}, "clip_high"), ({"clip_low": 1.0}, "clip_low"), ({"clip_high": float("nan")}, "clip_high"),
-    ({"mode": "ppo"}, "mode"), ({"kl_estimator": "k4"}, "kl_estimator"), ({"tis_cap": 0.0}, "tis_cap"),
-    ({"kl_coef": -1.0}, "kl_coef"), ({"aggregation": "token-sum"}, "aggregation"),
-])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"clip_low": 0.0}, "clip_low"),
+        ({"clip_low": -0.1}, "clip_low"),
+        ({"clip_high": 0.0}, "clip_high"),
+        ({"clip_high": -1.0}, "clip_high"),
+        ({"clip_low": 1.0}, "clip_low"),
+        ({"clip_high": float("nan")}, "clip_high"),
+        ({"mode": "ppo"}, "mode"),
+        ({"kl_estimator": "k4"}, "kl_estimator"),
+        ({"tis_cap": 0.0}, "tis_cap"),
+        ({"kl_coef": -1.0}, "kl_coef"),
+        ({"aggregation": "token-sum"}, "aggregation"),
+    ],
+)
 def test_bad_config_names_field(kw, name):
     lp, old, adv, mask = batch()
     with pytest.raises(ValueError, match=name):

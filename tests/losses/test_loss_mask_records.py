@@ -24,9 +24,15 @@ def _records(seed=0):
     recs = []
     for i, m in enumerate(masks):
         p = rng.randint(2, 5)
-        recs.append(Sample.from_tokens([rng.randrange(1, 50) for _ in range(p + len(m))], p, loss_mask=m,
-                                       engine_logprobs=[rng.uniform(-3, -0.1) if x else 1e6 for x in m],  # junk off the mask
-                                       advantage=rng.uniform(-1.5, 1.5)))
+        recs.append(
+            Sample.from_tokens(
+                [rng.randrange(1, 50) for _ in range(p + len(m))],
+                p,
+                loss_mask=m,
+                engine_logprobs=[rng.uniform(-3, -0.1) if x else 1e6 for x in m],  # junk off the mask
+                advantage=rng.uniform(-1.5, 1.5),
+            )
+        )
     return recs
 
 
@@ -42,7 +48,11 @@ def _closed_form(recs, lp, old, eng, tis_cap):
         n = len(pos)
         log_s = sum(float(lp[i, t]) - float(old[i, t]) for t in pos) / n
         s, A = math.exp(log_s), r.advantage
-        w = 1.0 if tis_cap is None else min(math.exp(sum(float(old[i, t]) - float(eng[i, t]) for t in pos) / n), tis_cap)
+        w = (
+            1.0
+            if tis_cap is None
+            else min(math.exp(sum(float(old[i, t]) - float(eng[i, t]) for t in pos) / n), tis_cap)
+        )
         clipped = min(max(s, 1 - LOW), 1 + HIGH)
         loss -= w * min(s * A, clipped * A) / len(live)
         cut = (A > 0 and s > 1 + HIGH) or (A < 0 and s < 1 - LOW)
@@ -59,7 +69,7 @@ def test_gspo_length_normalization_counts_only_trained_tokens(tis_cap, spread):
     b = collate(recs, pad_id=0)
     for i, r in enumerate(recs):  # the record's mask, at the label positions of its response
         p, n = r.prompt_len, r.length
-        assert b["loss_mask"][i, p - 1: n - 1].tolist() == [float(x) for x in r.loss_mask]
+        assert b["loss_mask"][i, p - 1 : n - 1].tolist() == [float(x) for x in r.loss_mask]
         assert b["loss_mask"][i].sum() == r.trained_tokens
     g = torch.Generator().manual_seed(1)
     old = -torch.rand(b["labels"].shape, generator=g, dtype=torch.float64) * 3
@@ -67,8 +77,16 @@ def test_gspo_length_normalization_counts_only_trained_tokens(tis_cap, spread):
     eng = b["engine_logprobs"].double()
     cfg = PolicyLossConfig(mode="gspo", tis_cap=tis_cap)
     adv = torch.tensor([r.advantage for r in recs], dtype=torch.float64)
-    loss, _ = policy_loss_flat(lp.reshape(-1), old.reshape(-1), adv, b["loss_mask"].reshape(-1),
-                               b["seq_index"].reshape(-1), len(recs), cfg, engine_logprobs=eng.reshape(-1))
+    loss, _ = policy_loss_flat(
+        lp.reshape(-1),
+        old.reshape(-1),
+        adv,
+        b["loss_mask"].reshape(-1),
+        b["seq_index"].reshape(-1),
+        len(recs),
+        cfg,
+        engine_logprobs=eng.reshape(-1),
+    )
     loss.backward()
     ref_loss, ref_grad = _closed_form(recs, lp.detach(), old, eng, tis_cap)
     assert loss.item() == pytest.approx(ref_loss, rel=1e-12, abs=1e-14)
@@ -89,8 +107,16 @@ def test_an_unmasked_tokens_values_change_nothing():
     off = b["loss_mask"] == 0
 
     def loss(lp, old, eng):
-        return policy_loss_flat(lp.reshape(-1), old.reshape(-1), adv, b["loss_mask"].reshape(-1),
-                                b["seq_index"].reshape(-1), len(recs), cfg, engine_logprobs=eng.reshape(-1))[0]
+        return policy_loss_flat(
+            lp.reshape(-1),
+            old.reshape(-1),
+            adv,
+            b["loss_mask"].reshape(-1),
+            b["seq_index"].reshape(-1),
+            len(recs),
+            cfg,
+            engine_logprobs=eng.reshape(-1),
+        )[0]
 
     base = loss(lp, old, eng)
     junk = torch.randn(old.shape, generator=g, dtype=torch.float64) * 5
@@ -104,7 +130,6 @@ def test_global_normalizer_counts_trained_tokens_and_sequences(agg, mode):
     cfg.gspo.mini_batches, cfg.gspo.loss_agg, cfg.gspo.mode = 1, agg, mode
     cfg.parallel.micro_batch_size = 2
     minis = split_batch(cfg, recs, dp=1, dp_rank=0, pad_id=0, multiple=1)
-    want = sum(sum(r.loss_mask) for r in recs) if agg == "token-mean" else sum(
-        1 for r in recs if sum(r.loss_mask))
+    want = sum(sum(r.loss_mask) for r in recs) if agg == "token-mean" else sum(1 for r in recs if sum(r.loss_mask))
     assert want == (5 + 3 + 3 + 0 + 3 if agg == "token-mean" else 4)
     assert all(mb["normalizer"] == float(want) for mb in minis[0])

@@ -13,8 +13,9 @@ from megatron_loss_workers import logprob_worker, reference_grads, schedule_work
 
 CFGS = {
     "gspo": PolicyLossConfig(mode="gspo", clip_low=3e-3, clip_high=4e-3, entropy_coef=0.01),
-    "grpo_token_mean": PolicyLossConfig(mode="grpo", clip_low=5e-3, clip_high=5e-3, aggregation="token-mean",
-                                        entropy_coef=0.01),
+    "grpo_token_mean": PolicyLossConfig(
+        mode="grpo", clip_low=5e-3, clip_high=5e-3, aggregation="token-mean", entropy_coef=0.01
+    ),
 }
 
 
@@ -31,8 +32,13 @@ def assert_matches(result, ref, what):
 def test_microbatches_and_packing_single_rank():
     runs = []
     for cfg in CFGS.values():
-        runs += [(cfg, "padded", 1, None), (cfg, "padded", 4, None), (cfg, "packed", 2, None),
-                 (cfg, "packed", 3, None), (cfg, "padded", 2, True)]
+        runs += [
+            (cfg, "padded", 1, None),
+            (cfg, "padded", 4, None),
+            (cfg, "packed", 2, None),
+            (cfg, "packed", 3, None),
+            (cfg, "padded", 2, True),
+        ]
     results = run_ranks(schedule_worker, 1, runs)[0]
     refs = {id(cfg): reference_grads(cfg) for cfg in CFGS.values()}
     for run, result in zip(runs, results):

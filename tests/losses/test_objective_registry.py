@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.config import ConfigError, load_config
+from gspo_megatron.config import load_config
+from gspo_megatron.errors import ConfigError
 from gspo_megatron.losses import objectives
 from gspo_megatron.losses.objectives import ObjectiveTerms, policy_loss_modes, register_policy_loss
 from gspo_megatron.losses.policy_loss import PolicyLossConfig, policy_loss
@@ -46,7 +47,9 @@ def test_a_registered_loss_runs_from_the_config(registry):
 
     @register_policy_loss("plain_pg", default_clip=(0.3, 0.5), config_token_mean=True)
     def plain_pg(x, clip_low, clip_high):
-        return ObjectiveTerms((x.tok_w * torch.exp(x.delta) * x.adv_tok).sum(), cut_tok=torch.zeros_like(x.seq, dtype=torch.bool))
+        return ObjectiveTerms(
+            (x.tok_w * torch.exp(x.delta) * x.adv_tok).sum(), cut_tok=torch.zeros_like(x.seq, dtype=torch.bool)
+        )
 
     cfg = load_config(None, ["gspo.mode=plain_pg", "gspo.loss_agg=token-mean"])
     assert (cfg.gspo.clip_low, cfg.gspo.clip_high) == (0.3, 0.5)
@@ -69,7 +72,9 @@ def test_a_registered_loss_runs_from_the_config(registry):
 
 
 def test_sequence_ratio_property_refuses_token_advantages(registry):
-    register_policy_loss("seq_copy", default_clip=(1e-3, 1e-3), sequence_ratio=True)(objectives.POLICY_LOSSES["gspo"].fn)
+    register_policy_loss("seq_copy", default_clip=(1e-3, 1e-3), sequence_ratio=True)(
+        objectives.POLICY_LOSSES["gspo"].fn
+    )
     lp = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="advantages must be \\[B\\] for mode='seq_copy'"):
         policy_loss(lp, lp, torch.zeros(2, 3), torch.ones(2, 3), mode="seq_copy")

@@ -9,8 +9,18 @@ import torch
 from distributed_harness import run_ranks
 from loss_workers import CASES, cp_worker, loss_from_logits, tp_padded_vocab_worker, tp_worker
 
-SEQ_METRICS = ("ratio_mean", "ratio_min", "ratio_max", "approx_kl_old", "num_seqs", "num_tokens", "entropy",
-               "kl_ref", "engine_logprob_absdiff", "tis_weight_mean")
+SEQ_METRICS = (
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "approx_kl_old",
+    "num_seqs",
+    "num_tokens",
+    "entropy",
+    "kl_ref",
+    "engine_logprob_absdiff",
+    "tis_weight_mean",
+)
 
 
 def make_data(seed: int = 0, vocab: int = 24):

@@ -37,12 +37,24 @@ def run_both(lp, old, adv, mask, *, ref=None, ent=None, engine=None, **kw):
     loss, metrics = policy_loss(lp, old, adv, mask, ref_logprobs=ref, entropy=ent_t, engine_logprobs=engine, **kw)
     loss.backward()
     cfg = PolicyLossConfig(**{k: v for k, v in kw.items() if k in PolicyLossConfig.__dataclass_fields__})
-    as_list = lambda x: None if x is None else x.tolist()  # noqa: E731
+    as_list = lambda x: None if x is None else x.tolist()
     ref_val, ref_glp, ref_gent = reference_loss(
-        lp.detach().tolist(), old.tolist(), adv.tolist(), mask.tolist(), mode=cfg.mode, clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high, aggregation=cfg.aggregation, ref=as_list(ref), kl_coef=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, ent=as_list(ent), ent_coef=cfg.entropy_coef, engine=as_list(engine),
-        tis_cap=cfg.tis_cap, normalizer=kw.get("normalizer"),
+        lp.detach().tolist(),
+        old.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        mode=cfg.mode,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        aggregation=cfg.aggregation,
+        ref=as_list(ref),
+        kl_coef=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator,
+        ent=as_list(ent),
+        ent_coef=cfg.entropy_coef,
+        engine=as_list(engine),
+        tis_cap=cfg.tis_cap,
+        normalizer=kw.get("normalizer"),
     )
     torch.testing.assert_close(loss.detach(), torch.tensor(ref_val, dtype=torch.float64), rtol=1e-10, atol=1e-13)
     torch.testing.assert_close(lp.grad, torch.tensor(ref_glp, dtype=torch.float64), rtol=1e-9, atol=1e-13)
@@ -88,8 +100,9 @@ def test_grpo_token_advantages_closed_form():
 @pytest.mark.parametrize("mode", ["gspo", "gspo_token", "grpo"])
 def test_kl_entropy_closed_form(estimator, mode):
     lp, old, adv, mask, ref, ent, _ = make_batch(6)
-    _, metrics, _ = run_both(lp, old, adv, mask, mode=mode, ref=ref, kl_coef=0.05, kl_estimator=estimator,
-                             ent=ent, entropy_coef=0.01)
+    _, metrics, _ = run_both(
+        lp, old, adv, mask, mode=mode, ref=ref, kl_coef=0.05, kl_estimator=estimator, ent=ent, entropy_coef=0.01
+    )
     assert "kl_ref" in metrics and "entropy" in metrics
 
 
@@ -134,8 +147,9 @@ def test_micro_batches_sum_to_global_mean():
     part = lp.clone().requires_grad_(True)
     total = 0.0
     for rows in (slice(0, 1), slice(1, 3), slice(3, 4), slice(4, 6)):  # micro-batch 2 holds the empty row
-        loss, _ = policy_loss(part[rows], old[rows], adv[rows], mask[rows], ref_logprobs=ref[rows],
-                              normalizer=n_seqs, **kw)
+        loss, _ = policy_loss(
+            part[rows], old[rows], adv[rows], mask[rows], ref_logprobs=ref[rows], normalizer=n_seqs, **kw
+        )
         loss.backward()
         total = total + loss.detach()
     torch.testing.assert_close(total, loss_full.detach(), rtol=1e-12, atol=1e-15)
@@ -154,11 +168,16 @@ def test_packed_equals_padded(mode):
     extra = torch.tensor([0, 1, 3])  # padding tokens with garbage values and any seq index
     perm = torch.randperm(rows.numel() + extra.numel(), generator=torch.Generator().manual_seed(0))
     packed = lp.clone().requires_grad_(True)
-    vals = lambda x, pad: torch.cat([x[rows, cols], pad])[perm]  # noqa: E731
+    vals = lambda x, pad: torch.cat([x[rows, cols], pad])[perm]
     nanpad = torch.full((3,), float("nan"), dtype=torch.float64)
     loss_pack, m_pack = policy_loss_flat(
-        vals(packed, nanpad), vals(old, nanpad), adv, vals(mask, torch.zeros(3, dtype=torch.float64)),
-        torch.cat([rows, torch.tensor([5, 0, 99])])[perm], B, PolicyLossConfig(mode=mode, kl_coef=0.02),
+        vals(packed, nanpad),
+        vals(old, nanpad),
+        adv,
+        vals(mask, torch.zeros(3, dtype=torch.float64)),
+        torch.cat([rows, torch.tensor([5, 0, 99])])[perm],
+        B,
+        PolicyLossConfig(mode=mode, kl_coef=0.02),
         ref_logprobs=vals(ref, nanpad),
     )
     loss_pack.backward()

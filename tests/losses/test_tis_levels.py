@@ -21,8 +21,9 @@ def _batch():
     torch.manual_seed(0)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.float64)
     old = -torch.rand(3, 5, dtype=torch.float64) - 0.5
-    gap = torch.tensor([[0.05, -0.01, 0.02, 9.0, 9.0], [0.3, 0.1, 0.5, 0.2, 0.4], [9.0, -0.1, -0.2, 0.0, 9.0]],
-                       dtype=torch.float64)  # old - engine (9.0 off the response: must not count)
+    gap = torch.tensor(
+        [[0.05, -0.01, 0.02, 9.0, 9.0], [0.3, 0.1, 0.5, 0.2, 0.4], [9.0, -0.1, -0.2, 0.0, 9.0]], dtype=torch.float64
+    )  # old - engine (9.0 off the response: must not count)
     engine = old - gap
     lp = (old + 0.05 * torch.randn(3, 5, dtype=torch.float64)).requires_grad_(True)
     adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
@@ -65,8 +66,19 @@ def _hand(lp, old, adv, mask, gap, mode, cap, level, tis_mode):
 def test_weights_match_the_hand_computation(mode, level, tis_mode):
     lp, old, engine, adv, mask, gap = _batch()
     cap = 1.2  # sequence rho: exp(0.02), exp(0.3) = 1.35 > cap, exp(-0.1)
-    out = policy_loss(lp, old, adv, mask, mode=mode, clip_low=CLIP[0], clip_high=CLIP[1], engine_logprobs=engine,
-                      tis_cap=cap, tis_level=level, tis_mode=tis_mode)
+    out = policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        mode=mode,
+        clip_low=CLIP[0],
+        clip_high=CLIP[1],
+        engine_logprobs=engine,
+        tis_cap=cap,
+        tis_level=level,
+        tis_mode=tis_mode,
+    )
     out.loss.backward()
     want, grad = _hand(lp, old, adv, mask, gap, mode, cap, level, tis_mode)
     assert out.loss.item() == pytest.approx(want, rel=1e-12, abs=1e-14)
@@ -82,8 +94,18 @@ def test_mask_drops_the_sequence_over_the_cap():
     """Mask mode: sequence 1 (rho = exp(0.3) > 1.2) contributes nothing, neither to the loss nor to the
     gradient; the others keep their full weight rho_i (not truncated)."""
     lp, old, engine, adv, mask, _ = _batch()
-    out = policy_loss(lp, old, adv, mask, mode="gspo", engine_logprobs=engine, tis_cap=1.2, tis_mode="mask",
-                      clip_low=CLIP[0], clip_high=CLIP[1])
+    out = policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        mode="gspo",
+        engine_logprobs=engine,
+        tis_cap=1.2,
+        tis_mode="mask",
+        clip_low=CLIP[0],
+        clip_high=CLIP[1],
+    )
     out.loss.backward()
     assert torch.all(lp.grad[1] == 0)
     assert (lp.grad[0] * mask[0]).abs().sum() > 0 and (lp.grad[2] * mask[2]).abs().sum() > 0
@@ -103,8 +125,16 @@ def test_sequence_weight_is_the_geometric_mean_not_the_product():
     engine = old - math.log(1.01)
     lp = old.clone().requires_grad_(True)
     for tis_mode in ("truncate", "mask"):
-        out = policy_loss(lp, old, torch.ones(1, dtype=torch.float64), torch.ones(1, n), mode="gspo",
-                          engine_logprobs=engine, tis_cap=1.05, tis_mode=tis_mode)
+        out = policy_loss(
+            lp,
+            old,
+            torch.ones(1, dtype=torch.float64),
+            torch.ones(1, n),
+            mode="gspo",
+            engine_logprobs=engine,
+            tis_cap=1.05,
+            tis_mode=tis_mode,
+        )
         assert out.metrics["tis_weight_mean"] == pytest.approx(1.01, rel=1e-6)  # metrics are float32
         assert out.metrics["tis_capped_fraction"] == 0.0
         assert out.loss.item() == pytest.approx(-1.01, rel=1e-9)

@@ -46,7 +46,7 @@ def test_padded_vocab_finite_differences_and_values():
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(5, 12, generator=g, dtype=torch.float64).requires_grad_(True)
     targets = torch.randint(0, 9, (5,), generator=g)
-    fn = lambda x: vocab_parallel_logprobs(x, targets, vocab_size=9, chunk_size=2)  # noqa: E731
+    fn = lambda x: vocab_parallel_logprobs(x, targets, vocab_size=9, chunk_size=2)
     assert torch.autograd.gradcheck(fn, (logits,))
     lp, ent = fn(logits)
     ref_lp, ref_ent = reference(logits.detach()[:, :9], targets, 1.0)

@@ -58,15 +58,24 @@ def export_aliasing(rank: int, world: int, hf_dir: str) -> dict:
                 aliased.append(name)
     items, mine = build_export_plan(model)
     gated = [it for it in items if isinstance(mine[it.global_name][0], GatedFC1)]
-    views = [all(t.untyped_storage().data_ptr() == mine[it.global_name][1].untyped_storage().data_ptr()
-                 for t in gather_full(it, mine)) for it in gated]
+    views = [
+        all(
+            t.untyped_storage().data_ptr() == mine[it.global_name][1].untyped_storage().data_ptr()
+            for t in gather_full(it, mine)
+        )
+        for it in gated
+    ]
     import glob
 
     hf = {}
     for f in glob.glob(f"{hf_dir}/*.safetensors"):
         hf.update(load_file(f))
-    return dict(aliased=aliased, gated=len(gated), views=views,
-                equal=sorted(hf) == sorted(streamed) and all(torch_equal(hf[k], streamed[k]) for k in hf))
+    return dict(
+        aliased=aliased,
+        gated=len(gated),
+        views=views,
+        equal=sorted(hf) == sorted(streamed) and all(torch_equal(hf[k], streamed[k]) for k in hf),
+    )
 
 
 def torch_equal(a, b) -> bool:

@@ -73,8 +73,13 @@ def indexer_vs_transformers(rank: int, world: int, hf_cfg: dict, n: int, interle
     config = hf_model_from_config(hf_cfg).config
     ref = DeepseekV32Indexer(config, 0).eval()
     g = torch.Generator().manual_seed(0)
-    pairs = {"wq_b.weight": "linear_wq_b.weight", "wk.weight": "linear_wk.weight", "k_norm.weight": "k_norm.weight",
-             "k_norm.bias": "k_norm.bias", "weights_proj.weight": "linear_weights_proj.weight"}
+    pairs = {
+        "wq_b.weight": "linear_wq_b.weight",
+        "wk.weight": "linear_wk.weight",
+        "k_norm.weight": "k_norm.weight",
+        "k_norm.bias": "k_norm.bias",
+        "weights_proj.weight": "linear_weights_proj.weight",
+    }
     mine = dict(ours.named_parameters())
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -91,8 +96,8 @@ def indexer_vs_transformers(rank: int, world: int, hf_cfg: dict, n: int, interle
     cos, sin = ours._cos_sin(n, "cpu")
     q = ours._rope(ours.linear_wq_b(qr[0]).view(n, ours.n_heads, d), cos, sin)
     k = ours._rope(ours.k_norm(ours.linear_wk(x[0])), cos, sin)
-    w = ours.linear_weights_proj(x[0]) * ours.n_heads ** -0.5
-    score = (torch.relu(torch.einsum("shd,td->sht", q, k) * d ** -0.5) * w[..., None]).sum(1)
+    w = ours.linear_weights_proj(x[0]) * ours.n_heads**-0.5
+    score = (torch.relu(torch.einsum("shd,td->sht", q, k) * d**-0.5) * w[..., None]).sum(1)
     score = score.masked_fill(~causal, float("-inf"))
     tied_rows = earliest_differs = 0
     for s in range(topk, n):

@@ -47,11 +47,12 @@ def set_random_b(model, seed: int = 7, scale: float = 0.05) -> None:
             m.lora_B.copy_(full.to(m.lora_B.dtype))
 
 
-def lora_layouts(rank: int, world: int, jobs: list[tuple], rows: list[list[int]], records: list,
-                 overrides: list[str]) -> dict:
+def lora_layouts(
+    rank: int, world: int, jobs: list[tuple], rows: list[list[int]], records: list, overrides: list[str]
+) -> dict:
     from gspo_megatron import factory
     from gspo_megatron.config import load_config
-    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.lora import merge_into_base
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
@@ -66,8 +67,9 @@ def lora_layouts(rank: int, world: int, jobs: list[tuple], rows: list[list[int]]
             cfg = load_config(None, [*overrides, *(f"parallel.{k}={v}" for k, v in layout.items())])
             p = cfg.parallel
             init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
-            base_cfg = load_config(None, [*overrides, "model.lora.rank=0",
-                                          *(f"parallel.{k}={v}" for k, v in layout.items())])
+            base_cfg = load_config(
+                None, [*overrides, "model.lora.rank=0", *(f"parallel.{k}={v}" for k, v in layout.items())]
+            )
             base = factory.build_model(base_cfg, hf)
             load_hf_weights(base, hf_dir)
             base_lps = score_rows(base, rows, micro_batch_size=3)
@@ -78,9 +80,15 @@ def lora_layouts(rank: int, world: int, jobs: list[tuple], rows: list[list[int]]
             trainable = sorted(n for n, q in model.named_parameters() if q.requires_grad)
             set_random_b(model)
             o = cfg.optimizer
-            ddp, optimizer, scheduler = setup_training(model, OptimOptions(
-                lr=o.lr, clip_grad=o.clip_grad, total_steps=cfg.gspo.mini_batches,
-                use_distributed_optimizer=p.use_distributed_optimizer))
+            ddp, optimizer, scheduler = setup_training(
+                model,
+                OptimOptions(
+                    lr=o.lr,
+                    clip_grad=o.clip_grad,
+                    total_steps=cfg.gspo.mini_batches,
+                    use_distributed_optimizer=p.use_distributed_optimizer,
+                ),
+            )
             grads: dict = {}
             step = train_step.optimizer_step
 
@@ -101,8 +109,15 @@ def lora_layouts(rank: int, world: int, jobs: list[tuple], rows: list[list[int]]
             n_optimized = sum(q.numel() for grp in optimizer.param_groups for q in grp["params"])
             if rank == 0:
                 out.setdefault(kind, {})[layout_name(layout)] = dict(
-                    base=base_lps, fresh=fresh_lps, adapter=adapter_lps, merged=merged_lps, grads=grads,
-                    metrics=metrics, trainable=trainable, n_optimized=n_optimized)
+                    base=base_lps,
+                    fresh=fresh_lps,
+                    adapter=adapter_lps,
+                    merged=merged_lps,
+                    grads=grads,
+                    metrics=metrics,
+                    trainable=trainable,
+                    n_optimized=n_optimized,
+                )
             model = optimizer = None
     destroy_distributed()
     return out if rank == 0 else {}
@@ -111,7 +126,7 @@ def lora_layouts(rank: int, world: int, jobs: list[tuple], rows: list[list[int]]
 def finite_differences(rank: int, world: int, hf_dir: str, overrides: list[str]) -> dict:
     from gspo_megatron import factory
     from gspo_megatron.config import load_config
-    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.lora import lora_modules
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
@@ -138,12 +153,14 @@ def finite_differences(rank: int, world: int, hf_dir: str, overrides: list[str])
     grads = {n: q.grad.detach().clone() for n, q in params.items()}
     results = {}
     last = f"decoder.layers.{len(model.decoder.layers) - 1}."
-    groups = {"all": list(params),
-              "expert_A": [n for n in params if ".local_experts." in n and n.endswith("lora_A")],
-              "expert_B": [n for n in params if ".local_experts." in n and n.endswith("lora_B")],
-              "attention": [n for n in params if ".self_attention." in n],
-              "last_layer_experts": [n for n in params if n.startswith(last) and ".local_experts." in n],
-              "last_layer_fc2_A": [n for n in params if n.startswith(last) and "linear_fc2.lora_A" in n]}
+    groups = {
+        "all": list(params),
+        "expert_A": [n for n in params if ".local_experts." in n and n.endswith("lora_A")],
+        "expert_B": [n for n in params if ".local_experts." in n and n.endswith("lora_B")],
+        "attention": [n for n in params if ".self_attention." in n],
+        "last_layer_experts": [n for n in params if n.startswith(last) and ".local_experts." in n],
+        "last_layer_fc2_A": [n for n in params if n.startswith(last) and "linear_fc2.lora_A" in n],
+    }
     eps = float(__import__("os").environ.get("LORA_FD_EPS", "1e-5"))
     for key, names in groups.items():
         d = {n: torch.randn(params[n].shape, generator=g, dtype=torch.float64) for n in names}

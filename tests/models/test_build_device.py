@@ -7,19 +7,19 @@ stood in for by ``meta``: a parameter left where it was built is still on the CP
 from __future__ import annotations
 
 from distributed_harness import run_ranks
+from tiny_models import tiny_hf_config
 
 
 def _devices_worker(rank, world, family):
     import torch
 
     from gspo_megatron.models.build import ModelOptions, build_model
-    from gspo_megatron.models.registry import family_for_model_type
     from gspo_megatron.runtime import distributed as rdist
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 
     init_distributed(ParallelLayout())
     rdist.device = lambda: torch.device("meta")  # this spawned rank's "GPU"
-    hf = dict(family_for_model_type(family).tiny, model_type=family)
+    hf = tiny_hf_config(family)
     model = build_model(hf, opts=ModelOptions(transformer_impl="local"))
     return sorted({f"{p.device.type}" for p in model.parameters()} | {b.device.type for b in model.buffers()})
 

@@ -4,18 +4,18 @@ naming the field), the planner's counts for multi-latent attention, and the Mega
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from gspo_megatron.models import get_family
 from gspo_megatron.models.dims import ModelDims
 from gspo_megatron.planner import layer_params, param_counts
+from tiny_models import tiny_hf_config
 
 FAMILY = get_family({"model_type": "deepseek_v3"})
-
-
-def _cfg(**kw) -> dict:
-    return dict(FAMILY.tiny, model_type="deepseek_v3", **kw)
+_cfg = partial(tiny_hf_config, "deepseek_v3")
 
 
 def _hf_logits(model, ids):
@@ -36,14 +36,21 @@ def test_correction_bias_changes_the_expert_choice(tmp_path):
     assert (with_bias - _hf_logits(model, ids)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("override,field", [
-    (dict(norm_topk_prob=False), "norm_topk_prob=false"),
-    (dict(topk_group=1), "num_experts_per_tok=4 // topk_group=1 != 2"),
-    (dict(rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=128, attention_factor=1.2)),
-     "attention_factor"),
-    (dict(rope_scaling=dict(type="llama3", factor=8.0)), "rope type 'llama3'"),
-    (dict(attention_bias=True), "attention_bias=true"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        (dict(norm_topk_prob=False), "norm_topk_prob=false"),
+        (dict(topk_group=1), "num_experts_per_tok=4 // topk_group=1 != 2"),
+        (
+            dict(
+                rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=128, attention_factor=1.2)
+            ),
+            "attention_factor",
+        ),
+        (dict(rope_scaling=dict(type="llama3", factor=8.0)), "rope type 'llama3'"),
+        (dict(attention_bias=True), "attention_bias=true"),
+    ],
+)
 def test_refused_features_name_the_field(override, field):
     with pytest.raises(ValueError, match="config.json .*is not supported for deepseek_v3") as e:
         FAMILY.config_fields(_cfg(**override))
@@ -65,8 +72,13 @@ def test_no_group_limit_when_every_group_is_kept():
 def test_megatron_config_fields():
     f = FAMILY.config_fields(_cfg())
     assert FAMILY.megatron_config_class().__name__ == "MLATransformerConfig"
-    assert (f["q_lora_rank"], f["kv_lora_rank"], f["qk_head_dim"], f["qk_pos_emb_head_dim"], f["v_head_dim"]) \
-        == (32, 32, 16, 8, 16)
+    assert (f["q_lora_rank"], f["kv_lora_rank"], f["qk_head_dim"], f["qk_pos_emb_head_dim"], f["v_head_dim"]) == (
+        32,
+        32,
+        16,
+        8,
+        16,
+    )
     assert f["moe_layer_freq"] == [0, 1, 1, 1]  # first_k_dense_replace=1
     assert f["moe_router_score_function"] == "sigmoid" and f["moe_router_enable_expert_bias"]
     assert f["moe_router_bias_update_rate"] == 0.0  # the correction bias stays the checkpoint's

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -25,26 +26,23 @@ import torch
 from distributed_harness import run_ranks
 from gspo_megatron.models import get_family
 from hf_reference import hf_logprobs, make_rows, max_abs_diff
+from tiny_models import tiny_hf_config
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pipeline"))
-from packing_workers import make_records, packed_vs_padded  # noqa: E402
+from packing_workers import make_records, packed_vs_padded_1_rank_tp2_ep2
 
 FAMILY = get_family({"model_type": "deepseek_v32"})
-
-
-def _cfg(**kw) -> dict:
-    return dict(FAMILY.tiny, model_type="deepseek_v32", **kw)
+_cfg = partial(tiny_hf_config, "deepseek_v32")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    d = tmp_path_factory.mktemp("deepseek_v32")
-    return str(d), save_tiny_hf_model("deepseek_v32", str(d / "hf"), seed=11)
+def tiny(tiny_hf_checkpoint):
+    hf_dir, model = tiny_hf_checkpoint("deepseek_v32", seed=11)
+    return os.path.dirname(hf_dir), model  # <d>/hf; the tests convert to <d>/ckpt
 
 
 # -- the indexer against transformers' ------------------------------------------------------------
+
 
 def test_indexer_selects_what_transformers_selects_ties_included():
     from dsa_workers import indexer_vs_transformers
@@ -56,6 +54,7 @@ def test_indexer_selects_what_transformers_selects_ties_included():
 
 
 # -- the sparse path is the one run --------------------------------------------------------------------
+
 
 def test_sparse_selection_changes_transformers_output(tiny):
     from gspo_megatron.models.tiny import hf_model_from_config
@@ -82,14 +81,13 @@ def test_megatron_masks_beyond_topk_and_equals_transformers(tiny):
 
 # -- packed sequences ----------------------------------------------------------------------------------
 
+
 def test_packed_mixed_lengths_equal_transformers_in_1_rank_tp2_ep2(tiny):
     d, model = tiny
     rows = [r.tokens for r in make_records()]
     assert min(map(len, rows)) <= 5 and max(map(len, rows)) >= 60
     ref = hf_logprobs(model.float(), rows)
-    results = {"tp1": [run_ranks(packed_vs_padded, 1, [dict()], f"{d}/hf", 64)[0][0]]}
-    two = run_ranks(packed_vs_padded, 2, [dict(tp=2), dict(ep=2)], f"{d}/hf", 64)
-    results.update(tp2=[r[0] for r in two], ep2=[r[1] for r in two])
+    results = packed_vs_padded_1_rank_tp2_ep2(f"{d}/hf", 64)
     for name, per_rank in results.items():
         scored = [e["score"] for e in per_rank if "score" in e]
         assert len(scored) == 1, name
@@ -106,6 +104,7 @@ def test_packed_mixed_lengths_equal_transformers_in_1_rank_tp2_ep2(tiny):
 
 # -- config, refusals, planner -------------------------------------------------------------------------
 
+
 def test_megatron_config_and_dims():
     f = FAMILY.config_fields(_cfg())
     assert f["experimental_attention_variant"] == "dsa" and f["dsa_indexer_topk"] == 6
@@ -117,11 +116,14 @@ def test_megatron_config_and_dims():
     assert len(names) == 5
 
 
-@pytest.mark.parametrize("override,field", [
-    (dict(q_lora_rank=None), "q_lora_rank"),
-    (dict(mlp_layer_types=["sparse"] * 4), "mlp_layer_types"),
-    (dict(index_head_dim=8), "index_head_dim"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        (dict(q_lora_rank=None), "q_lora_rank"),
+        (dict(mlp_layer_types=["sparse"] * 4), "mlp_layer_types"),
+        (dict(index_head_dim=8), "index_head_dim"),
+    ],
+)
 def test_refusals_name_the_field(override, field):
     with pytest.raises(ValueError, match=field) as e:
         FAMILY.config_fields(_cfg(**override))

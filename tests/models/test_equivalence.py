@@ -41,26 +41,52 @@ MOE_LAYOUTS = [dict(tp=2), dict(pp=2), dict(ep=2), dict(tp=2, ep=2, etp=1), dict
 ETP1_LAYOUTS = [dict(tp=2, etp=1), dict(pp=2), dict(ep=2), dict(tp=2, ep=2, etp=1), dict()]
 WRITE = {"gpt_oss": dict(tp=2, etp=1)}  # the layout a case is converted in (default TP2)
 DENSE_LAYOUTS = [dict(tp=2), dict(pp=2), dict(tp=2, pp=2)]
-CASES = [("qwen3_moe", torch.float32, MOE_LAYOUTS), ("mixtral", torch.float32, MOE_LAYOUTS),
-         ("qwen2_moe", torch.float32, MOE_LAYOUTS), ("deepseek_v3", torch.float32, MOE_LAYOUTS),
-         ("deepseek_v3_plain", torch.float32, [dict(tp=2), dict(ep=2)]),
-         ("glm4_moe", torch.float32, MOE_LAYOUTS), ("glm4_moe_plain", torch.float32, [dict(tp=2)]),
-         ("qwen2", torch.float32, DENSE_LAYOUTS), ("qwen3", torch.bfloat16, [dict(pp=2)]),
-         ("gpt_oss", torch.float32, ETP1_LAYOUTS), ("qwen3_moe_yarn", torch.float32, [dict(tp=2), dict(ep=2)]),
-         ("qwen3_yarn", torch.float32, [dict(tp=2, pp=2)]), ("minimax_m2", torch.float32, MOE_LAYOUTS),
-         ("qwen3_next", torch.float32, MOE_LAYOUTS), ("qwen3_5_moe", torch.float32, MOE_LAYOUTS),
-         ("deepseek_v32", torch.float32, MOE_LAYOUTS),
-         ("glm_moe_dsa", torch.float32, MOE_LAYOUTS)]
+CASES = [
+    ("qwen3_moe", torch.float32, MOE_LAYOUTS),
+    ("mixtral", torch.float32, MOE_LAYOUTS),
+    ("qwen2_moe", torch.float32, MOE_LAYOUTS),
+    ("deepseek_v3", torch.float32, MOE_LAYOUTS),
+    ("deepseek_v3_plain", torch.float32, [dict(tp=2), dict(ep=2)]),
+    ("glm4_moe", torch.float32, MOE_LAYOUTS),
+    ("glm4_moe_plain", torch.float32, [dict(tp=2)]),
+    ("qwen2", torch.float32, DENSE_LAYOUTS),
+    ("qwen3", torch.bfloat16, [dict(pp=2)]),
+    ("gpt_oss", torch.float32, ETP1_LAYOUTS),
+    ("qwen3_moe_yarn", torch.float32, [dict(tp=2), dict(ep=2)]),
+    ("qwen3_yarn", torch.float32, [dict(tp=2, pp=2)]),
+    ("minimax_m2", torch.float32, MOE_LAYOUTS),
+    ("qwen3_next", torch.float32, MOE_LAYOUTS),
+    ("qwen3_5_moe", torch.float32, MOE_LAYOUTS),
+    ("deepseek_v32", torch.float32, MOE_LAYOUTS),
+    ("glm_moe_dsa", torch.float32, MOE_LAYOUTS),
+]
 # case name -> (family, overrides of its tiny config)
-VARIANTS = {"deepseek_v3_plain": ("deepseek_v3", dict(q_lora_rank=None, rope_scaling=None, rope_interleave=False)),
-            "glm4_moe_plain": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0,
-                                                n_group=1, topk_group=1)),
-            # YaRN on grouped-query attention (Qwen3 long-context checkpoints): transformers' defaults,
-            # and an explicit attention factor with truncate=false
-            "qwen3_moe_yarn": ("qwen3_moe", dict(rope_scaling=dict(rope_type="yarn", factor=4.0,
-                                                                   original_max_position_embeddings=8))),
-            "qwen3_yarn": ("qwen3", dict(rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8,
-                                                           attention_factor=1.3, beta_fast=16, truncate=False)))}
+VARIANTS = {
+    "deepseek_v3_plain": ("deepseek_v3", dict(q_lora_rank=None, rope_scaling=None, rope_interleave=False)),
+    "glm4_moe_plain": (
+        "glm4_moe",
+        dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0, n_group=1, topk_group=1),
+    ),
+    # YaRN on grouped-query attention (Qwen3 long-context checkpoints): transformers' defaults,
+    # and an explicit attention factor with truncate=false
+    "qwen3_moe_yarn": (
+        "qwen3_moe",
+        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8)),
+    ),
+    "qwen3_yarn": (
+        "qwen3",
+        dict(
+            rope_scaling=dict(
+                rope_type="yarn",
+                factor=8.0,
+                original_max_position_embeddings=8,
+                attention_factor=1.3,
+                beta_fast=16,
+                truncate=False,
+            )
+        ),
+    ),
+}
 ROWS = make_rows(seed=3, n=7)
 
 
@@ -78,13 +104,20 @@ def converted(tmp_path_factory):
             refs["bf16 noise"] = bf16_noise_and_broken_layers(model)
         refs[kind] = hf_logprobs(model.float(), ROWS)
         originals[kind] = load_file(f"{hf_dir}/model.safetensors")
-        jobs.append(dict(kind=kind, hf_dir=hf_dir, ckpt=str(root / f"ckpt_{kind}"), write=WRITE.get(kind, dict(tp=2)),
-                         read=layouts))
+        jobs.append(
+            dict(
+                kind=kind,
+                hf_dir=hf_dir,
+                ckpt=str(root / f"ckpt_{kind}"),
+                write=WRITE.get(kind, dict(tp=2)),
+                read=layouts,
+            )
+        )
     results = {}
     for i in range(0, len(jobs), 6):  # two spawned jobs of six cases: starting 4 ranks (torch and Megatron
         # imports on each) costs more than converting and scoring a tiny model, yet each job stays far
         # from its time limit on a busy machine (one job for all did not)
-        results.update(run_ranks(convert_and_score, 4, jobs[i:i + 6], ROWS)[0])
+        results.update(run_ranks(convert_and_score, 4, jobs[i : i + 6], ROWS)[0])
     return refs, originals, results
 
 

@@ -33,13 +33,30 @@ from test_uneven_expert_layouts import OVERRIDES, make_records
 from uneven_expert_workers import score_and_train_many
 
 ROWS = make_rows(seed=3, n=5)
-FAMILIES = ["gpt_oss", "deepseek_v3", "glm4_moe", "qwen2_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"]
+FAMILIES = [
+    "gpt_oss",
+    "deepseek_v3",
+    "glm4_moe",
+    "qwen2_moe",
+    "minimax_m2",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "deepseek_v32",
+    "glm_moe_dsa",
+]
 TP2, EP2, TP2_ETP1 = dict(tp=2), dict(ep=2), dict(tp=2, etp=1)
 # gpt_oss: Megatron-Core allows expert biases only with expert tensor parallel size 1
-LAYOUTS = {"gpt_oss": [TP2_ETP1, EP2], "deepseek_v3": [TP2, EP2, TP2_ETP1], "glm4_moe": [TP2, EP2],
-           "qwen2_moe": [TP2, EP2, TP2_ETP1], "minimax_m2": [TP2, EP2, TP2_ETP1],
-           "qwen3_next": [TP2, EP2], "qwen3_5_moe": [TP2], "deepseek_v32": [TP2, EP2, TP2_ETP1],
-           "glm_moe_dsa": [TP2, EP2]}
+LAYOUTS = {
+    "gpt_oss": [TP2_ETP1, EP2],
+    "deepseek_v3": [TP2, EP2, TP2_ETP1],
+    "glm4_moe": [TP2, EP2],
+    "qwen2_moe": [TP2, EP2, TP2_ETP1],
+    "minimax_m2": [TP2, EP2, TP2_ETP1],
+    "qwen3_next": [TP2, EP2],
+    "qwen3_5_moe": [TP2],
+    "deepseek_v32": [TP2, EP2, TP2_ETP1],
+    "glm_moe_dsa": [TP2, EP2],
+}
 PARAMS = [(k, "+".join(f"{a}{b}" for a, b in sorted(lay.items()))) for k in FAMILIES for lay in LAYOUTS[k]]
 
 

@@ -19,6 +19,7 @@ import os
 import torch
 
 from distributed_harness import run_ranks
+from tiny_models import tiny_hf_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -61,6 +62,7 @@ def _split_mla_layers(bucket_names: list[list[str]], num_layers: int) -> list[in
 
 # -- the declaration ---------------------------------------------------------------------------------
 
+
 def test_deepseek_declares_the_fused_qkv_a_pair():
     from gspo_megatron.models.registry import get_family, published_configs
 
@@ -80,7 +82,7 @@ def test_every_fuse_group_names_tensors_its_family_exports():
     """A declared group is made of HF patterns the family's rules produce (no typo hides a group)."""
     from gspo_megatron.models.registry import families, published_configs
 
-    configs = {f.name: [dict(f.tiny, model_type=f.model_types[0])] for f in families() if f.tiny}
+    configs = {f.name: [tiny_hf_config(f.name)] for f in families() if f.tiny}
     for cfg in published_configs().values():
         if cfg.get("model_type") in configs:
             configs[cfg["model_type"]].append(cfg)
@@ -97,6 +99,7 @@ def test_every_fuse_group_names_tensors_its_family_exports():
 
 # -- the bucketer on a synthetic plan ------------------------------------------------------------------
 
+
 def _item(name, nbytes, fuse=None):
     from gspo_megatron.models.weights import _Item
 
@@ -106,9 +109,20 @@ def _item(name, nbytes, fuse=None):
 def test_bucketer_never_cuts_a_group_and_gives_an_oversized_group_its_own_bucket():
     from gspo_megatron.models.weights import _buckets, group_fused
 
-    plan = group_fused([_item("a", 400), _item("g1.x", 400, ("g", 1)), _item("b", 400), _item("c", 400),
-                        _item("g1.y", 400, ("g", 1)), _item("d", 400), _item("g2.x", 3000, ("g", 2)),
-                        _item("e", 400), _item("g2.y", 3000, ("g", 2)), _item("f", 400)])
+    plan = group_fused(
+        [
+            _item("a", 400),
+            _item("g1.x", 400, ("g", 1)),
+            _item("b", 400),
+            _item("c", 400),
+            _item("g1.y", 400, ("g", 1)),
+            _item("d", 400),
+            _item("g2.x", 3000, ("g", 2)),
+            _item("e", 400),
+            _item("g2.y", 3000, ("g", 2)),
+            _item("f", 400),
+        ]
+    )
     assert [it.global_name for it in plan] == ["a", "g1.x", "g1.y", "b", "c", "d", "g2.x", "g2.y", "e", "f"]
     for limit in range(400, 8000, 200):
         buckets = list(_buckets(plan, limit))
@@ -119,22 +133,28 @@ def test_bucketer_never_cuts_a_group_and_gives_an_oversized_group_its_own_bucket
             if size > limit:  # only a single item or a single group may exceed the limit
                 assert len({it.fuse or it.global_name for it in b}) == 1, (limit, b)
     assert [[it.global_name for it in b] for b in _buckets(plan, 1000)] == [
-        ["a"], ["g1.x", "g1.y"], ["b", "c"], ["d"], ["g2.x", "g2.y"], ["e", "f"]]
+        ["a"],
+        ["g1.x", "g1.y"],
+        ["b", "c"],
+        ["d"],
+        ["g2.x", "g2.y"],
+        ["e", "f"],
+    ]
     # the old bucketer on the same plan cuts g1 for some limits (the defect this guards against)
     assert any(_split_groups(list(_old_buckets(plan, limit))) for limit in range(400, 8000, 200))
 
 
 # -- a tiny DeepSeek-V3 Megatron model: the real export stream -------------------------------------------
 
+
 def _tiny_stream_worker(rank, world):
     from gspo_megatron.models.build import build_model
-    from gspo_megatron.models.registry import family_for_model_type
     from gspo_megatron.models.weights import _buckets, build_export_plan, export_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 
     init_distributed(ParallelLayout())
-    hf = dict(family_for_model_type("deepseek_v3").tiny, model_type="deepseek_v3")
+    hf = tiny_hf_config("deepseek_v3")
     model = build_model(hf)
     plan = build_export_plan(model)
     items = plan[0]
@@ -147,9 +167,16 @@ def _tiny_stream_worker(rank, world):
         streamed.append([(n, t.clone()) for n, t in bucket])
         fp8.append([n for n, _ in quantize_bucket_fp8(bucket)])
     whole = [nt for bucket in export_hf_weights(model, 1 << 40, plan=plan) for nt in bucket]
-    return dict(old_split=old_split, new_split=new_split, size=size, layers=hf["num_hidden_layers"],
-                names=[[n for n, _ in b] for b in streamed], fp8=fp8,
-                streamed={n: t for b in streamed for n, t in b}, whole=dict(whole))
+    return dict(
+        old_split=old_split,
+        new_split=new_split,
+        size=size,
+        layers=hf["num_hidden_layers"],
+        names=[[n for n, _ in b] for b in streamed],
+        fp8=fp8,
+        streamed={n: t for b in streamed for n, t in b},
+        whole=dict(whole),
+    )
 
 
 def test_tiny_deepseek_export_keeps_q_a_and_kv_a_in_one_bucket():
@@ -169,6 +196,7 @@ def test_tiny_deepseek_export_keeps_q_a_and_kv_a_in_one_bucket():
 
 # -- DeepSeek-V3-671B at the recipe's bucket size, shapes only (meta device) ----------------------------
 
+
 def _recipe_bucket_bytes() -> int:
     import yaml
 
@@ -186,8 +214,9 @@ def _671b_worker(rank, world, bucket_bytes):
     init_distributed(ParallelLayout())
     hf = dict(published_configs()["deepseek-v3"])
     with torch.device("meta"):  # 671B parameters described, none allocated
-        model = build_model(hf, opts=ModelOptions(dtype="bfloat16", transformer_impl="local",
-                                                  perform_initialization=False))
+        model = build_model(
+            hf, opts=ModelOptions(dtype="bfloat16", transformer_impl="local", perform_initialization=False)
+        )
     assert {p.device.type for p in model.parameters()} == {"meta"}
     items, _ = build_export_plan(model)
 
@@ -195,11 +224,19 @@ def _671b_worker(rank, world, bucket_bytes):
         return [[n for it in b for n in it.hf_names] for b in buckets]
 
     old, new = list(_old_buckets(items, bucket_bytes)), list(_buckets(items, bucket_bytes))
-    over = [sum(it.nbytes for it in b) for b in new
-            if sum(it.nbytes for it in b) > bucket_bytes and len({it.fuse or it.global_name for it in b}) > 1]
-    return dict(layers=hf["num_hidden_layers"], old=_split_mla_layers(names(old), hf["num_hidden_layers"]),
-                new=_split_mla_layers(names(new), hf["num_hidden_layers"]), over=over,
-                buckets=(len(old), len(new)), total=sum(it.nbytes for it in items))
+    over = [
+        sum(it.nbytes for it in b)
+        for b in new
+        if sum(it.nbytes for it in b) > bucket_bytes and len({it.fuse or it.global_name for it in b}) > 1
+    ]
+    return dict(
+        layers=hf["num_hidden_layers"],
+        old=_split_mla_layers(names(old), hf["num_hidden_layers"]),
+        new=_split_mla_layers(names(new), hf["num_hidden_layers"]),
+        over=over,
+        buckets=(len(old), len(new)),
+        total=sum(it.nbytes for it in items),
+    )
 
 
 def test_deepseek_v3_671b_recipe_buckets_split_no_layer():

@@ -16,37 +16,36 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 import pytest
 
 from distributed_harness import run_ranks
 from gspo_megatron.models import get_family
 from hf_reference import hf_logprobs, make_rows, max_abs_diff
+from tiny_models import tiny_hf_config
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pipeline"))
-from packing_workers import make_records, packed_vs_padded  # noqa: E402
+from packing_workers import make_records, packed_vs_padded_1_rank_tp2_ep2
 
 FAMILY = get_family({"model_type": "glm_moe_dsa"})
-
-
-def _cfg(**kw) -> dict:
-    return dict(FAMILY.tiny, model_type="glm_moe_dsa", **kw)
+_cfg = partial(tiny_hf_config, "glm_moe_dsa")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    d = tmp_path_factory.mktemp("glm_moe_dsa")
-    return str(d), save_tiny_hf_model("glm_moe_dsa", str(d / "hf"), seed=11)
+def tiny(tiny_hf_checkpoint):
+    hf_dir, model = tiny_hf_checkpoint("glm_moe_dsa", seed=11)
+    return os.path.dirname(hf_dir), model  # <d>/hf; the tests convert to <d>/ckpt
 
 
 def test_indexer_selects_what_transformers_selects_ties_included():
     from dsa_workers import indexer_vs_transformers
 
     cfg = _cfg(index_n_heads=1, index_topk=5)
-    ours, rotate_half = run_ranks(indexer_vs_transformers, 1, cfg, 40)[0], \
-        run_ranks(indexer_vs_transformers, 1, cfg, 40, False)[0]
+    ours, rotate_half = (
+        run_ranks(indexer_vs_transformers, 1, cfg, 40)[0],
+        run_ranks(indexer_vs_transformers, 1, cfg, 40, False)[0],
+    )
     assert ours["equal"] and ours["tied_rows"] >= 5, ours
     assert not rotate_half["equal"]  # DeepSeek-V3.2's RoPE style on GLM-5's indexer: another selection
 
@@ -67,9 +66,7 @@ def test_packed_and_padded_mixed_lengths_equal_transformers_in_1_rank_tp2_ep2(ti
     d, model = tiny
     rows = [r.tokens for r in make_records()]
     ref = hf_logprobs(model.float(), rows)
-    results = {"tp1": [run_ranks(packed_vs_padded, 1, [dict()], f"{d}/hf", 64)[0][0]]}
-    two = run_ranks(packed_vs_padded, 2, [dict(tp=2), dict(ep=2)], f"{d}/hf", 64)
-    results.update(tp2=[r[0] for r in two], ep2=[r[1] for r in two])
+    results = packed_vs_padded_1_rank_tp2_ep2(f"{d}/hf", 64)
     for name, per_rank in results.items():
         scored = [e["score"] for e in per_rank if "score" in e]
         assert len(scored) == 1, name
@@ -81,9 +78,14 @@ def test_packed_and_padded_mixed_lengths_equal_transformers_in_1_rank_tp2_ep2(ti
             assert e["grad_diff"] < 1e-5 * max(1.0, e["grad_max"]), (name, e["grad_diff"])
 
 
-@pytest.mark.parametrize("override", [dict(indexer_types=["full", "shared", "full", "full"]),
-                                      dict(index_topk_freq=2, index_skip_topk_offset=1),
-                                      dict(index_topk_pattern="FFSF")])
+@pytest.mark.parametrize(
+    "override",
+    [
+        dict(indexer_types=["full", "shared", "full", "full"]),
+        dict(index_topk_freq=2, index_skip_topk_offset=1),
+        dict(index_topk_pattern="FFSF"),
+    ],
+)
 def test_shared_indexer_layers_refused_naming_the_field(override):
     with pytest.raises(ValueError, match="indexer_types") as e:
         FAMILY.config_fields(_cfg(**override))

@@ -7,6 +7,7 @@ planner's counts."""
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -14,13 +15,11 @@ import torch
 from gspo_megatron.models import get_family
 from gspo_megatron.models.dims import ModelDims
 from gspo_megatron.planner import param_counts
+from tiny_models import tiny_hf_config
 
 FAMILY = get_family({"model_type": "gpt_oss"})
 ROWS = [list(range(3, 26)), [7, 1, 9, 200, 45, 3, 3, 18, 90, 11, 4, 5, 6]]
-
-
-def _cfg(**kw) -> dict:
-    return dict(FAMILY.tiny, model_type="gpt_oss", **kw)
+_cfg = partial(tiny_hf_config, "gpt_oss")
 
 
 @torch.no_grad()
@@ -33,10 +32,8 @@ def _logprobs(model) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    model = save_tiny_hf_model("gpt_oss", str(tmp_path_factory.mktemp("gpt_oss")), seed=11)
+def tiny(tiny_hf_checkpoint):
+    _, model = tiny_hf_checkpoint("gpt_oss", seed=11)
     return model.eval(), _logprobs(model)
 
 
@@ -53,8 +50,17 @@ def _edit(model, suffix: str, fn):
     return m
 
 
-@pytest.mark.parametrize("suffix", ["self_attn.sinks", "mlp.router.bias", "experts.gate_up_proj_bias",
-                                    "experts.down_proj_bias", "self_attn.o_proj.bias", "self_attn.q_proj.bias"])
+@pytest.mark.parametrize(
+    "suffix",
+    [
+        "self_attn.sinks",
+        "mlp.router.bias",
+        "experts.gate_up_proj_bias",
+        "experts.down_proj_bias",
+        "self_attn.o_proj.bias",
+        "self_attn.q_proj.bias",
+    ],
+)
 def test_each_parameter_kind_matters(tiny, suffix):
     model, ref = tiny
     assert _changed(_edit(model, suffix, torch.zeros_like), ref) > 1e-3
@@ -84,13 +90,16 @@ def test_yarn_is_active(tmp_path):
     assert (_logprobs(yarn) - _logprobs(plain)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("override,field", [
-    (dict(attention_bias=False), "attention_bias=false"),
-    (dict(quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
-    (dict(layer_types=["chunked_attention"] * 4), "layer_types"),
-    (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "rope type 'llama3'"),
-    (dict(rope_scaling=dict(rope_type="yarn", factor=1.0, attention_factor=1.5)), "attention_factor"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        (dict(attention_bias=False), "attention_bias=false"),
+        (dict(quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
+        (dict(layer_types=["chunked_attention"] * 4), "layer_types"),
+        (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "rope type 'llama3'"),
+        (dict(rope_scaling=dict(rope_type="yarn", factor=1.0, attention_factor=1.5)), "attention_factor"),
+    ],
+)
 def test_refused_features_name_the_field(override, field):
     with pytest.raises(ValueError, match="config.json .*is not supported for gpt_oss") as e:
         FAMILY.config_fields(_cfg(**override))
@@ -127,8 +136,11 @@ def test_megatron_config_fields():
 def test_stacked_expert_rules_round_trip_exactly():
     """One expert's row of the stacked HF tensors -> its Megatron fc1/fc2 (whole, and ETP-2 shards) ->
     back, bitwise."""
-    rules = {r.megatron.split(".")[-2] + "." + r.megatron.split(".")[-1]: r
-             for r in FAMILY.mapping(_cfg()).rules if r.stacked_experts}
+    rules = {
+        r.megatron.split(".")[-2] + "." + r.megatron.split(".")[-1]: r
+        for r in FAMILY.mapping(_cfg()).rules
+        if r.stacked_experts
+    }
     E, H, inter = 4, 6, 5
     g = torch.Generator().manual_seed(0)
     gate_up, gate_up_b = torch.randn(E, H, 2 * inter, generator=g), torch.randn(E, 2 * inter, generator=g)
@@ -139,8 +151,12 @@ def test_stacked_expert_rules_round_trip_exactly():
     full = fc1.to_local([gate_up[e]], 0, 1)  # Megatron's [gate; up], each [I, H]: de-interleaved, transposed
     assert full.shape == (2 * inter, H)
     assert torch.equal(full[:inter], gate_up[e][:, 0::2].t()) and torch.equal(full[inter:], gate_up[e][:, 1::2].t())
-    for rule, t in ((fc1, gate_up[e]), (rules["linear_fc1.bias"], gate_up_b[e]), (rules["linear_fc2.weight"], down[e]),
-                    (rules["linear_fc2.bias"], torch.randn(H, generator=g))):
+    for rule, t in (
+        (fc1, gate_up[e]),
+        (rules["linear_fc1.bias"], gate_up_b[e]),
+        (rules["linear_fc2.weight"], down[e]),
+        (rules["linear_fc2.bias"], torch.randn(H, generator=g)),
+    ):
         assert torch.equal(rule.from_shards([rule.to_local([t], 0, 1)])[0], t)
     # ETP 2 (even intermediate size): each rank's [gate_r; up_r] and fc2 columns, rebuilt exactly
     gate_up2, down2 = torch.randn(H, 8, generator=g), torch.randn(4, H, generator=g)

@@ -22,8 +22,15 @@ from test_uneven_expert_layouts import make_records
 
 KINDS = ["qwen3_moe", "deepseek_v3"]
 ROWS = make_rows(seed=4, n=4)
-OVERRIDES = ["rollout.prompts_per_step=2", "rollout.group_size=4", "parallel.micro_batch_size=2",
-             "gspo.mini_batches=2", "optimizer.lr=0.003", "model.lora.rank=4", "model.lora.alpha=8"]
+OVERRIDES = [
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "parallel.micro_batch_size=2",
+    "gspo.mini_batches=2",
+    "optimizer.lr=0.003",
+    "model.lora.rank=4",
+    "model.lora.alpha=8",
+]
 LAYOUTS = [dict(tp=2), dict(ep=2), dict(pp=2), dict(tp=2, ep=2, etp=1)]
 NAMES = ["tp2", "ep2", "pp2", "ep2+etp1+tp2"]
 
@@ -91,8 +98,14 @@ def test_gradients_equal_finite_differences(hf_dirs, kind):
     # adapters upstream of a router: a perturbation can flip a near-tied top-k choice (a jump in the
     # loss), measured at rel 3e-4 at eps 1e-5 on these models, checked at 2e-3 (the layout test below
     # compares every adapter's gradient with one rank's at 1e-4)
-    for key, rel in (("last_layer_experts", 1e-6), ("last_layer_fc2_A", 1e-6), ("all", 2e-3),
-                     ("expert_A", 2e-3), ("expert_B", 2e-3), ("attention", 2e-3)):
+    for key, rel in (
+        ("last_layer_experts", 1e-6),
+        ("last_layer_fc2_A", 1e-6),
+        ("all", 2e-3),
+        ("expert_A", 2e-3),
+        ("expert_B", 2e-3),
+        ("attention", 2e-3),
+    ):
         fd, ad, n = res[key]
         assert n > 0, key
         assert fd == pytest.approx(ad, rel=rel, abs=1e-9), key

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -23,16 +24,14 @@ import torch
 from distributed_harness import run_ranks
 from gspo_megatron.models import get_family
 from hf_reference import hf_logprobs, max_abs_diff
+from tiny_models import tiny_hf_config
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pipeline"))
-from packing_workers import make_records, packed_vs_padded  # noqa: E402
+from packing_workers import make_records, packed_vs_padded_1_rank_tp2_ep2
 
 FAMILY = get_family({"model_type": "minimax_m2"})
 IDS = list(range(3, 40))
-
-
-def _cfg(**kw) -> dict:
-    return dict(FAMILY.tiny, model_type="minimax_m2", **kw)
+_cfg = partial(tiny_hf_config, "minimax_m2")
 
 
 def _logits(model, ids=IDS):
@@ -41,11 +40,8 @@ def _logits(model, ids=IDS):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    d = str(tmp_path_factory.mktemp("minimax_m2") / "hf")
-    return d, save_tiny_hf_model("minimax_m2", d, seed=11)
+def tiny(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("minimax_m2", seed=11)
 
 
 def test_correction_bias_changes_the_expert_choice(tiny):
@@ -97,6 +93,7 @@ def test_partial_rotary_changes_the_output(tiny):
 
 # -- the TP norm against transformers' norm ------------------------------------------------------------
 
+
 def _norm_tp(rank: int, world: int, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, heads: int) -> dict:
     """Rank's slice of FullWidthRMSNorm: forward, backward; returns its output and gradients."""
     from types import SimpleNamespace
@@ -106,16 +103,22 @@ def _norm_tp(rank: int, world: int, x: torch.Tensor, w: torch.Tensor, dy: torch.
 
     init_distributed(ParallelLayout(tp=world))
     hd = x.shape[-1] // heads
-    cfg = SimpleNamespace(num_attention_heads=heads, num_query_groups=heads, tensor_model_parallel_size=world,
-                          params_dtype=torch.float32)
+    cfg = SimpleNamespace(
+        num_attention_heads=heads, num_query_groups=heads, tensor_model_parallel_size=world, params_dtype=torch.float32
+    )
     norm = FullWidthRMSNorm(cfg, hd, eps=1e-6, which="q")
     with torch.no_grad():
         norm.weight.copy_(w.chunk(world)[rank])
     xs = x.unflatten(-1, (heads, hd)).chunk(world, dim=-2)[rank].clone().requires_grad_(True)
     y = norm(xs)
     y.backward(dy.unflatten(-1, (heads, hd)).chunk(world, dim=-2)[rank])
-    out = dict(y=y.detach().flatten(-2), dx=xs.grad.flatten(-2), dw=norm.weight.grad.clone(),
-               tp=bool(norm.weight.tensor_model_parallel), sp=hasattr(norm.weight, "sequence_parallel"))
+    out = dict(
+        y=y.detach().flatten(-2),
+        dx=xs.grad.flatten(-2),
+        dw=norm.weight.grad.clone(),
+        tp=bool(norm.weight.tensor_model_parallel),
+        sp=hasattr(norm.weight, "sequence_parallel"),
+    )
     destroy_distributed()
     return out
 
@@ -142,17 +145,14 @@ def test_full_width_norm_in_tp2_equals_transformers_norm():
 
 # -- packed sequences --------------------------------------------------------------------------------
 
+
 def test_packed_mixed_lengths_equal_transformers_in_1_rank_tp2_ep2(tiny):
     hf_dir, model = tiny
     rows = [r.tokens for r in make_records()]
     assert min(map(len, rows)) <= 5 and max(map(len, rows)) >= 60
     ref = hf_logprobs(model.float(), rows)
-    results = {"tp1": run_ranks(packed_vs_padded, 1, [dict()], hf_dir, 64)}
-    two = run_ranks(packed_vs_padded, 2, [dict(tp=2), dict(ep=2)], hf_dir, 64)
-    results.update(tp2=[r[0] for r in two], ep2=[r[1] for r in two])
+    results = packed_vs_padded_1_rank_tp2_ep2(hf_dir, 64)
     for name, per_rank in results.items():
-        if name == "tp1":
-            per_rank = [per_rank[0][0]]
         scored = [e["score"] for e in per_rank if "score" in e]
         assert len(scored) == 1, name
         padded, packed = scored[0]
@@ -165,6 +165,7 @@ def test_packed_mixed_lengths_equal_transformers_in_1_rank_tp2_ep2(tiny):
 
 
 # -- config, spec, refusals -----------------------------------------------------------------------------
+
 
 def test_megatron_config_and_spec():
     from gspo_megatron.models.minimax_m2.qk_norm import FullWidthRMSNorm, use_full_width_qk_norm
@@ -198,18 +199,27 @@ def test_published_config_reads_rotary_dim_and_counts_the_model():
     assert hf_config.partial_rotary_factor(hf) == 0.5 and hf_config.rope_theta(hf) == 5e6
     assert FAMILY.rotary_kwargs(hf)["rotary_percent"] == 0.5
     d = ModelDims.from_hf_config(hf)
-    assert (d.num_experts, d.topk, d.moe_ffn_hidden, d.moe_layers, d.shared_expert_ffn) == (256, 8, 1536, tuple(range(62)), 0)
+    assert (d.num_experts, d.topk, d.moe_ffn_hidden, d.moe_layers, d.shared_expert_ffn) == (
+        256,
+        8,
+        1536,
+        tuple(range(62)),
+        0,
+    )
     assert d.qk_norm and d.qk_norm_full_width
     assert FAMILY.sglang_errors(hf) == []
     FAMILY.check(hf)
 
 
-@pytest.mark.parametrize("override,field", [
-    (dict(use_qk_norm=False), "use_qk_norm=False"),
-    (dict(use_routing_bias=None), "use_routing_bias=None"),
-    (dict(scoring_func="softmax"), "scoring_func='softmax'"),
-    (dict(rotary_dim=None, partial_rotary_factor=0.5), "rotary_dim: 8"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        (dict(use_qk_norm=False), "use_qk_norm=False"),
+        (dict(use_routing_bias=None), "use_routing_bias=None"),
+        (dict(scoring_func="softmax"), "scoring_func='softmax'"),
+        (dict(rotary_dim=None, partial_rotary_factor=0.5), "rotary_dim: 8"),
+    ],
+)
 def test_sglang_errors_name_the_flag_sglang_reads(override, field):
     lines = FAMILY.sglang_errors(_cfg(**override))
     assert len(lines) == 1 and field in lines[0] and "\n" not in lines[0], lines

@@ -20,24 +20,22 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 import pytest
 import torch
 
-from distributed_harness import run_ranks
 from gspo_megatron.models import get_family
 from gspo_megatron.models.qwen3_next import kernels as K
 from hf_reference import hf_logprobs, max_abs_diff
+from tiny_models import tiny_hf_config
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pipeline"))
-from packing_workers import make_records, packed_vs_padded  # noqa: E402
+from packing_workers import make_records, packed_vs_padded_1_rank_tp2_ep2
 
 FAMILY = get_family({"model_type": "qwen3_next"})
 IDS = list(range(3, 40))
-
-
-def _cfg(**kw) -> dict:
-    return dict(FAMILY.tiny, model_type="qwen3_next", **kw)
+_cfg = partial(tiny_hf_config, "qwen3_next")
 
 
 def _logits(model, ids=IDS):
@@ -53,14 +51,12 @@ def _inputs(b=1, t=150, h=4, dk=8, dv=6, seed=0):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    d = str(tmp_path_factory.mktemp("qwen3_next") / "hf")
-    return d, save_tiny_hf_model("qwen3_next", d, seed=11)
+def tiny(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("qwen3_next", seed=11)
 
 
 # -- kernels ------------------------------------------------------------------------------------------
+
 
 def test_chunked_rule_equals_recurrence_and_transformers():
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
@@ -85,8 +81,9 @@ def test_causal_conv_equals_transformers():
 
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, 12, 40, generator=g), torch.randn(12, 4, generator=g)
-    torch.testing.assert_close(K.causal_conv1d(x, w), hf.causal_conv1d_fn(x, w, None, activation="silu"),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        K.causal_conv1d(x, w), hf.causal_conv1d_fn(x, w, None, activation="silu"), atol=1e-6, rtol=0
+    )
 
 
 def test_packed_segments_reset_state_and_convolution_exactly():
@@ -94,8 +91,14 @@ def test_packed_segments_reset_state_and_convolution_exactly():
     cu = [0, 5, 5, 70, 71, 157]  # an empty segment, a one-token one, one over two chunks
     q, k = K.l2norm(q), K.l2norm(k)
     packed = K.torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor(cu))
-    alone = torch.cat([K.torch_chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b])
-                       for a, b in zip(cu[:-1], cu[1:]) if b > a], dim=1)
+    alone = torch.cat(
+        [
+            K.torch_chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b])
+            for a, b in zip(cu[:-1], cu[1:])
+            if b > a
+        ],
+        dim=1,
+    )
     assert torch.equal(packed, alone)
     torch.testing.assert_close(K.recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu), packed, atol=2e-6, rtol=0)
     leaked = K.torch_chunk_gated_delta_rule(q, k, v, g, beta)  # no resets: the state crosses the boundaries
@@ -118,13 +121,14 @@ def test_transformers_recurrent_decode_equals_its_full_forward(tiny):
         out = model(ids[:, :5], use_cache=True)
         cache, steps = out.past_key_values, [torch.log_softmax(out.logits[0, -1], -1)]
         for t in range(5, len(IDS)):
-            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             steps.append(torch.log_softmax(out.logits[0, -1], -1))
     torch.testing.assert_close(torch.stack(steps), full[4:], atol=2e-5, rtol=0)
 
 
 # -- features change transformers' output --------------------------------------------------------------
+
 
 def test_each_feature_changes_the_output(tiny):
     import copy
@@ -159,17 +163,14 @@ def _load(model, state):
 
 # -- packed sequences through the trainer --------------------------------------------------------------
 
+
 def test_packed_mixed_lengths_equal_transformers_in_1_rank_tp2_ep2(tiny):
     hf_dir, model = tiny
     rows = [r.tokens for r in make_records()]
     assert min(map(len, rows)) <= 5 and max(map(len, rows)) >= 60
     ref = hf_logprobs(model.float(), rows)
-    results = {"tp1": run_ranks(packed_vs_padded, 1, [dict()], hf_dir, 64)}
-    two = run_ranks(packed_vs_padded, 2, [dict(tp=2), dict(ep=2)], hf_dir, 64)
-    results.update(tp2=[r[0] for r in two], ep2=[r[1] for r in two])
+    results = packed_vs_padded_1_rank_tp2_ep2(hf_dir, 64)
     for name, per_rank in results.items():
-        if name == "tp1":
-            per_rank = [per_rank[0][0]]
         scored = [e["score"] for e in per_rank if "score" in e]
         assert len(scored) == 1, name
         padded, packed = scored[0]
@@ -182,6 +183,7 @@ def test_packed_mixed_lengths_equal_transformers_in_1_rank_tp2_ep2(tiny):
 
 
 # -- config, dims, refusals -----------------------------------------------------------------------------
+
 
 def test_megatron_config():
     f = FAMILY.config_fields(_cfg())
@@ -205,19 +207,36 @@ def test_published_config_pattern_and_planner_count():
     total = param_counts(d).total
     assert 79e9 < total < 82e9, total  # Qwen3-Next-80B-A3B
     # the tiny model's count equals transformers' (the published one is too big to build here)
-    small = dict(hf, num_hidden_layers=4, num_experts=4, hidden_size=64, vocab_size=128, intermediate_size=32,
-                 moe_intermediate_size=16, shared_expert_intermediate_size=16, linear_key_head_dim=8,
-                 linear_value_head_dim=8, head_dim=16, num_attention_heads=4)
+    small = dict(
+        hf,
+        num_hidden_layers=4,
+        num_experts=4,
+        hidden_size=64,
+        vocab_size=128,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        head_dim=16,
+        num_attention_heads=4,
+    )
     kw = {k: v for k, v in small.items() if k not in ("architectures", "model_type", "torch_dtype")}
     m = Qwen3NextForCausalLM(Qwen3NextConfig(**kw))
     assert param_counts(ModelDims.from_hf_config(small)).total == sum(p.numel() for p in m.parameters())
 
 
-@pytest.mark.parametrize("override,field", [
-    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]), "layer_types"),
-    (dict(linear_num_value_heads=3), "linear_num_value_heads"),
-    (dict(rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4, partial_rotary_factor=0.25)), "rope"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        (
+            dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+            "layer_types",
+        ),
+        (dict(linear_num_value_heads=3), "linear_num_value_heads"),
+        (dict(rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4, partial_rotary_factor=0.25)), "rope"),
+    ],
+)
 def test_refusals_name_the_field(override, field):
     with pytest.raises(ValueError, match=field) as e:
         FAMILY.config_fields(_cfg(**override))

@@ -19,8 +19,13 @@ from hf_reference import hf_logprobs, make_rows, max_abs_diff
 from uneven_expert_workers import score_and_train
 
 ROWS = make_rows(seed=3, n=7)
-OVERRIDES = ["rollout.prompts_per_step=2", "rollout.group_size=4", "parallel.micro_batch_size=2",
-             "gspo.mini_batches=2", "optimizer.lr=0.003"]
+OVERRIDES = [
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "parallel.micro_batch_size=2",
+    "gspo.mini_batches=2",
+    "optimizer.lr=0.003",
+]
 ETP2, ETP1, PP2 = dict(tp=2, ep=2), dict(tp=2, ep=2, etp=1), dict(tp=2, ep=2, pp=2)
 
 
@@ -32,9 +37,14 @@ def make_records(n: int = 8, seed: int = 5) -> list[Sample]:
     for _ in range(n):
         length = int(torch.randint(6, 20, (1,), generator=g))
         prompt = int(torch.randint(2, length - 1, (1,), generator=g))
-        out.append(Sample.from_tokens(torch.randint(0, 256, (length,), generator=g).tolist(), prompt,
-                                      engine_logprobs=(-3 * torch.rand(length - prompt, generator=g)).tolist(),
-                                      advantage=float(torch.randn(1, generator=g))))
+        out.append(
+            Sample.from_tokens(
+                torch.randint(0, 256, (length,), generator=g).tolist(),
+                prompt,
+                engine_logprobs=(-3 * torch.rand(length - prompt, generator=g)).tolist(),
+                advantage=float(torch.randn(1, generator=g)),
+            )
+        )
     return out
 
 
@@ -116,6 +126,6 @@ def test_uneven_split_collectives_match_reference():
     for r, res in enumerate(results):
         assert torch.equal(res["gathered"], torch.cat(inputs))
         weight_sum = torch.arange(24, dtype=torch.float64).reshape(shape) * sum(k + 1 for k in range(3))
-        assert torch.equal(res["grad"], weight_sum[offsets[r]:offsets[r + 1]])
+        assert torch.equal(res["grad"], weight_sum[offsets[r] : offsets[r + 1]])
         full = (torch.arange(24, dtype=torch.float64).reshape(shape) + 7) * sum(k + 1 for k in range(3))
-        assert torch.equal(res["scattered"], full[offsets[r]:offsets[r + 1]])
+        assert torch.equal(res["scattered"], full[offsets[r] : offsets[r + 1]])

@@ -76,7 +76,7 @@ def full_gradients(ddp) -> dict:
                 shards = bucket.grad_data.view(group.size(), -1)
                 parts = [torch.empty_like(q) for q in shards]
                 dist.all_gather(parts, shards[group.rank()].contiguous(), group=group)
-                data[bucket.offset:bucket.offset + bucket.grad_data.numel()] = torch.cat(parts)
+                data[bucket.offset : bucket.offset + bucket.grad_data.numel()] = torch.cat(parts)
         for param, (start, end, _) in buffer.param_index_map.items():
             reduced[param] = data[start:end].view(param.shape)
     config = ddp.module.config
@@ -98,8 +98,9 @@ def full_gradients(ddp) -> dict:
             grad = torch.cat(parts, dim=param.partition_dim)
         if ".local_experts." in name:
             local = config.num_moe_experts // ep
-            name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{ep_rank * local + int(m.group(1))}.",
-                          name)
+            name = re.sub(
+                r"local_experts\.(\d+)\.", lambda m: f"local_experts.{ep_rank * local + int(m.group(1))}.", name
+            )
         out[name] = grad
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, out)
@@ -109,22 +110,39 @@ def full_gradients(ddp) -> dict:
     return merged if dist.get_rank() == 0 else {}
 
 
-def score_and_train_many(rank: int, world: int, jobs: list[tuple], rows: list[list[int]], records: list,
-                         overrides: list[str], capture_grads: bool = False) -> dict:
-    out = {key: score_and_train(rank, world, hf_dir, layouts, rows, records, overrides, capture_grads,
-                                destroy=False) for key, hf_dir, layouts in jobs}
+def score_and_train_many(
+    rank: int,
+    world: int,
+    jobs: list[tuple],
+    rows: list[list[int]],
+    records: list,
+    overrides: list[str],
+    capture_grads: bool = False,
+) -> dict:
+    out = {
+        key: score_and_train(rank, world, hf_dir, layouts, rows, records, overrides, capture_grads, destroy=False)
+        for key, hf_dir, layouts in jobs
+    }
     from gspo_megatron.runtime.distributed import destroy_distributed
 
     destroy_distributed()
     return out
 
 
-def score_and_train(rank: int, world: int, hf_dir: str, layouts: list[dict], rows: list[list[int]],
-                    records: list, overrides: list[str], capture_grads: bool = False,
-                    destroy: bool = True) -> dict:
+def score_and_train(
+    rank: int,
+    world: int,
+    hf_dir: str,
+    layouts: list[dict],
+    rows: list[list[int]],
+    records: list,
+    overrides: list[str],
+    capture_grads: bool = False,
+    destroy: bool = True,
+) -> dict:
     from gspo_megatron import factory
     from gspo_megatron.config import load_config
-    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.score import score_rows
@@ -146,10 +164,17 @@ def score_and_train(rank: int, world: int, hf_dir: str, layouts: list[dict], row
             load_hf_weights(model, hf_dir)
             lps = score_rows(model, rows, micro_batch_size=3)
             o = cfg.optimizer
-            ddp, optimizer, scheduler = setup_training(model, OptimOptions(
-                lr=o.lr, clip_grad=o.clip_grad, total_steps=cfg.gspo.mini_batches,
-                use_distributed_optimizer=p.use_distributed_optimizer))
+            ddp, optimizer, scheduler = setup_training(
+                model,
+                OptimOptions(
+                    lr=o.lr,
+                    clip_grad=o.clip_grad,
+                    total_steps=cfg.gspo.mini_batches,
+                    use_distributed_optimizer=p.use_distributed_optimizer,
+                ),
+            )
             if capture_grads:  # the first optimizer step's reduced gradients, at full size
+
                 def capturing_step(*args, **kwargs):
                     if "done" not in grads:
                         grads.update(full_gradients(ddp), done=True)
@@ -165,8 +190,12 @@ def score_and_train(rank: int, world: int, hf_dir: str, layouts: list[dict], row
         norms = [None] * world
         dist.all_gather_object(norms, metrics["train/grad_norm"])
         if rank == 0:
-            results[layout_name(layout)] = {"logprobs": lps, "metrics": metrics, "splits": everyone,
-                                            "grad_norms": norms}
+            results[layout_name(layout)] = {
+                "logprobs": lps,
+                "metrics": metrics,
+                "splits": everyone,
+                "grad_norms": norms,
+            }
             if capture_grads:
                 grads.pop("done", None)
                 results[layout_name(layout)]["grads"] = grads

@@ -24,8 +24,12 @@ def config(tp: int, budget: int, fp8: bool, mbs: int = 4, recipe: str = "delayed
     """The run's config: the layout, packing budget (0: padded rows) and the FP8 flag."""
     from gspo_megatron.config import load_config
 
-    o = [f"parallel.tp={tp}", f"parallel.micro_batch_size={mbs}", f"parallel.max_tokens_per_micro_batch={budget}",
-         "gspo.mini_batches=1"]
+    o = [
+        f"parallel.tp={tp}",
+        f"parallel.micro_batch_size={mbs}",
+        f"parallel.max_tokens_per_micro_batch={budget}",
+        "gspo.mini_batches=1",
+    ]
     if fp8:
         o += ["model.fp8=e4m3", f"model.fp8_recipe={recipe}", "model.dtype=bfloat16"]
     return load_config(None, o)
@@ -42,8 +46,10 @@ def record_linear_inputs(model) -> tuple[list, list]:
         if ".decoder." not in f".{name}." or ".experts." in f".{name}.":
             continue
         if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+
             def hook(m, args, name=name):
                 seen.append((name, math.prod(args[0].shape[:-1])))
+
             handles.append(mod.register_forward_pre_hook(hook))
     assert handles, "no tensor-parallel linear layer found in the decoder"
     return seen, handles
@@ -73,9 +79,20 @@ def run_pass(ddp, cfg, records: list, ps) -> dict:
         sids = torch.tensor([float(s) for s in b["seq_ids"]] or [0.0], device=dev)
         b["old_logprobs"] = lp + 4e-4 * torch.cos(sids[b["seq_index"]] * 1.7 + b["position_ids"] * 0.3) * b["loss_mask"]
     ddp.zero_grad_buffer()
-    res = run_schedule(ddp, micro, lambda b: make_megatron_loss_func(
-        b, loss_config(cfg), tp_group=ps.get_tensor_model_parallel_group(), cp_group=None,
-        num_microbatches=len(micro), data_parallel_size=dp, compute_entropy=True), forward_only=False)
+    res = run_schedule(
+        ddp,
+        micro,
+        lambda b: make_megatron_loss_func(
+            b,
+            loss_config(cfg),
+            tp_group=ps.get_tensor_model_parallel_group(),
+            cp_group=None,
+            num_microbatches=len(micro),
+            data_parallel_size=dp,
+            compute_entropy=True,
+        ),
+        forward_only=False,
+    )
     loss = torch.tensor([sum(m["loss"] for m in res) if (reporter and res) else 0.0], dtype=torch.float64)
     dist.all_reduce(loss)
     return {"logprobs": logprobs, "loss": float(loss), "shapes": [tuple(b["tokens"].shape) for b in micro]}
@@ -87,7 +104,8 @@ def fp8_vs_plain(rank: int, world: int, layouts: list[dict], hf_dir: str, budget
     difference, and the linear layers' input token dims of each pass."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
@@ -112,7 +130,8 @@ def fp8_vs_plain(rank: int, world: int, layouts: list[dict], hf_dir: str, budget
                 runs[fp8]["linear_dims"] = list(seen)
                 grads[fp8] = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
             entry[mode] = {
-                "plain": runs[False], "fp8": runs[True],
+                "plain": runs[False],
+                "fp8": runs[True],
                 "grad_diff": max(float((grads[True][n] - grads[False][n]).abs().max()) for n in grads[False]),
                 "grad_max": max(float(g.abs().max()) for g in grads[False].values()),
             }
@@ -135,6 +154,5 @@ def cp_rows(rank: int, world: int, tp: int, budget: int) -> list:
     from gspo_megatron.trainer.step import split_batch
 
     dist.init_process_group("gloo")
-    (micro,) = split_batch(config(tp, budget, True), make_records(), 1, 0, pad_id=0, cp_group=dist.group.WORLD,
-                           tp=tp)
+    (micro,) = split_batch(config(tp, budget, True), make_records(), 1, 0, pad_id=0, cp_group=dist.group.WORLD, tp=tp)
     return [(tuple(b["tokens"].shape), float(b["loss_mask"].sum()), int(b["num_computed_tokens"])) for b in micro]

@@ -9,8 +9,14 @@ r3 fed an indexer selection shifted one token later."""
 
 from __future__ import annotations
 
-PROMPTS = [[5, 17, 42, 9, 33, 2, 8, 70, 71, 12], [100, 3], [7, 8, 9, 10, 11, 12, 13], [61, 62, 63, 64, 65],
-           [11], [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 40, 41]]
+PROMPTS = [
+    [5, 17, 42, 9, 33, 2, 8, 70, 71, 12],
+    [100, 3],
+    [7, 8, 9, 10, 11, 12, 13],
+    [61, 62, 63, 64, 65],
+    [11],
+    [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 40, 41],
+]
 
 
 def make_dsa_records(hf_dir: str, max_new_tokens: int = 12, seed: int = 3) -> list:
@@ -23,12 +29,24 @@ def make_dsa_records(hf_dir: str, max_new_tokens: int = 12, seed: int = 3) -> li
     from gspo_megatron.sample import Sample
 
     engine = HFRolloutEngine(hf_dir, hf_dir, seed=seed)
-    out = engine._generate_batch(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
-                                 torch.Generator().manual_seed(seed), RouteRecorder(engine.model),
-                                 IndexerRecorder(engine.model))
-    return [Sample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                   engine_logprobs=list(s.response_logprobs), routed_experts=s.routed_experts,
-                   indexer_topk=s.indexer_topk, advantage=float(i % 3) - 1.0) for i, s in enumerate(out)]
+    out = engine._generate_batch(
+        PROMPTS,
+        SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
+        torch.Generator().manual_seed(seed),
+        RouteRecorder(engine.model),
+        IndexerRecorder(engine.model),
+    )
+    return [
+        Sample(
+            prompt_ids=list(s.prompt_ids),
+            response_ids=list(s.response_ids),
+            engine_logprobs=list(s.response_logprobs),
+            routed_experts=s.routed_experts,
+            indexer_topk=s.indexer_topk,
+            advantage=float(i % 3) - 1.0,
+        )
+        for i, s in enumerate(out)
+    ]
 
 
 def shifted_selection(records: list) -> list:
@@ -50,20 +68,13 @@ def dsa_gaps(rank: int, world: int, layouts: list[dict], hf_dir: str, records: l
     """Per layout: {(padded|packed, off|r3|r3_shifted): route_replay_workers._gap(...)}."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
-    from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
-    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
+    from gspo_megatron.runtime.distributed import destroy_distributed
     from route_replay_workers import _config, _gap
+    from tiny_models import tiny_megatron_model
 
     results = []
     for layout in layouts:
-        init_distributed(ParallelLayout(**layout, sequence_parallel=layout.get("tp", 1) > 1), seed=0)
-        hf = load_hf_config(hf_dir)
-        model = build_model(hf, layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1),
-                            opts=ModelOptions(transformer_impl="local", dtype="float32"))
-        load_hf_weights(model, hf_dir)
-        ddp, _, _ = setup_training(model, OptimOptions(use_distributed_optimizer=False))
+        ddp, _, _ = tiny_megatron_model(hf_dir, layout)
         entry = {}
         for name, budget in (("padded", 0), ("packed", 256)):
             for mode, recs in (("off", records), ("r3", records), ("r3_shifted", shifted_selection(records))):

@@ -23,16 +23,24 @@ def make_records(seed: int = 0, vocab: int = 256, lengths: list[int] = LENGTHS) 
     for i, n in enumerate(lengths):
         p = 1 + i % 3
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
-        out.append(Sample.from_tokens(ids, p, engine_logprobs=(-torch.rand(n - p, generator=g) * 3).tolist(),
-                                      advantage=float(torch.randn((), generator=g))))
+        out.append(
+            Sample.from_tokens(
+                ids,
+                p,
+                engine_logprobs=(-torch.rand(n - p, generator=g) * 3).tolist(),
+                advantage=float(torch.randn((), generator=g)),
+            )
+        )
     return out
 
 
 def _config(budget: int, mbs: int):
     from gspo_megatron.config import load_config
 
-    return load_config(None, [f"parallel.micro_batch_size={mbs}", f"parallel.max_tokens_per_micro_batch={budget}",
-                              "gspo.mini_batches=1"])
+    return load_config(
+        None,
+        [f"parallel.micro_batch_size={mbs}", f"parallel.max_tokens_per_micro_batch={budget}", "gspo.mini_batches=1"],
+    )
 
 
 def run_pass(ddp, cfg, records: list, ps) -> dict:
@@ -46,8 +54,7 @@ def run_pass(ddp, cfg, records: list, ps) -> dict:
     from gspo_megatron.trainer.step import loss_config, split_batch
 
     dp, tp = ps.get_data_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
-    (micro,) = split_batch(cfg, records, dp, ps.get_data_parallel_rank(), pad_id=0,
-                           multiple=sequence_multiple(tp, 1))
+    (micro,) = split_batch(cfg, records, dp, ps.get_data_parallel_rank(), pad_id=0, multiple=sequence_multiple(tp, 1))
     out = compute_logprobs(ddp, micro)
     reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     logprobs = {}
@@ -63,45 +70,66 @@ def run_pass(ddp, cfg, records: list, ps) -> dict:
         shift = 4e-4 * torch.cos(sids[b["seq_index"]] * 1.7 + b["position_ids"] * 0.3)
         b["old_logprobs"] = lp + shift * b["loss_mask"]
     ddp.zero_grad_buffer()
-    res = run_schedule(ddp, micro, lambda b: make_megatron_loss_func(
-        b, loss_config(cfg), tp_group=ps.get_tensor_model_parallel_group(), cp_group=None,
-        num_microbatches=len(micro), data_parallel_size=dp, compute_entropy=True), forward_only=False)
-    loss = torch.tensor([sum(m["loss"] for m in res) if (reporter and res) else 0.0], dtype=torch.float64,
-                        device=micro[0]["tokens"].device)  # NCCL's device on GPU
+    res = run_schedule(
+        ddp,
+        micro,
+        lambda b: make_megatron_loss_func(
+            b,
+            loss_config(cfg),
+            tp_group=ps.get_tensor_model_parallel_group(),
+            cp_group=None,
+            num_microbatches=len(micro),
+            data_parallel_size=dp,
+            compute_entropy=True,
+        ),
+        forward_only=False,
+    )
+    loss = torch.tensor(
+        [sum(m["loss"] for m in res) if (reporter and res) else 0.0],
+        dtype=torch.float64,
+        device=micro[0]["tokens"].device,
+    )  # NCCL's device on GPU
     dist.all_reduce(loss)
     computed = sum(int(b["tokens"].numel()) for b in micro)
     real = sum(int(b["num_real_tokens"]) for b in micro)
-    return {"logprobs": logprobs, "loss": float(loss), "num_micro": len(micro), "pad": (computed, real),
-            "tokens_per_micro": [int(b["tokens"].numel()) for b in micro],
-            "real_per_micro": [int(b["num_real_tokens"]) for b in micro]}
+    return {
+        "logprobs": logprobs,
+        "loss": float(loss),
+        "num_micro": len(micro),
+        "pad": (computed, real),
+        "tokens_per_micro": [int(b["tokens"].numel()) for b in micro],
+        "real_per_micro": [int(b["num_real_tokens"]) for b in micro],
+    }
 
 
-def packed_vs_padded(rank: int, world: int, layouts: list[dict], hf_dir: str, budget: int, mbs: int = 4,
-                     impl: str = "local", dtype: str = "float32") -> list:
+def packed_vs_padded(
+    rank: int,
+    world: int,
+    layouts: list[dict],
+    hf_dir: str,
+    budget: int,
+    mbs: int = 4,
+    impl: str = "local",
+    dtype: str = "float32",
+) -> list:
     """For each layout: padded and packed passes; returns per layout {"padded": ..., "packed": ...,
     "grad_diff": max |g_packed - g_padded| over this rank's parameters, "grad_max": max |g_padded|}."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
-    from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
+    from gspo_megatron.runtime.distributed import destroy_distributed
     from gspo_megatron.score import score_rows
-    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
+    from tiny_models import tiny_megatron_model
 
     records = make_records()
     results = []
     for layout in layouts:
-        init_distributed(ParallelLayout(**layout, sequence_parallel=layout.get("tp", 1) > 1), seed=0)
-        hf = load_hf_config(hf_dir)
-        model = build_model(hf, layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1),
-                            opts=ModelOptions(transformer_impl=impl, dtype=dtype))
-        load_hf_weights(model, hf_dir)
-        ddp, _, _ = setup_training(model, OptimOptions(use_distributed_optimizer=False))
+        ddp, _, _ = tiny_megatron_model(hf_dir, layout, impl, dtype)
         entry, grads = {}, {}
         for name, b in (("padded", 0), ("packed", budget)):
             entry[name] = run_pass(ddp, _config(b, mbs), records, ps)
-            grads[name] = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()
-                           if p.requires_grad}  # frozen ones (the DSA indexer) have no main_grad
+            grads[name] = {
+                n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters() if p.requires_grad
+            }  # frozen ones (the DSA indexer) have no main_grad
         entry["grad_diff"] = max(float((grads["packed"][n] - grads["padded"][n]).abs().max()) for n in grads["padded"])
         entry["grad_max"] = max(float(g.abs().max()) for g in grads["padded"].values())
         entry["finite"] = all(math.isfinite(float(g.abs().sum())) for g in grads["packed"].values())
@@ -113,6 +141,17 @@ def packed_vs_padded(rank: int, world: int, layouts: list[dict], hf_dir: str, bu
             entry["score"] = (padded_scores, packed_scores)
         results.append(entry)
     destroy_distributed()
+    return results
+
+
+def packed_vs_padded_1_rank_tp2_ep2(hf_dir: str, budget: int) -> dict[str, list[dict]]:
+    """``packed_vs_padded`` (default layout each) on 1 rank, then tp2 and ep2 on two ranks (the family
+    tests' three layouts): {"tp1" | "tp2" | "ep2": each rank's entry}."""
+    from distributed_harness import run_ranks
+
+    results = {"tp1": [run_ranks(packed_vs_padded, 1, [dict()], hf_dir, budget)[0][0]]}
+    two = run_ranks(packed_vs_padded, 2, [dict(tp=2), dict(ep=2)], hf_dir, budget)
+    results.update(tp2=[r[0] for r in two], ep2=[r[1] for r in two])
     return results
 
 
@@ -129,6 +168,8 @@ def cp_round_trip(rank: int, world: int) -> tuple:
         r.old_logprobs = [float(j) for j in range(r.response_len)]
     batch = collate_packed(recs, seg_multiple=2 * world, row_multiple=sequence_multiple(1, world))
     local = split_for_context_parallel(batch, dist.group.WORLD)
-    back = {k: gather_packed_context_parallel(local[k], batch["cu_seqlens"], dist.group.WORLD)
-            for k in ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "old_logprobs")}
+    back = {
+        k: gather_packed_context_parallel(local[k], batch["cu_seqlens"], dist.group.WORLD)
+        for k in ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "old_logprobs")
+    }
     return batch, local, back

@@ -23,19 +23,40 @@ def make_engine_records(hf_dir: str, perturb: float, max_new_tokens: int = 10, s
 
     engine = HFRolloutEngine(hf_dir, hf_dir, seed=seed)
     rec = RouteRecorder(engine.model, perturb)
-    out = engine._generate_batch(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
-                                 torch.Generator().manual_seed(seed), rec)
-    return [Sample(prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                   engine_logprobs=list(s.response_logprobs), routed_experts=s.routed_experts,
-                   advantage=float(i % 3) - 1.0) for i, s in enumerate(out)]
+    out = engine._generate_batch(
+        PROMPTS,
+        SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
+        torch.Generator().manual_seed(seed),
+        rec,
+    )
+    return [
+        Sample(
+            prompt_ids=list(s.prompt_ids),
+            response_ids=list(s.response_ids),
+            engine_logprobs=list(s.response_logprobs),
+            routed_experts=s.routed_experts,
+            advantage=float(i % 3) - 1.0,
+        )
+        for i, s in enumerate(out)
+    ]
 
 
 def _config(budget: int, mode: str, mbs: int = 4, extra: tuple = ()):
     from gspo_megatron.config import load_config
 
-    return load_config(None, [f"parallel.micro_batch_size={mbs}", f"parallel.max_tokens_per_micro_batch={budget}",
-                              "gspo.mini_batches=1", f"rollout.routing_replay={mode}", "rollout.engine=sglang",
-                              "rollout.engine_server=cpu", "rollout.sync_mode=colocated", *extra])
+    return load_config(
+        None,
+        [
+            f"parallel.micro_batch_size={mbs}",
+            f"parallel.max_tokens_per_micro_batch={budget}",
+            "gspo.mini_batches=1",
+            f"rollout.routing_replay={mode}",
+            "rollout.engine=sglang",
+            "rollout.engine_server=cpu",
+            "rollout.sync_mode=colocated",
+            *extra,
+        ],
+    )
 
 
 def _shifted(records: list) -> list:
@@ -48,7 +69,6 @@ def _shifted(records: list) -> list:
 
 
 def _gap(ddp, cfg, records, ps, mode: str) -> dict:
-
     from gspo_megatron.trainer.micro_batches import sequence_multiple
     from gspo_megatron.trainer.route_replay import route_replay_for
     from gspo_megatron.trainer.step import _attach_logprobs, split_batch
@@ -66,31 +86,29 @@ def _gap(ddp, cfg, records, ps, mode: str) -> dict:
     gap = 0.0
     if reporter:
         gap = max(float(((b["old_logprobs"] - b["engine_logprobs"]).abs() * b["loss_mask"]).max()) for b in micro)
-    return {"gap": gap, "agree": agree, "reporter": reporter,
-            "tokens": sum(int(b["loss_mask"].sum()) for b in micro) if reporter else 0}
+    return {
+        "gap": gap,
+        "agree": agree,
+        "reporter": reporter,
+        "tokens": sum(int(b["loss_mask"].sum()) for b in micro) if reporter else 0,
+    }
 
 
-def old_logprob_gaps(rank: int, world: int, layouts: list[dict], hf_dir: str, records: list,
-                     train_step: bool = False) -> list:
+def old_logprob_gaps(
+    rank: int, world: int, layouts: list[dict], hf_dir: str, records: list, train_step: bool = False
+) -> list:
     """Per layout: {(padded|packed, off|r3|r3_shifted): _gap(...)}, and with ``train_step`` the metrics
     of one ``train_on_batch`` with r3 (packed)."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
-    from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
-    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
+    from gspo_megatron.runtime.distributed import destroy_distributed
     from gspo_megatron.trainer.route_replay import moe_routers
     from gspo_megatron.trainer.step import train_on_batch
+    from tiny_models import tiny_megatron_model
 
     results = []
     for layout in layouts:
-        init_distributed(ParallelLayout(**layout, sequence_parallel=layout.get("tp", 1) > 1), seed=0)
-        hf = load_hf_config(hf_dir)
-        model = build_model(hf, layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1),
-                            opts=ModelOptions(transformer_impl="local", dtype="float32"))
-        load_hf_weights(model, hf_dir)
-        ddp, opt, sched = setup_training(model, OptimOptions(use_distributed_optimizer=False))
+        ddp, opt, sched = tiny_megatron_model(hf_dir, layout)
         entry = {}
         for name, budget in (("padded", 0), ("packed", 64)):
             for mode, recs in (("off", records), ("r3", records), ("r3_shifted", _shifted(records))):
@@ -105,7 +123,6 @@ def old_logprob_gaps(rank: int, world: int, layouts: list[dict], hf_dir: str, re
     return results
 
 
-
 def _capture(model, mode: str) -> list:
     """Log every router call of ``model``'s replay (built for ``mode``): (layer, targets or None,
     the ids used), in call order."""
@@ -113,11 +130,13 @@ def _capture(model, mode: str) -> list:
 
     log: list = []
     for rep in route_replay_for(model, mode).replays:
+
         def wrapped(scores, topk, *a, _orig=rep.get_replay_topk, _rep=rep, **kw):
             tgt = None if _rep.targets is None else _rep.targets.clone()
             probs, ids = _orig(scores, topk, *a, **kw)
             log.append((_rep.layer, tgt, ids.detach().clone()))
             return probs, ids
+
         rep.get_replay_topk = wrapped
     return log
 
@@ -134,7 +153,8 @@ def r2_and_reference(rank: int, world: int, layouts: list[dict], hf_dir: str, re
       without replay (``"after"``)."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.trainer.micro_batches import sequence_multiple
@@ -157,24 +177,52 @@ def r2_and_reference(rank: int, world: int, layouts: list[dict], hf_dir: str, re
         entry: dict = {"reporter": reporter}
         # the reference's own routing, unreplayed, against the engine
         cfg3 = _config(64, "r3", extra=("gspo.kl_coef=0.01",))
-        (micro,) = split_batch(cfg3, records, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), pad_id=0,
-                               multiple=sequence_multiple(tp, 1))
+        (micro,) = split_batch(
+            cfg3,
+            records,
+            ps.get_data_parallel_world_size(),
+            ps.get_data_parallel_rank(),
+            pad_id=0,
+            multiple=sequence_multiple(tp, 1),
+        )
         with replay_phase(ref, "off", None):
             _attach_logprobs(ref, micro, "ref_logprobs", 1.0)
-        entry["ref_own_gap"] = max(float(((b["ref_logprobs"] - b["engine_logprobs"]).abs() * b["loss_mask"]).max())
-                                   for b in micro) if reporter else 0.0
+        entry["ref_own_gap"] = (
+            max(float(((b["ref_logprobs"] - b["engine_logprobs"]).abs() * b["loss_mask"]).max()) for b in micro)
+            if reporter
+            else 0.0
+        )
         entry["r3"] = train_on_batch(cfg3, ddp, opt, sched, records, pad_id=0, ref_model=ref).metrics
         # r2 on the updated policy; the reference keeps the initial weights
         cfg2 = _config(64, "r2", extra=("gspo.kl_coef=0.01", "gspo.mini_batches=2"))
         pol_log, ref_log = _capture(ddp, "r2"), _capture(ref, "r2")
         entry["r2"] = train_on_batch(cfg2, ddp, opt, sched, records, pad_id=0, ref_model=ref).metrics
-        n_micro = sum(len(m) for m in split_batch(cfg2, records, ps.get_data_parallel_world_size(),
-                                                 ps.get_data_parallel_rank(), pad_id=0, multiple=sequence_multiple(tp, 1)))
+        n_micro = sum(
+            len(m)
+            for m in split_batch(
+                cfg2,
+                records,
+                ps.get_data_parallel_world_size(),
+                ps.get_data_parallel_rank(),
+                pad_id=0,
+                multiple=sequence_multiple(tp, 1),
+            )
+        )
         n_layers = len({c[0] for c in pol_log})
-        old, policy = pol_log[:n_micro * n_layers], pol_log[n_micro * n_layers:]
+        old, policy = pol_log[: n_micro * n_layers], pol_log[n_micro * n_layers :]
         entry["calls"] = {"old": old, "ref": list(ref_log), "policy": policy}
-        flat = [b for m in split_batch(cfg2, records, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-                                       pad_id=0, multiple=sequence_multiple(tp, 1)) for b in m]
+        flat = [
+            b
+            for m in split_batch(
+                cfg2,
+                records,
+                ps.get_data_parallel_world_size(),
+                ps.get_data_parallel_rank(),
+                pad_id=0,
+                multiple=sequence_multiple(tp, 1),
+            )
+            for b in m
+        ]
         pol_log.clear()
         with replay_phase(ddp, "r2", None):
             _attach_logprobs(ddp, flat, "new_logprobs", 1.0)

@@ -9,22 +9,33 @@ import torch
 from distributed_harness import run_ranks
 from gspo_megatron.sample import Sample
 
-PER_TOKEN = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "old_logprobs", "engine_logprobs",
-             "ref_logprobs")
+PER_TOKEN = (
+    "tokens",
+    "position_ids",
+    "labels",
+    "loss_mask",
+    "seq_index",
+    "old_logprobs",
+    "engine_logprobs",
+    "ref_logprobs",
+)
 
 
 def _records():
     out = []
     for i in range(3):
         n_prompt, n_resp = 2 + i, 7 + i
-        out.append(Sample.from_tokens(
-            list(range(3 + i, 3 + i + n_prompt + n_resp)), n_prompt,
-            # distinct values per sequence and position: a chunk taken from the wrong place shows
-            old_logprobs=[-(i + 1) - 0.01 * j for j in range(n_resp)],
-            engine_logprobs=[-(i + 1) - 0.02 * j for j in range(n_resp)],
-            ref_logprobs=[-(i + 1) - 0.03 * j for j in range(n_resp)],
-            advantage=0.5 * i - 0.7,
-        ))
+        out.append(
+            Sample.from_tokens(
+                list(range(3 + i, 3 + i + n_prompt + n_resp)),
+                n_prompt,
+                # distinct values per sequence and position: a chunk taken from the wrong place shows
+                old_logprobs=[-(i + 1) - 0.01 * j for j in range(n_resp)],
+                engine_logprobs=[-(i + 1) - 0.02 * j for j in range(n_resp)],
+                ref_logprobs=[-(i + 1) - 0.03 * j for j in range(n_resp)],
+                advantage=0.5 * i - 0.7,
+            )
+        )
     return out
 
 
@@ -58,15 +69,20 @@ def test_split_and_gather_round_trip():
     for rank, (_, local, back) in enumerate(results):
         for k in PER_TOKEN:
             # rank r holds chunks r and 2*cp-1-r of every per-token tensor
-            want = torch.cat([batch[k][:, rank * c:(rank + 1) * c], batch[k][:, (3 - rank) * c:(4 - rank) * c]], dim=1)
+            want = torch.cat(
+                [batch[k][:, rank * c : (rank + 1) * c], batch[k][:, (3 - rank) * c : (4 - rank) * c]], dim=1
+            )
             assert local[k].shape == (b, 2 * c), k
             assert torch.equal(local[k], want), (rank, k)
             assert torch.equal(back[k], batch[k]), (rank, k)
         # positions are the global ones (rotary embeddings need them), not 0..s/cp-1
-        assert local["position_ids"][0].tolist() == list(range(rank * c, (rank + 1) * c)) + \
-            list(range((3 - rank) * c, (4 - rank) * c))
+        assert local["position_ids"][0].tolist() == list(range(rank * c, (rank + 1) * c)) + list(
+            range((3 - rank) * c, (4 - rank) * c)
+        )
         assert torch.equal(local["advantages"], batch["advantages"])  # per sequence: kept whole
     # the two shares cover every response token exactly once, with its old log-prob
     assert sum(r[1]["loss_mask"].sum() for r in results) == batch["loss_mask"].sum()
-    assert torch.isclose(sum((r[1]["old_logprobs"] * r[1]["loss_mask"]).sum() for r in results),
-                         (batch["old_logprobs"] * batch["loss_mask"]).sum())
+    assert torch.isclose(
+        sum((r[1]["old_logprobs"] * r[1]["loss_mask"]).sum() for r in results),
+        (batch["old_logprobs"] * batch["loss_mask"]).sum(),
+    )

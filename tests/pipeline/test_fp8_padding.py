@@ -61,7 +61,9 @@ def test_multiple_meets_te_rule_and_is_the_smallest(tp, sp, cp, recipe):
                 assert te_token_dim_ok(n, recipe), (k * m, rows, n)
     # and no smaller width works for a single row (a packed micro-batch is one row)
     for w in range(1, m):
-        assert not (layout_ok(w, tp, sp, cp) and all(te_token_dim_ok(n, recipe) for n in local_token_dims(w, 1, tp, sp, cp))), w
+        assert not (
+            layout_ok(w, tp, sp, cp) and all(te_token_dim_ok(n, recipe) for n in local_token_dims(w, 1, tp, sp, cp))
+        ), w
 
 
 @pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2), (4, 2)])
@@ -103,12 +105,8 @@ def test_context_parallel_rows_meet_te_rule_on_every_rank(tp, budget):
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    out = str(tmp_path_factory.mktemp("fp8pad") / "hf")
-    save_tiny_hf_model("qwen3_moe", out, seed=5)
-    return out
+def hf_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("qwen3_moe", seed=5)[0]
 
 
 def test_fp8_padding_meets_te_rule_and_keeps_loss_and_logprobs(hf_dir):

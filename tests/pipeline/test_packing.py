@@ -78,12 +78,8 @@ def test_packed_layout():
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    out = str(tmp_path_factory.mktemp("packing") / "hf")
-    save_tiny_hf_model("qwen3_moe", out, seed=5)
-    return out
+def hf_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("qwen3_moe", seed=5)[0]
 
 
 def _check(results, layout_name):
@@ -100,8 +96,9 @@ def _check(results, layout_name):
                 merged.setdefault(mode, {})[sid] = lp
     # packing computes fewer tokens than padding on this long-tailed batch (summed over the ranks:
     # with dp2 the two modes split the sequences differently)
-    (c_pad, r_pad), (c_pack, r_pack) = ([sum(x) for x in zip(*(e[m]["pad"] for e in results))]
-                                        for m in ("padded", "packed"))
+    (c_pad, r_pad), (c_pack, r_pack) = (
+        [sum(x) for x in zip(*(e[m]["pad"] for e in results))] for m in ("padded", "packed")
+    )
     assert r_pad == r_pack and c_pack < c_pad
     scored = [e["score"] for e in results if "score" in e]
     assert len(scored) == 1  # global rank 0

@@ -15,8 +15,9 @@ B, S, L, K, E = 2, 5, 3, 2, 6
 
 def _routing(logits_sbe, replay=None):
     """Megatron's routing of [s, b, E] logits as TopKRouter.routing flattens them: [s * b, E]."""
-    probs, rmap = topk_routing_with_score_function(logits_sbe.reshape(-1, E), K, score_function="softmax",
-                                                   router_replay=replay)
+    probs, rmap = topk_routing_with_score_function(
+        logits_sbe.reshape(-1, E), K, score_function="softmax", router_replay=replay
+    )
     return probs, rmap
 
 
@@ -50,8 +51,7 @@ def test_replay_routed_rows_keep_own_routing_on_unrouted_rows():
                 assert torch.equal(ids[row], tgt.sort().values), (b, s)
     # the router's own routing was recorded before the replay (for rollout/route_agreement)
     assert torch.equal(rep.own.sort(-1).values, own)
-    agree, total = route_agreement(routes[:, :, layer].numpy(),
-                                   rep.own.reshape(S, B, K).transpose(0, 1).numpy())
+    agree, total = route_agreement(routes[:, :, layer].numpy(), rep.own.reshape(S, B, K).transpose(0, 1).numpy())
     assert total == sum(S - 1 - b for b in range(B)) and 0 <= agree <= total
 
 
@@ -104,16 +104,20 @@ def test_routes_on_padded_and_packed_rows():
     for i, s in enumerate(recs):
         n = s.length
         assert torch.equal(r[i, : n - 1], torch.from_numpy(s.routed_experts))  # token t's route at position t
-        assert (r[i, n - 1:] == NO_ROUTE).all()  # last token and padding: no route
+        assert (r[i, n - 1 :] == NO_ROUTE).all()  # last token and padding: no route
         a = cu[i]
-        assert torch.equal(packed["routed_experts"][0, a:a + n - 1], torch.from_numpy(s.routed_experts))
-        assert (packed["routed_experts"][0, a + n - 1:cu[i + 1]] == NO_ROUTE).all()
-    assert (packed["routed_experts"][0, cu[len(recs)]:] == NO_ROUTE).all()  # the tail padding segment
+        assert torch.equal(packed["routed_experts"][0, a : a + n - 1], torch.from_numpy(s.routed_experts))
+        assert (packed["routed_experts"][0, a + n - 1 : cu[i + 1]] == NO_ROUTE).all()
+    assert (packed["routed_experts"][0, cu[len(recs)] :] == NO_ROUTE).all()  # the tail padding segment
     # exactly the positions with a label carry a route (the positions the engine ran a forward on)
     assert torch.equal((r != NO_ROUTE).all(-1).all(-1), padded["labels"] != -100)
     with pytest.raises(ValueError, match="sequence 1: routed_experts has shape"):
-        collate([recs[0], recs[1].__class__(recs[1].prompt_ids, recs[1].response_ids,
-                                             routed_experts=recs[0].routed_experts)])
+        collate(
+            [
+                recs[0],
+                recs[1].__class__(recs[1].prompt_ids, recs[1].response_ids, routed_experts=recs[0].routed_experts),
+            ]
+        )
 
 
 def test_packed_routes_follow_their_tokens_through_the_cp_split():
@@ -124,8 +128,11 @@ def test_packed_routes_follow_their_tokens_through_the_cp_split():
     for rank in (0, 1):
         local = split_packed_for_context_parallel(whole, 2, rank)
         for t in range(local["tokens"].shape[1]):
-            pos = (whole["tokens"][0] == local["tokens"][0, t]) & (whole["seq_index"][0] == local["seq_index"][0, t]) \
+            pos = (
+                (whole["tokens"][0] == local["tokens"][0, t])
+                & (whole["seq_index"][0] == local["seq_index"][0, t])
                 & (whole["position_ids"][0] == local["position_ids"][0, t])
+            )
             (j,) = torch.nonzero(pos).flatten().tolist()
             assert torch.equal(local["routed_experts"][0, t], whole["routed_experts"][0, j])
 

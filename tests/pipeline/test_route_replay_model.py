@@ -16,12 +16,8 @@ CLEAR = 1e-3
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    out = str(tmp_path_factory.mktemp("route_replay") / "hf")
-    save_tiny_hf_model("qwen3_moe", out, seed=5)
-    return out
+def hf_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("qwen3_moe", seed=5)[0]
 
 
 @pytest.fixture(scope="module")

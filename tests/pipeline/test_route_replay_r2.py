@@ -19,12 +19,8 @@ from route_replay_workers import make_engine_records, r2_and_reference
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    out = str(tmp_path_factory.mktemp("route_replay_r2") / "hf")
-    save_tiny_hf_model("qwen3_moe", out, seed=5)
-    return out
+def hf_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("qwen3_moe", seed=5)[0]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +39,8 @@ def _check(entries: list[dict], name: str) -> None:
         calls = e["calls"]
         assert len(calls["old"]) == len(calls["ref"]) == len(calls["policy"]) == len(e["after"]) > 0, name
         for (lo, t_old, own), (lr_, t_ref, ref_ids), (lp, t_pol, pol_ids), (la, _, after) in zip(
-                calls["old"], calls["ref"], calls["policy"], e["after"]):
+            calls["old"], calls["ref"], calls["policy"], e["after"]
+        ):
             assert lo == lr_ == lp == la, name
             assert t_old is None, name  # the old forward routes by itself
             assert t_pol is not None and t_ref is not None, name  # the record reached both

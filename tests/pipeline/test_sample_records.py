@@ -43,7 +43,7 @@ def test_fields_land_on_the_label_positions(packed):
     for i, (rec, a) in enumerate(zip(recs, starts)):
         row = 0 if packed else i
         pos = slice(a + rec.prompt_len - 1, a + rec.length - 1)
-        assert b["tokens"][row, a:a + rec.length].tolist() == rec.tokens
+        assert b["tokens"][row, a : a + rec.length].tolist() == rec.tokens
         assert b["loss_mask"][row, pos].tolist() == [float(m) for m in rec.loss_mask]
         for k in PER_TOKEN_FIELDS:
             assert b[k][row, pos].tolist() == [float(v) for v in getattr(rec, k)]
@@ -56,12 +56,24 @@ def test_a_field_the_first_sample_lacks_is_not_collated():
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("second, message", [
-    (dict(engine_logprobs=None, advantage=1.0), "sequence 1: engine_logprobs is None while the micro-batch's first"),
-    (dict(engine_logprobs=[-1.0] * 3, advantage=1.0), "sequence 1: engine_logprobs has 3 values for 4 response tokens"),
-    (dict(engine_logprobs=[-1.0] * 4, advantage=None), "sequence 1: advantage is None while the micro-batch's first"),
-    (dict(engine_logprobs=[-1.0] * 4, advantage=1.0, loss_mask=[1, 0]), "sequence 1: loss_mask has 2 values for 4"),
-])
+@pytest.mark.parametrize(
+    "second, message",
+    [
+        (
+            dict(engine_logprobs=None, advantage=1.0),
+            "sequence 1: engine_logprobs is None while the micro-batch's first",
+        ),
+        (
+            dict(engine_logprobs=[-1.0] * 3, advantage=1.0),
+            "sequence 1: engine_logprobs has 3 values for 4 response tokens",
+        ),
+        (
+            dict(engine_logprobs=[-1.0] * 4, advantage=None),
+            "sequence 1: advantage is None while the micro-batch's first",
+        ),
+        (dict(engine_logprobs=[-1.0] * 4, advantage=1.0, loss_mask=[1, 0]), "sequence 1: loss_mask has 2 values for 4"),
+    ],
+)
 def test_disagreeing_samples_fail_with_one_line_naming_the_field(packed, second, message):
     recs = [_sample(engine_logprobs=[-1.0] * 4, advantage=0.0), _sample(**second)]
     with pytest.raises(ValueError, match=message):

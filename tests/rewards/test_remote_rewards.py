@@ -12,8 +12,9 @@ import time
 
 import pytest
 
+from gspo_megatron.rewards.outcomes import RewardFailure
 from gspo_megatron.rewards.remote import RemoteRewardScorer
-from gspo_megatron.rewards.runner import InlineRewardScorer, RewardFailure, RewardRunner
+from gspo_megatron.rewards.runner import InlineRewardScorer, RewardRunner
 from gspo_megatron.runtime.ports import free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -30,12 +31,12 @@ def rank_score(prompt, responses, label):
     return [float(r == label) - 0.1 * responses.count(r) for r in responses]
 '''
 
-PER_SAMPLE_FN = '''
+PER_SAMPLE_FN = """
 def score(prompt, response, label):
     if response == "raise":
         raise ValueError("bad response")
     return float(response == label) + len(prompt) / 100
-'''
+"""
 
 
 def _user_file(tmp_path, text, name):
@@ -63,12 +64,32 @@ def test_group_rewards_local_pool_and_remote_agree(serve, tmp_path):
     G = 4
     prompts = [f"p{g}" for g in range(5) for _ in range(G)]
     labels = [str(g) for g in range(5) for _ in range(G)]
-    responses = ["0", "0", "1", "0",  "1", "1", "1", "x",  "raise", "a", "b", "c",  "3", "y", "3", "z",
-                 "nan", "4", "4", "4"]
+    responses = [
+        "0",
+        "0",
+        "1",
+        "0",
+        "1",
+        "1",
+        "1",
+        "x",
+        "raise",
+        "a",
+        "b",
+        "c",
+        "3",
+        "y",
+        "3",
+        "z",
+        "nan",
+        "4",
+        "4",
+        "4",
+    ]
     # the group function sees the whole group: duplicates lower every member's score
     want = []
     for g in range(5):
-        rs = responses[g * G:(g + 1) * G]
+        rs = responses[g * G : (g + 1) * G]
         if rs[0] in ("raise", "nan"):
             want += [0.0] * G
         else:
@@ -77,7 +98,8 @@ def test_group_rewards_local_pool_and_remote_agree(serve, tmp_path):
     results = {
         "inline": InlineRewardScorer(spec, group=True).score(prompts, responses, labels, group_size=G),
         "remote": RemoteRewardScorer(url, timeout_s=30, batch_size=2, group=True).score(
-            prompts, responses, labels, group_size=G),
+            prompts, responses, labels, group_size=G
+        ),
     }
     with RewardRunner(spec, num_workers=2, timeout_s=30, group=True) as pool:
         results["pool"] = pool.score(prompts, responses, labels, group_size=G)
@@ -129,9 +151,21 @@ def test_server_dropping_connections_is_counted_and_retried(serve):
 
 
 def _start_reference_server(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "gspo_megatron.rewards.reference_server", "--function",
-                             "exact_match", "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gspo_megatron.rewards.reference_server",
+            "--function",
+            "exact_match",
+            "--port",
+            str(port),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")),
+    )
     line = proc.stdout.readline()
     assert f"listening on http://127.0.0.1:{port}/score" in line, line
     return proc
@@ -143,14 +177,18 @@ def test_dead_reference_server_fails_fast_counted_then_recovers():
     url = f"http://127.0.0.1:{port}/score"
     proc = _start_reference_server(port)
     try:
-        remote = RemoteRewardScorer(url, timeout_s=20, batch_size=3, max_in_flight=2, retries=2, backoff_s=0.01,
-                                    max_failure_share=1.0)
+        remote = RemoteRewardScorer(
+            url, timeout_s=20, batch_size=3, max_in_flight=2, retries=2, backoff_s=0.01, max_failure_share=1.0
+        )
         assert remote.score(["p"] * 5, ["a", "b", "a", "a", "c"], ["a"] * 5)[0] == [1, 0, 1, 1, 0]
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         t0 = time.monotonic()
-        with pytest.raises(RewardFailure, match=r"reward.url 'http://127.0.0.1:\d+/score' failed on 5 of 5 calls"
-                                                r".*after 3 attempts"):
+        with pytest.raises(
+            RewardFailure,
+            match=r"reward.url 'http://127.0.0.1:\d+/score' failed on 5 of 5 calls"
+            r".*after 3 attempts",
+        ):
             remote.score(["p"] * 5, ["a"] * 5, ["a"] * 5)
         assert time.monotonic() - t0 < 20  # refused connections fail fast, retries included
         proc = _start_reference_server(port)  # the server comes back: the next round is scored
@@ -166,8 +204,14 @@ def test_dead_reference_server_fails_fast_counted_then_recovers():
 
 
 def test_server_answers_null_and_nan_are_counted(serve, tmp_path):
-    spec = _user_file(tmp_path, PER_SAMPLE_FN.replace('return float(', 'return float("nan") if response == "nan" '
-                                                      'else float('), "nan_fn.py") + ":score"
+    spec = (
+        _user_file(
+            tmp_path,
+            PER_SAMPLE_FN.replace("return float(", 'return float("nan") if response == "nan" else float('),
+            "nan_fn.py",
+        )
+        + ":score"
+    )
     url, _ = serve(spec)
     got, stats = RemoteRewardScorer(url, timeout_s=30).score(["p"] * 3, ["raise", "nan", "7"], ["7"] * 3)
     assert got[:2] == [0.0, 0.0] and math.isclose(got[2], 1.01)

@@ -3,10 +3,11 @@ import sys
 
 import pytest
 
-from gspo_megatron.data.tasks import shaped_integer_reward
+from gspo_megatron.data.answer_reward import shaped_integer_reward
 from gspo_megatron.rewards import builtin
 from gspo_megatron.rewards.builtin import exact_match_reward, math_reward, normalize_answer
-from gspo_megatron.rewards.registry import get_reward_fn, load_callable
+from gspo_megatron.rewards.registry import get_reward_fn
+from gspo_megatron.user_code import load_callable
 
 
 def test_normalize_and_exact_match():
@@ -62,7 +63,8 @@ def test_registry_builtins_tasks_and_user_files(tmp_path):
 def test_every_builtin_reward_is_accepted_by_config_and_resolved():
     """One list of built-in reward names (rewards.builtin.BUILTIN_REWARDS): config validation accepts
     each, the registry resolves each to its function, and an unknown name's error lists them all."""
-    from gspo_megatron.config import ConfigError, load_config
+    from gspo_megatron.config import load_config
+    from gspo_megatron.errors import ConfigError
 
     assert builtin.BUILTIN_REWARDS == {"math": math_reward, "exact_match": exact_match_reward}
     for name, fn in builtin.BUILTIN_REWARDS.items():

@@ -2,7 +2,7 @@ import pytest
 
 from gspo_megatron.rewards.runner import RewardRunner
 
-USER_FN = '''
+USER_FN = """
 import math, os, time
 
 def score(prompt, response, label):
@@ -21,7 +21,7 @@ def score(prompt, response, label):
     if response == "exit":
         raise SystemExit(3)
     return float(len(response)) + float(label)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +81,13 @@ def test_builtin_math_in_worker():
 
 def test_a_round_where_every_call_fails_stops_with_the_last_error(runner):
     from gspo_megatron.errors import UserInputError
-    from gspo_megatron.rewards.runner import RewardFailure
+    from gspo_megatron.rewards.outcomes import RewardFailure
 
-    with pytest.raises(RewardFailure, match=r"user_reward\.py:score.*failed on 3 of 3 calls.*last error: "
-                                            r"ValueError: bad response") as e:
+    with pytest.raises(
+        RewardFailure,
+        match=r"user_reward\.py:score.*failed on 3 of 3 calls.*last error: "
+        r"ValueError: bad response",
+    ) as e:
         runner.score(["p"] * 3, ["nan", "raise", "raise"], [0, 0, 0])
     assert isinstance(e.value, UserInputError)
     # partial failures keep scoring 0 and are counted (default share 1.0)
@@ -92,27 +95,38 @@ def test_a_round_where_every_call_fails_stops_with_the_last_error(runner):
     assert rewards == [0.0, 1.0, 0.0] and stats["reward/errors"] == 2.0
 
 
-@pytest.mark.parametrize("share,responses,fails", [
-    (0.5, ["raise", "a"], True), (0.5, ["raise", "a", "b"], False), (1.0, ["nan", "nan"], True),
-    (0.25, ["a", "b", "c", "text"], True), (0.3, ["a", "b", "c", "text"], False),
-])
+@pytest.mark.parametrize(
+    "share,responses,fails",
+    [
+        (0.5, ["raise", "a"], True),
+        (0.5, ["raise", "a", "b"], False),
+        (1.0, ["nan", "nan"], True),
+        (0.25, ["a", "b", "c", "text"], True),
+        (0.3, ["a", "b", "c", "text"], False),
+    ],
+)
 def test_inline_scorer_failure_share(tmp_path, share, responses, fails):
-    from gspo_megatron.rewards.runner import InlineRewardScorer, RewardFailure
+    from gspo_megatron.rewards.outcomes import RewardFailure
+    from gspo_megatron.rewards.runner import InlineRewardScorer
 
     path = tmp_path / "user_reward.py"
     path.write_text(USER_FN)
     scorer = InlineRewardScorer(f"{path}:score", max_failure_share=share)
     n = len(responses)
     if fails:
-        with pytest.raises(RewardFailure, match=f"failed on {sum(r in ('raise', 'nan', 'text') for r in responses)} of {n}"):
+        with pytest.raises(
+            RewardFailure, match=f"failed on {sum(r in ('raise', 'nan', 'text') for r in responses)} of {n}"
+        ):
             scorer.score(["p"] * n, responses, [0] * n)
     else:
         rewards, stats = scorer.score(["p"] * n, responses, [0] * n)
-        assert stats["reward/errors"] + stats["reward/nonfinite"] == sum(r in ("raise", "nan", "text") for r in responses)
+        assert stats["reward/errors"] + stats["reward/nonfinite"] == sum(
+            r in ("raise", "nan", "text") for r in responses
+        )
 
 
 def test_returning_none_is_named():
-    from gspo_megatron.rewards.runner import as_reward
+    from gspo_megatron.rewards.outcomes import as_reward
 
     with pytest.raises(TypeError, match="returned NoneType None, expected a number"):
         as_reward(None)

@@ -7,14 +7,10 @@ import os
 import pytest
 from safetensors.torch import load_file
 
-from gspo_megatron.models.tiny import save_tiny_hf_model
-
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    save_tiny_hf_model("qwen3_moe", str(d))
-    return str(d)
+def model_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("qwen3_moe", subdir="")[0]
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,33 @@ class CpuServer:
         self.procs: list[subprocess.Popen] = []
         dist_addr = f"127.0.0.1:{free_port()}" if nnodes > 1 else None
         for node in reversed(range(nnodes)):  # node 0 last: the others must be up to rendezvous
-            cmd = [sys.executable, "-m", "gspo_megatron.rollout.cpu_server", "--model-path", model_path,
-                   "--host", "127.0.0.1", "--port", str(self.port), "--tp-size", str(tp), *extra]
+            cmd = [
+                sys.executable,
+                "-m",
+                "gspo_megatron.rollout.cpu_server",
+                "--model-path",
+                model_path,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--tp-size",
+                str(tp),
+                *extra,
+            ]
             if nnodes > 1:
                 cmd += ["--nnodes", str(nnodes), "--node-rank", str(node), "--dist-init-addr", dist_addr]
-            log = open(os.path.join(log_dir, f"cpu_server_{self.port}_node{node}.log"), "wb")  # noqa: SIM115
+            log = open(os.path.join(log_dir, f"cpu_server_{self.port}_node{node}.log"), "wb")
             # SIGTERM when the test process dies (the launcher then stops its TP workers), so a
             # killed test run leaves no server behind
-            self.procs.append(subprocess.Popen(children.dying_with_this_process(cmd, signal.SIGTERM), stdout=log,
-                                               stderr=subprocess.STDOUT, start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    children.dying_with_this_process(cmd, signal.SIGTERM),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         self.log_path = os.path.join(log_dir, f"cpu_server_{self.port}_node0.log")
         self.client = SGLangHttpClient(self.url, timeout_s=600)
         t0 = time.monotonic()

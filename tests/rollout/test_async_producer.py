@@ -66,8 +66,9 @@ class FakeFleet:
         return {}
 
 
-def run_loop(n: int, start: int, last: int, seed: int, sampler_state: dict | None = None,
-             fail_at: int | None = None) -> tuple[list[dict], FakeFleet, AsyncProducer]:
+def run_loop(
+    n: int, start: int, last: int, seed: int, sampler_state: dict | None = None, fail_at: int | None = None
+) -> tuple[list[dict], FakeFleet, AsyncProducer]:
     """The trainer's loop (train.py's order: sync; then per step take, train, sync) on the overlap."""
     rng = random.Random(seed)
     sampler = PromptSampler(50, seed=3)
@@ -92,9 +93,16 @@ def run_loop(n: int, start: int, last: int, seed: int, sampler_state: dict | Non
             producer.load_state_dict(position)
             sync()
             continue
-        steps.append(dict(step=s, trainer=history.current, prompts=[r.prompt_ids[0] for r in batch.records],
-                          versions=[r.behaviour_version for r in batch.records], metrics=batch.metrics,
-                          consumed=producer.state_dict()))
+        steps.append(
+            dict(
+                step=s,
+                trainer=history.current,
+                prompts=[r.prompt_ids[0] for r in batch.records],
+                versions=[r.behaviour_version for r in batch.records],
+                metrics=batch.metrics,
+                consumed=producer.state_dict(),
+            )
+        )
         time.sleep(rng.random() * 0.01)  # training
         history.trained()
         steps[-1]["sync"] = sync()
@@ -154,7 +162,9 @@ def test_stale_sample_beyond_the_bound_is_refused():
     history.synced(3)
 
     def collect(step):
-        return RolloutBatch(records=[Sample(prompt_ids=[0], response_ids=[1, 2], token_versions=["1", "1"])], metrics={})
+        return RolloutBatch(
+            records=[Sample(prompt_ids=[0], response_ids=[1, 2], token_versions=["1", "1"])], metrics={}
+        )
 
     producer = AsyncProducer(collect, sampler, 1, 2, 5, history)
     producer.engine_version = 2
@@ -193,24 +203,47 @@ def test_weight_history_swaps_and_restores():
 
 
 def test_token_versions_follow_sglang_spans():
-    meta = {"weight_version": "3", "weight_versions": [{"version": "2", "start": 0, "end": 2},
-                                                       {"version": "3", "start": 2, "end": 5}]}
+    meta = {
+        "weight_version": "3",
+        "weight_versions": [{"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 5}],
+    }
     assert token_versions(meta, 5) == ["2", "2", "3", "3", "3"]
     assert token_versions({"weight_version": "7"}, 2) == ["7", "7"]
     assert token_versions({}, 2) is None
     with pytest.raises(SGLangError, match="does not cover"):
         token_versions({"weight_versions": [{"version": "1", "start": 0, "end": 1}]}, 2)
-    out = {"meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, 11, None], [-0.1, 2, None]],
-                         "weight_version": "4", "weight_versions": [{"version": "4", "start": 0, "end": 2}]}}
+    out = {
+        "meta_info": {
+            "finish_reason": {"type": "stop"},
+            "output_token_logprobs": [[-0.5, 11, None], [-0.1, 2, None]],
+            "weight_version": "4",
+            "weight_versions": [{"version": "4", "start": 0, "end": 2}],
+        }
+    }
     assert parse_output([1], out).token_versions == ["4", "4"]
 
 
 def test_colocated_staleness_fails_at_start_up_with_the_reason(tmp_path):
-    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", os.path.join(REPO, "configs/demo_cpu.yaml"),
-           f"output_dir={tmp_path / 'run'}", "rollout.engine=sglang", "rollout.engine_server=cpu",
-           "rollout.sync_mode=colocated", "rollout.max_staleness=1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_megatron.train",
+        "--config",
+        os.path.join(REPO, "configs/demo_cpu.yaml"),
+        f"output_dir={tmp_path / 'run'}",
+        "rollout.engine=sglang",
+        "rollout.engine_server=cpu",
+        "rollout.sync_mode=colocated",
+        "rollout.max_staleness=1",
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     line = [x for x in proc.stderr.splitlines() if "max_staleness" in x]

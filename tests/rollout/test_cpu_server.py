@@ -60,9 +60,9 @@ def reference_logprobs(model, prompt, response, temperature):
     """log_softmax(logits / T) of each response token under one unpadded forward."""
     ids = torch.tensor([list(prompt) + list(response)])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
     logp = torch.log_softmax(logits / temperature, -1)
-    return logp.gather(-1, ids[0, len(prompt):, None])[:, 0]
+    return logp.gather(-1, ids[0, len(prompt) :, None])[:, 0]
 
 
 def check_generation(url, model_dir, state, temperature=0.8, engine=None):
@@ -118,7 +118,7 @@ def _cuda_ipc_rank(rank, world, port, url, state, names):
     client = SGLangHttpClient(url) if rank == 0 else None
     transport = CudaIpcTransport(client, gather_group=group, gather_src=0)
     transport.begin("1")
-    for chunk in (names[: len(names) // 2], names[len(names) // 2:]):
+    for chunk in (names[: len(names) // 2], names[len(names) // 2 :]):
         transport.send_bucket([(n, state[n].clone()) for n in chunk])
     transport.end()
     dist.destroy_process_group()
@@ -148,9 +148,15 @@ def test_update_through_cuda_ipc_transport_one_payload_per_tp_rank(tp2, model_di
 def test_update_through_broadcast_transport_gloo(tp2, model_dir, saved, config):
     state = perturbed(saved, 2)
     client = SGLangHttpClient(tp2.url)
-    transport = NcclBroadcastTransport([client], engine_world_sizes=[client.tp_size], master_address="127.0.0.1",
-                                       master_port=free_port(), backend="gloo", device="cpu",
-                                       timeout_s=300)  # sglang's group helper on both sides
+    transport = NcclBroadcastTransport(
+        [client],
+        engine_world_sizes=[client.tp_size],
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        backend="gloo",
+        device="cpu",
+        timeout_s=300,
+    )  # sglang's group helper on both sides
     names = sorted(state)
     transport.begin("1")
     for chunk in (names[:10], names[10:]):
@@ -168,9 +174,15 @@ def test_each_sample_reports_the_weight_version_of_its_tokens(tp2, saved):
     client = SGLangHttpClient(tp2.url)
     for k, version in enumerate(("11", "12")):
         state = perturbed(saved, 10 + k)
-        transport = NcclBroadcastTransport([client], engine_world_sizes=[client.tp_size],
-                                           master_address="127.0.0.1", master_port=free_port(), backend="gloo",
-                                           device="cpu", timeout_s=300)
+        transport = NcclBroadcastTransport(
+            [client],
+            engine_world_sizes=[client.tp_size],
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            backend="gloo",
+            device="cpu",
+            timeout_s=300,
+        )
         transport.begin(version)
         transport.send_bucket(sorted(state.items()))
         transport.end()
@@ -189,12 +201,14 @@ def test_refusals_as_sglang(tp2, saved, config):
     client = SGLangHttpClient(tp2.url)
     name = "model.layers.0.self_attn.q_proj.weight"
     before = read_weight_shards(tp2.url, [name])
+
     def per_rank(bucket):  # one payload per TP rank (a CPU payload is opened once: file_system refcount)
         return [serialize_bucket(bucket)[0] for _ in range(2)]
 
     with pytest.raises(SGLangError, match="must run between begin_weight_update"):
-        client.update_weights_from_tensor(per_rank([(name, torch.zeros_like(saved[name]))]),
-                                          load_format="flattened_bucket")
+        client.update_weights_from_tensor(
+            per_rank([(name, torch.zeros_like(saved[name]))]), load_format="flattened_bucket"
+        )
     with pytest.raises(SGLangError, match="must run between begin_weight_update"):
         client.update_weights_from_distributed([name], ["float32"], [[64, 64]], "nope")
     with pytest.raises(SGLangError, match="no weight-update session is open"):
@@ -206,8 +220,9 @@ def test_refusals_as_sglang(tp2, saved, config):
         with pytest.raises(SGLangError, match="already open"):
             client.begin_weight_update()
         # sglang's load_weights skips names the model does not have: accepted, nothing changes
-        client.update_weights_from_tensor(per_rank([("model.layers.0.no_such.weight", torch.ones(3))]),
-                                          load_format="flattened_bucket")
+        client.update_weights_from_tensor(
+            per_rank([("model.layers.0.no_such.weight", torch.ones(3))]), load_format="flattened_bucket"
+        )
         with pytest.raises(SGLangError, match="Failed to receive weights"):
             client.update_weights_from_distributed([name], ["float32"], [[64, 64]], "no_group")
         with pytest.raises(SGLangError, match="shape"):
@@ -224,9 +239,13 @@ def test_refusals_as_sglang(tp2, saved, config):
 
 # -- two nodes, tp 2, ep 2, memory saver, deterministic, dummy weights ---------------------------------
 def test_two_node_ep_engine_memory_and_seeds(model_dir, saved, config, tmp_path):
-    server = CpuServer(model_dir, str(tmp_path), tp=2, nnodes=2,
-                       extra=("--ep-size", "2", "--enable-memory-saver", "--enable-deterministic-inference",
-                              "--load-format", "dummy"))
+    server = CpuServer(
+        model_dir,
+        str(tmp_path),
+        tp=2,
+        nnodes=2,
+        extra=("--ep-size", "2", "--enable-memory-saver", "--enable-deterministic-inference", "--load-format", "dummy"),
+    )
     try:
         client = SGLangHttpClient(server.url)
         expert = "model.layers.0.mlp.experts.3.up_proj.weight"
@@ -252,8 +271,10 @@ def test_two_node_ep_engine_memory_and_seeds(model_dir, saved, config, tmp_path)
         sp = {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 7}
         a = client.generate([PROMPTS[0], PROMPTS[1]], [sp, dict(sp, sampling_seed=8)])
         b = client.generate([PROMPTS[0]], [sp])[0]
-        assert a[0]["output_ids"] == b["output_ids"] and a[0]["output_ids"] != \
-            client.generate([PROMPTS[0]], [dict(sp, sampling_seed=8)])[0]["output_ids"]
+        assert (
+            a[0]["output_ids"] == b["output_ids"]
+            and a[0]["output_ids"] != client.generate([PROMPTS[0]], [dict(sp, sampling_seed=8)])[0]["output_ids"]
+        )
         # release / resume: the shards' storage goes and comes back (contents lost: sync again)
         mem = client.request("GET", "cpu_server/memory")["ranks"]
         assert all(r["weights_bytes"] > 0 for r in mem)

@@ -21,8 +21,12 @@ from gspo_megatron.weight_sync.delta_loader import LOADER_NAME
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = CpuServer(model_dir, str(tmp_path_factory.mktemp("logs")), tp=2,
-                  extra=("--custom-weight-loader", LOADER_NAME, "--enable-memory-saver"))
+    s = CpuServer(
+        model_dir,
+        str(tmp_path_factory.mktemp("logs")),
+        tp=2,
+        extra=("--custom-weight-loader", LOADER_NAME, "--enable-memory-saver"),
+    )
     yield s
     s.stop()
 
@@ -39,8 +43,9 @@ def shards_equal(url, config, state, tp=2):
     for rank in range(tp):
         for n in names:
             want = expected_shard(n, state[n], rank, tp, 1, config)
-            if want is not None and not torch.equal(shards[rank][n].view(-1).view(torch.int32),
-                                                    want.contiguous().view(-1).view(torch.int32)):
+            if want is not None and not torch.equal(
+                shards[rank][n].view(-1).view(torch.int32), want.contiguous().view(-1).view(torch.int32)
+            ):
                 return f"{n} on TP rank {rank}"
     return None
 
@@ -54,15 +59,18 @@ def test_unregistered_loader_refused_and_stale_delta_fails(server, saved):
     try:
         # a loader that exists but is not in --custom-weight-loader: sglang raises NotImplementedError
         with pytest.raises(SGLangError, match="Unknown load_format=gspo_megatron.weight_sync.delta.decode_entries"):
-            client.update_weights_from_tensor(per_rank(enc.encode_bucket(sorted(saved.items()))),
-                                              load_format="gspo_megatron.weight_sync.delta.decode_entries")
+            client.update_weights_from_tensor(
+                per_rank(enc.encode_bucket(sorted(saved.items()))),
+                load_format="gspo_megatron.weight_sync.delta.decode_entries",
+            )
         enc.reset()
         client.update_weights_from_tensor(per_rank(enc.encode_bucket(sorted(saved.items()))), load_format=LOADER_NAME)
         stale = DeltaEncoder()  # another trainer's copy (another epoch): the engine refuses its deltas
         stale.copy.update({n: t.clone() for n, t in saved.items()})
         with pytest.raises(SGLangError, match="epoch"):
-            client.update_weights_from_tensor(per_rank(stale.encode_bucket(sorted(saved.items()))),
-                                              load_format=LOADER_NAME)
+            client.update_weights_from_tensor(
+                per_rank(stale.encode_bucket(sorted(saved.items()))), load_format=LOADER_NAME
+            )
     finally:
         client.end_weight_update()
 
@@ -83,7 +91,7 @@ def _delta_rank(rank, world, port, url, model_dir, states):
             client.resume_memory_occupation(["weights"])
         names = sorted(state)
         transport.begin(str(k + 1))
-        for chunk in (names[: len(names) // 2], names[len(names) // 2:]):
+        for chunk in (names[: len(names) // 2], names[len(names) // 2 :]):
             transport.send_bucket([(n, state[n].clone()) for n in chunk])
         transport.end()
         if rank == 0:

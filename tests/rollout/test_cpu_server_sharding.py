@@ -26,7 +26,7 @@ def test_column_row_and_kv_replication_by_hand():
     # tp 4 > 2 kv heads: ranks 0,1 replicate head 0, ranks 2,3 head 1 (sglang QKVParallelLinear)
     for rank, head in ((0, 0), (1, 0), (2, 1), (3, 1)):
         got = expected_shard("model.layers.0.self_attn.v_proj.weight", k, rank, 4, 1, CFG)
-        assert torch.equal(got, k[16 * head:16 * (head + 1)]), rank
+        assert torch.equal(got, k[16 * head : 16 * (head + 1)]), rank
     assert owner_ranks("model.layers.0.self_attn.k_proj.weight", Layout.from_config(CFG, 4, 1)) == [0, 2]
     norm = torch.randn(16)
     assert torch.equal(expected_shard("model.layers.0.self_attn.q_norm.weight", norm, 3, 4, 1, CFG), norm)
@@ -90,7 +90,26 @@ def test_cli_refuses_like_argparse(capsys):
         parse_args(["--model-path", "x", "--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"])
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "x", "--tp-size", "2", "--nnodes", "2"])  # no --dist-init-addr
-    a = parse_args(["--model-path", "x", "--tp-size", "4", "--nnodes", "2", "--node-rank", "1",
-                    "--dist-init-addr", "127.0.0.1:5000", "--base-gpu-id", "3", "--mem-fraction-static", "0.5",
-                    "--enable-memory-saver", "--skip-server-warmup", "--load-format", "dummy"])
+    a = parse_args(
+        [
+            "--model-path",
+            "x",
+            "--tp-size",
+            "4",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--dist-init-addr",
+            "127.0.0.1:5000",
+            "--base-gpu-id",
+            "3",
+            "--mem-fraction-static",
+            "0.5",
+            "--enable-memory-saver",
+            "--skip-server-warmup",
+            "--load-format",
+            "dummy",
+        ]
+    )
     assert a.local_tp_ranks() == [2, 3] and a.mem_fraction_static == 0.5 and a.load_format == "dummy"

@@ -12,11 +12,11 @@ import textwrap
 import pytest
 from transformers import Qwen3MoeConfig
 
-from gspo_megatron.config import Config, ConfigError
+from gspo_megatron.config import Config
 from gspo_megatron.data.dataset import PromptDataset, PromptSampler
 from gspo_megatron.data.tasks import get_task
 from gspo_megatron.data.tokenizer import build_demo_tokenizer
-from gspo_megatron.errors import UserInputError
+from gspo_megatron.errors import ConfigError, UserInputError
 from gspo_megatron.rewards.runner import InlineRewardScorer
 from gspo_megatron.rollout.batch import collect_rollouts
 from gspo_megatron.rollout.custom import load_hook
@@ -44,6 +44,23 @@ class RecordingEngine:
         yield list(enumerate(self.generate(prompts, n, params)))
 
 
+# the tiny Qwen3-MoE the hook tests sample from (here and in test_custom_rollout_engines.py; transformers'
+# defaults for the rest, unlike the families' tiny configs)
+ENGINE_CONFIG = dict(
+    vocab_size=320,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    moe_intermediate_size=16,
+    intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=128,
+)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_demo_tokenizer()
@@ -51,10 +68,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    cfg = Qwen3MoeConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, intermediate_size=48,
-                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
-    return HFRolloutEngine(cfg, seed=3)
+    return HFRolloutEngine(Qwen3MoeConfig(**ENGINE_CONFIG), seed=3)
 
 
 class ScriptedEngine:
@@ -104,7 +118,8 @@ def _forced_calls_hook(tmp_path, tokenizer):
     """A 3-turn hook: every turn is followed by a fixed 'user' turn, so every record mixes policy and
     non-policy tokens whatever the policy samples."""
     path = tmp_path / "three_turns.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         from gspo_megatron.rollout.custom import Trajectory
 
         def rollout(generate, sample):
@@ -115,7 +130,8 @@ def _forced_calls_hook(tmp_path, tokenizer):
                 traj.add_env(sample.tokenizer.encode("<|im_end|>\\n<|im_start|>user\\nmore<|im_end|>\\n"
                                                      "<|im_start|>assistant\\n", add_special_tokens=False))
             return traj.result(reward=float(len(traj.response_ids) % 3), metrics={"turns": 3})
-    """))
+    """)
+    )
     return f"{path}:rollout"
 
 
@@ -127,14 +143,14 @@ def _expected_mask(record, calls):
     toks, p = record.tokens, record.prompt_len
     turns: dict[int, list] = {}
     for prompt, ids, lps in calls:  # (samples of one group may share a prompt and an output)
-        if len(prompt) >= p and toks[: len(prompt)] == prompt and toks[len(prompt): len(prompt) + len(ids)] == ids:
+        if len(prompt) >= p and toks[: len(prompt)] == prompt and toks[len(prompt) : len(prompt) + len(ids)] == ids:
             turns.setdefault(len(prompt), []).append((prompt, ids, lps))
     mask = [0] * (len(toks) - p)
     for start, cands in sorted(turns.items()):
         ids = cands[0][1]
         k = start - p
-        mask[k: k + len(ids)] = [1] * len(ids)
-        assert any(record.engine_logprobs[k: k + len(ids)] == lps for _, _, lps in cands)
+        mask[k : k + len(ids)] = [1] * len(ids)
+        assert any(record.engine_logprobs[k : k + len(ids)] == lps for _, _, lps in cands)
     return mask, [(c[0][0], c[0][1]) for _, c in sorted(turns.items())]
 
 
@@ -170,16 +186,16 @@ def test_tool_example_masks_tool_output_and_keeps_sampled_ids(tokenizer):
             first_end = len(mine[0][0]) + len(mine[0][1])
             expr = tokenizer.decode(mine[0][1][:-1]) or rec_prompt_expr(tokenizer, rec)  # "=" alone
             env = tool_turn_ids(tokenizer, calculator(expr))
-            assert rec.tokens[first_end: first_end + len(env)] == env
-            assert mask[first_end - rec.prompt_len: first_end - rec.prompt_len + len(env)] == [0] * len(env)
+            assert rec.tokens[first_end : first_end + len(env)] == env
+            assert mask[first_end - rec.prompt_len : first_end - rec.prompt_len + len(env)] == [0] * len(env)
     assert called == batch.metrics["custom/tool_calls"] * len(batch.records) > 0
     assert batch.metrics["custom/tool_errors"] == 0.0
-    from gspo_megatron.data.tasks import shaped_integer_reward
+    from gspo_megatron.data.answer_reward import shaped_integer_reward
     from gspo_megatron.data.tool_calc import calculator
 
     for rec in batch.records:  # with a call: 0.2 + 0.8 * shaped("56"), else 0.8 * shaped("7")
         label = calculator(rec_prompt_expr(tokenizer, rec))
-        text = tokenizer.decode(rec.tokens[rec.prompt_len:])
+        text = tokenizer.decode(rec.tokens[rec.prompt_len :])
         if "<|im_start|>tool" in text:
             assert rec.reward == pytest.approx(0.2 + 0.8 * shaped_integer_reward("56", label))
         else:
@@ -191,36 +207,50 @@ def rec_prompt_expr(tokenizer, rec):
     return text.split("user\n", 1)[1].split("=", 1)[0]
 
 
-@pytest.mark.parametrize("change, words", [
-    ("ids = ids[:1] + [(ids[1] + 1) % 256] + ids[2:]", "trained token 1 (response_ids[1] = "),  # one id changed
-    ("ids = sample.tokenizer.encode('x' + sample.tokenizer.decode(ids), add_special_tokens=False)",
-     "trained tokens from response_ids[0] on were not sampled"),  # text edited and re-encoded
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ("ids = ids[:1] + [(ids[1] + 1) % 256] + ids[2:]", "trained token 1 (response_ids[1] = "),  # one id changed
+        (
+            "ids = sample.tokenizer.encode('x' + sample.tokenizer.decode(ids), add_special_tokens=False)",
+            "trained tokens from response_ids[0] on were not sampled",
+        ),  # text edited and re-encoded
+    ],
+)
 def test_changed_policy_ids_are_refused(tmp_path, tokenizer, engine, change, words):
     path = tmp_path / "retok.py"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         def rollout(generate, sample):
             ids = list(generate(sample.prompt_ids, max_new_tokens=4, stop_token_ids=[]).response_ids)
             {change}
             return {{"response_ids": ids, "loss_mask": [1] * len(ids), "reward": 1.0}}
-    """))
+    """)
+    )
     with pytest.raises(UserInputError) as e:
         _collect(_cfg(f"{path}:rollout"), RecordingEngine(engine), tokenizer)
     msg = str(e.value)
     assert msg.startswith("rollout.custom_function") and words in msg and "\n" not in msg, msg
 
 
-@pytest.mark.parametrize("body, words", [
-    ("return [1, 2]", "returned list, expected a dict"),
-    ("return {'response_ids': out.response_ids, 'loss_mask': [1], 'reward': 1.0}", "loss_mask has 1 entries"),
-    ("return {'response_ids': out.response_ids, 'reward': 1.0}", "without ['loss_mask']"),
-    ("return {'response_ids': out.response_ids, 'loss_mask': [1] * len(out.response_ids), 'reward': 'high'}",
-     "reward must be a finite number"),
-    ("return {'response_ids': out.response_ids, 'loss_mask': [1] * len(out.response_ids), 'logprobs': [0.5]}",
-     "logprobs has 1 entries"),
-    ("return {'response_ids': [7] * 200, 'loss_mask': [0] * 200}", "exceed the budget"),
-    ("raise KeyError('oops')", "raised on task tool_calc row"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ("return [1, 2]", "returned list, expected a dict"),
+        ("return {'response_ids': out.response_ids, 'loss_mask': [1], 'reward': 1.0}", "loss_mask has 1 entries"),
+        ("return {'response_ids': out.response_ids, 'reward': 1.0}", "without ['loss_mask']"),
+        (
+            "return {'response_ids': out.response_ids, 'loss_mask': [1] * len(out.response_ids), 'reward': 'high'}",
+            "reward must be a finite number",
+        ),
+        (
+            "return {'response_ids': out.response_ids, 'loss_mask': [1] * len(out.response_ids), 'logprobs': [0.5]}",
+            "logprobs has 1 entries",
+        ),
+        ("return {'response_ids': [7] * 200, 'loss_mask': [0] * 200}", "exceed the budget"),
+        ("raise KeyError('oops')", "raised on task tool_calc row"),
+    ],
+)
 def test_wrong_return_shape_one_line_naming_the_field(tmp_path, tokenizer, engine, body, words):
     path = tmp_path / "bad.py"
     path.write_text(f"def rollout(generate, sample):\n    out = generate(sample.prompt_ids)\n    {body}\n")
@@ -262,12 +292,28 @@ def test_missing_file_and_wrong_signature(tmp_path):
 def test_gspo_train_check_one_line_for_bad_hook_return(tmp_path):
     """``gspo-train --check`` calls the hook once (stand-in engine) and stops with one line, exit 2."""
     bad = tmp_path / "hook.py"
-    bad.write_text("def rollout(generate, sample):\n    out = generate(sample.prompt_ids)\n"
-                   "    return {'response_ids': out.response_ids, 'loss_mask': []}\n")
+    bad.write_text(
+        "def rollout(generate, sample):\n    out = generate(sample.prompt_ids)\n"
+        "    return {'response_ids': out.response_ids, 'loss_mask': []}\n"
+    )
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", "configs/tool_calc_cpu.yaml",
-                           "--check", f"output_dir={tmp_path}/run", f"rollout.custom_function={bad}:rollout"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gspo_megatron.train",
+            "--config",
+            "configs/tool_calc_cpu.yaml",
+            "--check",
+            f"output_dir={tmp_path}/run",
+            f"rollout.custom_function={bad}:rollout",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("gspo-train: error: rollout.custom_function"), proc.stderr

@@ -11,21 +11,25 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from cpu_server_util import CpuServer  # noqa: E402
-from gspo_megatron.data.tokenizer import build_demo_tokenizer  # noqa: E402
-from gspo_megatron.rollout.hf_engine import HFRolloutEngine  # noqa: E402
-from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine  # noqa: E402
-from gspo_megatron.rollout.subprocess_engine import SubprocessRolloutEngine  # noqa: E402
-from test_custom_rollout import RecordingEngine, _cfg, _collect, _expected_mask, _forced_calls_hook  # noqa: E402
+from cpu_server_util import CpuServer
+from gspo_megatron.data.tokenizer import build_demo_tokenizer
+from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
+from gspo_megatron.rollout.subprocess_engine import SubprocessRolloutEngine
+from test_custom_rollout import (
+    ENGINE_CONFIG,
+    RecordingEngine,
+    _cfg,
+    _collect,
+    _expected_mask,
+    _forced_calls_hook,
+)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("model")
-    cfg = Qwen3MoeConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, intermediate_size=48,
-                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    AutoModelForCausalLM.from_config(Qwen3MoeConfig(**ENGINE_CONFIG)).save_pretrained(d)
     build_demo_tokenizer(d)
     return str(d)
 

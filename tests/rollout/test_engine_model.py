@@ -21,8 +21,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo_megatron.config import ConfigError, load_config, validate_model_layout
-from gspo_megatron.planner import KNOWN_ARCHS, ModelDims
+from gspo_megatron.config import load_config, validate_model_layout
+from gspo_megatron.errors import ConfigError
+from gspo_megatron.models.arch import KNOWN_ARCHS
+from gspo_megatron.planner import ModelDims
 from gspo_megatron.rollout.engine_model import FP8_QUANTIZATION_CONFIG, engine_layout_errors, prepare_engine_model_dir
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 
@@ -69,35 +71,62 @@ def sglang_fp8():
     qc_methods = [_find(qc, n, ast.FunctionDef) for n in ("get_from_keys", "get_from_keys_or")]
     fc = _find(fp8, "Fp8Config", ast.ClassDef)
     fc_methods = [_find(fc, n, ast.FunctionDef) for n in ("__init__", "get_name", "from_config")]
-    schemes = next(n for n in fp8.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "ACTIVATION_SCHEMES")
+    schemes = next(
+        n for n in fp8.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "ACTIVATION_SCHEMES"
+    )
     classes = [
-        ast.ClassDef(name="QuantizationConfig", bases=[], keywords=[], decorator_list=[],
-                     body=[ast.parse("def __init__(self): pass").body[0], *qc_methods], type_params=[]),
-        ast.ClassDef(name="Fp8Config", bases=[ast.Name("QuantizationConfig", ast.Load())], keywords=[],
-                     decorator_list=[], body=fc_methods, type_params=[]),
+        ast.ClassDef(
+            name="QuantizationConfig",
+            bases=[],
+            keywords=[],
+            decorator_list=[],
+            body=[ast.parse("def __init__(self): pass").body[0], *qc_methods],
+            type_params=[],
+        ),
+        ast.ClassDef(
+            name="Fp8Config",
+            bases=[ast.Name("QuantizationConfig", ast.Load())],
+            keywords=[],
+            decorator_list=[],
+            body=fc_methods,
+            type_params=[],
+        ),
     ]
     import logging
 
-    ns = _run([schemes, *classes], {"envs": _ENVS, "logger": logging.getLogger("sglang-stub"),
-                                    "log_info_on_rank0": lambda *a, **k: None, "Any": object})
+    ns = _run(
+        [schemes, *classes],
+        {
+            "envs": _ENVS,
+            "logger": logging.getLogger("sglang-stub"),
+            "log_info_on_rank0": lambda *a, **k: None,
+            "Any": object,
+        },
+    )
     return ns["Fp8Config"]
 
 
 @pytest.fixture(scope="module")
 def sglang_rules():
     """sglang's MoE rule, its linear block-shape rule and its expert checkpoint-name mapping."""
-    moe = _find(_source("srt/model_executor/model_runner_components/moe_ep_setup.py"),
-                "check_quantized_moe_compatibility")
-    validate = _find(_find(_source("srt/layers/quantization/fp8.py"), "Fp8LinearMethod", ast.ClassDef),
-                     "validate_block_quant_shapes")
-    mapping = _find(_find(_source("srt/layers/moe/fused_moe_triton/layer.py"), "FusedMoE", ast.ClassDef),
-                    "make_expert_params_mapping")
+    moe = _find(
+        _source("srt/model_executor/model_runner_components/moe_ep_setup.py"), "check_quantized_moe_compatibility"
+    )
+    validate = _find(
+        _find(_source("srt/layers/quantization/fp8.py"), "Fp8LinearMethod", ast.ClassDef), "validate_block_quant_shapes"
+    )
+    mapping = _find(
+        _find(_source("srt/layers/moe/fused_moe_triton/layer.py"), "FusedMoE", ast.ClassDef),
+        "make_expert_params_mapping",
+    )
     for fn in (validate, mapping):
         fn.decorator_list = []
     ns = _run([moe, validate, mapping], {"envs": _ENVS, "_use_aiter": False, "print_warning_once": print})
-    return SimpleNamespace(moe=ns["check_quantized_moe_compatibility"], linear=ns["validate_block_quant_shapes"],
-                           expert_mapping=lambda n: ns["make_expert_params_mapping"](None, "gate_proj", "down_proj",
-                                                                                   "up_proj", n))
+    return SimpleNamespace(
+        moe=ns["check_quantized_moe_compatibility"],
+        linear=ns["validate_block_quant_shapes"],
+        expert_mapping=lambda n: ns["make_expert_params_mapping"](None, "gate_proj", "down_proj", "up_proj", n),
+    )
 
 
 def _cfg(*overrides):
@@ -105,10 +134,22 @@ def _cfg(*overrides):
 
 
 # a tiny Qwen3-MoE whose FP8 layout works at engine TP1 / TP2 x EP2 (head_dim 128, expert size 256)
-TINY = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
-        "intermediate_size": 512, "moe_intermediate_size": 256, "num_experts": 4, "num_experts_per_tok": 2,
-        "vocab_size": 512, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
+TINY = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 256,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+    "torch_dtype": "bfloat16",
+}
 
 
 @pytest.fixture
@@ -116,8 +157,13 @@ def hf_dir(tmp_path):
     d = tmp_path / "hf"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(TINY))
-    for name, text in [("tokenizer.json", "{}"), ("tokenizer_config.json", "{}"), ("generation_config.json", "{}"),
-                       ("model.safetensors", "weights"), ("model.safetensors.index.json", "{}")]:
+    for name, text in [
+        ("tokenizer.json", "{}"),
+        ("tokenizer_config.json", "{}"),
+        ("generation_config.json", "{}"),
+        ("model.safetensors", "weights"),
+        ("model.safetensors.index.json", "{}"),
+    ]:
         (d / name).write_text(text)
     return str(d)
 
@@ -128,8 +174,12 @@ def test_fp8_engine_dir_is_what_sglang_loads_as_block_fp8(hf_dir, tmp_path, sgla
     path, args = prepare_engine_model_dir(cfg, hf_dir, str(tmp_path / "engine"))
     assert path == str(tmp_path / "engine")
     assert args == ["--ep-size", "2", "--load-format", "dummy"]
-    assert sorted(os.listdir(path)) == ["config.json", "generation_config.json", "tokenizer.json",
-                                        "tokenizer_config.json"]  # no weights: they come with the first sync
+    assert sorted(os.listdir(path)) == [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # no weights: they come with the first sync
     written = json.loads(open(os.path.join(path, "config.json")).read())
     assert {k: v for k, v in written.items() if k != "quantization_config"} == TINY
     q = sglang_fp8.from_config(written["quantization_config"])  # as sglang's ModelConfig hands it over
@@ -153,8 +203,9 @@ def test_sglang_reference_refuses_what_the_dir_avoids(sglang_fp8):
 def test_bf16_engine_starts_from_the_hf_dir(hf_dir, tmp_path):
     out = str(tmp_path / "unused")
     assert prepare_engine_model_dir(_cfg(), hf_dir, out) == (hf_dir, [])
-    assert prepare_engine_model_dir(_cfg("rollout.engine_tp=2", "rollout.engine_ep=2", "rollout.num_engines=1"),
-                                    hf_dir, out) == (hf_dir, ["--ep-size", "2"])
+    assert prepare_engine_model_dir(
+        _cfg("rollout.engine_tp=2", "rollout.engine_ep=2", "rollout.num_engines=1"), hf_dir, out
+    ) == (hf_dir, ["--ep-size", "2"])
     assert not os.path.exists(out)
 
 
@@ -169,33 +220,79 @@ def test_already_quantized_checkpoint_refused(tmp_path):
 QWEN3_30B = KNOWN_ARCHS["qwen3-30b-a3b"]
 QWEN3_235B = KNOWN_ARCHS["qwen3-235b-a22b"]
 # dense families (config.json values of Qwen/Qwen3-8B and Qwen/Qwen2.5-0.5B)
-QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
-            "max_position_embeddings": 40960}
-QWEN25_05B = {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
-              "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
-              "max_position_embeddings": 32768}
-ARCHS = {"qwen3-30b-a3b": QWEN3_30B, "qwen3-235b-a22b": QWEN3_235B, "mixtral-8x7b": KNOWN_ARCHS["mixtral-8x7b"],
-         "qwen3-8b": QWEN3_8B, "qwen2.5-0.5b": QWEN25_05B}
+QWEN3_8B = {
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+}
+QWEN25_05B = {
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+}
+ARCHS = {
+    "qwen3-30b-a3b": QWEN3_30B,
+    "qwen3-235b-a22b": QWEN3_235B,
+    "mixtral-8x7b": KNOWN_ARCHS["mixtral-8x7b"],
+    "qwen3-8b": QWEN3_8B,
+    "qwen2.5-0.5b": QWEN25_05B,
+}
 
 
-@pytest.mark.parametrize("arch, tp, ep, fp8, expected", [
-    (QWEN3_30B, 8, 1, True, "rollout.sync_fp8: the expert intermediate size per engine rank, 768 / "
-                            "(rollout.engine_tp / rollout.engine_ep) = 768 / (8 / 1) = 96, must be a multiple "
-                            "of 128 (SGLang's block-FP8 MoE); set rollout.engine_ep to one of [4, 8]"),
-    (QWEN3_30B, 8, 2, True, "= 768 / (8 / 2) = 192, must be a multiple of 128"),
-    (QWEN3_235B, 16, 2, True, "= 1536 / (16 / 2) = 192, must be a multiple of 128 (SGLang's block-FP8 MoE); "
-                              "set rollout.engine_ep to one of [4, 8, 16]"),
-    (QWEN3_30B, 8, 1, False, None),
-    (QWEN3_30B, 8, 4, True, None),
-    (QWEN3_235B, 16, 4, True, None),
-    (QWEN3_8B, 4, 2, False, "rollout.engine_ep=2 needs an MoE model; qwen3 has no experts"),
-    (dict(QWEN3_30B, moe_intermediate_size=102), 8, 2, False,
-     "rollout.engine_tp / rollout.engine_ep = 8 / 2 = 4 (SGLang's moe_tp_size) must divide the expert intermediate size 102"),
-    (dict(QWEN3_30B, num_experts=6), 4, 4, False, "rollout.engine_ep=4 must divide the number of experts 6"),
-    (QWEN25_05B, 2, 1, True, "rollout.sync_fp8: the attention q / k / v partitions per engine rank (448 / 64 / 64 at "
-                             "rollout.engine_tp=2, head_dim 64) must be multiples of 128"),
-])
+@pytest.mark.parametrize(
+    "arch, tp, ep, fp8, expected",
+    [
+        (
+            QWEN3_30B,
+            8,
+            1,
+            True,
+            "rollout.sync_fp8: the expert intermediate size per engine rank, 768 / "
+            "(rollout.engine_tp / rollout.engine_ep) = 768 / (8 / 1) = 96, must be a multiple "
+            "of 128 (SGLang's block-FP8 MoE); set rollout.engine_ep to one of [4, 8]",
+        ),
+        (QWEN3_30B, 8, 2, True, "= 768 / (8 / 2) = 192, must be a multiple of 128"),
+        (
+            QWEN3_235B,
+            16,
+            2,
+            True,
+            "= 1536 / (16 / 2) = 192, must be a multiple of 128 (SGLang's block-FP8 MoE); "
+            "set rollout.engine_ep to one of [4, 8, 16]",
+        ),
+        (QWEN3_30B, 8, 1, False, None),
+        (QWEN3_30B, 8, 4, True, None),
+        (QWEN3_235B, 16, 4, True, None),
+        (QWEN3_8B, 4, 2, False, "rollout.engine_ep=2 needs an MoE model; qwen3 has no experts"),
+        (
+            dict(QWEN3_30B, moe_intermediate_size=102),
+            8,
+            2,
+            False,
+            "rollout.engine_tp / rollout.engine_ep = 8 / 2 = 4 (SGLang's moe_tp_size) must divide the expert intermediate size 102",
+        ),
+        (dict(QWEN3_30B, num_experts=6), 4, 4, False, "rollout.engine_ep=4 must divide the number of experts 6"),
+        (
+            QWEN25_05B,
+            2,
+            1,
+            True,
+            "rollout.sync_fp8: the attention q / k / v partitions per engine rank (448 / 64 / 64 at "
+            "rollout.engine_tp=2, head_dim 64) must be multiples of 128",
+        ),
+    ],
+)
 def test_engine_layout_refusals_name_the_fields(arch, tp, ep, fp8, expected):
     cfg = _cfg(f"rollout.engine_tp={tp}", f"rollout.engine_ep={ep}", f"rollout.sync_fp8={str(fp8).lower()}")
     if expected is None:
@@ -207,7 +304,9 @@ def test_engine_layout_refusals_name_the_fields(arch, tp, ep, fp8, expected):
 
 
 def test_engine_ep_static_checks():
-    with pytest.raises(ConfigError, match="rollout.engine_ep=3 needs rollout.engine=sglang and must divide rollout.engine_tp=8"):
+    with pytest.raises(
+        ConfigError, match="rollout.engine_ep=3 needs rollout.engine=sglang and must divide rollout.engine_tp=8"
+    ):
         _cfg("rollout.engine_tp=8", "rollout.engine_ep=3")
     with pytest.raises(ConfigError, match="rollout.engine_ep=2 needs rollout.engine=sglang"):
         load_config(None, ["rollout.engine_ep=2"], check_files=False)
@@ -222,14 +321,20 @@ def test_moe_rule_agrees_with_sglang(arch, sglang_rules):
     check_quantized_moe_compatibility raises for the block-FP8 config."""
     hf = ARCHS[arch]
     dims = ModelDims.from_hf_config(hf)
-    mc = SimpleNamespace(hf_config=SimpleNamespace(quantization_config=FP8_QUANTIZATION_CONFIG),
-                         hf_text_config=SimpleNamespace(moe_intermediate_size=dims.moe_ffn_hidden))
+    mc = SimpleNamespace(
+        hf_config=SimpleNamespace(quantization_config=FP8_QUANTIZATION_CONFIG),
+        hf_text_config=SimpleNamespace(moe_intermediate_size=dims.moe_ffn_hidden),
+    )
     checked = 0
     for tp in (1, 2, 4, 8, 16, 32):
         for ep in (e for e in (1, 2, 4, 8, 16, 32) if tp % e == 0 and dims.num_experts % e == 0):
-            ours = [m for m in engine_layout_errors(_cfg(f"rollout.engine_tp={tp}", f"rollout.engine_ep={ep}",
-                                                         "rollout.sync_fp8=true"), dims)
-                    if "expert intermediate" in m or "moe_tp_size" in m]
+            ours = [
+                m
+                for m in engine_layout_errors(
+                    _cfg(f"rollout.engine_tp={tp}", f"rollout.engine_ep={ep}", "rollout.sync_fp8=true"), dims
+                )
+                if "expert intermediate" in m or "moe_tp_size" in m
+            ]
             try:
                 sglang_rules.moe(model_config=mc, tp_size=tp, moe_ep_size=ep, moe_dp_size=1)
                 theirs = False
@@ -260,16 +365,21 @@ def test_linear_rules_agree_with_sglang(arch, sglang_rules):
         ]
         if dims.num_dense_layers and dims.ffn_hidden % tp == 0:
             f = dims.ffn_hidden
-            shapes += [(dims.hidden, dims.hidden, 2 * f, 2 * f // tp, [f // tp, f // tp]),
-                       (f, f // tp, dims.hidden, dims.hidden, [dims.hidden])]
+            shapes += [
+                (dims.hidden, dims.hidden, 2 * f, 2 * f // tp, [f // tp, f // tp]),
+                (f, f // tp, dims.hidden, dims.hidden, [dims.hidden]),
+            ]
         theirs = False
         for args in shapes:
             try:
                 sglang_rules.linear(layer, quant, *args)
             except ValueError:
                 theirs = True
-        ours = [m for m in engine_layout_errors(_cfg(f"rollout.engine_tp={tp}", "rollout.sync_fp8=true"), dims)
-                if "linear layers" in m]
+        ours = [
+            m
+            for m in engine_layout_errors(_cfg(f"rollout.engine_tp={tp}", "rollout.sync_fp8=true"), dims)
+            if "linear layers" in m
+        ]
         assert bool(ours) == theirs, (arch, tp, ours)
 
 
@@ -280,33 +390,39 @@ def test_fp8_sync_names_and_scale_shapes_match_sglang_parameters(sglang_rules):
     ('weight_scale_inv' of the merged linear, 'experts.w13_/w2_weight_scale_inv' of FusedMoE), with the
     per-expert / per-shard shape sglang's BlockQuantScaleParameter expects: ceil(out/128) x ceil(in/128)."""
     h, f, e = 256, 384, 2
-    bucket = [("model.layers.0.self_attn.q_proj.weight", torch.randn(4 * 128, h)),
-              ("model.layers.0.self_attn.o_proj.weight", torch.randn(h, 4 * 128)),
-              ("model.layers.0.mlp.gate.weight", torch.randn(e, h)),
-              ("model.layers.0.input_layernorm.weight", torch.randn(h))]
+    bucket = [
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(4 * 128, h)),
+        ("model.layers.0.self_attn.o_proj.weight", torch.randn(h, 4 * 128)),
+        ("model.layers.0.mlp.gate.weight", torch.randn(e, h)),
+        ("model.layers.0.input_layernorm.weight", torch.randn(h)),
+    ]
     for i in range(e):
-        bucket += [(f"model.layers.0.mlp.experts.{i}.gate_proj.weight", torch.randn(f, h)),
-                   (f"model.layers.0.mlp.experts.{i}.up_proj.weight", torch.randn(f, h)),
-                   (f"model.layers.0.mlp.experts.{i}.down_proj.weight", torch.randn(h, f))]
+        bucket += [
+            (f"model.layers.0.mlp.experts.{i}.gate_proj.weight", torch.randn(f, h)),
+            (f"model.layers.0.mlp.experts.{i}.up_proj.weight", torch.randn(f, h)),
+            (f"model.layers.0.mlp.experts.{i}.down_proj.weight", torch.randn(h, f)),
+        ]
     out = dict(quantize_bucket_fp8(bucket))
     scales = {n: t for n, t in out.items() if n.endswith("_scale_inv")}
-    assert {n for n, t in out.items() if t.dtype == torch.float8_e4m3fn} == {n[:-len("_scale_inv")] for n in scales}
-    assert "model.layers.0.mlp.gate.weight" not in {n[:-len("_scale_inv")] for n in scales}  # router stays bf16
+    assert {n for n, t in out.items() if t.dtype == torch.float8_e4m3fn} == {n[: -len("_scale_inv")] for n in scales}
+    assert "model.layers.0.mlp.gate.weight" not in {n[: -len("_scale_inv")] for n in scales}  # router stays bf16
     mapping = sglang_rules.expert_mapping(e)
     for name, s in scales.items():
-        w = out[name[:-len("_scale_inv")]]
+        w = out[name[: -len("_scale_inv")]]
         assert s.dtype == torch.float32
         assert tuple(s.shape) == ((w.shape[0] + 127) // 128, (w.shape[1] + 127) // 128)
         if ".experts." in name:
             hits = [param for param, weight, _, _ in mapping if weight in name]
             assert len(hits) == 1
             assert name.replace(next(w_ for _, w_, _, _ in mapping if w_ in name), hits[0]).endswith(
-                ("experts.w13_weight_scale_inv", "experts.w2_weight_scale_inv"))
+                ("experts.w13_weight_scale_inv", "experts.w2_weight_scale_inv")
+            )
         else:
             assert name.endswith(".weight_scale_inv")
 
 
 # -- issue 21 defect 7: gpt-oss with FP8 sync (only attention is quantized on sync) -----------------------
+
 
 @pytest.fixture(scope="module")
 def sglang_is_layer_skipped():
@@ -314,8 +430,12 @@ def sglang_is_layer_skipped():
     Fp8Config.get_quant_method asks for every LinearBase and FusedMoE prefix."""
     utils = _source("srt/layers/quantization/utils.py")
     nodes = [_find(utils, "_module_path_match"), _find(utils, "is_layer_skipped")]
-    fallback = next(n for n in utils.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-                    and "_FALLBACK_FUSED_SHARDS" in ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target))
+    fallback = next(
+        n
+        for n in utils.body
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        and "_FALLBACK_FUSED_SHARDS" in ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target)
+    )
     from types import MappingProxyType
     from typing import List, Mapping
 
@@ -341,18 +461,22 @@ def test_gpt_oss_fp8_engine_keeps_its_experts_unquantized(tmp_path, sglang_fp8, 
     layers = GPT_OSS["num_hidden_layers"]
     assert q["modules_to_not_convert"] == [f"model.layers.{i}.mlp.experts" for i in range(layers)]
     fp8 = sglang_fp8.from_config(q)
-    skipped = lambda prefix: sglang_is_layer_skipped(prefix, fp8.ignored_layers, fused_mapping={})  # noqa: E731
+    skipped = lambda prefix: sglang_is_layer_skipped(prefix, fp8.ignored_layers, fused_mapping={})
     for i in range(layers):
         assert skipped(f"model.layers.{i}.mlp.experts")
         assert not skipped(f"model.layers.{i}.self_attn.qkv_proj") and not skipped(f"model.layers.{i}.self_attn.o_proj")
     # the prefixes are the ones gpt-oss builds, and the FusedMoE branch honours the skip
     src = open(os.path.join(SGLANG_DIR, "srt/models/gpt_oss.py")).read()
     assert 'prefix=add_prefix("experts", prefix)' in src and 'prefix=add_prefix("mlp", prefix)' in src
-    quant = ast.unparse(_find(_find(_source("srt/layers/quantization/fp8.py"), "Fp8Config", ast.ClassDef),
-                              "get_quant_method"))
-    moe_branch = quant[quant.index("isinstance(layer, FusedMoE)"):]
-    assert moe_branch.index("is_layer_skipped") < moe_branch.index("UnquantizedFusedMoEMethod") < \
-        moe_branch.index("Fp8MoEMethod(self)")
+    quant = ast.unparse(
+        _find(_find(_source("srt/layers/quantization/fp8.py"), "Fp8Config", ast.ClassDef), "get_quant_method")
+    )
+    moe_branch = quant[quant.index("isinstance(layer, FusedMoE)") :]
+    assert (
+        moe_branch.index("is_layer_skipped")
+        < moe_branch.index("UnquantizedFusedMoEMethod")
+        < moe_branch.index("Fp8MoEMethod(self)")
+    )
     # a family whose experts are quantized on sync keeps them FP8
     tiny = tmp_path / "qwen"
     tiny.mkdir()

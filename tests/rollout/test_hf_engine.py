@@ -15,14 +15,33 @@ from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
 V = 96
-COMMON = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=128)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 CONFIGS = {
-    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=8, moe_intermediate_size=16, intermediate_size=48,
-                                        num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        head_dim=8,
+        moe_intermediate_size=16,
+        intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
     "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                                        intermediate_size=48, num_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **COMMON,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
     "qwen3_tied": lambda: Qwen3Config(**COMMON, head_dim=8, intermediate_size=48, tie_word_embeddings=True),
 }
 EXPERT_KEYS = {
@@ -101,11 +120,13 @@ def test_partial_expert_update_touches_only_its_slice(tmp_path):
     expected[2, 16:] = new_up
     assert torch.equal(after[fused], expected)
     assert all(torch.equal(after[k], before[k]) for k in before if k != fused)
-    checks = engine.weight_checksums(["model.layers.1.mlp.experts.2.up_proj.weight",
-                                      "model.layers.1.mlp.experts.2.gate_proj.weight"])
+    checks = engine.weight_checksums(
+        ["model.layers.1.mlp.experts.2.up_proj.weight", "model.layers.1.mlp.experts.2.gate_proj.weight"]
+    )
     assert checks["model.layers.1.mlp.experts.2.up_proj.weight"] == float(new_up.double().sum())
     assert checks["model.layers.1.mlp.experts.2.gate_proj.weight"] == float(
-        tensors["model.layers.1.mlp.experts.2.gate_proj.weight"].double().sum())
+        tensors["model.layers.1.mlp.experts.2.gate_proj.weight"].double().sum()
+    )
 
 
 @pytest.mark.parametrize(
@@ -139,8 +160,9 @@ PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42]]  # different le
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 1.0, 5)])
 def test_logprobs_equal_a_teacher_forced_forward(moe_engine, temperature, top_p, top_k):
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=12,
-                            stop_token_ids=[0, 1, 2], seed=11)
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=12, stop_token_ids=[0, 1, 2], seed=11
+    )
     groups = moe_engine.generate(PROMPTS, 3, params)
     assert [len(g) for g in groups] == [3, 3, 3]
     for prompt, group in zip(PROMPTS, groups):
@@ -172,7 +194,7 @@ def test_greedy_and_seeded_determinism(moe_engine):
     a = moe_engine.generate(PROMPTS, 4, params)
     b = moe_engine.generate(PROMPTS, 4, params)
     c = moe_engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=8, seed=6))
-    ids = lambda gs: [[s.response_ids for s in g] for g in gs]  # noqa: E731
+    ids = lambda gs: [[s.response_ids for s in g] for g in gs]
     assert ids(a) == ids(b) and ids(a) != ids(c)
     assert [[s.response_logprobs for s in g] for g in a] == [[s.response_logprobs for s in g] for g in b]
 

@@ -52,22 +52,32 @@ def spec(dsa_dir):
 def in_process(dsa_dir, prompts, params=GREEDY):
     """The in-process engine's samples for one left-padded batch (what the server runs for one call)."""
     engine = HFRolloutEngine(dsa_dir, dsa_dir)
-    return engine._generate_batch(prompts, params, torch.Generator().manual_seed(0), RouteRecorder(engine.model),
-                                  IndexerRecorder(engine.model))
+    return engine._generate_batch(
+        prompts, params, torch.Generator().manual_seed(0), RouteRecorder(engine.model), IndexerRecorder(engine.model)
+    )
 
 
 @pytest.fixture(scope="module")
 def server(dsa_dir, tmp_path_factory):
-    s = CpuServer(dsa_dir, str(tmp_path_factory.mktemp("logs")), tp=1,
-                  extra=("--enable-return-routed-experts", "--enable-return-indexer-topk"))
+    s = CpuServer(
+        dsa_dir,
+        str(tmp_path_factory.mktemp("logs")),
+        tp=1,
+        extra=("--enable-return-routed-experts", "--enable-return-indexer-topk"),
+    )
     yield s
     s.stop()
 
 
 def test_http_indexer_topk_as_sglang(server, dsa_dir, spec):
-    out = server.client.post("generate", {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 6,
-                                                                                     "temperature": 0.0},
-                                          "return_indexer_topk": True})
+    out = server.client.post(
+        "generate",
+        {
+            "input_ids": PROMPTS,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0},
+            "return_indexer_topk": True,
+        },
+    )
     assert isinstance(out, list) and len(out) == len(PROMPTS)
     ref = in_process(dsa_dir, PROMPTS)
     for prompt, o, r in zip(PROMPTS, out, ref):
@@ -98,7 +108,8 @@ def test_engine_client_decodes_indexer_topk(server, dsa_dir, spec):
             assert s.routed_experts.shape == (n, spec.num_layers, spec.topk)
             np.testing.assert_array_equal(s.routed_experts, r.routed_experts)
     # a spec whose index_topk does not fit the model: one clear error naming the engine
-    wrong = SGLangRolloutEngine([server.client], route_spec=type(spec)(spec.num_layers, spec.topk, spec.num_experts,
-                                                                       spec.index_topk + 1))
+    wrong = SGLangRolloutEngine(
+        [server.client], route_spec=type(spec)(spec.num_layers, spec.topk, spec.num_experts, spec.index_topk + 1)
+    )
     with pytest.raises(RoutedExpertsError, match=server.url):
         wrong.generate(PROMPTS[:1], 1, SamplingParams(max_new_tokens=2))

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from gspo_megatron.config import Config, ConfigError, load_config
+from gspo_megatron.config import Config, load_config
 from gspo_megatron.data.dataset import PromptDataset, PromptSampler
 from gspo_megatron.data.tokenizer import build_demo_tokenizer
+from gspo_megatron.errors import ConfigError
 from gspo_megatron.rewards.runner import InlineRewardScorer
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 from gspo_megatron.rollout.batch import collect_rollouts
@@ -69,7 +70,7 @@ def test_over_sampling_stops_generating_once_enough_informative_groups_are_in(to
     m = batch.metrics
     assert (m["rollout/prompts_drawn"], m["rollout/groups_generated"], m["rollout/rounds"]) == (8.0, 7.0, 1.0)
     assert len(batch.records) == 16
-    groups = [batch.records[i:i + 4] for i in range(0, 16, 4)]
+    groups = [batch.records[i : i + 4] for i in range(0, 16, 4)]
     for g in groups:  # every kept group is informative: rewards 1, 0, 1, 0
         assert [r.reward for r in g] == [1.0, 0.0, 1.0, 0.0]
         assert abs(sum(r.advantage for r in g)) < 1e-6 and g[0].advantage > 0
@@ -133,8 +134,9 @@ class FakeClient:
     def generate(self, ids, sps, return_logprob=True, batch=True):
         self.sent.append(ids[0])
         self.gate.acquire()
-        return [{"meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.1, 7, None]]}}
-                for _ in ids]
+        return [
+            {"meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.1, 7, None]]}} for _ in ids
+        ]
 
 
 def test_sglang_stream_cancels_requests_not_yet_sent():
@@ -143,7 +145,7 @@ def test_sglang_stream_cancels_requests_not_yet_sent():
     prompts = [[1, k] for k in range(6)]
     stream = engine.generate_stream(prompts, 2, SamplingParams(max_new_tokens=1))
     client.gate.release()  # one request may finish; the two workers then hold requests 2 and 3
-    (i, group), = next(stream)
+    ((i, group),) = next(stream)
     assert len(group) == 2 and group[0].response_ids == [7]
     # the in-flight requests are let go only after close() has cancelled the queued ones
     # (close cancels first, then waits for what is in flight)

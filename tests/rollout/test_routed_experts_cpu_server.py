@@ -55,20 +55,36 @@ def test_engine_routes_are_prefill_then_decode(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = CpuServer(model_dir, str(tmp_path_factory.mktemp("logs")), tp=1,
-                  extra=("--enable-return-routed-experts", "--router-logit-perturbation", str(PERTURB)))
+    s = CpuServer(
+        model_dir,
+        str(tmp_path_factory.mktemp("logs")),
+        tp=1,
+        extra=("--enable-return-routed-experts", "--router-logit-perturbation", str(PERTURB)),
+    )
     yield s
     s.stop()
 
 
 def test_http_routes_as_sglang(server, model_dir, spec):
-    out = server.client.post("generate", {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4},
-                                          "return_routed_experts": True, "routed_experts_start_len": 2})
+    out = server.client.post(
+        "generate",
+        {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 4},
+            "return_routed_experts": True,
+            "routed_experts_start_len": 2,
+        },
+    )
     n_out = len(out["output_ids"])
     payload = out["meta_info"]["routed_experts"]
     assert isinstance(payload, str)
-    routes = decode_routed_experts(payload, num_tokens=route_tokens(4, n_out, 2), num_layers=spec.num_layers,
-                                   topk=spec.topk, num_experts=spec.num_experts)
+    routes = decode_routed_experts(
+        payload,
+        num_tokens=route_tokens(4, n_out, 2),
+        num_layers=spec.num_layers,
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+    )
     ref = full_routes(model_dir, PROMPTS[0] + out["output_ids"], PERTURB)
     np.testing.assert_array_equal(np.sort(routes, -1), np.sort(ref[2:-1], -1))
     # not asked: no routes (sglang's capturer only fills requests that asked)
@@ -76,8 +92,9 @@ def test_http_routes_as_sglang(server, model_dir, spec):
     assert "routed_experts" not in plain["meta_info"]
     # sglang's scheduler check of the start
     with pytest.raises(Exception, match="routed_experts_start_len=5 is higher"):
-        server.client.post("generate", {"input_ids": PROMPTS[0], "return_routed_experts": True,
-                                        "routed_experts_start_len": 5})
+        server.client.post(
+            "generate", {"input_ids": PROMPTS[0], "return_routed_experts": True, "routed_experts_start_len": 5}
+        )
 
 
 def test_engine_client_decodes_and_validates(server, model_dir, spec, config):
@@ -88,8 +105,9 @@ def test_engine_client_decodes_and_validates(server, model_dir, spec, config):
         for s in group:
             tokens = s.prompt_ids + s.response_ids
             assert s.routed_experts.shape == (len(tokens) - 1, spec.num_layers, spec.topk)
-            np.testing.assert_array_equal(np.sort(s.routed_experts, -1),
-                                          np.sort(full_routes(model_dir, tokens, PERTURB)[:-1], -1))
+            np.testing.assert_array_equal(
+                np.sort(s.routed_experts, -1), np.sort(full_routes(model_dir, tokens, PERTURB)[:-1], -1)
+            )
             plain = np.sort(full_routes(model_dir, tokens)[:-1], -1)
             unperturbed_agree.append((np.sort(s.routed_experts, -1) == plain).all(-1).mean())
     assert np.mean(unperturbed_agree) < 0.95  # the perturbation really changes the engine's routing

@@ -26,8 +26,9 @@ def _routes(n, seed=0):
 
 
 def _decode(payload, n, **kw):
-    return decode_routed_experts(payload, num_tokens=n, num_layers=L, topk=K, num_experts=E,
-                                 engine="http://e0:1", request="prompt 3", **kw)
+    return decode_routed_experts(
+        payload, num_tokens=n, num_layers=L, topk=K, num_experts=E, engine="http://e0:1", request="prompt 3", **kw
+    )
 
 
 def test_roundtrip_is_sglangs_encoding():
@@ -59,12 +60,15 @@ def test_route_tokens_is_start_to_seqlen_minus_one():
     assert route_tokens(1, 0) == 0
 
 
-@pytest.mark.parametrize("payload,match", [
-    (None, "missing"),
-    (123, "base64 string"),
-    ("not base64!!", "not valid base64"),
-    (base64.b64encode(b"\x00" * 6).decode(), "whole number of int32"),
-])
+@pytest.mark.parametrize(
+    "payload,match",
+    [
+        (None, "missing"),
+        (123, "base64 string"),
+        ("not base64!!", "not valid base64"),
+        (base64.b64encode(b"\x00" * 6).decode(), "whole number of int32"),
+    ],
+)
 def test_malformed_payload_names_engine_and_request(payload, match):
     with pytest.raises(RoutedExpertsError, match=match) as e:
         _decode(payload, 5)

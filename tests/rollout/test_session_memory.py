@@ -78,8 +78,9 @@ class PushSyncer:
         self.version += 1
         self.engine.begin_weight_update()
         for payload in serialize_bucket(sorted(self.state.items())):
-            self.engine.clients[0].update_weights_from_tensor([payload], load_format="flattened_bucket",
-                                                              weight_version=str(self.version))
+            self.engine.clients[0].update_weights_from_tensor(
+                [payload], load_format="flattened_bucket", weight_version=str(self.version)
+            )
         self.engine.end_weight_update()
         return {}
 
@@ -109,10 +110,16 @@ def session_for(server, saved, offloader=None, verify_every: int = 1) -> Rollout
     def no_restart(dead):
         raise AssertionError(f"engines {dead} restarted: the session generated on released memory")
 
-    return RolloutSession(PushSyncer(engine, saved), engine, collector=None, max_restarts=0,
-                          dead_engines=lambda: dead_engines(engine), restart=no_restart,
-                          colocation=Colocation(engine, colocated=True, offloader=offloader),
-                          verifier=SyncVerifier(None, 1e-4, 0, probe_prompts=PROMPTS, every=verify_every))
+    return RolloutSession(
+        PushSyncer(engine, saved),
+        engine,
+        collector=None,
+        max_restarts=0,
+        dead_engines=lambda: dead_engines(engine),
+        restart=no_restart,
+        colocation=Colocation(engine, colocated=True, offloader=offloader),
+        verifier=SyncVerifier(None, 1e-4, 0, probe_prompts=PROMPTS, every=verify_every),
+    )
 
 
 def _index(log, route, tags=None):
@@ -148,17 +155,23 @@ def test_colocated_sync_verify_probes_with_the_kv_cache_resumed(server, saved, r
 
 
 def test_offload_train_probe_offloads_resumes_the_kv_cache_and_releases_it_again(
-        server, saved, requests_log, scored_by_transformers):
+    server, saved, requests_log, scored_by_transformers
+):
     offloader = RecordingOffloader(requests_log)  # (with offload_train the KV cache comes back after the offload)
     session = session_for(server, saved, offloader=offloader)
     assert not session.colocation.kv_cache_after_sync
     session.colocation.release_engines()
     metrics = session.sync()
     assert metrics["sync/verify_max_abs_diff"] <= 1e-4
-    order = [_index(requests_log, "resume_memory_occupation", ["weights"]),
-             _index(requests_log, "update_weights_from_tensor"), _index(requests_log, "offload"),
-             _index(requests_log, "resume_memory_occupation", ["kv_cache"]), _index(requests_log, "generate"),
-             _index(requests_log, "release_memory_occupation", ["kv_cache"]), _index(requests_log, "reload")]
+    order = [
+        _index(requests_log, "resume_memory_occupation", ["weights"]),
+        _index(requests_log, "update_weights_from_tensor"),
+        _index(requests_log, "offload"),
+        _index(requests_log, "resume_memory_occupation", ["kv_cache"]),
+        _index(requests_log, "generate"),
+        _index(requests_log, "release_memory_occupation", ["kv_cache"]),
+        _index(requests_log, "reload"),
+    ]
     assert order == sorted(order), requests_log
     # as the loop expects after a sync with offload_train: weights in, KV cache out, training state back
     assert released_tags(server.url) == {"kv_cache"} and not offloader.offloaded
@@ -187,8 +200,11 @@ def test_a_stale_engine_is_a_clear_error(server, saved, scored_by_transformers):
         return out
 
     session.syncer.sync = push_without_version_bump
-    with pytest.raises(RuntimeError, match=r"weight sync check failed: engine 0 reports weight version 'old' after "
-                                           r"sync '\d+'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"weight sync check failed: engine 0 reports weight version 'old' after "
+        r"sync '\d+'",
+    ):
         session.sync()
 
 

@@ -95,8 +95,12 @@ def _tp1_run(rank, world, dirs: dict, negative: dict):
         buckets = [[(n, t.clone()) for n, t in b] for b in export_hf_weights(model, BUCKET_BYTES)]
         del model
         m = _load_into_sglang(hf_dir, 1, 0, buckets)
-        out[kind] = dict(buckets=buckets, unwritten=m.unwritten(), kept=m.kept_report,
-                         params={n: p.detach().clone() for n, p in m.params().items()})
+        out[kind] = dict(
+            buckets=buckets,
+            unwritten=m.unwritten(),
+            kept=m.kept_report,
+            params={n: p.detach().clone() for n, p in m.params().items()},
+        )
         if kind == "deepseek_v32":
             out["dsa_cuda_fused"] = _cuda_fused_indexer(buckets, m)
     for case, (hf_dir, buckets) in negative.items():
@@ -132,8 +136,9 @@ def _tp2_run(rank, world, jobs: dict):
     out = {}
     for kind, (hf_dir, buckets) in jobs.items():
         m = _load_into_sglang(hf_dir, world, rank, buckets)
-        out[kind] = dict(unwritten=m.unwritten(), kept=m.kept_report,
-                         params={n: p.detach().clone() for n, p in m.params().items()})
+        out[kind] = dict(
+            unwritten=m.unwritten(), kept=m.kept_report, params={n: p.detach().clone() for n, p in m.params().items()}
+        )
     return out
 
 
@@ -156,17 +161,27 @@ def _split_deepseek(hf: dict) -> list[list]:
     """Name-sorted buckets (the export's order before fuse groups) cut right after layer
     SPLIT_LAYER's kv_a_proj_with_mqa: its kv_b_proj, o_proj, q_a_proj ... land in the next one."""
     items = sorted(hf.items())
-    cut = next(i for i, (n, _) in enumerate(items)
-               if n == f"model.layers.{SPLIT_LAYER}.self_attn.kv_a_proj_with_mqa.weight") + 1
+    cut = (
+        next(
+            i
+            for i, (n, _) in enumerate(items)
+            if n == f"model.layers.{SPLIT_LAYER}.self_attn.kv_a_proj_with_mqa.weight"
+        )
+        + 1
+    )
     return [items[:cut], items[cut:]]
 
 
 @pytest.fixture(scope="module")
 def runs(dirs):
     main = {k: v for k, v in dirs.items() if k in FAMILIES}
-    negative = {"deepseek_split": (dirs["deepseek_v3"], _split_deepseek(_hf_tensors(dirs["deepseek_v3"]))),
-                "qwen2_moe_dense_layer": (dirs["qwen2_moe_dense_layer"],
-                                          [sorted(_hf_tensors(dirs["qwen2_moe_dense_layer"]).items())])}
+    negative = {
+        "deepseek_split": (dirs["deepseek_v3"], _split_deepseek(_hf_tensors(dirs["deepseek_v3"]))),
+        "qwen2_moe_dense_layer": (
+            dirs["qwen2_moe_dense_layer"],
+            [sorted(_hf_tensors(dirs["qwen2_moe_dense_layer"]).items())],
+        ),
+    }
     tp1 = run_ranks(_tp1_run, 1, main, negative, timeout=900)[0]
     jobs = {k: (main[k], tp1[k]["buckets"]) for k in FAMILIES}
     tp2 = run_ranks(_tp2_run, 2, jobs, timeout=900)
@@ -174,6 +189,7 @@ def runs(dirs):
 
 
 # -- the independent reference: sglang's layout from the checkpoint's tensors --------------------------
+
 
 def _chunk(t, dim, parts, idx):
     assert t.shape[dim] % parts == 0, (t.shape, dim, parts)
@@ -183,8 +199,8 @@ def _chunk(t, dim, parts, idx):
 
 def reference(name: str, hf: dict, cfg: dict, tp: int, rank: int) -> torch.Tensor:
     """What sglang 0.5.23 holds in parameter ``name`` on engine TP rank ``rank`` (moe_tp = tp, ep 1)."""
-    col = lambda t: _chunk(t, 0, tp, rank)  # noqa: E731
-    row = lambda t: _chunk(t, 1, tp, rank)  # noqa: E731
+    col = lambda t: _chunk(t, 0, tp, rank)
+    row = lambda t: _chunk(t, 1, tp, rank)
     heads = cfg["num_attention_heads"]
     kvh = cfg.get("num_key_value_heads") or heads
 
@@ -212,8 +228,10 @@ def reference(name: str, hf: dict, cfg: dict, tp: int, rank: int) -> torch.Tenso
         return col(hf[name]) if ".q_norm." in name else kv(hf[name])
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return row(hf[name])
-    if name.endswith(("q_b_proj.weight", "kv_b_proj.weight", "self_attn.sinks")) or \
-            name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if name.endswith(("q_b_proj.weight", "kv_b_proj.weight", "self_attn.sinks")) or name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    ):
         return col(hf[name])  # (tiny vocabularies are multiples of sglang's padding, 64)
     return hf[name]  # replicated: norms, routers, o_proj bias, e_score_correction_bias
 
@@ -227,8 +245,9 @@ def _qwen3_next_reference(name, hf, cfg, col, row, kv):
     attn = f"model.layers.{idx}.self_attn."
     if leaf in ("qkv_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight"):
         if leaf == "qkv_proj.weight":
-            return torch.cat([col(hf[attn + "q_proj.weight"]), kv(hf[attn + "k_proj.weight"]),
-                              kv(hf[attn + "v_proj.weight"])])
+            return torch.cat(
+                [col(hf[attn + "q_proj.weight"]), kv(hf[attn + "k_proj.weight"]), kv(hf[attn + "v_proj.weight"])]
+            )
         return row(hf[attn + leaf]) if leaf == "o_proj.weight" else hf[attn + leaf]
     if ".linear_attn." not in name:
         return None
@@ -261,12 +280,21 @@ def _experts_reference(name, hf, cfg, tp, rank):
             return _chunk(down.transpose(1, 2), 2, tp, rank)
         bias = hf[f"{block}.experts.down_proj_bias"]  # w2_weight_bias: added once, by MoE TP rank 0
         return bias if rank == 0 else torch.zeros_like(bias)
-    gate, up, down = (("w1", "w3", "w2") if f"{block}.experts.0.w1.weight" in hf
-                      else ("gate_proj", "up_proj", "down_proj"))
+    gate, up, down = (
+        ("w1", "w3", "w2") if f"{block}.experts.0.w1.weight" in hf else ("gate_proj", "up_proj", "down_proj")
+    )
     if leaf == "w13_weight":
-        return torch.stack([torch.cat([_chunk(hf[f"{block}.experts.{e}.{gate}.weight"], 0, tp, rank),
-                                       _chunk(hf[f"{block}.experts.{e}.{up}.weight"], 0, tp, rank)])
-                            for e in range(num)])
+        return torch.stack(
+            [
+                torch.cat(
+                    [
+                        _chunk(hf[f"{block}.experts.{e}.{gate}.weight"], 0, tp, rank),
+                        _chunk(hf[f"{block}.experts.{e}.{up}.weight"], 0, tp, rank),
+                    ]
+                )
+                for e in range(num)
+            ]
+        )
     assert leaf == "w2_weight", name
     return torch.stack([_chunk(hf[f"{block}.experts.{e}.{down}.weight"], 1, tp, rank) for e in range(num)])
 
@@ -281,6 +309,7 @@ def _language_model_view(hf: dict, cfg: dict):
 
 
 # -- tests -------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("kind", list(FAMILIES))
@@ -348,11 +377,13 @@ def test_cpu_server_gpt_oss_shards_are_sglangs_layout(dirs):
         cfg = json.load(f)
     blk = "model.layers.1.mlp.experts"
     for rank in range(2):
+
         def shard(n):
             return expected_shard(n, hf[n], rank, 2, 1, cfg)
 
-        assert torch.equal(shard(f"{blk}.gate_up_proj").transpose(1, 2),
-                           reference(f"{blk}.w13_weight", hf, cfg, 2, rank))
+        assert torch.equal(
+            shard(f"{blk}.gate_up_proj").transpose(1, 2), reference(f"{blk}.w13_weight", hf, cfg, 2, rank)
+        )
         assert torch.equal(shard(f"{blk}.gate_up_proj_bias"), reference(f"{blk}.w13_weight_bias", hf, cfg, 2, rank))
         assert torch.equal(shard(f"{blk}.down_proj").transpose(1, 2), reference(f"{blk}.w2_weight", hf, cfg, 2, rank))
         assert torch.equal(shard(f"{blk}.down_proj_bias"), reference(f"{blk}.w2_weight_bias", hf, cfg, 2, rank))
@@ -362,14 +393,22 @@ def test_cpu_server_gpt_oss_shards_are_sglangs_layout(dirs):
 
 # -- the CPU server: every bucket through sglang's loader, the check at end_weight_update ----------------
 
+
 def _broadcast_sync(url, buckets, version):
     from gspo_megatron.rollout.sglang_client import SGLangHttpClient
     from gspo_megatron.runtime.ports import free_port
     from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport
 
     client = SGLangHttpClient(url)
-    transport = NcclBroadcastTransport([client], engine_world_sizes=[client.tp_size], master_address="127.0.0.1",
-                                       master_port=free_port(), backend="gloo", device="cpu", timeout_s=300)
+    transport = NcclBroadcastTransport(
+        [client],
+        engine_world_sizes=[client.tp_size],
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        backend="gloo",
+        device="cpu",
+        timeout_s=300,
+    )
     try:
         transport.begin(version)
         for b in buckets:
@@ -423,12 +462,13 @@ def test_cpu_server_serves_gpt_oss_at_engine_tp2(dirs, tmp_path):
         model = AutoModelForCausalLM.from_pretrained(dirs["gpt_oss"], dtype=torch.float32).eval()
         model.load_state_dict({**model.state_dict(), **state})
         prompt = [5, 17, 42, 9]
-        out = SGLangHttpClient(server.url).generate([prompt], [{"temperature": 0.0, "max_new_tokens": 4}],
-                                                    return_logprob=True)[0]
+        out = SGLangHttpClient(server.url).generate(
+            [prompt], [{"temperature": 0.0, "max_new_tokens": 4}], return_logprob=True
+        )[0]
         ids = torch.tensor([prompt + out["output_ids"]])
         with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1)
-        ref = logp.gather(-1, ids[0, len(prompt):, None])[:, 0]
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+        ref = logp.gather(-1, ids[0, len(prompt) :, None])[:, 0]
         got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
         assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got, ref)
     finally:

@@ -10,9 +10,18 @@ from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 from gspo_megatron.rollout.subprocess_engine import EngineCallError, EngineDiedError, SubprocessRolloutEngine
 
-CONFIG = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
-                        num_experts_per_tok=2, max_position_embeddings=64)
+CONFIG = Qwen3MoeConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    moe_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+)
 PARAMS = SamplingParams(temperature=0.8, max_new_tokens=6, stop_token_ids=[3], seed=1)
 PROMPTS = [[5, 6, 7], [9, 10]]
 LONG = SamplingParams(max_new_tokens=10_000_000, seed=0)  # runs until killed

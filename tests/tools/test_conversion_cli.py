@@ -16,7 +16,7 @@ import torch
 from tool_helpers import run_tool, save_tiny_tokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models"))
-from hf_reference import hf_logprobs, make_rows, max_abs_diff  # noqa: E402
+from hf_reference import hf_logprobs, make_rows, max_abs_diff
 
 MAX_SHARD = 300_000
 
@@ -31,8 +31,11 @@ def converted(tmp_path_factory):
     save_tiny_tokenizer(hf_dir, 256)
     to_mcore = run_tool("hf_to_megatron", ["--hf-dir", hf_dir, "--output", ckpt])
     assert to_mcore.returncode == 0, to_mcore.stderr[-3000:]
-    to_hf = run_tool("megatron_to_hf", ["--checkpoint", ckpt, "--output", out, "--tp", "2",
-                                        "--max-shard-size", str(MAX_SHARD)], nproc=2)
+    to_hf = run_tool(
+        "megatron_to_hf",
+        ["--checkpoint", ckpt, "--output", out, "--tp", "2", "--max-shard-size", str(MAX_SHARD)],
+        nproc=2,
+    )
     assert to_hf.returncode == 0, to_hf.stderr[-3000:]
     return dict(model=model, hf_dir=hf_dir, ckpt=ckpt, out=out, root=root, stdout=to_hf.stdout)
 
@@ -68,8 +71,10 @@ def test_output_loads_in_transformers_with_same_logits(converted):
         assert torch.equal(reloaded(ids).logits, original(ids).logits)
     tok = AutoTokenizer.from_pretrained(converted["out"])
     assert tok("t5 t7 t200")["input_ids"] == [5, 7, 200]
-    assert GenerationConfig.from_pretrained(converted["out"]).to_dict() == \
-        GenerationConfig.from_pretrained(converted["hf_dir"]).to_dict()
+    assert (
+        GenerationConfig.from_pretrained(converted["out"]).to_dict()
+        == GenerationConfig.from_pretrained(converted["hf_dir"]).to_dict()
+    )
 
 
 def _write_rows(path, rows):
@@ -82,18 +87,36 @@ def _read_logprobs(path):
     return [json.loads(line)["logprobs"] for line in open(path)]
 
 
-@pytest.mark.parametrize("source,nproc,layout", [
-    ("hf_dir", 1, []), ("ckpt", 2, ["--ep", "2"]),
-    # sequence packing: whole rows in micro-batches of at most 64 tokens, balanced over 2 replicas
-    ("ckpt", 2, ["--ep", "2", "--max-tokens-per-micro-batch", "64"]),
-], ids=["hf_dir", "ckpt-ep2", "ckpt-ep2-packed"])
+@pytest.mark.parametrize(
+    "source,nproc,layout",
+    [
+        ("hf_dir", 1, []),
+        ("ckpt", 2, ["--ep", "2"]),
+        # sequence packing: whole rows in micro-batches of at most 64 tokens, balanced over 2 replicas
+        ("ckpt", 2, ["--ep", "2", "--max-tokens-per-micro-batch", "64"]),
+    ],
+    ids=["hf_dir", "ckpt-ep2", "ckpt-ep2-packed"],
+)
 def test_score_cli_matches_transformers(converted, source, nproc, layout):
     rows = make_rows(seed=9, n=9)
     tag = f"{source}{len(layout)}"
     inp, outp = converted["root"] / f"in_{tag}.jsonl", converted["root"] / f"out_{tag}.jsonl"
     _write_rows(inp, rows)
-    res = run_tool("score", ["--checkpoint", converted[source], "--input", str(inp), "--output",
-                             str(outp), "--micro-batch-size", "2", *layout], nproc=nproc)
+    res = run_tool(
+        "score",
+        [
+            "--checkpoint",
+            converted[source],
+            "--input",
+            str(inp),
+            "--output",
+            str(outp),
+            "--micro-batch-size",
+            "2",
+            *layout,
+        ],
+        nproc=nproc,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     got = _read_logprobs(outp)
     assert max_abs_diff(got, hf_logprobs(converted["model"], rows)) < 1e-4

@@ -22,8 +22,11 @@ def _ok(proc):
 
 
 def _files(d):
-    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))
-            if n.startswith("model") and (".safetensors" in n)}
+    return {
+        n: open(os.path.join(d, n), "rb").read()
+        for n in sorted(os.listdir(d))
+        if n.startswith("model") and (".safetensors" in n)
+    }
 
 
 def _weights(d):
@@ -44,8 +47,13 @@ def test_two_ranks_write_what_one_writes(tmp_path, kind, export_args):
     ck1, ck2, out1, out2 = (str(tmp_path / n) for n in ("ck1", "ck2", "out1", "out2"))
     _ok(run_tool("hf_to_megatron", ["--hf-dir", hf, "--output", ck1]))
     _ok(run_tool("megatron_to_hf", ["--checkpoint", ck1, "--output", out1, "--max-shard-size", MAX_SHARD]))
-    _ok(run_tool("megatron_to_hf", ["--checkpoint", ck1, "--output", out2, "--max-shard-size", MAX_SHARD,
-                                    *export_args], nproc=2))
+    _ok(
+        run_tool(
+            "megatron_to_hf",
+            ["--checkpoint", ck1, "--output", out2, "--max-shard-size", MAX_SHARD, *export_args],
+            nproc=2,
+        )
+    )
     one, two = _files(out1), _files(out2)
     assert len(one) > 2 and "model.safetensors.index.json" in one
     assert one.keys() == two.keys()

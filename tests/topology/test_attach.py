@@ -18,8 +18,16 @@ from subprocess_utils import popen_group  # noqa: E402
 from train_utils import FAST, read_metrics  # noqa: E402
 
 CONFIG = "configs/topology_30b_tiny.yaml"
-LAYOUT = ["parallel.tp=1", "parallel.ep=1", "parallel.sequence_parallel=false", "rollout.sync_mode=disaggregated",
-          "rollout.engine_tp=1", "rollout.num_engines=1", "rollout.sync_verify=true", "rollout.sync_verify_every=1"]
+LAYOUT = [
+    "parallel.tp=1",
+    "parallel.ep=1",
+    "parallel.sequence_parallel=false",
+    "rollout.sync_mode=disaggregated",
+    "rollout.engine_tp=1",
+    "rollout.num_engines=1",
+    "rollout.sync_verify=true",
+    "rollout.sync_verify_every=1",
+]
 
 
 def test_trainer_waits_for_an_attached_engine_then_syncs_and_trains(tmp_path):
@@ -32,8 +40,19 @@ def test_trainer_waits_for_an_attached_engine_then_syncs_and_trains(tmp_path):
     port = cpu_server_util.free_port()
     url = f"http://127.0.0.1:{port}"
     out = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", os.path.join(REPO, CONFIG), f"output_dir={out}",
-           *FAST, "train.steps=2", *LAYOUT, f"rollout.engine_urls=[{url}]", "rollout.engine_launch_timeout_s=300"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_megatron.train",
+        "--config",
+        os.path.join(REPO, CONFIG),
+        f"output_dir={out}",
+        *FAST,
+        "train.steps=2",
+        *LAYOUT,
+        f"rollout.engine_urls=[{url}]",
+        "rollout.engine_launch_timeout_s=300",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     log = tmp_path / "train.log"
     server = None

@@ -56,15 +56,21 @@ def _engine_process(marker: str, tag: str) -> psutil.Process | None:
     return None
 
 
-def run_two_nodes(tmp_path, config: str, overrides: list[str], timeout_s: float = 900.0,
-                  kill_engine: str | None = None) -> dict:
+def run_two_nodes(
+    tmp_path, config: str, overrides: list[str], timeout_s: float = 900.0, kill_engine: str | None = None
+) -> dict:
     """Both nodes' torchrun launches; returns {"metrics": [...], "checks": [...], "logs": [...]}."""
     marker = f"multinode-{os.getpid()}-{time.monotonic_ns()}"
     out = tmp_path / "run"
     checks = tmp_path / "sync_checks.jsonl"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               GSPO_SYNC_CHECK_FILE=str(checks),
-               GSPO_TEST_MARKER=marker, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        GSPO_SYNC_CHECK_FILE=str(checks),
+        GSPO_TEST_MARKER=marker,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     env["PYTHONPATH"] = os.path.join(ROOT, "tests") + os.pathsep + env["PYTHONPATH"]
     port = free_port()
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -72,20 +78,41 @@ def run_two_nodes(tmp_path, config: str, overrides: list[str], timeout_s: float 
     for node in (0, 1):
         log = tmp_path / f"node{node}.log"
         logs.append(log)
-        cmd = [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(port),
-               SYNC_CHECK, "--config", os.path.join(ROOT, config),  # gspo-train, check after each sync
-               f"output_dir={out}", *overrides]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        cmd = [
+            torchrun,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            SYNC_CHECK,
+            "--config",
+            os.path.join(ROOT, config),  # gspo-train, check after each sync
+            f"output_dir={out}",
+            *overrides,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
     killed = None
     try:
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 raise AssertionError(f"multi-node run did not finish in {timeout_s:.0f}s:\n" + _tails(logs))
-            if kill_engine and killed is None and (out / "metrics.jsonl").exists() and \
-                    (out / "metrics.jsonl").read_text().count("\n") >= 1:
+            if (
+                kill_engine
+                and killed is None
+                and (out / "metrics.jsonl").exists()
+                and (out / "metrics.jsonl").read_text().count("\n") >= 1
+            ):
                 victim = _engine_process(marker, kill_engine)
                 if victim is not None:
                     victim.send_signal(signal.SIGKILL)
@@ -111,8 +138,11 @@ def run_two_nodes(tmp_path, config: str, overrides: list[str], timeout_s: float 
     if kill_engine:
         assert killed is not None, "the engine to kill was never found"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"metrics": metrics, "checks": [json.loads(line) for line in checks.read_text().splitlines()],
-            "logs": [log.read_text() for log in logs]}
+    return {
+        "metrics": metrics,
+        "checks": [json.loads(line) for line in checks.read_text().splitlines()],
+        "logs": [log.read_text() for log in logs],
+    }
 
 
 def _tails(logs) -> str:
@@ -154,8 +184,12 @@ def _assert_synced(result: dict, steps: int, engines: int, tp: int, killed: bool
 
 def test_colocated_two_engines_two_nodes_with_an_engine_killed(tmp_path):
     steps = 3
-    result = run_two_nodes(tmp_path, "configs/topology_30b_tiny.yaml",
-                           [f"train.steps={steps}", "rollout.sync_verify=true", "rollout.sync_verify_every=1"], kill_engine="1.0")
+    result = run_two_nodes(
+        tmp_path,
+        "configs/topology_30b_tiny.yaml",
+        [f"train.steps={steps}", "rollout.sync_verify=true", "rollout.sync_verify_every=1"],
+        kill_engine="1.0",
+    )
     _assert_synced(result, steps, engines=2, tp=2, killed=True)
     assert result["metrics"][-1]["rollout/engine_restarts"] == 1
     assert "restarted (1/" in result["logs"][0]
@@ -163,9 +197,20 @@ def test_colocated_two_engines_two_nodes_with_an_engine_killed(tmp_path):
 
 def test_disaggregated_two_engines_per_stage_groups(tmp_path):
     steps = 2
-    result = run_two_nodes(tmp_path, "configs/topology_30b_tiny.yaml", [
-        f"train.steps={steps}", "rollout.sync_mode=disaggregated", "rollout.num_engines=2", "parallel.tp=1",
-        "parallel.pp=2", "parallel.sequence_parallel=false", "rollout.sync_verify=true", "rollout.sync_verify_every=1"])
+    result = run_two_nodes(
+        tmp_path,
+        "configs/topology_30b_tiny.yaml",
+        [
+            f"train.steps={steps}",
+            "rollout.sync_mode=disaggregated",
+            "rollout.num_engines=2",
+            "parallel.tp=1",
+            "parallel.pp=2",
+            "parallel.sequence_parallel=false",
+            "rollout.sync_verify=true",
+            "rollout.sync_verify_every=1",
+        ],
+    )
     _assert_synced(result, steps, engines=2, tp=2)
     # each stage's source sends only its stage's part
     m = result["metrics"][-1]
@@ -174,6 +219,9 @@ def test_disaggregated_two_engines_per_stage_groups(tmp_path):
 
 @pytest.mark.parametrize("steps", [2])
 def test_235b_shape_one_engine_across_nodes_with_offload(tmp_path, steps):
-    result = run_two_nodes(tmp_path, "configs/topology_235b_tiny.yaml",
-                           [f"train.steps={steps}", "rollout.sync_verify=true", "rollout.sync_verify_every=1"])
+    result = run_two_nodes(
+        tmp_path,
+        "configs/topology_235b_tiny.yaml",
+        [f"train.steps={steps}", "rollout.sync_verify=true", "rollout.sync_verify_every=1"],
+    )
     _assert_synced(result, steps, engines=1, tp=4)

@@ -58,7 +58,8 @@ def offload_roundtrip(rank: int, world: int, hf_dir: str) -> dict:
     offload / reload twice. Returns per variant: the state compared bytewise after each reload, the
     device bytes left while offloaded, the aliasing of views, and the weights after one more step
     taken with and without an offload in between (from the same state)."""
-    from gspo_megatron.models.build import ModelOptions, build_model, load_hf_config
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.trainer.offload import TrainStateOffloader
@@ -69,8 +70,9 @@ def offload_roundtrip(rank: int, world: int, hf_dir: str) -> dict:
     for dtype, dist_opt in VARIANTS:
         model = build_model(load_hf_config(hf_dir), ep=2, opts=ModelOptions(dtype=dtype))
         load_hf_weights(model, hf_dir)
-        ddp, opt, sched = setup_training(model, OptimOptions(lr=1e-2, total_steps=10,
-                                                             use_distributed_optimizer=dist_opt))
+        ddp, opt, sched = setup_training(
+            model, OptimOptions(lr=1e-2, total_steps=10, use_distributed_optimizer=dist_opt)
+        )
 
         def step(seed: int) -> None:
             zero_grads(ddp, opt)
@@ -95,15 +97,27 @@ def offload_roundtrip(rank: int, world: int, hf_dir: str) -> dict:
             junk = [torch.full((n,), 0x5A, dtype=torch.uint8) for _, n in off._moved]
             del junk
             res["freed"] = {
-                "param_data": all(b.param_data is None or b.param_data.untyped_storage().nbytes() == 0
-                                  for b in ddp.buffers),
-                "grad_data": all(b.grad_data.untyped_storage().nbytes() == 0
-                                 for b in list(ddp.buffers) + list(ddp.expert_parallel_buffers)),
+                "param_data": all(
+                    b.param_data is None or b.param_data.untyped_storage().nbytes() == 0 for b in ddp.buffers
+                ),
+                "grad_data": all(
+                    b.grad_data.untyped_storage().nbytes() == 0
+                    for b in list(ddp.buffers) + list(ddp.expert_parallel_buffers)
+                ),
                 "params": all(p.untyped_storage().nbytes() == 0 for p in ddp.parameters()),
-                "optimizer": all(v.untyped_storage().nbytes() == 0 for o in _inner(opt) for st in o.state.values()
-                                 for v in st.values() if isinstance(v, torch.Tensor)),
-                "main_params": all(p.untyped_storage().nbytes() == 0 for o in _inner(opt)
-                                   for grp in o.param_groups for p in grp["params"]),
+                "optimizer": all(
+                    v.untyped_storage().nbytes() == 0
+                    for o in _inner(opt)
+                    for st in o.state.values()
+                    for v in st.values()
+                    if isinstance(v, torch.Tensor)
+                ),
+                "main_params": all(
+                    p.untyped_storage().nbytes() == 0
+                    for o in _inner(opt)
+                    for grp in o.param_groups
+                    for p in grp["params"]
+                ),
             }
             try:
                 off.offload()
@@ -112,9 +126,13 @@ def offload_roundtrip(rank: int, world: int, hf_dir: str) -> dict:
                 res["double_offload_refused"] = True
             off.reload()
             after = _snapshot(ddp, opt)
-            res["equal"].append(sorted(before) == sorted(after) and all(
-                torch.equal(before[k], after[k]) if isinstance(before[k], torch.Tensor) else before[k] == after[k]
-                for k in before))
+            res["equal"].append(
+                sorted(before) == sorted(after)
+                and all(
+                    torch.equal(before[k], after[k]) if isinstance(before[k], torch.Tensor) else before[k] == after[k]
+                    for k in before
+                )
+            )
             res["aliases"].append(_aliases(ddp))
         res["n_state_keys"] = sum(1 for k in before if ".state" in k)
         res["state_kinds"] = sorted({k.rsplit(".", 1)[1] for k in before if ".state" in k})

@@ -65,11 +65,17 @@ def _observe(report: dict) -> callable:
         now = [{n: p.detach() for n, p in m.named_parameters()} for m in models]
         report.update(models_built=len(models))
         if models and snaps:  # the policy's parameters that moved (LoRA: only the adapters)
-            report.update(policy_changed=sorted(n for n in snaps[0] if not torch.equal(now[0][n], snaps[0][n])),
-                          policy_params=len(snaps[0]))
+            report.update(
+                policy_changed=sorted(n for n in snaps[0] if not torch.equal(now[0][n], snaps[0][n])),
+                policy_params=len(snaps[0]),
+            )
         if len(models) >= 2 and len(snaps) >= 2:
-            report.update(ref_unchanged=same(now[1], snaps[1]), ref_started_as_policy=same(snaps[0], snaps[1]),
-                          policy_moved=not same(now[0], snaps[0]))
+            report.update(
+                ref_unchanged=same(now[1], snaps[1]),
+                ref_started_as_policy=same(snaps[0], snaps[1]),
+                policy_moved=not same(now[0], snaps[0]),
+            )
+
     return finish
 
 
@@ -91,6 +97,7 @@ def _nan_loss_from(n: int, report: dict) -> callable:
         def nan_loss(output_tensor, **kw):  # (kw: the fused head's output_weight)
             loss, *rest = loss_func(output_tensor, **kw)
             return (loss * float("nan"), *rest)
+
         return nan_loss
 
     train_step.train_on_batch = poisoned_train_on_batch
@@ -182,10 +189,14 @@ def _session_composed(report: dict) -> callable:
             now = vars(session)
             report["added"] += sorted(set(now) - set(at_init))
             report["removed"] += sorted(set(at_init) - set(now))
-            report["replaced"] += sorted(k for k in set(now) & set(at_init)
-                                         if (callable(now[k]) or callable(at_init[k])) and now[k] is not at_init[k])
+            report["replaced"] += sorted(
+                k
+                for k in set(now) & set(at_init)
+                if (callable(now[k]) or callable(at_init[k])) and now[k] is not at_init[k]
+            )
             report["shadows"] += sorted(k for k in now if hasattr(session_mod.RolloutSession, k))
             report["callables"] = sorted(k for k in now if callable(now[k]))
+
     return finish
 
 
@@ -194,18 +205,21 @@ def main() -> int:
     assert sep == "--", "usage: run_driver.py MODE REPORT.json -- [gspo-train arguments]"
     report: dict = {"mode": mode}
     name, _, value = mode.partition("=")
-    finish = {"observe": lambda: _observe(report), "nan_loss_from": lambda: _nan_loss_from(int(value), report),
-              "engine_raises_at": lambda: _engine_raises_at(int(value), report),
-              "sync_raises_at": lambda: _sync_raises_at(int(value), report),
-              "engine_corrupts_from": lambda: _engine_corrupts_from(int(value), report),
-              "session_composed": lambda: _session_composed(report)}[name]()
+    finish = {
+        "observe": lambda: _observe(report),
+        "nan_loss_from": lambda: _nan_loss_from(int(value), report),
+        "engine_raises_at": lambda: _engine_raises_at(int(value), report),
+        "sync_raises_at": lambda: _sync_raises_at(int(value), report),
+        "engine_corrupts_from": lambda: _engine_corrupts_from(int(value), report),
+        "session_composed": lambda: _session_composed(report),
+    }[name]()
     from gspo_megatron.train import main as train_main
 
     try:
         code = train_main(argv)
         report["exit"] = code
         return code
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - written to the driver's report
         report["exit"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
         return 1

@@ -24,17 +24,15 @@ REWARD = "def score(prompt, response, label):\n    return float(str(label) in re
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> str:
+def hf_dir(tiny_hf_checkpoint) -> str:
     """A tiny Qwen3-MoE directory as transformers saves it, with the byte-level demo tokenizer and its
     chat template (vocab 259 ids inside the model's 320)."""
     from gspo_megatron.data.tokenizer import build_demo_tokenizer
-    from gspo_megatron.models.tiny import save_tiny_hf_model
 
-    d = tmp_path_factory.mktemp("user") / "my_model"
-    save_tiny_hf_model("qwen3_moe", str(d), num_hidden_layers=2, vocab_size=320)
-    build_demo_tokenizer(str(d))
+    d, _ = tiny_hf_checkpoint("qwen3_moe", subdir="my_model", num_hidden_layers=2, vocab_size=320)
+    build_demo_tokenizer(d)
     _classic_spellings(d)
-    return str(d)
+    return d
 
 
 def _classic_spellings(d) -> None:
@@ -58,10 +56,19 @@ def user(tmp_path, hf_dir):
 
 
 def args_for(u, *extra) -> list[str]:
-    return ["--config", os.path.join(REPO, "configs/demo_cpu.yaml"), f"output_dir={u['out']}",
-            "model.init=pretrained", f"model.hf_path={u['hf']}", f"data.path={u['data']}",
-            "data.prompt_key=question", "data.label_key=answer", f"reward.function={u['reward']}:score",
-            *FAST, *extra]
+    return [
+        "--config",
+        os.path.join(REPO, "configs/demo_cpu.yaml"),
+        f"output_dir={u['out']}",
+        "model.init=pretrained",
+        f"model.hf_path={u['hf']}",
+        f"data.path={u['data']}",
+        "data.prompt_key=question",
+        "data.label_key=answer",
+        f"reward.function={u['reward']}:score",
+        *FAST,
+        *extra,
+    ]
 
 
 def run(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -69,8 +76,16 @@ def run(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.Compl
         cmd = [sys.executable, "-m", "gspo_megatron.train", *args]
     else:
         port = free_port()
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={port}", "-m", "gspo_megatron.train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={port}",
+            "-m",
+            "gspo_megatron.train",
+            *args,
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -141,41 +156,72 @@ def _write(u, name, text):
 
 MISTAKES = {
     "missing data key": lambda u: (
-        [f"data.path={_write(u, 'd.jsonl', json.dumps({'question': 'q', 'answer': 'a'}) + chr(10) + json.dumps({'prompt': 'q', 'answer': 'a'}) + chr(10))}"],
-        ["d.jsonl line 2", "missing key 'question' (data.prompt_key)"]),
+        [
+            f"data.path={_write(u, 'd.jsonl', json.dumps({'question': 'q', 'answer': 'a'}) + chr(10) + json.dumps({'prompt': 'q', 'answer': 'a'}) + chr(10))}"
+        ],
+        ["d.jsonl line 2", "missing key 'question' (data.prompt_key)"],
+    ),
     "malformed row": lambda u: (
-        [f"data.path={_write(u, 'd.jsonl', json.dumps({'question': 'q', 'answer': 'a'}) + chr(10) + '{question: q' + chr(10))}"],
-        ["d.jsonl line 2", "invalid JSON"]),
+        [
+            f"data.path={_write(u, 'd.jsonl', json.dumps({'question': 'q', 'answer': 'a'}) + chr(10) + '{question: q' + chr(10))}"
+        ],
+        ["d.jsonl line 2", "invalid JSON"],
+    ),
     "empty data file": lambda u: ([f"data.path={_write(u, 'd.jsonl', '')}"], ["d.jsonl", "empty"]),
-    "missing data file": lambda u: ([f"data.path={u['tmp']}/nope.jsonl"], ["data.path", "nope.jsonl", "does not exist"]),
+    "missing data file": lambda u: (
+        [f"data.path={u['tmp']}/nope.jsonl"],
+        ["data.path", "nope.jsonl", "does not exist"],
+    ),
     "prompt longer than data.max_prompt_len": lambda u: (
         [f"data.path={_write(u, 'd.jsonl', json.dumps({'question': 'x' * 60, 'answer': 'a'}) + chr(10))}"],
-        ["d.jsonl line 1", "more than data.max_prompt_len=40"]),
+        ["d.jsonl line 1", "more than data.max_prompt_len=40"],
+    ),
     "reward file syntax error": lambda u: (
-        [f"reward.function={_write(u, 'r.py', 'import math' + chr(10) + 'def score(prompt, response, label)' + chr(10) + '    return 1.0' + chr(10))}:score"],
-        ["syntax error", "r.py:2"]),
+        [
+            f"reward.function={_write(u, 'r.py', 'import math' + chr(10) + 'def score(prompt, response, label)' + chr(10) + '    return 1.0' + chr(10))}:score"
+        ],
+        ["syntax error", "r.py:2"],
+    ),
     "reward raises": lambda u: (
-        [f"reward.function={_write(u, 'r.py', 'def score(prompt, response, label):' + chr(10) + '    return 1 / 0' + chr(10))}:score"],
-        ["reward.function", "ZeroDivisionError", "r.py:2"]),
+        [
+            f"reward.function={_write(u, 'r.py', 'def score(prompt, response, label):' + chr(10) + '    return 1 / 0' + chr(10))}:score"
+        ],
+        ["reward.function", "ZeroDivisionError", "r.py:2"],
+    ),
     "reward returns None": lambda u: (
-        [f"reward.function={_write(u, 'r.py', 'def score(prompt, response, label):' + chr(10) + '    pass' + chr(10))}:score"],
-        ["reward.function", "returned NoneType None, expected a number"]),
+        [
+            f"reward.function={_write(u, 'r.py', 'def score(prompt, response, label):' + chr(10) + '    pass' + chr(10))}:score"
+        ],
+        ["reward.function", "returned NoneType None, expected a number"],
+    ),
     "reward with a wrong signature": lambda u: (
-        [f"reward.function={_write(u, 'r.py', 'def score(response, label):' + chr(10) + '    return 1.0' + chr(10))}:score"],
-        ["reward.function", "score(response, label) cannot be called as score(prompt, response, label)"]),
+        [
+            f"reward.function={_write(u, 'r.py', 'def score(response, label):' + chr(10) + '    return 1.0' + chr(10))}:score"
+        ],
+        ["reward.function", "score(response, label) cannot be called as score(prompt, response, label)"],
+    ),
     "missing reward function": lambda u: ([f"reward.function={u['reward']}:scor"], ["my_reward.py", "'scor'"]),
     "output_dir is a file": lambda u: ([f"output_dir={_write(u, 'run', 'x')}"], ["output_dir", "is a file"]),
     "HF dir without tokenizer": _no_tokenizer,
     "missing chat template with apply_chat_template": _no_chat_template,
     "HF dir without weights": _no_weights,
     "tokenizer larger than the model's vocabulary": _small_vocab,
-    "bad override key": lambda u: (["rollout.grup_size=4"], ["unknown key 'rollout.grup_size'", "did you mean 'rollout.group_size'"]),
+    "bad override key": lambda u: (
+        ["rollout.grup_size=4"],
+        ["unknown key 'rollout.grup_size'", "did you mean 'rollout.group_size'"],
+    ),
     "checkpoint.load without a checkpoint": lambda u: (
-        [f"checkpoint.load={u['tmp']}"], ["checkpoint.load", "no checkpoint"]),
+        [f"checkpoint.load={u['tmp']}"],
+        ["checkpoint.load", "no checkpoint"],
+    ),
     "token-sum aggregation": lambda u: (
-        ["gspo.mode=grpo", "gspo.loss_agg=token-sum"], ["gspo.loss_agg must be one of"]),
+        ["gspo.mode=grpo", "gspo.loss_agg=token-sum"],
+        ["gspo.loss_agg must be one of"],
+    ),
     "a layout larger than the world": lambda u: (
-        ["parallel.ep=2"], ["parallel.ep * parallel.etp * parallel.pp = 2 * 1 * 1 = 2 must divide the world size 1"]),
+        ["parallel.ep=2"],
+        ["parallel.ep * parallel.etp * parallel.pp = 2 * 1 * 1 = 2 must divide the world size 1"],
+    ),
 }
 
 
@@ -197,13 +243,13 @@ def test_a_mistake_is_one_line_and_exit_2(user, mistake):
 
 # A reward that passes the start-up call (it returns a number once) and then returns None on every call
 # of the run: the first scoring round fails entirely and must stop the run on every rank.
-LATE_NONE = '''
+LATE_NONE = """
 CALLS = [0]
 
 def score(prompt, response, label):
     CALLS[0] += 1
     return 1.0 if CALLS[0] == 1 else None
-'''
+"""
 
 
 def test_reward_failing_on_every_call_during_the_run_stops_every_rank_once(user):

@@ -11,15 +11,26 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _run(*args, env=None):
-    return run_group([sys.executable, "-m", "gspo_megatron.train", *args], timeout=120, cwd=REPO,
-                     env=dict(os.environ, **(env or {})))
+    return run_group(
+        [sys.executable, "-m", "gspo_megatron.train", *args], timeout=120, cwd=REPO, env=dict(os.environ, **(env or {}))
+    )
 
 
 def test_help_lists_every_section_and_interface_key():
     proc = _run("--help")
     assert proc.returncode == 0
-    for key in ("output_dir", "train.steps", "data.path", "data.prompt_key", "data.label_key",
-                "reward.function", "checkpoint.interval", "seed", "gspo.clip_low", "parallel.ep"):
+    for key in (
+        "output_dir",
+        "train.steps",
+        "data.path",
+        "data.prompt_key",
+        "data.label_key",
+        "reward.function",
+        "checkpoint.interval",
+        "seed",
+        "gspo.clip_low",
+        "parallel.ep",
+    ):
         assert key in proc.stdout, key
 
 
@@ -49,8 +60,9 @@ def test_bad_settings_fail_fast_naming_the_field(tmp_path):
 
 
 def test_world_size_that_does_not_divide_the_layout_is_refused(tmp_path):
-    proc = _run("--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/run", "parallel.ep=2",
-                   env={"WORLD_SIZE": "3"})
+    proc = _run(
+        "--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/run", "parallel.ep=2", env={"WORLD_SIZE": "3"}
+    )
     assert proc.returncode != 0
     assert "parallel.ep" in proc.stderr or "world size" in proc.stderr
 
@@ -61,22 +73,38 @@ def test_first_screen_is_ours_and_known_warnings_only_with_debug(tmp_path):
     by one line of ours and appear only with --debug; the ones our own calls caused are gone."""
     import subprocess
 
-    fast = ["train.steps=1", "rollout.prompts_per_step=4", "rollout.group_size=4", "parallel.micro_batch_size=4",
-            "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=0"]
+    fast = [
+        "train.steps=1",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "parallel.micro_batch_size=4",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.interval=0",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     outputs = {}
     for debug in (False, True):
-        args = ["--debug"] * debug + ["--config", "configs/demo_cpu.yaml", f"output_dir={tmp_path}/run{int(debug)}",
-                                      *fast]
-        proc = run_group([sys.executable, "-m", "gspo_megatron.train", *args], timeout=300, cwd=REPO, env=env,
-                         stderr=subprocess.STDOUT)
+        args = ["--debug"] * debug + [
+            "--config",
+            "configs/demo_cpu.yaml",
+            f"output_dir={tmp_path}/run{int(debug)}",
+            *fast,
+        ]
+        proc = run_group(
+            [sys.executable, "-m", "gspo_megatron.train", *args],
+            timeout=300,
+            cwd=REPO,
+            env=env,
+            stderr=subprocess.STDOUT,
+        )
         assert proc.returncode == 0, proc.stdout[-4000:]
         outputs[debug] = proc.stdout
     lines = outputs[False].splitlines()
     assert lines[0].startswith("[gspo-train] CPU path: ") and "--debug shows them" in lines[0], lines[:5]
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/1 "))
-    assert all(line.startswith("[gspo-train] ") for line in lines[:first_step]), lines[:first_step + 1]
+    assert all(line.startswith("[gspo-train] ") for line in lines[:first_step]), lines[: first_step + 1]
     assert "Warning" not in outputs[False], outputs[False][:3000]
     assert "Transformer Engine and Apex are not installed" in outputs[True]
     for message in ("The .grad attribute of a Tensor that is not a leaf", "is deprecated. Please use `torch"):

@@ -29,9 +29,16 @@ def test_eval_metrics_tensorboard_and_resume_without_repeats(tmp_path):
         for row in get_task("last_digit").rows(5, seed=77):
             f.write(json.dumps(row) + "\n")
     out = tmp_path / "run"
-    common = ["eval.interval=2", f"eval.datasets=[held={held},task:last_digit]", "eval.max_prompts=4",
-              "eval.n=3", "eval.greedy=false", "eval.pass_k=[1,3]", "logging.tensorboard=true",
-              "checkpoint.interval=2"]
+    common = [
+        "eval.interval=2",
+        f"eval.datasets=[held={held},task:last_digit]",
+        "eval.max_prompts=4",
+        "eval.n=3",
+        "eval.greedy=false",
+        "eval.pass_k=[1,3]",
+        "logging.tensorboard=true",
+        "checkpoint.interval=2",
+    ]
     proc = run_train(str(out), [*common, "train.steps=4"])
     rows = read_metrics(str(out))
     for name in ("held", "last_digit"):
@@ -61,11 +68,21 @@ def test_training_goes_on_past_a_hanging_erroring_dropping_reward_server(serve, 
     # step 1: request 2 hangs: the round's 3 s pass, its batch and the 2 not yet sent time out (12);
     # step 2: requests 3-5 answer HTTP 500 (one batch, 3 attempts), 7-9 drop the connection (another): 8 errors;
     # step 3: all answered.
-    url, faults = serve("last_digit", plan={2: "hang", 3: "error", 4: "error", 5: "error",
-                                            7: "drop", 8: "drop", 9: "drop"})
+    url, faults = serve(
+        "last_digit", plan={2: "hang", 3: "error", 4: "error", 5: "error", 7: "drop", 8: "drop", 9: "drop"}
+    )
     out = tmp_path / "remote"
-    run_train(str(out), [f"reward.url={url}", "reward.batch_size=4", "reward.max_in_flight=1",
-                         "reward.timeout_s=3", "reward.retries=2", "rollout.dynamic_sampling=false"])
+    run_train(
+        str(out),
+        [
+            f"reward.url={url}",
+            "reward.batch_size=4",
+            "reward.max_in_flight=1",
+            "reward.timeout_s=3",
+            "reward.retries=2",
+            "rollout.dynamic_sampling=false",
+        ],
+    )
     rows = read_metrics(str(out))
     assert [r["step"] for r in rows] == [1, 2, 3]
     got = [(r["reward/timeouts"], r["reward/errors"], r["reward/remote_retries"]) for r in rows]
@@ -78,8 +95,18 @@ def test_eval_with_offload_train_keeps_the_engine_synced(tmp_path):
     # rollout.offload_train: each evaluation offloads the training state, the engine takes its KV
     # cache, then the engine is released, the state reloaded and the weights pushed again
     out = tmp_path / "offload"
-    run_train(str(out), ["train.steps=2", "eval.interval=1", "eval.datasets=[task:last_digit]",
-                         "eval.max_prompts=4", "rollout.offload_train=true", "rollout.sync_verify=true", "rollout.sync_verify_every=1"])
+    run_train(
+        str(out),
+        [
+            "train.steps=2",
+            "eval.interval=1",
+            "eval.datasets=[task:last_digit]",
+            "eval.max_prompts=4",
+            "rollout.offload_train=true",
+            "rollout.sync_verify=true",
+            "rollout.sync_verify_every=1",
+        ],
+    )
     rows = read_metrics(str(out))
     assert _eval_steps(rows, "eval/last_digit/pass@1") == [0, 1, 2]
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -12,8 +12,15 @@ import pytest
 from train_utils import read_metrics, run_train
 
 TIES = dict(index_n_heads=1, index_topk=4)
-ENGINES = ["rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=disaggregated",
-           "rollout.num_engines=1", "train.steps=2", "rollout.max_new_tokens=8", "model.max_seq_len=64"]
+ENGINES = [
+    "rollout.engine=sglang",
+    "rollout.engine_server=cpu",
+    "rollout.sync_mode=disaggregated",
+    "rollout.num_engines=1",
+    "train.steps=2",
+    "rollout.max_new_tokens=8",
+    "model.max_seq_len=64",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +40,16 @@ def model(d: str) -> list[str]:
 
 
 def test_r3_replays_the_indexer_in_a_run(tmp_path, dsa_dir):
-    run_train(str(tmp_path / "r3"), [*ENGINES, *model(dsa_dir), "rollout.routing_replay=r3",
-                                     "rollout.sync_verify=true", "rollout.sync_verify_every=1"])
+    run_train(
+        str(tmp_path / "r3"),
+        [
+            *ENGINES,
+            *model(dsa_dir),
+            "rollout.routing_replay=r3",
+            "rollout.sync_verify=true",
+            "rollout.sync_verify_every=1",
+        ],
+    )
     rows = read_metrics(str(tmp_path / "r3"))
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

@@ -29,9 +29,9 @@ from train_utils import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
-import fault_injection  # noqa: E402
+import fault_injection
 
-REWARD_SRC = '''
+REWARD_SRC = """
 import multiprocessing
 import os
 import time
@@ -45,7 +45,7 @@ def score(prompt, response, label):
             f.write(str(os.getpid()))
         time.sleep(600)
     return float(len(response) % 2)
-'''
+"""
 
 PROMPTS, GROUP = 4, 4
 
@@ -54,17 +54,39 @@ def start_trainer(tmp_path, marker: str, extra_env: dict, max_new_tokens: int = 
     reward = tmp_path / "slow_reward.py"
     reward.write_text(REWARD_SRC)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", os.path.join(REPO, "configs/demo_cpu.yaml"),
-           f"output_dir={out}", "train.steps=50", f"rollout.prompts_per_step={PROMPTS}",
-           f"rollout.group_size={GROUP}", f"rollout.max_new_tokens={max_new_tokens}",
-           f"model.max_seq_len={40 + max_new_tokens}",
-           "rollout.dynamic_sampling=false", "parallel.micro_batch_size=4", "gspo.mini_batches=1",
-           "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=1",
-           "checkpoint.keep_last=2", "rollout.engine_process=true", "reward.num_workers=1",
-           f"reward.function={reward}:score", "reward.timeout_s=900"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GSPO_TEST_MARKER=marker,
-               GSPO_TEST_REWARD_LOG=str(tmp_path / "reward_calls.log"), **extra_env)
-    log = open(tmp_path / "train.log", "w")  # noqa: SIM115 (closed by the caller via proc)
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_megatron.train",
+        "--config",
+        os.path.join(REPO, "configs/demo_cpu.yaml"),
+        f"output_dir={out}",
+        "train.steps=50",
+        f"rollout.prompts_per_step={PROMPTS}",
+        f"rollout.group_size={GROUP}",
+        f"rollout.max_new_tokens={max_new_tokens}",
+        f"model.max_seq_len={40 + max_new_tokens}",
+        "rollout.dynamic_sampling=false",
+        "parallel.micro_batch_size=4",
+        "gspo.mini_batches=1",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.interval=1",
+        "checkpoint.keep_last=2",
+        "rollout.engine_process=true",
+        "reward.num_workers=1",
+        f"reward.function={reward}:score",
+        "reward.timeout_s=900",
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        GSPO_TEST_MARKER=marker,
+        GSPO_TEST_REWARD_LOG=str(tmp_path / "reward_calls.log"),
+        **extra_env,
+    )
+    log = open(tmp_path / "train.log", "w")  # closed by the caller via proc
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, out, log
 
@@ -90,8 +112,11 @@ def reward_calls(tmp_path, trainer_pid: int) -> int:
 
 
 def complete_steps(out) -> list[int]:
-    return sorted(int(p.rsplit("_", 1)[1]) for p in glob.glob(str(out / "checkpoints" / "step_*"))
-                  if ".tmp-" not in p and os.path.exists(os.path.join(p, "COMPLETE")))
+    return sorted(
+        int(p.rsplit("_", 1)[1])
+        for p in glob.glob(str(out / "checkpoints" / "step_*"))
+        if ".tmp-" not in p and os.path.exists(os.path.join(p, "COMPLETE"))
+    )
 
 
 def kill_and_check(proc, marker: str, tmp_path, grace_s: float = 30.0) -> dict:
@@ -127,9 +152,10 @@ def marker():
 
 def assert_no_orphans(result, proc, log_path):
     assert result["before"], "the trainer had no child processes when it was killed"
-    assert not result["alive"], (f"processes outlived the SIGKILLed trainer: {result['alive']}\n"
-                                 f"children before the kill: {result['before']}\n"
-                                 + open(log_path).read()[-3000:])
+    assert not result["alive"], (
+        f"processes outlived the SIGKILLed trainer: {result['alive']}\n"
+        f"children before the kill: {result['before']}\n" + open(log_path).read()[-3000:]
+    )
 
 
 def test_sigkill_during_generation(tmp_path, marker):
@@ -140,7 +166,7 @@ def test_sigkill_during_generation(tmp_path, marker):
     proc, out, log = start_trainer(tmp_path, marker, {}, max_new_tokens=200)
     engines: list[int] = []
     try:
-        step1_save = lambda: glob.glob(str(out / "checkpoints" / "step_000001*"))  # noqa: E731 (tmp dir or final)
+        step1_save = lambda: glob.glob(str(out / "checkpoints" / "step_000001*"))  # tmp dir or final
         wait_for(step1_save, proc, "step 1's checkpoint save", poll=0.002)
         engines = fault_injection.find_targets(proc.pid)["engine"]
         assert engines, "no engine process found"
@@ -186,8 +212,12 @@ def test_sigkill_during_checkpoint_save(tmp_path, marker):
     proc, out, log = start_trainer(tmp_path, marker, {})
     try:
         wait_for(lambda: complete_steps(out), proc, "the first checkpoint")
-        wait_for(lambda: glob.glob(str(out / "checkpoints" / "step_*.tmp-*")), proc,
-                 "a checkpoint save in progress", poll=0.002)
+        wait_for(
+            lambda: glob.glob(str(out / "checkpoints" / "step_*.tmp-*")),
+            proc,
+            "a checkpoint save in progress",
+            poll=0.002,
+        )
         result = kill_and_check(proc, marker, tmp_path)
         assert glob.glob(str(out / "checkpoints" / "step_*.tmp-*"))  # the save never finished
     finally:

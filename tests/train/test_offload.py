@@ -104,8 +104,12 @@ def test_loss_curve_identical_with_offload(tmp_path):
         run_train(out, ["train.steps=4", f"rollout.offload_train={flag}"])
         runs[flag] = read_metrics(out)
     # everything computed from the weights (losses, ratios, entropy, grad norm, rewards, log-prob gaps)
-    keys = [k for k in runs["false"][0] if k.startswith(("loss/", "gspo/", "policy/", "train/", "reward/", "rollout/"))
-            and k != "rollout/engine_restarts"]
+    keys = [
+        k
+        for k in runs["false"][0]
+        if k.startswith(("loss/", "gspo/", "policy/", "train/", "reward/", "rollout/"))
+        and k != "rollout/engine_restarts"
+    ]
     assert {"loss/total", "train/grad_norm", "reward/mean", "policy/entropy"} <= set(keys), keys
     assert len(runs["false"]) == len(runs["true"]) == 4
     assert all(m["offload/bytes"] > 0 for m in runs["true"]) and "offload/bytes" not in runs["false"][0]
@@ -132,16 +136,31 @@ def test_walks_into_chained_and_hybrid_optimizers():
     for p, opt in ((dense, dense_opt), (expert_sub, hybrid.sub_optimizers[0])):
         p.grad = torch.ones_like(p)
         opt.step()
-    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=dense_opt), SimpleNamespace(optimizer=hybrid)])
+    chained = SimpleNamespace(
+        chained_optimizers=[SimpleNamespace(optimizer=dense_opt), SimpleNamespace(optimizer=hybrid)]
+    )
     off = TrainStateOffloader([], chained)
-    before = [t.clone() for t in (dense, expert_main, expert_sub, *dense_opt.state[dense].values(),
-                                   *hybrid.sub_optimizers[0].state[expert_sub].values())]
+    before = [
+        t.clone()
+        for t in (
+            dense,
+            expert_main,
+            expert_sub,
+            *dense_opt.state[dense].values(),
+            *hybrid.sub_optimizers[0].state[expert_sub].values(),
+        )
+    ]
     moved = off.offload()
     assert moved == 3 * 16 + 2 * 16 + 2 * (16 + 16 + 4)  # 3 params, 2 grads, 2 x (exp_avg, exp_avg_sq, step)
     assert hybrid.sub_optimizers[0].state[expert_sub]["exp_avg"].untyped_storage().nbytes() == 0
     off.reload()
-    after = [dense, expert_main, expert_sub, *dense_opt.state[dense].values(),
-             *hybrid.sub_optimizers[0].state[expert_sub].values()]
+    after = [
+        dense,
+        expert_main,
+        expert_sub,
+        *dense_opt.state[dense].values(),
+        *hybrid.sub_optimizers[0].state[expert_sub].values(),
+    ]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 

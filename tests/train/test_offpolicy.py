@@ -20,8 +20,12 @@ import time
 from subprocess_utils import popen_group
 from train_utils import FAST, REPO, read_metrics, run_train
 
-DISAGG = ["rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=disaggregated",
-          "rollout.num_engines=1"]
+DISAGG = [
+    "rollout.engine=sglang",
+    "rollout.engine_server=cpu",
+    "rollout.sync_mode=disaggregated",
+    "rollout.num_engines=1",
+]
 
 
 def test_offpolicy_run_keeps_the_staleness_bound(tmp_path):
@@ -45,9 +49,19 @@ def test_offpolicy_run_keeps_the_staleness_bound(tmp_path):
 def test_killed_offpolicy_run_resumes(tmp_path):
     out = str(tmp_path / "run")
     steps = 5
-    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", os.path.join(REPO, "configs/demo_cpu.yaml"),
-           f"output_dir={out}", *FAST, *DISAGG, "rollout.max_staleness=2", f"train.steps={steps}",
-           "checkpoint.interval=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_megatron.train",
+        "--config",
+        os.path.join(REPO, "configs/demo_cpu.yaml"),
+        f"output_dir={out}",
+        *FAST,
+        *DISAGG,
+        "rollout.max_staleness=2",
+        f"train.steps={steps}",
+        "checkpoint.interval=2",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     metrics = os.path.join(out, "metrics.jsonl")
 

@@ -10,8 +10,13 @@ import pytest
 
 from train_utils import read_metrics, run_train
 
-ENGINES = ["rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=disaggregated",
-           "rollout.num_engines=1", "train.steps=2"]
+ENGINES = [
+    "rollout.engine=sglang",
+    "rollout.engine_server=cpu",
+    "rollout.sync_mode=disaggregated",
+    "rollout.num_engines=1",
+    "train.steps=2",
+]
 NO_PROBE = ["rollout.sync_verify=false"]  # without r3 the probe compares each side's own routing: it would fail
 
 
@@ -24,8 +29,16 @@ def perturbed(monkeypatch):
 
 def test_r3_run_closes_the_logprob_gap(tmp_path, perturbed):
     # the post-sync probe (rollout.sync_verify, every sync) replays the engine's routes too: it passes
-    run_train(str(tmp_path / "r3"), [*ENGINES, "rollout.routing_replay=r3", "parallel.max_tokens_per_micro_batch=64",
-                                     "rollout.sync_verify_every=1", "gspo.kl_coef=0.01"])
+    run_train(
+        str(tmp_path / "r3"),
+        [
+            *ENGINES,
+            "rollout.routing_replay=r3",
+            "parallel.max_tokens_per_micro_batch=64",
+            "rollout.sync_verify_every=1",
+            "gspo.kl_coef=0.01",
+        ],
+    )
     rows = read_metrics(str(tmp_path / "r3"))
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -41,8 +54,9 @@ def test_r3_run_closes_the_logprob_gap(tmp_path, perturbed):
 def test_r2_run(tmp_path):
     """R2 with any engine (here the default one): two mini-batches (the second policy forward runs
     after an update, replaying the old forward's record), the KL reference model replaying it too."""
-    run_train(str(tmp_path / "r2"), ["train.steps=2", "rollout.routing_replay=r2", "gspo.mini_batches=2",
-                                     "gspo.kl_coef=0.01"])
+    run_train(
+        str(tmp_path / "r2"), ["train.steps=2", "rollout.routing_replay=r2", "gspo.mini_batches=2", "gspo.kl_coef=0.01"]
+    )
     rows = read_metrics(str(tmp_path / "r2"))
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -71,8 +85,15 @@ def test_r3_multi_turn_custom_rollouts(tmp_path, perturbed):
     carries its route, so the trained tokens' old log-probs equal the engine's; the probe replays too."""
     hook = tmp_path / "hook.py"
     hook.write_text(HOOK)
-    run_train(str(tmp_path / "mt"), [*ENGINES, "rollout.routing_replay=r3", f"rollout.custom_function={hook}:two_turns",
-                                     "parallel.max_tokens_per_micro_batch=64"])
+    run_train(
+        str(tmp_path / "mt"),
+        [
+            *ENGINES,
+            "rollout.routing_replay=r3",
+            f"rollout.custom_function={hook}:two_turns",
+            "parallel.max_tokens_per_micro_batch=64",
+        ],
+    )
     rows = read_metrics(str(tmp_path / "mt"))
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

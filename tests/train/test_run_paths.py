@@ -32,14 +32,16 @@ from subprocess_utils import popen_group, run_group
 from train_utils import FAST, REPO, read_metrics, run_train
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
-import fault_injection  # noqa: E402
+import fault_injection
 
 DRIVER = os.path.join(os.path.dirname(__file__), "run_driver.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 TINY_LR = "optimizer.lr=1e-12"  # Adam moves each weight by ~lr: far below fp32 resolution of O(0.01) weights
 
 
-def drive(mode: str, out_dir: str, overrides: list[str], timeout: int = 600) -> tuple[subprocess.CompletedProcess, dict]:
+def drive(
+    mode: str, out_dir: str, overrides: list[str], timeout: int = 600
+) -> tuple[subprocess.CompletedProcess, dict]:
     report = os.path.join(out_dir + ".report.json")
     args = ["--config", os.path.join(REPO, "configs/demo_cpu.yaml"), f"output_dir={out_dir}", *FAST, *overrides]
     proc = run_group([sys.executable, DRIVER, mode, report, "--", *args], timeout=timeout, cwd=REPO, env=ENV)
@@ -91,8 +93,17 @@ def test_model_checkpoint_starts_from_a_previous_runs_weights(first_run, tmp_pat
 
 def test_kl_reference_model_is_frozen_and_kl_grows_from_zero(first_run, tmp_path):
     out = str(tmp_path / "kl")
-    proc, report = drive("observe", out, [f"model.checkpoint={first_run}/checkpoints", "gspo.kl_coef=0.1",
-                                          "gspo.mini_batches=1", "optimizer.lr=0.01", "train.steps=3"])
+    proc, report = drive(
+        "observe",
+        out,
+        [
+            f"model.checkpoint={first_run}/checkpoints",
+            "gspo.kl_coef=0.1",
+            "gspo.mini_batches=1",
+            "optimizer.lr=0.01",
+            "train.steps=3",
+        ],
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     kl = [m["loss/kl_ref"] for m in read_metrics(out)]
     assert len(kl) == 3
@@ -137,8 +148,17 @@ def test_pretrained_init_from_a_sharded_hf_checkpoint(tmp_path, dtype):
     weights = _write_sharded(factory.hf_init_dir(made), str(tmp_path / "sharded"))
     assert len([n for n in os.listdir(tmp_path / "sharded") if n.endswith(".safetensors")]) == 3
     out = str(tmp_path / "run")
-    run_train(out, ["model.init=pretrained", f"model.hf_path={tmp_path / 'sharded'}", "model.arch=null",
-                    "train.steps=1", TINY_LR, f"model.dtype={dtype}"])
+    run_train(
+        out,
+        [
+            "model.init=pretrained",
+            f"model.hf_path={tmp_path / 'sharded'}",
+            "model.arch=null",
+            "train.steps=1",
+            TINY_LR,
+            f"model.dtype={dtype}",
+        ],
+    )
     assert not os.path.exists(os.path.join(out, "hf_init"))  # the HF directory itself is the start
     # fp32: the same weights; bf16: exactly the same weights rounded to bf16 (the fp32 main copy of
     # those, moved by ~1e-12, rounds back to them)
@@ -155,8 +175,9 @@ def test_run_stops_after_max_bad_steps_with_the_last_good_checkpoint(tmp_path):
     proc, report = drive("nan_loss_from=2", out, ["optimizer.max_bad_steps=2", "train.steps=6"])
     assert proc.returncode != 0
     assert report["train_on_batch_calls"] == 3
-    assert ("2 consecutive steps had a non-finite loss or gradient norm (optimizer.max_bad_steps=2); "
-            "stopping") in proc.stderr
+    assert (
+        "2 consecutive steps had a non-finite loss or gradient norm (optimizer.max_bad_steps=2); stopping"
+    ) in proc.stderr
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["train/bad_streak"] for m in metrics] == [0, 1, 2]
@@ -185,8 +206,9 @@ def test_a_transport_failure_mid_sync_stops_the_run(tmp_path):
     proc, report = drive("sync_raises_at=3", out, ["train.steps=4", "rollout.dynamic_sampling=false"])
     assert report["raised"] == 1
     assert proc.returncode != 0, proc.stderr[-3000:]
-    assert ("rollout failed with a healthy engine: rank 0: RuntimeError: injected: weight update failed "
-            "mid-sync") in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "rollout failed with a healthy engine: rank 0: RuntimeError: injected: weight update failed mid-sync"
+    ) in proc.stderr, proc.stderr[-3000:]
     assert report["syncs"] == 3  # no retry on a healthy engine
     assert [m["step"] for m in read_metrics(out)] == [1]
 
@@ -196,7 +218,9 @@ def test_sync_verify_stops_a_run_whose_engine_lost_a_tensor(tmp_path):
     check (greedy probe, engine log-probs vs the trainer's) stops the run naming the difference.
     Without the check the run would go on training on samples from the wrong policy."""
     out = str(tmp_path / "verify")
-    proc, report = drive("engine_corrupts_from=3", out, ["train.steps=3", "rollout.sync_verify=true", "rollout.sync_verify_every=1"])
+    proc, report = drive(
+        "engine_corrupts_from=3", out, ["train.steps=3", "rollout.sync_verify=true", "rollout.sync_verify_every=1"]
+    )
     assert report["corrupted"], report
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "weight sync check failed: engine log-probs differ from the trainer's" in proc.stderr, proc.stderr[-3000:]
@@ -211,9 +235,18 @@ def test_an_engine_that_keeps_dying_stops_the_run(tmp_path):
     re-sync, retry), the second stops every rank with one clear error."""
     out = str(tmp_path / "dying")
     log_path = tmp_path / "log.txt"
-    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", os.path.join(REPO, "configs/demo_cpu.yaml"),
-           f"output_dir={out}", *FAST, "train.steps=30", "rollout.engine_process=true",
-           "rollout.max_engine_restarts=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_megatron.train",
+        "--config",
+        os.path.join(REPO, "configs/demo_cpu.yaml"),
+        f"output_dir={out}",
+        *FAST,
+        "train.steps=30",
+        "rollout.engine_process=true",
+        "rollout.max_engine_restarts=1",
+    ]
     killed: list[int] = []
 
     def log() -> str:

@@ -18,21 +18,42 @@ from train_utils import FAST, REPO
 
 DRIVER = os.path.join(os.path.dirname(__file__), "run_driver.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-DISAGG = ["rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=disaggregated",
-          "rollout.num_engines=1"]
+DISAGG = [
+    "rollout.engine=sglang",
+    "rollout.engine_server=cpu",
+    "rollout.sync_mode=disaggregated",
+    "rollout.num_engines=1",
+]
 
 
-@pytest.mark.parametrize("overrides", [
-    ["rollout.offload_train=true", "rollout.sync_verify=true", "rollout.sync_verify_every=1",
-     "eval.interval=1", "eval.datasets=[task:last_digit]", "eval.max_prompts=4"],
-    [*DISAGG, "rollout.max_staleness=1"],
-], ids=["offload_eval_verify", "offpolicy"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [
+            "rollout.offload_train=true",
+            "rollout.sync_verify=true",
+            "rollout.sync_verify_every=1",
+            "eval.interval=1",
+            "eval.datasets=[task:last_digit]",
+            "eval.max_prompts=4",
+        ],
+        [*DISAGG, "rollout.max_staleness=1"],
+    ],
+    ids=["offload_eval_verify", "offpolicy"],
+)
 def test_no_session_attribute_is_replaced_during_a_run(tmp_path, overrides):
     out, report_path = str(tmp_path / "run"), str(tmp_path / "report.json")
-    args = ["--config", os.path.join(REPO, "configs/demo_cpu.yaml"), f"output_dir={out}", *FAST,
-            "train.steps=2", *overrides]
-    proc = run_group([sys.executable, DRIVER, "session_composed", report_path, "--", *args], timeout=600,
-                     cwd=REPO, env=ENV)
+    args = [
+        "--config",
+        os.path.join(REPO, "configs/demo_cpu.yaml"),
+        f"output_dir={out}",
+        *FAST,
+        "train.steps=2",
+        *overrides,
+    ]
+    proc = run_group(
+        [sys.executable, DRIVER, "session_composed", report_path, "--", *args], timeout=600, cwd=REPO, env=ENV
+    )
     assert os.path.exists(report_path), proc.stderr[-4000:]
     with open(report_path) as f:
         report = json.load(f)

@@ -17,20 +17,38 @@ from subprocess_utils import run_group
 from train_utils import FAST, REPO, read_metrics
 
 SYNC_CHECK = os.path.join(REPO, "tests", "train", "ordered_sync_check.py")  # sync_check.py, one request at a time
-COLOCATED = ["rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=colocated",
-             "rollout.engine_tp=1", "model.dtype=bfloat16", "optimizer.lr=1e-4", "train.steps=4",
-             # per-request seeds: two engines serve concurrent requests in an order that varies from
-             # run to run, so without them two identical full-sync runs already differ
-             "rollout.engine_deterministic=true"]
+COLOCATED = [
+    "rollout.engine=sglang",
+    "rollout.engine_server=cpu",
+    "rollout.sync_mode=colocated",
+    "rollout.engine_tp=1",
+    "model.dtype=bfloat16",
+    "optimizer.lr=1e-4",
+    "train.steps=4",
+    # per-request seeds: two engines serve concurrent requests in an order that varies from
+    # run to run, so without them two identical full-sync runs already differ
+    "rollout.engine_deterministic=true",
+]
 # what differs between two identical runs (clocks) or between the sync modes by design
 VARYING = ("sync/", "time/", "perf/", "timing/")
 
 
 def _run(tmp_path, name: str, extra: list[str]) -> tuple[list[dict], list[dict]]:
     out, checks = str(tmp_path / name), tmp_path / f"{name}_checks.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           SYNC_CHECK, "--config", os.path.join(REPO, "configs/demo_cpu.yaml"), f"output_dir={out}", *FAST,
-           *COLOCATED, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        SYNC_CHECK,
+        "--config",
+        os.path.join(REPO, "configs/demo_cpu.yaml"),
+        f"output_dir={out}",
+        *FAST,
+        *COLOCATED,
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GSPO_SYNC_CHECK_FILE=str(checks))
     proc = run_group(cmd, timeout=900, cwd=REPO, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -38,8 +56,9 @@ def _run(tmp_path, name: str, extra: list[str]) -> tuple[list[dict], list[dict]]
 
 
 def _learning(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(VARYING) and "_s" not in k.rsplit("/", 1)[-1]}
-            for r in rows]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(VARYING) and "_s" not in k.rsplit("/", 1)[-1]} for r in rows
+    ]
 
 
 def test_delta_sync_learns_as_full_sync_and_engines_match_bitwise(tmp_path):
@@ -49,8 +68,12 @@ def test_delta_sync_learns_as_full_sync_and_engines_match_bitwise(tmp_path):
         assert len(checks) >= 5  # the first sync + one per step
         for c in checks:
             assert not c["mismatches"] and len(c["engines"]) == 2 and all(e["checked"] for e in c["engines"]), c
-    diff = [(f["step"], k, f.get(k), d.get(k)) for f, d in zip(_learning(full_rows), _learning(delta_rows))
-            for k in sorted(set(f) | set(d)) if f.get(k) != d.get(k)]
+    diff = [
+        (f["step"], k, f.get(k), d.get(k))
+        for f, d in zip(_learning(full_rows), _learning(delta_rows))
+        for k in sorted(set(f) | set(d))
+        if f.get(k) != d.get(k)
+    ]
     assert len(delta_rows) == len(full_rows) and not diff, diff[:20]
     fractions = [r["sync/delta_wire_bytes"] / r["sync/delta_full_bytes"] for r in delta_rows]
     assert all(f < 1.0 for f in fractions), fractions

@@ -8,7 +8,7 @@ import pytest
 
 from train_utils import read_metrics, run_train
 
-REWARD_SRC = '''
+REWARD_SRC = """
 import json
 import os
 
@@ -22,7 +22,7 @@ def score(prompt, response, label):
         open(log + ".hung", "w").close()
         import time; time.sleep(600)
     return 1.0 if str(label)[0] in response else 0.0
-'''
+"""
 
 
 def test_user_data_and_reward_function(tmp_path, monkeypatch):
@@ -36,9 +36,19 @@ def test_user_data_and_reward_function(tmp_path, monkeypatch):
     log = tmp_path / "calls.log"
     monkeypatch.setenv("GSPO_TEST_REWARD_LOG", str(log))
     out = tmp_path / "run"
-    run_train(str(out), [f"data.path={data}", "data.prompt_key=question", "data.label_key=answer",
-                         f"reward.function={reward}:score", "reward.num_workers=1", "reward.timeout_s=2", "train.steps=2",
-                         "rollout.dynamic_sampling=false"])  # one sampling round: an exact call count
+    run_train(
+        str(out),
+        [
+            f"data.path={data}",
+            "data.prompt_key=question",
+            "data.label_key=answer",
+            f"reward.function={reward}:score",
+            "reward.num_workers=1",
+            "reward.timeout_s=2",
+            "train.steps=2",
+            "rollout.dynamic_sampling=false",
+        ],
+    )  # one sampling round: an exact call count
     metrics = read_metrics(str(out))
     assert [m["step"] for m in metrics] == [1, 2]
     calls = log.read_text().splitlines()
@@ -47,9 +57,17 @@ def test_user_data_and_reward_function(tmp_path, monkeypatch):
     assert prompts == {r["question"] for r in rows}
     assert sum(json.loads(c)[2] == "hang" for c in calls) == 4  # the hanging row's group, every call made
     for m in metrics:
-        for key in ("reward/mean", "reward/std", "loss/policy", "gspo/clip_frac", "gspo/ratio_mean",
-                    "rollout/logprob_abs_diff", "rollout/response_len_mean", "perf/step_time_s",
-                    "perf/tokens_per_s"):
+        for key in (
+            "reward/mean",
+            "reward/std",
+            "loss/policy",
+            "gspo/clip_frac",
+            "gspo/ratio_mean",
+            "rollout/logprob_abs_diff",
+            "rollout/response_len_mean",
+            "perf/step_time_s",
+            "perf/tokens_per_s",
+        ):
             assert key in m, key
         assert m["reward/errors"] == 0 and m["reward/nonfinite"] == 0
     assert sum(m["reward/timeouts"] for m in metrics) == 1  # the hung call was cut and counted

@@ -15,20 +15,41 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # A tiny, fast configuration shared by the e2e tests (the demo model, few prompts, few steps).
 FAST = [
-    "train.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3",
-    "parallel.micro_batch_size=4", "gspo.mini_batches=2", "logging.progress=false",
-    "logging.tensorboard=false", "checkpoint.interval=0", "optimizer.lr=0.003",
+    "train.steps=3",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=3",
+    "parallel.micro_batch_size=4",
+    "gspo.mini_batches=2",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "checkpoint.interval=0",
+    "optimizer.lr=0.003",
 ]
 
 
-def run_train(out_dir: str, overrides: list[str], nproc: int = 1, config: str = "configs/demo_cpu.yaml",
-              timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+def run_train(
+    out_dir: str,
+    overrides: list[str],
+    nproc: int = 1,
+    config: str = "configs/demo_cpu.yaml",
+    timeout: int = 600,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     args = ["--config", os.path.join(REPO, config), f"output_dir={out_dir}", *FAST, *overrides]
     if nproc == 1:
         cmd = [sys.executable, "-m", "gspo_megatron.train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", "-m", "gspo_megatron.train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            "-m",
+            "gspo_megatron.train",
+            *args,
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = run_group(cmd, timeout=timeout, cwd=REPO, env=env)  # kills torchrun's ranks / engine children too
     if check and proc.returncode != 0:

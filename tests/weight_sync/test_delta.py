@@ -52,13 +52,13 @@ def test_bit_patterns_count_signed_zero_and_nan_payloads():
 def test_choose_encoding_picks_the_smallest():
     # bf16, n = 1000: index k*6, bitmask 125 + k*2, full 2000
     assert choose_encoding(1000, 0, 2) == "index"
-    assert choose_encoding(1000, 10, 2) == "index"        # 60 < 145
-    assert choose_encoding(1000, 100, 2) == "bitmask"     # 600 > 325
-    assert choose_encoding(1000, 937, 2) == "bitmask"     # 1999 < 2000
+    assert choose_encoding(1000, 10, 2) == "index"  # 60 < 145
+    assert choose_encoding(1000, 100, 2) == "bitmask"  # 600 > 325
+    assert choose_encoding(1000, 937, 2) == "bitmask"  # 1999 < 2000
     assert encoded_sizes(1000, 938, 2)["bitmask"] == 2001
-    assert choose_encoding(1000, 938, 2) == "full"        # not smaller
+    assert choose_encoding(1000, 938, 2) == "full"  # not smaller
     assert choose_encoding(1000, 1000, 2) == "full"
-    assert choose_encoding(0, 0, 2) == "full"             # nothing is smaller than an empty tensor
+    assert choose_encoding(0, 0, 2) == "full"  # nothing is smaller than an empty tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

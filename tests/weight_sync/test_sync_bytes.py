@@ -23,14 +23,16 @@ def _sync_bytes():
 
 
 def _plan_worker(rank, world, hf_dir, layout):
-    from gspo_megatron.models.build import build_model, load_hf_config
+    from gspo_megatron.models.build import build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import build_export_plan
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.weight_sync.topology import stage_sources
 
     init_distributed(ParallelLayout(**layout))
-    model = build_model(load_hf_config(hf_dir), layout.get("tp", 1), layout.get("pp", 1),
-                        layout.get("ep", 1), layout.get("etp"))
+    model = build_model(
+        load_hf_config(hf_dir), layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1), layout.get("etp")
+    )
     items, _ = build_export_plan(model)
     stage_of, sources = stage_sources()
     owned, to_source = {}, {}
@@ -43,7 +45,7 @@ def _plan_worker(rank, world, hf_dir, layout):
 
 @pytest.mark.parametrize("layout,world", [({"pp": 2}, 2), ({"pp": 2, "ep": 2}, 4)], ids=["pp2", "pp2ep2"])
 def test_owner_and_source_bytes_equal_the_export_plan(tmp_path, layout, world):
-    from gspo_megatron.models.build import load_hf_config
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.tiny import save_tiny_hf_model
     from gspo_megatron.planner import ModelDims
 
@@ -78,3 +80,72 @@ def test_ring_accounting_by_hand():
     assert sent == {0: 50 + 150 + 86, 1: 50 + 150, 2: 30 + 150 + 86, 3: 30 + 86}
     assert nodes == {0: 150, 1: 86}  # the edges 1 -> 2 (root 0) and 3 -> 0 (root 2) leave their nodes
     assert local == {r: 236 for r in range(4)}
+
+
+def test_time_model_closed_forms():
+    sb = _sync_bytes()
+    cl = sb.Cluster()
+    assert sb.transfer_seconds(1e9, 50.0) == pytest.approx(0.02)  # 1 GB over one NDR NIC
+    # index (int32 + bf16 = 6 B per change) below 1/32 changed, bitmask above, never above full
+    assert sb.delta_wire_bytes(1e6, 0.01, 2) == pytest.approx(1e4 * 6)
+    assert sb.delta_wire_bytes(1e6, 0.5, 2) == pytest.approx(1e6 / 8 + 5e5 * 2)
+    assert sb.delta_ratio(0.0005, 2) == pytest.approx(0.0015) and sb.delta_ratio(1.0, 2) == 1.0
+    # a ring broadcast of 1 GB over two full nodes: the node hop on 8 rails (1/8 GB per NIC, 8 x 50 GB/s
+    # < 450 GB/s NVLink: IB is the bottleneck); one node: NVLink
+    load = sb.LinkLoad(cl, 8)
+    load.ring_broadcast(list(range(16)), 0, 1e9)
+    t, key, b = load.bottleneck()
+    assert key[1] == "ib" and b == pytest.approx(1e9 / 8) and t == pytest.approx(1e9 / 400e9)
+    assert load.bytes[(7, "ib", "out")] == pytest.approx(1e9 / 8)
+    load = sb.LinkLoad(cl, 8)
+    load.ring_broadcast(list(range(8)), 0, 1e9)
+    assert load.bottleneck()[1][1] == "nvlink" and load.bottleneck()[0] == pytest.approx(1e9 / 450e9)
+    # a lone source on its node: one rail, 1 GB / 50 GB/s
+    load = sb.LinkLoad(cl, 8)
+    load.ring_broadcast([0] + [("engine", i) for i in range(8)], 0, 1e9)
+    assert load.bottleneck()[0] == pytest.approx(0.02) and load.bottleneck()[1][1] == "ib"
+
+
+def test_time_model_bottleneck_colocated_vs_disaggregated():
+    sb = _sync_bytes()
+    cl = sb.Cluster()
+    lay = sb.Layout(world=8, gpus_per_node=8, tp=1, pp=1, ep=8, engines=1, engine_tp=8)
+    stages = [sb.StageBytes(1_000_000_000, 0, 8_000_000_000)]  # 9 GB: 1 GB dense, 1 GB per expert owner
+    # colocated on one node: every transfer on NVLink; owner-direct sends the experts p2p (7/8 GB out
+    # of each owner) and rings the dense 1 GB
+    t, key, b = sb.full_sync_load(stages, lay, "colocated", cl).bottleneck()
+    # each rank forwards every owner's bytes but those of the root after it (9 - 1 GB)
+    assert key[1] == "nvlink" and b == pytest.approx(8e9) and t == pytest.approx(8e9 / 450e9)
+    t, key, b = sb.owner_direct_load(stages, lay, "colocated", cl).bottleneck()
+    assert key[1] == "nvlink" and b == pytest.approx(1e9 + 7e9 / 8)
+    # disaggregated: the stage source's NIC carries the whole model once (one rail), 9 GB / 50 GB/s
+    t, key, b = sb.full_sync_load(stages, lay, "disaggregated", cl).bottleneck()
+    assert key[1] == "ib" and t == pytest.approx(9e9 / 50e9)
+    # owner-direct disaggregated: each expert owner's NIC sends its 1 GB, the source also rings 1 GB dense
+    t, key, b = sb.owner_direct_load(stages, lay, "disaggregated", cl).bottleneck()
+    assert key == (0, "ib", "out") and b == pytest.approx(2e9)
+    # delta from the owners: the PCIe read of the owner's bytes (2 GB at 55 GB/s) bounds it
+    t, key, b = sb.delta_owner_load(stages, lay, "disaggregated", cl, sb.delta_ratio(0.0005, 2)).bottleneck()
+    assert key == (0, "pcie", "out") and t == pytest.approx(2e9 / 55e9)
+
+
+def test_main_prints_a_row_per_mode(capsys):
+    sb = _sync_bytes()
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    sb.main([os.path.join(root, "configs", "qwen3_30b_a3b_gspo.yaml"), "--ib-gbps", "25"])
+    out = capsys.readouterr().out
+    assert "InfiniBand 25 GB/s" in out and "modelled, not measured" in out
+    rows = [line for line in out.splitlines() if line.strip().startswith("qwen3_30b_a3b_gspo ")]
+    modes = [line[36:].split()[0] + " " + line[50:72].strip() for line in rows]
+    assert modes == [
+        "colocated full (built)",
+        "colocated owner-direct",
+        "colocated delta 1.79% (built)",
+        "colocated delta 1.79% owner",
+        "colocated delta 0.05% (built)",
+        "colocated delta 0.05% owner",
+        "disaggregated full (built)",
+        "disaggregated owner-direct",
+        "disaggregated delta 1.79% owner",
+        "disaggregated delta 0.05% owner",
+    ]

@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from gspo_megatron.config import ConfigError, engine_count, load_config, validate
+from gspo_megatron.config import engine_count, load_config, validate
+from gspo_megatron.errors import ConfigError
 from gspo_megatron.weight_sync import modes
 from gspo_megatron.weight_sync.modes import SyncMode, sync_mode, sync_mode_names
 
@@ -37,8 +38,10 @@ def test_unknown_mode_is_refused_in_one_line_naming_field_and_modes():
     assert str(e.value) == "rollout.sync_mode must be one of 'inprocess', 'colocated', 'disaggregated'; got 'delta'"
     with pytest.raises(ConfigError) as c:
         load_config(None, ["rollout.engine=sglang", "rollout.sync_mode=colocate"])
-    assert c.value.errors == ["rollout.sync_mode must be one of 'inprocess', 'colocated', 'disaggregated'; "
-                              "got 'colocate'; did you mean 'colocated'?"]
+    assert c.value.errors == [
+        "rollout.sync_mode must be one of 'inprocess', 'colocated', 'disaggregated'; "
+        "got 'colocate'; did you mean 'colocated'?"
+    ]
 
 
 def test_properties_drive_validation(registry):
@@ -46,8 +49,9 @@ def test_properties_drive_validation(registry):
     modes.register_sync_mode(dataclasses.replace(base, name="delta_test", allows_staleness=False, attaches=False))
     cfg = load_config(None, DELTA)  # a registered name is a valid value
     assert cfg.rollout.sync_mode == "delta_test" and engine_count(cfg, 4) == 1
-    with pytest.raises(ConfigError, match="rollout.max_staleness=1 needs rollout.sync_mode=disaggregated "
-                                          "\\(got delta_test\\)"):
+    with pytest.raises(
+        ConfigError, match="rollout.max_staleness=1 needs rollout.sync_mode=disaggregated \\(got delta_test\\)"
+    ):
         load_config(None, DELTA + ["rollout.max_staleness=1"])
     with pytest.raises(ConfigError, match="rollout.engine_urls needs rollout.sync_mode=disaggregated"):
         load_config(None, DELTA + ["rollout.engine_urls=[http://a:1]", "rollout.num_engines=0"])

@@ -35,15 +35,17 @@ def _worker(rank, world, hf_dir, cases):
 
 
 def _sync_once(rank, hf_dir, layout, routing):
-    from gspo_megatron.models.build import build_model, load_hf_config
+    from gspo_megatron.models.build import build_model
+    from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import ALL_RANKS, load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.weight_sync.sync import WeightSyncer
     from gspo_megatron.weight_sync.topology import SyncTopology, stage_sources
 
     init_distributed(ParallelLayout(**layout))
-    model = build_model(load_hf_config(hf_dir), layout.get("tp", 1), layout.get("pp", 1),
-                        layout.get("ep", 1), layout.get("etp"))
+    model = build_model(
+        load_hf_config(hf_dir), layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1), layout.get("etp")
+    )
     load_hf_weights(model, hf_dir)
     if routing == "rank0":
         topology = SyncTopology("inprocess", 0, Recorder() if rank == 0 else None)
@@ -51,8 +53,12 @@ def _sync_once(rank, hf_dir, layout, routing):
         topology = SyncTopology("colocated", ALL_RANKS, Recorder())
     else:
         stage_of, sources = stage_sources()
-        topology = SyncTopology("disaggregated", lambda owner: sources[stage_of[owner]],
-                                Recorder() if rank in sources else None, sources=sources)
+        topology = SyncTopology(
+            "disaggregated",
+            lambda owner: sources[stage_of[owner]],
+            Recorder() if rank in sources else None,
+            sources=sources,
+        )
     syncer = WeightSyncer(model, topology, bucket_mb=BUCKET / (1 << 20))
     metrics = syncer.sync()
     rec = topology.transport
@@ -64,9 +70,15 @@ def _sync_once(rank, hf_dir, layout, routing):
 
 # (layout, world size, routing) of every test below. The cases of one world size share one spawned
 # job (starting the ranks costs more than a tiny model's sync); each case still builds its own model.
-CASES = [({"tp": 2}, 2, "rank0"), ({"ep": 2}, 2, "rank0"), ({"pp": 2}, 2, "rank0"),
-         ({"tp": 2, "ep": 2, "etp": 1}, 4, "rank0"), ({"tp": 2}, 2, "all"),
-         ({"pp": 2}, 2, "stages"), ({"pp": 2, "ep": 2}, 4, "stages")]
+CASES = [
+    ({"tp": 2}, 2, "rank0"),
+    ({"ep": 2}, 2, "rank0"),
+    ({"pp": 2}, 2, "rank0"),
+    ({"tp": 2, "ep": 2, "etp": 1}, 4, "rank0"),
+    ({"tp": 2}, 2, "all"),
+    ({"pp": 2}, 2, "stages"),
+    ({"pp": 2, "ep": 2}, 4, "stages"),
+]
 
 
 @pytest.fixture(scope="module")

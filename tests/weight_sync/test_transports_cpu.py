@@ -55,8 +55,9 @@ def _assert_same(a, b):
     assert [n for n, _ in a] == [n for n, _ in b]
     for (n, x), (_, y) in zip(a, b):
         assert x.dtype == y.dtype and x.shape == y.shape, n
-        assert torch.equal(x.view(torch.uint8) if x.element_size() == 1 else x,
-                           y.view(torch.uint8) if y.element_size() == 1 else y), n
+        assert torch.equal(
+            x.view(torch.uint8) if x.element_size() == 1 else x, y.view(torch.uint8) if y.element_size() == 1 else y
+        ), n
 
 
 def test_serialize_round_trip_mixed_dtypes(sglang_helpers):
@@ -91,8 +92,13 @@ class FakeIpcEngine:
         self.calls, self.loaded = [], []
 
     def __getattr__(self, name):
-        if name in {"pause_generation", "flush_cache", "begin_weight_update", "end_weight_update",
-                    "continue_generation"}:
+        if name in {
+            "pause_generation",
+            "flush_cache",
+            "begin_weight_update",
+            "end_weight_update",
+            "continue_generation",
+        }:
             return lambda: self.calls.append(name)
         raise AttributeError(name)
 
@@ -121,11 +127,16 @@ def test_cuda_ipc_fp8_on_sync_sends_scales(sglang_helpers):
     engine = FakeIpcEngine()
     t = cuda_ipc.CudaIpcTransport(engine, fp8=True)
     t.begin("1")
-    t.send_bucket([("model.layers.0.mlp.down_proj.weight", torch.randn(130, 64)), ("model.norm.weight", torch.ones(64))])
+    t.send_bucket(
+        [("model.layers.0.mlp.down_proj.weight", torch.randn(130, 64)), ("model.norm.weight", torch.ones(64))]
+    )
     t.end()
     names = sorted(n for n, _ in engine.loaded[0][0])
-    assert names == ["model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale_inv",
-                     "model.norm.weight"]
+    assert names == [
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.mlp.down_proj.weight_scale_inv",
+        "model.norm.weight",
+    ]
     got = dict(engine.loaded[0][0])
     assert got["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     assert got["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (2, 1)
@@ -139,6 +150,7 @@ def test_cuda_ipc_rejects_tp_mismatch_and_missing_client():
 
 
 # ---------------------------------------------------------------- multi-process (gloo) helpers
+
 
 def _run_procs(target, args_list, timeout=120):
     ctx = mp.get_context("spawn")
@@ -157,7 +169,7 @@ def _run_procs(target, args_list, timeout=120):
 def _wrap(target, args, q):
     try:
         q.put(target(*args))
-    except Exception:
+    except Exception:  # noqa: BLE001 - the traceback goes back to the test, which fails on it
         q.put("ERROR " + traceback.format_exc())
 
 
@@ -216,8 +228,9 @@ class _ClientToFakeEngine:
     def init_weights_update_group(self, addr, port, rank_offset, world_size, group_name, backend):
         self._call("init", addr, port, rank_offset, world_size, group_name, backend)
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, flush_cache=False,
-                                        weight_version=None, load_format=None):
+    def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name, flush_cache=False, weight_version=None, load_format=None
+    ):
         self.received.append(self._call("update", names, dtypes, shapes, group_name))
 
     def destroy_weights_update_group(self, group_name):
@@ -238,10 +251,17 @@ def _engine_joins(backend, addr, port, world, rank, name):
     try:
         from sglang.srt.utils.common import init_custom_process_group
     except ImportError:
-        return init_external_process_group(backend, f"tcp://{addr}:{port}", world, rank, name,
-                                           timedelta(seconds=60), prefer_sglang=False)
-    return init_custom_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", world_size=world,
-                                     rank=rank, group_name=name, timeout=timedelta(seconds=60))
+        return init_external_process_group(
+            backend, f"tcp://{addr}:{port}", world, rank, name, timedelta(seconds=60), prefer_sglang=False
+        )
+    return init_custom_process_group(
+        backend=backend,
+        init_method=f"tcp://{addr}:{port}",
+        world_size=world,
+        rank=rank,
+        group_name=name,
+        timeout=timedelta(seconds=60),
+    )
 
 
 def _fake_engine_tp_rank(tp_rank, cmd_q, reply_q):
@@ -274,9 +294,17 @@ def _nccl_trainer(port, cmd_queues_per_engine, reply_queues, sizes, prefer_sglan
         for m in ("pause_generation", "flush_cache", "begin_weight_update", "end_weight_update", "continue_generation"):
             setattr(c, m, lambda: None)
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
-    t = NcclBroadcastTransport(clients, engine_world_sizes=sizes, master_address="127.0.0.1", master_port=port,
-                               group_name=pp_group_name(0), backend="gloo", lock=StoreLock(store), timeout_s=60,
-                               prefer_sglang_group_helper=prefer_sglang)
+    t = NcclBroadcastTransport(
+        clients,
+        engine_world_sizes=sizes,
+        master_address="127.0.0.1",
+        master_port=port,
+        group_name=pp_group_name(0),
+        backend="gloo",
+        lock=StoreLock(store),
+        timeout_s=60,
+        prefer_sglang_group_helper=prefer_sglang,
+    )
     buckets = [[(n, x) for n, x in _bucket(7) if x.dtype != torch.float8_e4m3fn], _bucket(8)[:2]]
     t.begin("1")
     for b in buckets:
@@ -303,8 +331,11 @@ def test_nccl_transport_broadcasts_to_fake_engines_over_gloo(prefer_sglang):
     rep = [ctx.Queue() for _ in sizes]
     port = free_port()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_wrap, args=(_fake_engine_tp_rank, (tp, cmd[e][tp], rep[e]), q))
-             for e, s in enumerate(sizes) for tp in range(s)]
+    procs = [
+        ctx.Process(target=_wrap, args=(_fake_engine_tp_rank, (tp, cmd[e][tp], rep[e]), q))
+        for e, s in enumerate(sizes)
+        for tp in range(s)
+    ]
     procs.append(ctx.Process(target=_wrap, args=(_nccl_trainer, (port, cmd, rep, sizes, prefer_sglang), q)))
     for p in procs:
         p.start()
@@ -317,8 +348,9 @@ def test_nccl_transport_broadcasts_to_fake_engines_over_gloo(prefer_sglang):
 def test_sglang_group_helper_creates_a_working_group(sglang_helpers):
     """The trainer joins with sglang's init_custom_process_group when available (1-rank world here)."""
     port = free_port()
-    pg = init_external_process_group("gloo", f"tcp://127.0.0.1:{port}", 1, 0, "gspo_test_group",
-                                     timedelta(seconds=30), prefer_sglang=True)
+    pg = init_external_process_group(
+        "gloo", f"tcp://127.0.0.1:{port}", 1, 0, "gspo_test_group", timedelta(seconds=30), prefer_sglang=True
+    )
     x = torch.arange(4.0)
     dist.broadcast(x, 0, group=pg)
     assert dist.get_world_size(pg) == 1 and torch.equal(x, torch.arange(4.0))

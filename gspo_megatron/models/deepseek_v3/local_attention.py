@@ -45,9 +45,9 @@ class _GatherSumRopeKeyGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        tail = grad[..., -ctx.rope:].contiguous()
+        tail = grad[..., -ctx.rope :].contiguous()
         dist.all_reduce(tail, group=ctx.group)
-        grad[..., -ctx.rope:] = tail
+        grad[..., -ctx.rope :] = tail
         return mappings._split_along_last_dim(grad, ctx.group), None, None
 
 
@@ -78,14 +78,33 @@ class LocalMLASelfAttention(MLASelfAttention):
 
 
 class MLALocalDotProductAttention(DotProductAttention):
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None,
-                 pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        k_channels=None,
+        v_channels=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         if v_channels is not None and v_channels != config.kv_channels:
-            raise ValueError(f"MLA local attention needs config.kv_channels == v_head_dim "
-                             f"({config.kv_channels} != {v_channels})")
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
-                         softmax_scale, cp_comm_type, pg_collection)
+            raise ValueError(
+                f"MLA local attention needs config.kv_channels == v_head_dim ({config.kv_channels} != {v_channels})"
+            )
+        super().__init__(
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout,
+            softmax_scale,
+            cp_comm_type,
+            pg_collection,
+        )
 
 
 def use_local_mla_attention(block_spec) -> None:

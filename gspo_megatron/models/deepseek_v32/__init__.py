@@ -28,15 +28,20 @@ from gspo_megatron.models.mapping import MappingRegistry, Replicated
 from gspo_megatron.models.registry import register_family
 from gspo_megatron.models.rules import H, L
 
-INDEXER = (("linear_wq_b.weight", "wq_b.weight"), ("linear_wk.weight", "wk.weight"),
-           ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias"),
-           ("linear_weights_proj.weight", "weights_proj.weight"))
+INDEXER = (
+    ("linear_wq_b.weight", "wq_b.weight"),
+    ("linear_wk.weight", "wk.weight"),
+    ("k_norm.weight", "k_norm.weight"),
+    ("k_norm.bias", "k_norm.bias"),
+    ("linear_weights_proj.weight", "weights_proj.weight"),
+)
 
 
 def indexer_rules() -> list:
     """The DSA indexer of every layer: replicated over TP (each rank computes the whole selection)."""
-    return [Replicated(f"{L}.self_attention.core_attention.indexer.{m}", f"{H}.self_attn.indexer.{h}")
-            for m, h in INDEXER]
+    return [
+        Replicated(f"{L}.self_attention.core_attention.indexer.{m}", f"{H}.self_attn.indexer.{h}") for m, h in INDEXER
+    ]
 
 
 @register_family
@@ -47,35 +52,50 @@ class DeepseekV32(DeepseekV3):
         {k: v for k, v in DeepseekV3.tiny.items() if k not in ("rope_interleave",)},
         architectures=["DeepseekV32ForCausalLM"],
         # index_topk below the test sequences' lengths (up to 23 and 61 tokens): the sparse path is the one run
-        index_topk=6, index_n_heads=4, index_head_dim=16)
+        index_topk=6,
+        index_n_heads=4,
+        index_head_dim=16,
+    )
     published = {
         "deepseek-v3.2": {  # deepseek-ai/DeepSeek-V3.2 (and V3.2-Exp): DeepSeek-V3's shapes + the indexer
-            **{k: v for k, v in DeepseekV3.published["deepseek-v3"].items() if k not in ("architectures", "model_type")},
-            "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
-            "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
+            **{
+                k: v for k, v in DeepseekV3.published["deepseek-v3"].items() if k not in ("architectures", "model_type")
+            },
+            "architectures": ["DeepseekV32ForCausalLM"],
+            "model_type": "deepseek_v32",
+            "index_head_dim": 128,
+            "index_n_heads": 64,
+            "index_topk": 2048,
         },
     }
 
     def check(self, hf: dict) -> None:
         super().check(hf)
         if not hf.get("q_lora_rank"):
-            raise ValueError(f"config.json q_lora_rank null is not supported for {self.name} (the indexer's query "
-                             "input is q_a_layernorm(q_a_proj(x)))")
+            raise ValueError(
+                f"config.json q_lora_rank null is not supported for {self.name} (the indexer's query "
+                "input is q_a_layernorm(q_a_proj(x)))"
+            )
         types = hf.get("mlp_layer_types")
         if types is not None and [t == "sparse" for t in types] != [bool(m) for m in moe_layer_pattern(hf)]:
-            raise ValueError(f"config.json mlp_layer_types {types} disagrees with first_k_dense_replace "
-                             f"{hf.get('first_k_dense_replace')} for {self.name}")
+            raise ValueError(
+                f"config.json mlp_layer_types {types} disagrees with first_k_dense_replace "
+                f"{hf.get('first_k_dense_replace')} for {self.name}"
+            )
         g = hf_config.get_int
         if g(hf, "index_head_dim") <= g(hf, "qk_rope_head_dim"):
-            raise ValueError(f"config.json index_head_dim {g(hf, 'index_head_dim')} must exceed qk_rope_head_dim "
-                             f"for {self.name}")
+            raise ValueError(
+                f"config.json index_head_dim {g(hf, 'index_head_dim')} must exceed qk_rope_head_dim for {self.name}"
+            )
 
     def check_transformer_impl(self, te: bool) -> None:
         # stated here, not inherited: the DSA core attention (indexer.py) exists on the local spec only,
         # whatever deepseek_v3 allows (and so parallel.cp > 1, which needs TE attention, is refused too)
         if te:
-            raise ValueError(f"{self.name} (DeepSeek Sparse Attention) runs on Megatron's local layer spec only: "
-                             "set model.transformer_impl=local")
+            raise ValueError(
+                f"{self.name} (DeepSeek Sparse Attention) runs on Megatron's local layer spec only: "
+                "set model.transformer_impl=local"
+            )
 
     def adapt_layer_spec(self, block_spec, te: bool) -> None:
         super().adapt_layer_spec(block_spec, te)
@@ -85,9 +105,14 @@ class DeepseekV32(DeepseekV3):
 
     def config_fields(self, hf: dict) -> dict:
         g = hf_config.get_int
-        return dict(super().config_fields(hf), experimental_attention_variant="dsa",
-                    dsa_indexer_n_heads=g(hf, "index_n_heads"), dsa_indexer_head_dim=g(hf, "index_head_dim"),
-                    dsa_indexer_topk=g(hf, "index_topk"), dsa_indexer_loss_coeff=0.0)
+        return dict(
+            super().config_fields(hf),
+            experimental_attention_variant="dsa",
+            dsa_indexer_n_heads=g(hf, "index_n_heads"),
+            dsa_indexer_head_dim=g(hf, "index_head_dim"),
+            dsa_indexer_topk=g(hf, "index_topk"),
+            dsa_indexer_loss_coeff=0.0,
+        )
 
     def mapping(self, hf: dict) -> MappingRegistry:
         base = super().mapping(dict(hf, rope_interleave=True))  # transformers' V3.2 MLA: always interleaved
@@ -95,6 +120,12 @@ class DeepseekV32(DeepseekV3):
 
     def dims(self, hf: dict) -> ModelDims:
         g = hf_config.get_int
-        return ModelDims(**{**super().dims(hf).__dict__, "model_type": self.name,
-                            "index_n_heads": g(hf, "index_n_heads"), "index_head_dim": g(hf, "index_head_dim"),
-                            "index_topk": g(hf, "index_topk")})
+        return ModelDims(
+            **{
+                **super().dims(hf).__dict__,
+                "model_type": self.name,
+                "index_n_heads": g(hf, "index_n_heads"),
+                "index_head_dim": g(hf, "index_head_dim"),
+                "index_topk": g(hf, "index_topk"),
+            }
+        )

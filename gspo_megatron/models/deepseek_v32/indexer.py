@@ -57,7 +57,7 @@ SCORE_BLOCK = 1 << 28
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -84,9 +84,15 @@ class LightningIndexer(MegatronModule):
             p.requires_grad_(False)
         if c.rope_type == "yarn":
             self.rotary = YarnRotaryEmbedding(
-                self.rope_dim, rotary_base=c.rotary_base, scaling_factor=c.rotary_scaling_factor,
-                original_max_position_embeddings=c.original_max_position_embeddings, beta_fast=c.beta_fast,
-                beta_slow=c.beta_slow, mscale=c.mscale, mscale_all_dim=c.mscale_all_dim)
+                self.rope_dim,
+                rotary_base=c.rotary_base,
+                scaling_factor=c.rotary_scaling_factor,
+                original_max_position_embeddings=c.original_max_position_embeddings,
+                beta_fast=c.beta_fast,
+                beta_slow=c.beta_slow,
+                mscale=c.mscale,
+                mscale_all_dim=c.mscale_all_dim,
+            )
         else:
             self.rotary = RotaryEmbedding(self.rope_dim, rotary_percent=1.0, rotary_base=c.rotary_base)
 
@@ -103,7 +109,7 @@ class LightningIndexer(MegatronModule):
         ``interleaved_rope``), transformers' ``apply_rotary_pos_emb_interleave``: pairs (x0, x1), (x2, x3)...
         with e = x[0::2], o = x[1::2], c/s the first R/2 columns: ``cat(e*c - o*s, o*c + e*s)`` (the output
         de-interleaved, as transformers lays it before the scores' dot products)."""
-        rot, rest = t[..., : self.rope_dim], t[..., self.rope_dim:]
+        rot, rest = t[..., : self.rope_dim], t[..., self.rope_dim :]
         if self.interleaved_rope:
             cos, sin = cos[:, : cos.shape[1] // 2], sin[:, : sin.shape[1] // 2]
         shape = (cos.shape[0],) + (1,) * (t.dim() - 2) + (cos.shape[1],)
@@ -114,8 +120,9 @@ class LightningIndexer(MegatronModule):
         return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
 
     @torch.no_grad()
-    def select(self, x: torch.Tensor, qr: torch.Tensor, replay: torch.Tensor | None = None,
-               counts: torch.Tensor | None = None) -> torch.Tensor:
+    def select(
+        self, x: torch.Tensor, qr: torch.Tensor, replay: torch.Tensor | None = None, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One sequence: x [L, hidden], qr [L, q_lora_rank] -> keep [L, L] bool, True where query s
         attends key t (t <= s and t among the top-k of row s). replay: the engine's selection to use
         instead (routing replay r3), int [L, index_topk] of key positions, -1 filler; a row with no key
@@ -126,7 +133,7 @@ class LightningIndexer(MegatronModule):
         cos, sin = self._cos_sin(n, x.device)
         q = self._rope(self.linear_wq_b(qr).view(n, self.n_heads, self.head_dim), cos, sin)
         k = self._rope(self.k_norm(self.linear_wk(x)), cos, sin)  # [L, D]
-        w = self.linear_weights_proj(x.to(torch.float32)).float() * (self.n_heads ** -0.5)  # [L, H]
+        w = self.linear_weights_proj(x.to(torch.float32)).float() * (self.n_heads**-0.5)  # [L, H]
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril_()
         kt = k.transpose(-1, -2).float().unsqueeze(0).unsqueeze(1)  # [1, 1, D, L]
         keep = torch.zeros(n, n, dtype=torch.bool, device=x.device)
@@ -134,7 +141,7 @@ class LightningIndexer(MegatronModule):
         topk = min(self.topk, n)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            scores = F.relu(torch.matmul(q[a:b].float().unsqueeze(0), kt) * self.head_dim ** -0.5)  # [1, c, H, L]
+            scores = F.relu(torch.matmul(q[a:b].float().unsqueeze(0), kt) * self.head_dim**-0.5)  # [1, c, H, L]
             index = torch.matmul(w[a:b].unsqueeze(0).unsqueeze(-2), scores).squeeze(-2)  # [1, c, L]
             index = index.masked_fill(~causal[a:b], float("-inf"))
             keep[a:b].scatter_(-1, index.topk(topk, dim=-1).indices[0], True)
@@ -159,8 +166,10 @@ def replayed_keep(keep: torch.Tensor, replay: torch.Tensor, counts: torch.Tensor
     bad = (replay < -1) | (replay > torch.arange(n, device=keep.device).view(n, 1))
     if bool(bad.any()):
         s = int(bad.any(-1).nonzero()[0, 0])
-        raise ValueError(f"indexer replay: query {s} of a {n}-token sequence is given keys {replay[s].tolist()} outside "
-                         f"[0, {s}] (indexer_topk laid on the wrong tokens?)")
+        raise ValueError(
+            f"indexer replay: query {s} of a {n}-token sequence is given keys {replay[s].tolist()} outside "
+            f"[0, {s}] (indexer_topk laid on the wrong tokens?)"
+        )
     given = torch.zeros(n, n + 1, dtype=torch.bool, device=keep.device)
     given.scatter_(-1, torch.where(replay >= 0, replay, n), True)
     if counts is not None:
@@ -176,7 +185,7 @@ class DSALocalAttention(PackedAttentionMixin, MLALocalDotProductAttention):
     [s, b, heads, dim] (packed THD: [t, heads, dim]). Output as the local attention's: [s, b, heads*v]
     ([t, 1, heads*v] packed). Already packed-capable: ``use_packed_local_attention`` leaves it alone."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
         self.indexer = self.indexer_class(config)
         # routing replay (r3, ``trainer/route_replay.py``): the engine's selection of this layer for the
@@ -201,8 +210,18 @@ class DSALocalAttention(PackedAttentionMixin, MLALocalDotProductAttention):
             return gather_from_sequence_parallel_region(t)
         return t
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, x=None, qr=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        x=None,
+        qr=None,
+    ):
         if x is None or qr is None:
             raise ValueError("DSA core attention needs MLA's x and qr (config.experimental_attention_variant='dsa')")
         dense = MLALocalDotProductAttention.forward
@@ -222,21 +241,41 @@ class DSALocalAttention(PackedAttentionMixin, MLALocalDotProductAttention):
                 raise ValueError(f"indexer replay: selection {tuple(replay.shape)} for a [b, s] = {[b, s]} micro-batch")
             keep = torch.ones(b, s, s, dtype=torch.bool, device=x.device).tril_()  # padding queries: causal
             for i, n in enumerate(lens):
-                keep[i, :n, :n] = self.indexer.select(x[i, :n], qr[i, :n], None if replay is None else replay[i, :n],
-                                                      counts)
-            return dense(self, query, key, value, ~keep.unsqueeze(1), attn_mask_type=attn_mask_type,
-                         attention_bias=attention_bias)
+                keep[i, :n, :n] = self.indexer.select(
+                    x[i, :n], qr[i, :n], None if replay is None else replay[i, :n], counts
+                )
+            return dense(
+                self,
+                query,
+                key,
+                value,
+                ~keep.unsqueeze(1),
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+            )
         cu = packed_bounds(packed_seq_params, query.shape[0])
         x, qr = x.reshape(x.shape[0], -1), qr.reshape(qr.shape[0], -1)  # [t, hidden], [t, q_lora_rank]
         if replay is not None and tuple(replay.shape[:2]) != (1, query.shape[0]):
-            raise ValueError(f"indexer replay: selection {tuple(replay.shape)} for a packed row of {query.shape[0]} tokens")
+            raise ValueError(
+                f"indexer replay: selection {tuple(replay.shape)} for a packed row of {query.shape[0]} tokens"
+            )
         outs = []
         for a, b in zip(cu[:-1], cu[1:]):
             if b > a:
-                masked = ~self.indexer.select(x[a:b], qr[a:b], None if replay is None else replay[0, a:b],
-                                              counts)[None, None]
-                outs.append(dense(self, query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1),
-                                  masked, attn_mask_type=attn_mask_type, attention_bias=attention_bias))
+                masked = ~self.indexer.select(x[a:b], qr[a:b], None if replay is None else replay[0, a:b], counts)[
+                    None, None
+                ]
+                outs.append(
+                    dense(
+                        self,
+                        query[a:b].unsqueeze(1),
+                        key[a:b].unsqueeze(1),
+                        value[a:b].unsqueeze(1),
+                        masked,
+                        attn_mask_type=attn_mask_type,
+                        attention_bias=attention_bias,
+                    )
+                )
         return torch.cat(outs, dim=0)  # [t, 1, heads*v]
 
 
@@ -247,11 +286,15 @@ def row_lengths(attention_mask: torch.Tensor | None, b: int, s: int) -> list[int
     if attention_mask is None:
         return [s] * b
     if tuple(attention_mask.shape) != (b, 1, 1, s) or attention_mask.dtype != torch.bool:
-        raise ValueError(f"DSA attention_mask must be a bool key-padding mask [b, 1, 1, s] = {[b, 1, 1, s]}, got "
-                         f"{attention_mask.dtype} {list(attention_mask.shape)}")
+        raise ValueError(
+            f"DSA attention_mask must be a bool key-padding mask [b, 1, 1, s] = {[b, 1, 1, s]}, got "
+            f"{attention_mask.dtype} {list(attention_mask.shape)}"
+        )
     pad = attention_mask.reshape(b, s)
     lens = (s - pad.sum(-1)).tolist()
-    if not torch.equal(pad, torch.arange(s, device=pad.device).view(1, s) >= pad.new_tensor(lens, dtype=torch.long).view(b, 1)):
+    if not torch.equal(
+        pad, torch.arange(s, device=pad.device).view(1, s) >= pad.new_tensor(lens, dtype=torch.long).view(b, 1)
+    ):
         raise ValueError("DSA attention_mask must mark right padding only (True from each row's length on)")
     if min(lens) < 1:
         raise ValueError("DSA attention_mask leaves a row with no token")

@@ -42,16 +42,41 @@ class GlmMoeDsa(DeepseekV32):
     tiny = dict(DeepseekV32.tiny, architectures=["GlmMoeDsaForCausalLM"])
     published = {
         "glm-5": {  # zai-org/GLM-5: transformers 5.23's GlmMoeDsaConfig defaults (its docstring checkpoint)
-            "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "vocab_size": 154880,
-            "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048,
-            "num_hidden_layers": 78, "num_attention_heads": 64, "num_key_value_heads": 64,
-            "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
-            "q_lora_rank": 2048, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192,
-            "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "norm_topk_prob": True, "hidden_act": "silu",
-            "max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-            "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
-            "num_nextn_predict_layers": 1, "rope_theta": 1000000.0, "torch_dtype": "bfloat16",
-            "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+            "architectures": ["GlmMoeDsaForCausalLM"],
+            "model_type": "glm_moe_dsa",
+            "vocab_size": 154880,
+            "hidden_size": 6144,
+            "intermediate_size": 12288,
+            "moe_intermediate_size": 2048,
+            "num_hidden_layers": 78,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 64,
+            "n_shared_experts": 1,
+            "n_routed_experts": 256,
+            "routed_scaling_factor": 2.5,
+            "kv_lora_rank": 512,
+            "q_lora_rank": 2048,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 256,
+            "qk_nope_head_dim": 192,
+            "n_group": 1,
+            "topk_group": 1,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "hidden_act": "silu",
+            "max_position_embeddings": 202752,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "first_k_dense_replace": 3,
+            "index_topk": 2048,
+            "index_head_dim": 128,
+            "index_n_heads": 32,
+            "num_nextn_predict_layers": 1,
+            "rope_theta": 1000000.0,
+            "torch_dtype": "bfloat16",
+            "moe_layer_freq": 1,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
         },
     }
 
@@ -59,12 +84,16 @@ class GlmMoeDsa(DeepseekV32):
         super().check(hf)
         types = indexer_types(hf)
         if len(types) != int(hf["num_hidden_layers"]) or set(types) - {"full", "shared"}:
-            raise ValueError(f"config.json indexer_types {types} must give 'full' or 'shared' for each of the "
-                             f"{hf['num_hidden_layers']} layers ({self.name})")
+            raise ValueError(
+                f"config.json indexer_types {types} must give 'full' or 'shared' for each of the "
+                f"{hf['num_hidden_layers']} layers ({self.name})"
+            )
         if "shared" in types:
-            raise ValueError(f"config.json indexer_types (or index_topk_freq / index_topk_pattern) gives 'shared' "
-                             f"layers {[i for i, t in enumerate(types) if t == 'shared']}: not supported for "
-                             f"{self.name} (every layer must run its own indexer, 'full')")
+            raise ValueError(
+                f"config.json indexer_types (or index_topk_freq / index_topk_pattern) gives 'shared' "
+                f"layers {[i for i, t in enumerate(types) if t == 'shared']}: not supported for "
+                f"{self.name} (every layer must run its own indexer, 'full')"
+            )
 
     def adapt_layer_spec(self, block_spec, te: bool) -> None:
         from gspo_megatron.models.deepseek_v3 import DeepseekV3

@@ -46,6 +46,7 @@ from gspo_megatron.models.family import GQAFamily
 from gspo_megatron.models.mapping import MappingRegistry
 from gspo_megatron.models.registry import register_family
 from gspo_megatron.models.rules import (
+    StackedExpertNaming,
     attention_out_bias_rule,
     attention_sink_rule,
     embedding_rules,
@@ -65,34 +66,79 @@ class GptOss(GQAFamily):
     name = "gpt_oss"
     architectures = ("GptOssForCausalLM",)
     expert_naming = None  # experts are stacked in the checkpoint, as in memory (no per-expert names)
-    experts_stacked_in_checkpoint = True
+    stacked_expert_naming = StackedExpertNaming("mlp", "gate_up_proj", "down_proj")
     fp8_modules = ("q_proj", "k_proj", "v_proj", "o_proj")  # 2-D weights; stacked experts stay as they are
     fp8_excluded = GQAFamily.fp8_excluded + ("router", "sinks")
     # the stacked experts are synced in bf16: an FP8 engine must not give them Fp8MoEMethod
     fp8_engine_unquantized = ("mlp.experts",)
     tiny = dict(
-        architectures=["GptOssForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=32,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-        swiglu_limit=0.1, swiglu_alpha=1.702,  # a limit the tiny activations cross: the clamp acts
+        architectures=["GptOssForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        swiglu_limit=0.1,
+        swiglu_alpha=1.702,  # a limit the tiny activations cross: the clamp acts
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=False, attention_bias=True,
-        rope_theta=150000.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
-                                               truncate=False, original_max_position_embeddings=16))
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        rope_theta=150000.0,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=16,
+        ),
+    )
 
     published = {
         "gpt-oss-120b": {  # openai/gpt-oss-120b (MXFP4 experts on disk: dequantize to bf16 first)
-            "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-            "eos_token_id": 200002, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
-            "initializer_range": 0.02, "intermediate_size": 2880,
-            "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
-            "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
-            "num_hidden_layers": 36, "num_key_value_heads": 8, "num_local_experts": 128,
-            "output_router_logits": False, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
-            "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                             "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
-            "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
-            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088,
+            "architectures": ["GptOssForCausalLM"],
+            "attention_bias": True,
+            "attention_dropout": 0.0,
+            "eos_token_id": 200002,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "hidden_size": 2880,
+            "initializer_range": 0.02,
+            "intermediate_size": 2880,
+            "layer_types": ["sliding_attention", "full_attention"] * 18,
+            "max_position_embeddings": 131072,
+            "model_type": "gpt_oss",
+            "num_attention_heads": 64,
+            "num_experts_per_tok": 4,
+            "num_hidden_layers": 36,
+            "num_key_value_heads": 8,
+            "num_local_experts": 128,
+            "output_router_logits": False,
+            "pad_token_id": 199999,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "rope_type": "yarn",
+                "truncate": False,
+            },
+            "rope_theta": 150000,
+            "router_aux_loss_coef": 0.9,
+            "sliding_window": 128,
+            "swiglu_limit": 7.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "use_cache": True,
+            "vocab_size": 201088,
         },
     }
 
@@ -105,8 +151,10 @@ class GptOss(GQAFamily):
                 raise ValueError(f"config.json {msg} is not supported for {self.name}")
 
         no(not hf.get("attention_bias", True), "attention_bias=false")
-        no(hf.get("quantization_config") is not None,
-           "quantization_config (quantized experts: dequantize to bf16 first)")
+        no(
+            hf.get("quantization_config") is not None,
+            "quantization_config (quantized experts: dequantize to bf16 first)",
+        )
         kinds = set(self.layer_types(hf))
         no(not kinds <= {"sliding_attention", "full_attention"}, f"layer_types {sorted(kinds)}")
         kind = hf_config.rope_type(hf)
@@ -118,8 +166,10 @@ class GptOss(GQAFamily):
 
     def check_transformer_impl(self, te: bool) -> None:
         if te:
-            raise ValueError(f"{self.name} (attention sinks, stacked biased experts) runs on Megatron's local "
-                             "layer spec only for now: set model.transformer_impl=local")
+            raise ValueError(
+                f"{self.name} (attention sinks, stacked biased experts) runs on Megatron's local "
+                "layer spec only for now: set model.transformer_impl=local"
+            )
 
     def adapt_layer_spec(self, block_spec, te: bool) -> None:
         if not te:
@@ -139,8 +189,10 @@ class GptOss(GQAFamily):
     def check_layout(self, hf: dict, tp: int, pp: int, ep: int, etp: int | None) -> None:
         etp = tp if etp is None else etp
         if etp > 1:
-            raise ValueError(f"parallel.etp={etp}: {self.name}'s expert biases need expert tensor parallel "
-                             "size 1 in Megatron-Core: set parallel.etp=1")
+            raise ValueError(
+                f"parallel.etp={etp}: {self.name}'s expert biases need expert tensor parallel "
+                "size 1 in Megatron-Core: set parallel.etp=1"
+            )
 
     def layer_types(self, hf: dict) -> list[str]:
         n = hf_config.get_int(hf, "num_hidden_layers")
@@ -159,9 +211,13 @@ class GptOss(GQAFamily):
         window = hf.get("sliding_window")
         fields.update(
             ffn_hidden_size=hf_config.get_int(hf, "intermediate_size"),
-            add_bias_linear=True, add_qkv_bias=True, softmax_type="learnable",
-            activation_func=_activation(alpha), glu_linear_offset=1.0,
-            activation_func_clamp_value=float(hf.get("swiglu_limit", 7.0)), bias_activation_fusion=False,
+            add_bias_linear=True,
+            add_qkv_bias=True,
+            softmax_type="learnable",
+            activation_func=_activation(alpha),
+            glu_linear_offset=1.0,
+            activation_func_clamp_value=float(hf.get("swiglu_limit", 7.0)),
+            bias_activation_fusion=False,
             moe_router_pre_softmax=False,
         )
         if window and any(sliding):
@@ -174,7 +230,7 @@ class GptOss(GQAFamily):
     # -- weights ----------------------------------------------------------------------------------
     def mapping(self, hf: dict) -> MappingRegistry:
         rules = embedding_rules(hf) + gqa_attention_rules(hf) + [attention_out_bias_rule(), attention_sink_rule()]
-        rules += pre_mlp_norm_rules() + stacked_expert_rules()
+        rules += pre_mlp_norm_rules() + stacked_expert_rules(self.stacked_expert_naming)
         return MappingRegistry(rules)
 
     # -- planner ----------------------------------------------------------------------------------
@@ -182,13 +238,27 @@ class GptOss(GQAFamily):
         g = hf_config.get_int
         n = g(hf, "num_hidden_layers")
         return ModelDims(
-            model_type=self.name, vocab_size=g(hf, "vocab_size"), hidden=g(hf, "hidden_size"), num_layers=n,
-            num_heads=hf_config.num_heads(hf), num_kv_heads=hf_config.num_kv_heads(hf),
-            head_dim=hf_config.head_dim(hf), ffn_hidden=0, moe_ffn_hidden=g(hf, "intermediate_size"),
-            num_experts=hf_config.num_experts(hf), topk=g(hf, "num_experts_per_tok"), moe_layers=tuple(range(n)),
-            qk_norm=False, qkv_bias=True, o_bias=True, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            model_type=self.name,
+            vocab_size=g(hf, "vocab_size"),
+            hidden=g(hf, "hidden_size"),
+            num_layers=n,
+            num_heads=hf_config.num_heads(hf),
+            num_kv_heads=hf_config.num_kv_heads(hf),
+            head_dim=hf_config.head_dim(hf),
+            ffn_hidden=0,
+            moe_ffn_hidden=g(hf, "intermediate_size"),
+            num_experts=hf_config.num_experts(hf),
+            topk=g(hf, "num_experts_per_tok"),
+            moe_layers=tuple(range(n)),
+            qk_norm=False,
+            qkv_bias=True,
+            o_bias=True,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings") or 1 << 30),
-            rope_type=hf_config.rope_type(hf), expert_bias=True, router_bias=True, attention_sinks=True,
+            rope_type=hf_config.rope_type(hf),
+            expert_bias=True,
+            router_bias=True,
+            attention_sinks=True,
         )
 
 

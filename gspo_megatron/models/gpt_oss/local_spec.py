@@ -50,5 +50,5 @@ def adapt_local_spec(block_spec) -> None:
             attn.submodules.core_attention = SinkDotProductAttention
         experts = getattr(getattr(layer.submodules.mlp, "submodules", None), "experts", None)
         fc = getattr(getattr(experts, "submodules", None), "linear_fc2", None)
-        if fc is RowParallelLinear:
+        if experts is not None and fc is RowParallelLinear:
             experts.submodules.linear_fc2 = ExpertRowParallelLinear

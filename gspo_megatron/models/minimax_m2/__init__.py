@@ -33,14 +33,37 @@ from gspo_megatron.models.rules import ExpertNaming, H, L, router_bias_rule
 # Published config.json of MiniMaxAI/MiniMax-M2 (the fields transformers and sglang read; the remote-code
 # extras such as attn_type_list (all 1: full attention) and the MTP fields are kept where read)
 MINIMAX_M2 = {
-    "architectures": ["MiniMaxM2ForCausalLM"], "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 1536, "max_position_embeddings": 196608,
-    "model_type": "minimax_m2", "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62,
-    "num_key_value_heads": 8, "num_local_experts": 256, "output_router_logits": False, "qk_norm_type": "per_layer",
-    "rms_norm_eps": 1e-06, "rope_theta": 5000000, "rotary_dim": 64, "router_aux_loss_coef": 0.001,
-    "router_jitter_noise": 0.0, "scoring_func": "sigmoid", "shared_intermediate_size": 0, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": True, "use_routing_bias": True,
-    "vocab_size": 200064, "num_mtp_modules": 3, "use_mtp": True,
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "initializer_range": 0.02,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 196608,
+    "model_type": "minimax_m2",
+    "num_attention_heads": 48,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 62,
+    "num_key_value_heads": 8,
+    "num_local_experts": 256,
+    "output_router_logits": False,
+    "qk_norm_type": "per_layer",
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 5000000,
+    "rotary_dim": 64,
+    "router_aux_loss_coef": 0.001,
+    "router_jitter_noise": 0.0,
+    "scoring_func": "sigmoid",
+    "shared_intermediate_size": 0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_qk_norm": True,
+    "use_routing_bias": True,
+    "vocab_size": 200064,
+    "num_mtp_modules": 3,
+    "use_mtp": True,
 }
 
 
@@ -52,12 +75,29 @@ class MiniMaxM2(GQAFamily):
     fp8_modules = GQAFamily.fp8_modules + ("w1", "w2", "w3")
     qk_norm = False  # not Megatron's per-head qk_layernorm: the full-width norm of qk_norm.py
     tiny = dict(
-        architectures=["MiniMaxM2ForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=32,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rotary_dim=8,
-        num_local_experts=8, num_experts_per_tok=3, rms_norm_eps=1e-6, rope_theta=5e6,
-        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        architectures=["MiniMaxM2ForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rotary_dim=8,
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        rms_norm_eps=1e-6,
+        rope_theta=5e6,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
         # the published config's flags (transformers ignores them; sglang's class reads them)
-        use_qk_norm=True, qk_norm_type="per_layer", use_routing_bias=True, scoring_func="sigmoid")
+        use_qk_norm=True,
+        qk_norm_type="per_layer",
+        use_routing_bias=True,
+        scoring_func="sigmoid",
+    )
     published = {"minimax-m2": MINIMAX_M2}
 
     # -- checks -----------------------------------------------------------------------------------
@@ -65,12 +105,16 @@ class MiniMaxM2(GQAFamily):
         super().check(hf)
         sigmoid_router_check(hf, self.name)
         if hf_config.rope_type(hf) != "default" and hf_config.partial_rotary_factor(hf) != 1.0:
-            raise ValueError(f"config.json rotary_dim / partial_rotary_factor with rope type "
-                             f"{hf_config.rope_type(hf)!r} is not supported for {self.name} (Megatron's YaRN spans the head)")
+            raise ValueError(
+                f"config.json rotary_dim / partial_rotary_factor with rope type "
+                f"{hf_config.rope_type(hf)!r} is not supported for {self.name} (Megatron's YaRN spans the head)"
+            )
         types = hf.get("attn_type_list")
         if types and any(int(t) != 1 for t in types):
-            raise ValueError(f"config.json attn_type_list with linear-attention layers (0) is not supported for "
-                             f"{self.name} (MiniMax-M2 is full attention in every layer)")
+            raise ValueError(
+                f"config.json attn_type_list with linear-attention layers (0) is not supported for "
+                f"{self.name} (MiniMax-M2 is full attention in every layer)"
+            )
 
     def sglang_errors(self, hf: dict) -> list[str]:
         e = super().sglang_errors(hf)
@@ -78,12 +122,16 @@ class MiniMaxM2(GQAFamily):
         flags = {"use_qk_norm": True, "use_routing_bias": True, "scoring_func": "sigmoid", "qk_norm_type": "per_layer"}
         for key, want in flags.items():
             if hf.get(key, None if key != "qk_norm_type" else "per_layer") != want:
-                e.append(f"config.json {key}={hf.get(key)!r} is not supported with rollout.engine=sglang for "
-                         f"{self.name}: sglang's {cls} reads it and would not compute what transformers' model "
-                         f"(and the trainer) computes; set {key}: {want!r}")
+                e.append(
+                    f"config.json {key}={hf.get(key)!r} is not supported with rollout.engine=sglang for "
+                    f"{self.name}: sglang's {cls} reads it and would not compute what transformers' model "
+                    f"(and the trainer) computes; set {key}: {want!r}"
+                )
         if hf_config.partial_rotary_factor(hf) != 1.0 and hf.get("rotary_dim") is None:
-            e.append(f"config.json has partial rotary but no rotary_dim, which sglang's {cls} reads (default: full "
-                     f"rotary); add rotary_dim: {int(hf_config.partial_rotary_factor(hf) * hf_config.head_dim(hf))}")
+            e.append(
+                f"config.json has partial rotary but no rotary_dim, which sglang's {cls} reads (default: full "
+                f"rotary); add rotary_dim: {int(hf_config.partial_rotary_factor(hf) * hf_config.head_dim(hf))}"
+            )
         return e
 
     # -- Megatron config --------------------------------------------------------------------------

@@ -71,8 +71,9 @@ class FullWidthRMSNorm(nn.Module):
         heads = config.num_attention_heads if which == "q" else config.num_query_groups
         tp = config.tensor_model_parallel_size
         if heads % tp:
-            raise ValueError(f"{which} heads ({heads}) must divide over tensor parallel size {tp} for the "
-                             "full-width q/k norm")
+            raise ValueError(
+                f"{which} heads ({heads}) must divide over tensor parallel size {tp} for the full-width q/k norm"
+            )
         self.which, self.head_dim, self.eps, self.tp = which, hidden_size, float(eps), tp
         self.width = heads * hidden_size  # the full (all-rank) normalized width
         self.weight = nn.Parameter(torch.ones(heads // tp * hidden_size, dtype=config.params_dtype))
@@ -99,8 +100,9 @@ class FullWidthRMSNorm(nn.Module):
         """The weight TP-sharded along dim 0 (Megatron's default for a plain module is replicated)."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
-                                                   {"weight": 0}, sharded_offsets)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets
+        )
 
     def extra_repr(self) -> str:
         return f"{self.which}, local {tuple(self.weight.shape)} of width {self.width}, eps={self.eps}"

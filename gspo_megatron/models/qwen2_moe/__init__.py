@@ -19,12 +19,26 @@ class Qwen2Moe(GQAFamily):
     shared_expert_gate = "mlp.shared_expert_gate.weight"
     fp8_excluded = GQAFamily.fp8_excluded + ("shared_expert_gate",)
     tiny = dict(
-        architectures=["Qwen2MoeForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=96,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], rms_norm_eps=1e-6,
-        rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
-        use_sliding_window=False)
+        architectures=["Qwen2MoeForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    )
 
     def has_qkv_bias(self, hf: dict) -> bool:
         return bool(hf.get("qkv_bias", True))  # 4.x configs have no key: always biased

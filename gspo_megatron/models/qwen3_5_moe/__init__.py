@@ -35,8 +35,17 @@ from gspo_megatron.models.registry import register_family
 VL_ARCH = "Qwen3_5MoeForConditionalGeneration"
 LM_PREFIX = "model.language_model."
 # the tiny vision tower of the tiny vision-language checkpoint (transformers' Qwen3_5MoeVisionConfig kwargs)
-TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
-                   num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)
+TINY_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=4,
+    num_position_embeddings=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
 TINY_VL_TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
 
 
@@ -54,21 +63,49 @@ def language_model_names(registry: MappingRegistry) -> MappingRegistry:
         raise ValueError("qwen3_5_moe: fuse groups are not renamed for the vision-language checkpoint")
     return registry
 
+
 # text_config of Qwen/Qwen3.5-35B-A3B's config.json (the language model's fields). Checked: every field equals
 # transformers 5.23's Qwen3_5MoeTextConfig defaults (its docstring checkpoint) but max_position_embeddings,
 # bos/eos and rope_parameters (theta 1e7, mrope_section), which match a third-party copy of the published file
 # (a Qwen3.6-35B-A3B test fixture, same shapes); the hub file itself was not reachable from here.
 QWEN3_5_35B_A3B = {
-    "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "attention_bias": False,
-    "attention_dropout": 0.0, "attn_output_gate": True, "bos_token_id": 248044, "eos_token_id": 248044,
-    "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
-    "initializer_range": 0.02, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
-    "moe_intermediate_size": 512, "num_attention_heads": 16, "num_experts": 256, "num_experts_per_tok": 8,
-    "num_hidden_layers": 40, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "router_aux_loss_coef": 0.001,
-    "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "dtype": "bfloat16", "vocab_size": 248320,
-    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
-                        "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_output_gate": True,
+    "bos_token_id": 248044,
+    "eos_token_id": 248044,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "moe_intermediate_size": 512,
+    "num_attention_heads": 16,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+    "vocab_size": 248320,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [11, 11, 10],
+        "rope_type": "default",
+        "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25,
+    },
 }
 
 
@@ -91,8 +128,10 @@ class Qwen3_5Moe(Qwen3Next):
 
     def check(self, hf: dict) -> None:
         if is_vision_language(hf) and hf_config.LIFTED not in hf:
-            raise ValueError(f"config.json of model_type {hf.get('model_type')!r}: its text_config fields were not "
-                             "read (load config.json with models.hf_config.load_hf_config)")
+            raise ValueError(
+                f"config.json of model_type {hf.get('model_type')!r}: its text_config fields were not "
+                "read (load config.json with models.hf_config.load_hf_config)"
+            )
         super().check(hf)
 
     def tiny_hf_config(self, cfg: dict) -> dict:
@@ -101,9 +140,14 @@ class Qwen3_5Moe(Qwen3Next):
         if VL_ARCH not in (cfg.get("architectures") or []):
             return cfg
         text = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
-        return dict(architectures=[VL_ARCH], model_type="qwen3_5_moe", text_config=dict(text, model_type="qwen3_5_moe_text"),
-                    vision_config=dict(TINY_VISION), tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-                    **TINY_VL_TOKENS)
+        return dict(
+            architectures=[VL_ARCH],
+            model_type="qwen3_5_moe",
+            text_config=dict(text, model_type="qwen3_5_moe_text"),
+            vision_config=dict(TINY_VISION),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            **TINY_VL_TOKENS,
+        )
 
     def carried_prefixes(self, hf: dict) -> tuple[str, ...]:
         return ("model.visual.",) if is_vision_language(hf) else ()

@@ -43,16 +43,45 @@ from gspo_megatron.models.rules import (
 # 5632 there: unused, every layer is MoE), max_position_embeddings and rope_theta (context settings the class
 # defaults do not carry); those three were not checked against the hub file.
 QWEN3_NEXT_80B = {
-    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "full_attention_interval": 4,
-    "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120,
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [], "model_type": "qwen3_next",
-    "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512,
-    "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2, "output_router_logits": False,
-    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000,
-    "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3NextForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_next",
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 2,
+    "output_router_logits": False,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000000,
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -65,8 +94,7 @@ def linear_attention_pattern(hf: dict) -> list[int]:
     types = hf.get("layer_types")
     if types:
         if len(types) != n or any(t not in LAYER_TYPES for t in types):
-            raise ValueError(f"config.json layer_types must list {n} entries of {'/'.join(LAYER_TYPES)}, "
-                             f"got {types!r}")
+            raise ValueError(f"config.json layer_types must list {n} entries of {'/'.join(LAYER_TYPES)}, got {types!r}")
         return [int(t == "linear_attention") for t in types]
     every = int(hf.get("full_attention_interval") or 4)
     return [int((i + 1) % every != 0) for i in range(n)]
@@ -74,12 +102,17 @@ def linear_attention_pattern(hf: dict) -> list[int]:
 
 def gdn_dims(hf: dict) -> GDNDims:
     g = hf_config.get_int
-    return GDNDims(key_heads=g(hf, "linear_num_key_heads"), value_heads=g(hf, "linear_num_value_heads"),
-                   key_dim=g(hf, "linear_key_head_dim"), value_dim=g(hf, "linear_value_head_dim"))
+    return GDNDims(
+        key_heads=g(hf, "linear_num_key_heads"),
+        value_heads=g(hf, "linear_num_value_heads"),
+        key_dim=g(hf, "linear_key_head_dim"),
+        value_dim=g(hf, "linear_value_head_dim"),
+    )
 
 
-def hybrid_attention_rules(hf: dict, packed_in_proj: bool, in_proj: tuple[str, ...], linear: str = "linear_attn",
-                           conv_bias: bool = False) -> list[Rule]:
+def hybrid_attention_rules(
+    hf: dict, packed_in_proj: bool, in_proj: tuple[str, ...], linear: str = "linear_attn", conv_bias: bool = False
+) -> list[Rule]:
     """Both token mixers of a hybrid layer (a layer holds one or the other; a rule whose Megatron name
     the layer lacks never resolves): gated full attention and Gated DeltaNet (``rules.py``)."""
     dims, gdn = attention_dims(hf), gdn_dims(hf)
@@ -107,7 +140,7 @@ def hybrid_attention_rules(hf: dict, packed_in_proj: bool, in_proj: tuple[str, .
 @register_family
 class Qwen3Next(GQAFamily):
     name = "qwen3_next"
-    architectures = ("Qwen3NextForCausalLM",)
+    architectures: tuple[str, ...] = ("Qwen3NextForCausalLM",)
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
     shared_expert_block = "mlp.shared_expert"
     shared_expert_gate = "mlp.shared_expert_gate.weight"
@@ -117,28 +150,53 @@ class Qwen3Next(GQAFamily):
     sglang_every_layer_sparse = True  # sglang's Qwen3NextSparseMoeBlock in every layer (is_layer_sparse = True)
     in_proj_names: tuple[str, ...] = ("in_proj_qkvz", "in_proj_ba")
     tiny = dict(
-        architectures=["Qwen3NextForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=48,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.25,
+        architectures=["Qwen3NextForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.25,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
         full_attention_interval=2,  # what sglang reads (it ignores layer_types); transformers keeps both
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2)
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=24,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     published = {"qwen3-next-80b-a3b": QWEN3_NEXT_80B}
 
     # -- checks -----------------------------------------------------------------------------------
     def check(self, hf: dict) -> None:
         super().check(hf)
         if hf_config.rope_type(hf) != "default":
-            raise ValueError(f"config.json rope type {hf_config.rope_type(hf)!r} with partial rotary is not supported "
-                             f"for {self.name} (default RoPE only)")
+            raise ValueError(
+                f"config.json rope type {hf_config.rope_type(hf)!r} with partial rotary is not supported "
+                f"for {self.name} (default RoPE only)"
+            )
         linear_attention_pattern(hf)
         g = gdn_dims(hf)
         if g.value_heads % g.key_heads:
-            raise ValueError(f"config.json linear_num_value_heads ({g.value_heads}) must be a multiple of "
-                             f"linear_num_key_heads ({g.key_heads})")
+            raise ValueError(
+                f"config.json linear_num_value_heads ({g.value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({g.key_heads})"
+            )
 
     def tp_divisible(self, hf: dict) -> list[tuple[str, int]]:
         g = gdn_dims(hf)
@@ -151,9 +209,11 @@ class Qwen3Next(GQAFamily):
         every = int(hf.get("full_attention_interval") or 4)
         want = [int((i + 1) % every != 0) for i in range(hf_config.get_int(hf, "num_hidden_layers"))]
         if linear_attention_pattern(hf) != want:
-            e.append(f"config.json layer_types={hf.get('layer_types')!r} is not supported with rollout.engine=sglang "
-                     f"for {self.name}: sglang's {self.architectures[0]} places full attention at every "
-                     f"full_attention_interval-th layer ({every}); use that pattern, or rollout.engine=hf")
+            e.append(
+                f"config.json layer_types={hf.get('layer_types')!r} is not supported with rollout.engine=sglang "
+                f"for {self.name}: sglang's {self.architectures[0]} places full attention at every "
+                f"full_attention_interval-th layer ({every}); use that pattern, or rollout.engine=hf"
+            )
         return e
 
     def randomize_tiny(self, model) -> None:
@@ -168,11 +228,16 @@ class Qwen3Next(GQAFamily):
         fields = super().config_fields(hf)
         g = gdn_dims(hf)
         fields.update(
-            attention_output_gate=True, qk_layernorm=True, layernorm_zero_centered_gamma=True,
+            attention_output_gate=True,
+            qk_layernorm=True,
+            layernorm_zero_centered_gamma=True,
             linear_attention_freq=linear_attention_pattern(hf),
             linear_conv_kernel_dim=hf_config.get_int(hf, "linear_conv_kernel_dim"),
-            linear_key_head_dim=g.key_dim, linear_value_head_dim=g.value_dim,
-            linear_num_key_heads=g.key_heads, linear_num_value_heads=g.value_heads)
+            linear_key_head_dim=g.key_dim,
+            linear_value_head_dim=g.value_dim,
+            linear_num_key_heads=g.key_heads,
+            linear_num_value_heads=g.value_heads,
+        )
         return fields
 
     def adapt_layer_spec(self, block_spec, te: bool) -> None:
@@ -191,8 +256,13 @@ class Qwen3Next(GQAFamily):
     def dims(self, hf: dict) -> ModelDims:
         g = gdn_dims(hf)
         pattern = linear_attention_pattern(hf)
-        return replace(super().dims(hf), attention_output_gate=True,
-                       linear_layers=tuple(i for i, x in enumerate(pattern) if x),
-                       linear_key_heads=g.key_heads, linear_value_heads=g.value_heads,
-                       linear_key_dim=g.key_dim, linear_value_dim=g.value_dim,
-                       linear_conv_kernel=hf_config.get_int(hf, "linear_conv_kernel_dim"))
+        return replace(
+            super().dims(hf),
+            attention_output_gate=True,
+            linear_layers=tuple(i for i, x in enumerate(pattern) if x),
+            linear_key_heads=g.key_heads,
+            linear_value_heads=g.value_heads,
+            linear_key_dim=g.key_dim,
+            linear_value_dim=g.value_dim,
+            linear_conv_kernel=hf_config.get_int(hf, "linear_conv_kernel_dim"),
+        )

@@ -91,8 +91,15 @@ def _gated_delta_net_class():
             have = mgdn.HAVE_FLA
             mgdn.HAVE_FLA = True  # the constructor refuses without fla; the forward below does not need it
             try:
-                super().__init__(config, submodules, layer_number=layer_number, bias=False, conv_bias=False,
-                                 use_qk_l2norm=True, pg_collection=pg_collection)
+                super().__init__(
+                    config,
+                    submodules,
+                    layer_number=layer_number,
+                    bias=False,
+                    conv_bias=False,
+                    use_qk_l2norm=True,
+                    pg_collection=pg_collection,
+                )
             finally:
                 mgdn.HAVE_FLA = have
             # Megatron marks these with ``tensor_model_parallel`` only; the optimizer's grad-norm and
@@ -101,9 +108,19 @@ def _gated_delta_net_class():
                 if p is not None:
                     p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
 
-        def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
-                    attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
-                    inference_params=None, **kwargs):
+        def forward(
+            self,
+            hidden_states,
+            attention_mask=None,
+            key_value_states=None,
+            inference_context=None,
+            attention_bias=None,
+            packed_seq_params=None,
+            sequence_len_offset=None,
+            *,
+            inference_params=None,
+            **kwargs,
+        ):
             if inference_context is not None or inference_params is not None:
                 raise NotImplementedError("Gated DeltaNet inference (a recurrent cache) is not implemented here")
             seq_len, batch, _ = hidden_states.shape
@@ -115,8 +132,9 @@ def _gated_delta_net_class():
             qkvzba, _ = self.in_proj(hidden_states)
             qkvzba = qkvzba.transpose(0, 1)  # [b, s, in_proj / tp]
             nv = self.num_value_heads // tp
-            qkv, gate, beta, alpha = torch.split(qkvzba, [(self.qk_dim * 2 + self.v_dim) // tp, self.v_dim // tp,
-                                                          nv, nv], dim=-1)
+            qkv, gate, beta, alpha = torch.split(
+                qkvzba, [(self.qk_dim * 2 + self.v_dim) // tp, self.v_dim // tp, nv, nv], dim=-1
+            )
             w = self.conv1d.weight.squeeze(1)
             qkv = causal_conv1d(qkv.transpose(1, 2), w, self.conv1d.bias, cu_seqlens=cu).transpose(1, 2)
             query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
@@ -164,8 +182,9 @@ class HybridMixer:
 
         pattern = config.linear_attention_freq
         if pattern[layer_number - 1]:
-            return build_module(submodules.linear, config=config, layer_number=layer_number,
-                                pg_collection=kwargs.get("pg_collection"))
+            return build_module(
+                submodules.linear, config=config, layer_number=layer_number, pg_collection=kwargs.get("pg_collection")
+            )
         return build_module(submodules.full, config=config, layer_number=layer_number, **kwargs)
 
 
@@ -189,8 +208,10 @@ def use_hybrid_layers(block_spec, te: bool) -> int:
         from gspo_megatron.models.packed_attention import use_packed_local_attention
 
         use_packed_local_attention(block_spec)
-    gdn = ModuleSpec(module=gated_delta_net_class(), submodules=GatedDeltaNetSubmodules(
-        in_proj=InProj, out_norm=PlainRMSNorm, out_proj=OutProj))
+    gdn = ModuleSpec(
+        module=gated_delta_net_class(),
+        submodules=GatedDeltaNetSubmodules(in_proj=InProj, out_norm=PlainRMSNorm, out_proj=OutProj),
+    )
     n = 0
     for layer in block_spec.layer_specs:
         sub = layer.submodules

@@ -49,21 +49,25 @@ def segments(cu_seqlens, total: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  cu_seqlens=None, activation: bool = True) -> torch.Tensor:
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cu_seqlens=None, activation: bool = True
+) -> torch.Tensor:
     """x [B, D, T], weight [D, K] (depthwise), bias [D] or None -> SiLU(conv) [B, D, T]; with
     ``cu_seqlens`` (B == 1) each segment is convolved alone (zero history at its first token)."""
     d, k = weight.shape
     w = weight.unsqueeze(1).to(x.dtype)
 
     def conv(seg):
-        return F.conv1d(seg, w, bias, padding=k - 1, groups=d)[..., :seg.shape[-1]]
+        return F.conv1d(seg, w, bias, padding=k - 1, groups=d)[..., : seg.shape[-1]]
 
     spans = segments(cu_seqlens, x.shape[-1])
     if cu_seqlens is not None and x.shape[0] != 1:
         raise ValueError(f"packed rows (cu_seqlens) need a batch of 1, got {x.shape[0]}")
-    y = conv(x) if len(spans) == 1 and spans[0] == (0, x.shape[-1]) else \
-        torch.cat([conv(x[..., a:b]) for a, b in spans], dim=-1)
+    y = (
+        conv(x)
+        if len(spans) == 1 and spans[0] == (0, x.shape[-1])
+        else torch.cat([conv(x[..., a:b]) for a, b in spans], dim=-1)
+    )
     if y.shape[-1] != x.shape[-1]:  # empty segments only at the ends: keep the row's length
         y = F.pad(y, (0, x.shape[-1] - y.shape[-1]))
     return F.silu(y) if activation else y
@@ -111,8 +115,9 @@ def torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, chunk_size: 
     spans = segments(cu_seqlens, q.shape[2])
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"packed rows (cu_seqlens) need a batch of 1, got {q.shape[0]}")
-    outs = [_chunked(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], g[:, :, a:e], beta[:, :, a:e], chunk_size)
-            for a, e in spans]
+    outs = [
+        _chunked(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], g[:, :, a:e], beta[:, :, a:e], chunk_size) for a, e in spans
+    ]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     if out.shape[2] != q.shape[2]:
         out = F.pad(out, (0, 0, 0, q.shape[2] - out.shape[2]))
@@ -149,7 +154,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None) -> torch.Tensor:
             fla_chunk = None
         if fla_chunk is not None:
             cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, dtype=torch.long, device=q.device)
-            out, _ = fla_chunk(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                               cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
+            out, _ = fla_chunk(
+                q,
+                k,
+                v,
+                g=g,
+                beta=beta,
+                initial_state=None,
+                output_final_state=False,
+                cu_seqlens=cu,
+                use_qk_l2norm_in_kernel=False,
+            )
             return out
     return torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)

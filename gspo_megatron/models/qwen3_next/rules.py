@@ -67,9 +67,14 @@ class GDNInProj(Rule):
         qkv, z, b, a = hf
         rest = qkv.shape[1:]
         q, k, v = torch.split(qkv, [d.key_heads * d.key_dim] * 2 + [d.value_heads * d.value_dim], dim=0)
-        return [q.reshape(d.key_heads, d.key_dim, *rest), k.reshape(d.key_heads, d.key_dim, *rest),
-                v.reshape(d.value_heads, d.value_dim, *rest), z.reshape(d.value_heads, d.value_dim, *rest),
-                b.reshape(d.value_heads, 1, *rest), a.reshape(d.value_heads, 1, *rest)]
+        return [
+            q.reshape(d.key_heads, d.key_dim, *rest),
+            k.reshape(d.key_heads, d.key_dim, *rest),
+            v.reshape(d.value_heads, d.value_dim, *rest),
+            z.reshape(d.value_heads, d.value_dim, *rest),
+            b.reshape(d.value_heads, 1, *rest),
+            a.reshape(d.value_heads, 1, *rest),
+        ]
 
     def to_local(self, hf, rank, size):
         parts = self._parts(hf)
@@ -85,8 +90,10 @@ class GDNInProj(Rule):
         if not self.packed:
             return [torch.cat([q, k, v], dim=0).contiguous(), z.contiguous(), b.contiguous(), a.contiguous()]
         kh = d.key_heads
-        qkvz = torch.cat([q.reshape(kh, -1, *rest), k.reshape(kh, -1, *rest), v.reshape(kh, -1, *rest),
-                          z.reshape(kh, -1, *rest)], dim=1).reshape(-1, *rest)
+        qkvz = torch.cat(
+            [q.reshape(kh, -1, *rest), k.reshape(kh, -1, *rest), v.reshape(kh, -1, *rest), z.reshape(kh, -1, *rest)],
+            dim=1,
+        ).reshape(-1, *rest)
         ba = torch.cat([b.reshape(kh, -1, *rest), a.reshape(kh, -1, *rest)], dim=1).reshape(-1, *rest)
         return [qkvz.contiguous(), ba.contiguous()]
 

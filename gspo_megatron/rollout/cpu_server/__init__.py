@@ -29,9 +29,12 @@ def read_weight_shards(url: str, names: Sequence[str], timeout_s: float = 600.0)
     hold, e.g. another EP rank's expert, is absent from its dict). Test-only route."""
     from gspo_megatron.rollout.cpu_server.http_front import decode_tensor
 
-    req = urllib.request.Request(f"{url.rstrip('/')}/cpu_server/weight_shards",
-                                 data=json.dumps({"names": list(names)}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url.rstrip('/')}/cpu_server/weight_shards",
+        data=json.dumps({"names": list(names)}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         ranks = json.loads(resp.read())["ranks"]
     return [{n: decode_tensor(d) for n, d in r.items()} for r in ranks]

@@ -39,7 +39,7 @@ def _rendezvous_store(args: ServerArgs, timeout):
     on a port the OS assigns at bind time (no window in which another process can take it)."""
     from torch.distributed import TCPStore
 
-    host, port = (args.dist_init_addr.rsplit(":", 1) if args.dist_init_addr else ("127.0.0.1", 0))
+    host, port = args.dist_init_addr.rsplit(":", 1) if args.dist_init_addr else ("127.0.0.1", 0)
     return TCPStore(host, int(port), args.tp_size, True, timeout, wait_for_workers=False)
 
 
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stopping = threading.Event()
     signalled = []
 
-    def on_signal(signum, frame):  # noqa: ARG001
+    def on_signal(signum, frame):
         signalled.append(signum)
         stopping.set()
 
@@ -74,20 +74,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         init_addr = f"{store.host}:{store.port}"
     else:
+        if not args.dist_init_addr:  # parse_args: required with --nnodes > 1, so on every node_rank > 0
+            raise ValueError("--dist-init-addr host:port is required with --nnodes > 1")
         init_addr = args.dist_init_addr
     ctx = mp.get_context("spawn")
     front_conn, worker_conn = ctx.Pipe() if args.node_rank == 0 else (None, None)
     procs = []
     for r in args.local_tp_ranks():
-        p = ctx.Process(target=run_worker, name=f"cpu_server_tp{r}",
-                        args=(args, r, init_addr, worker_conn if r == 0 else None, os.getpid()))
+        p = ctx.Process(
+            target=run_worker,
+            name=f"cpu_server_tp{r}",
+            args=(args, r, init_addr, worker_conn if r == 0 else None, os.getpid()),
+        )
         p.start()
         procs.append(p)
-    print(f"[cpu_server] node {args.node_rank}/{args.nnodes}: TP ranks {args.local_tp_ranks()} "
-          f"(pids {[p.pid for p in procs]}), rendezvous {init_addr}", flush=True)
+    print(
+        f"[cpu_server] node {args.node_rank}/{args.nnodes}: TP ranks {args.local_tp_ranks()} "
+        f"(pids {[p.pid for p in procs]}), rendezvous {init_addr}",
+        flush=True,
+    )
 
     code = 0
     if server is not None:
+        if front_conn is None:  # node 0 (it holds the server) made the pipe
+            raise RuntimeError("node 0 has no pipe to TP rank 0")
         ready = None
         while ready is None and not stopping.is_set():
             if front_conn.poll(0.5):

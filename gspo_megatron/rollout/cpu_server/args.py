@@ -44,6 +44,13 @@ class ServerArgs:
     enable_return_indexer_topk: bool = False
     router_logit_perturbation: float = 0.0
     custom_weight_loader: list[str] | None = None
+    # LoRA (sglang's flags; cpu_server/lora.py)
+    enable_lora: bool | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
+    max_loaded_loras: int | None = None
+    max_loras_per_batch: int = 8
+    dp_size: int = 1
 
     @property
     def tp_per_node(self) -> int:
@@ -59,9 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gspo_megatron.rollout.cpu_server",
         description="CPU stand-in for `python -m sglang.launch_server` (SGLang 0.5.23 HTTP API) that lets CI "
-                    "run the GPU wiring; not an inference server.")
-    p.add_argument("--model-path", "--model", dest="model_path", required=True,
-                   help="HF model directory (config.json; *.safetensors unless --load-format dummy)")
+        "run the GPU wiring; not an inference server.",
+    )
+    p.add_argument(
+        "--model-path",
+        "--model",
+        dest="model_path",
+        required=True,
+        help="HF model directory (config.json; *.safetensors unless --load-format dummy)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
@@ -69,37 +82,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-gpu-id", type=int, default=0, help="accepted, ignored on CPU")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--dist-init-addr", default=None,
-                   help="host:port of the engine's TP rendezvous (required with --nnodes > 1)")
-    p.add_argument("--enable-memory-saver", action="store_true",
-                   help="release/resume_memory_occupation free and restore weights (without it they are no-ops)")
+    p.add_argument(
+        "--dist-init-addr", default=None, help="host:port of the engine's TP rendezvous (required with --nnodes > 1)"
+    )
+    p.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="release/resume_memory_occupation free and restore weights (without it they are no-ops)",
+    )
     p.add_argument("--skip-server-warmup", action="store_true")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted and recorded")
     p.add_argument("--random-seed", type=int, default=None)
-    p.add_argument("--enable-deterministic-inference", action="store_true",
-                   help="honour per-request sampling_seed (sglang ignores it otherwise)")
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="honour per-request sampling_seed (sglang ignores it otherwise)",
+    )
     p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="dummy: random weights (they come by a weight update)")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="dummy: random weights (they come by a weight update)",
+    )
     p.add_argument("--log-level", default="info")
-    p.add_argument("--enable-return-routed-experts", action="store_true",
-                   help="requests with return_routed_experts get meta_info['routed_experts'] (sglang's base64 int32 "
-                        "[tokens, layers, topk] over [routed_experts_start_len, seqlen - 1))")
-    p.add_argument("--enable-return-indexer-topk", action="store_true",
-                   help="DSA models: requests with return_indexer_topk get meta_info['indexer_topk'] (sglang's base64 "
-                        "int32 [seqlen - 1, layers, index_topk] of key positions, -1 where fewer keys exist)")
-    p.add_argument("--router-logit-perturbation", type=float,
-                   default=float(os.environ.get(PERTURBATION_ENV) or 0.0),
-                   help="not sglang's (CPU server only): choose the MoE experts from the router logits plus SCALE * "
-                        "(h @ P_layer), a fixed random [H, E] matrix per layer, so the engine routes unlike the trainer "
-                        f"(cpu_server/routes.py); default: ${PERTURBATION_ENV} or 0 (how a training run's tests set it)")
-    p.add_argument("--custom-weight-loader", nargs="*", default=None,
-                   help="dotted names of weight loaders update_weights_from_tensor may name as its load_format "
-                        "(sglang's flag; e.g. gspo_megatron.weight_sync.delta_loader.apply_deltas)")
-    p.add_argument("--sglang-loader-check", default="auto", choices=("auto", "on", "off"),
-                   help="not sglang's (CPU server only): each TP rank also holds sglang's own model class, loads "
-                        "every bucket with its load_weights and fails a weight update that leaves a parameter "
-                        "unwritten (cpu_server/sglang_models.py); auto: on when sglang imports")
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="requests with return_routed_experts get meta_info['routed_experts'] (sglang's base64 int32 "
+        "[tokens, layers, topk] over [routed_experts_start_len, seqlen - 1))",
+    )
+    p.add_argument(
+        "--enable-return-indexer-topk",
+        action="store_true",
+        help="DSA models: requests with return_indexer_topk get meta_info['indexer_topk'] (sglang's base64 "
+        "int32 [seqlen - 1, layers, index_topk] of key positions, -1 where fewer keys exist)",
+    )
+    p.add_argument(
+        "--router-logit-perturbation",
+        type=float,
+        default=float(os.environ.get(PERTURBATION_ENV) or 0.0),
+        help="not sglang's (CPU server only): choose the MoE experts from the router logits plus SCALE * "
+        "(h @ P_layer), a fixed random [H, E] matrix per layer, so the engine routes unlike the trainer "
+        f"(cpu_server/routes.py); default: ${PERTURBATION_ENV} or 0 (how a training run's tests set it)",
+    )
+    p.add_argument(
+        "--custom-weight-loader",
+        nargs="*",
+        default=None,
+        help="dotted names of weight loaders update_weights_from_tensor may name as its load_format "
+        "(sglang's flag; e.g. gspo_megatron.weight_sync.delta_loader.apply_deltas)",
+    )
+    p.add_argument(
+        "--sglang-loader-check",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="not sglang's (CPU server only): each TP rank also holds sglang's own model class, loads "
+        "every bucket with its load_weights and fails a weight update that leaves a parameter "
+        "unwritten (cpu_server/sglang_models.py); auto: on when sglang imports",
+    )
+    from gspo_megatron.rollout.cpu_server.lora import add_lora_args
+
+    add_lora_args(p)
     return p
 
 
@@ -121,5 +165,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         p.error(f"--dist-init-addr must be host:port, got {ns.dist_init_addr!r}")
     if ns.random_seed is None:
         ns.random_seed = 0
-    return ServerArgs(**vars(ns))
+    from gspo_megatron.rollout.cpu_server.lora import check_lora_args
 
+    check_lora_args(p, ns)
+    return ServerArgs(**vars(ns))

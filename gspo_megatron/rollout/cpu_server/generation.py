@@ -42,17 +42,56 @@ TOP_K_ALL = 1 << 30  # sglang's "whole vocabulary"
 DEFAULT_SEED = 42  # sglang's sampling_seed when deterministic inference is on and none is given
 
 # SamplingParams fields of sglang 0.5.23 (an unknown key is refused, as msgspec does there).
-SGLANG_SAMPLING_KEYS = frozenset({
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "beam_width",
-    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
-    "custom_params", "watermark"})
+SGLANG_SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "n",
+        "beam_width",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "stream_interval",
+        "logit_bias",
+        "sampling_seed",
+        "custom_params",
+        "watermark",
+    }
+)
 # Keys the CPU stand-in implements only at their defaults (a non-default value is refused).
-_DEFAULT_ONLY = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                 "min_new_tokens": 0, "n": 1, "beam_width": None, "json_schema": None, "regex": None,
-                 "ebnf": None, "structural_tag": None, "stop": None, "stop_regex": None, "logit_bias": None,
-                 "custom_params": None, "watermark": None}
+_DEFAULT_ONLY = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "beam_width": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop": None,
+    "stop_regex": None,
+    "logit_bias": None,
+    "custom_params": None,
+    "watermark": None,
+}
 
 
 @dataclass(frozen=True)
@@ -126,8 +165,9 @@ def _generation_eos(model_path: str):
 class Sampler:
     """Rank 0's generation: groups requests with equal params and runs HFRolloutEngine batches."""
 
-    def __init__(self, engine: HFRolloutEngine, generator: torch.Generator, recorder: Any = None,
-                 indexer_recorder: Any = None):
+    def __init__(
+        self, engine: HFRolloutEngine, generator: torch.Generator, recorder: Any = None, indexer_recorder: Any = None
+    ):
         self.engine = engine
         self.recorder = recorder  # cpu_server.routes.RouteRecorder on engine.model, or None
         self.indexer_recorder = indexer_recorder  # cpu_server.routes.IndexerRecorder (DSA), or None
@@ -151,21 +191,31 @@ class Sampler:
         for key, idx in groups.items():
             r = requests[idx[0]]
             params = SamplingParams(
-                temperature=0.0 if all_greedy else r.temperature, top_p=r.top_p,
+                temperature=0.0 if all_greedy else r.temperature,
+                top_p=r.top_p,
                 top_k=-1 if r.top_k == TOP_K_ALL else r.top_k,
-                max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(sorted(r.stop_ids)))
+                max_new_tokens=r.max_new_tokens,
+                stop_token_ids=sorted(r.stop_ids),
+            )
             gen = self.generator if r.seed is None else torch.Generator(device="cpu").manual_seed(r.seed)
             prompts = [list(requests[i].input_ids) for i in idx]
             for start in range(0, len(prompts), self.engine.max_batch_size):
-                chunk = prompts[start:start + self.engine.max_batch_size]
+                chunk = prompts[start : start + self.engine.max_batch_size]
                 samples = self.engine._generate_batch(chunk, params, gen, self.recorder, self.indexer_recorder)
-                for i, s in zip(idx[start:start + len(chunk)], samples):
-                    finish = ({"type": "stop", "matched": s.response_ids[-1]} if s.finish_reason == "stop"
-                              else {"type": "length", "length": r.max_new_tokens})
-                    results[i] = {"output_ids": s.response_ids, "logprobs": s.response_logprobs, "finish": finish}
+                for i, s in zip(idx[start : start + len(chunk)], samples):
+                    finish = (
+                        {"type": "stop", "matched": s.response_ids[-1]}
+                        if s.finish_reason == "stop"
+                        else {"type": "length", "length": r.max_new_tokens}
+                    )
+                    out: dict = {"output_ids": s.response_ids, "logprobs": s.response_logprobs, "finish": finish}
+                    results[i] = out
                     start_len = requests[i].routed_start
                     if start_len is not None and s.routed_experts is not None:
-                        results[i]["routed_experts"] = s.routed_experts[min(start_len, len(s.routed_experts)):]
+                        out["routed_experts"] = s.routed_experts[min(start_len, len(s.routed_experts)) :]
                     if requests[i].indexer and s.indexer_topk is not None:  # sglang: always [0, seqlen - 1)
-                        results[i]["indexer_topk"] = s.indexer_topk
-        return results  # type: ignore[return-value]
+                        out["indexer_topk"] = s.indexer_topk
+        done = [res for res in results if res is not None]
+        if len(done) != len(requests):  # the engine returns one sample per prompt
+            raise RuntimeError(f"generation returned {len(done)} results for {len(requests)} requests")
+        return done

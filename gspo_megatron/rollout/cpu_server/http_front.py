@@ -46,6 +46,9 @@ class Front:
         self.pause_cond = threading.Condition()
         self.weight_version = "default"
         self.startup_time = time.time()
+        from gspo_megatron.rollout.cpu_server.lora import FrontLoras
+
+        self.loras = FrontLoras(args)  # the tokenizer manager's LoRA registry (cpu_server/lora.py)
         self.routes: dict[str, tuple[tuple[str, ...], Callable[[dict], tuple[int, Any]]]] = {
             "/generate": (("POST", "PUT"), self.generate),
             "/health": (("GET",), self.health),
@@ -67,6 +70,9 @@ class Front:
             "/get_weights_by_name": (("GET", "POST"), self.get_weights_by_name),
             "/release_memory_occupation": (("GET", "POST"), lambda b: self.memory("release", b)),
             "/resume_memory_occupation": (("GET", "POST"), lambda b: self.memory("resume", b)),
+            "/load_lora_adapter_from_tensors": (("POST",), self.load_lora_from_tensors),
+            "/load_lora_adapter": (("POST",), self.load_lora_from_path),
+            "/unload_lora_adapter": (("POST",), self.unload_lora),
             "/cpu_server/weight_shards": (("POST",), self.weight_shards),
             "/cpu_server/memory": (("GET",), self.memory_report),
         }
@@ -124,6 +130,15 @@ class Front:
             return 400, {"error": {"message": f"{len(sps)} sampling_params for {len(batch)} inputs"}}
         lp = body.get("return_logprob", False)
         lps = list(lp) if isinstance(lp, list) else [lp] * len(batch)
+        from gspo_megatron.rollout.cpu_server.lora import lora_paths_of
+
+        try:
+            lora_paths = lora_paths_of(body, len(batch))
+        except ValueError as e:
+            return 400, {"error": {"message": str(e)}}
+        refusal = self.loras.resolve(lora_paths)
+        if refusal is not None:
+            return 400, {"error": {"message": refusal}}
         self._wait_unpaused(None)
         t0 = time.time()
         # the worker runs a whole batch as one command and weight updates are commands too, so every
@@ -135,25 +150,42 @@ class Front:
         rstarts = list(rstart) if isinstance(rstart, list) else [rstart] * len(batch)
         rit = body.get(INDEXER_REQUEST_FLAG, False)
         rits = list(rit) if isinstance(rit, list) else [rit] * len(batch)
-        result, version = self.command("generate", requests=[
-            {"input_ids": x, "sampling_params": sp or {}, "return_routed_experts": bool(re_),
-             "routed_experts_start_len": int(rs or 0), INDEXER_REQUEST_FLAG: bool(ri)}
-            for x, sp, re_, rs, ri in zip(batch, sps, rres, rstarts, rits)],
-            _with_version=True)
+        result, version = self.command(
+            "generate",
+            requests=[
+                {
+                    "input_ids": x,
+                    "sampling_params": sp or {},
+                    "return_routed_experts": bool(re_),
+                    "routed_experts_start_len": int(rs or 0),
+                    INDEXER_REQUEST_FLAG: bool(ri),
+                    "lora_path": lp_,
+                }
+                for x, sp, re_, rs, ri, lp_ in zip(batch, sps, rres, rstarts, rits, lora_paths)
+            ],
+            _with_version=True,
+        )
         if not result["success"]:
             return 400, {"error": {"message": result["message"]}}
         rid = body.get("rid")
         outs = []
         for i, (x, r) in enumerate(zip(batch, result["outputs"])):
-            meta = {"id": rid if isinstance(rid, str) and single else uuid.uuid4().hex,
-                    "finish_reason": r["finish"], "prompt_tokens": len(x), "completion_tokens": len(r["output_ids"]),
-                    "cached_tokens": 0, "weight_version": version, "e2e_latency": time.time() - t0,
-                    # sglang 0.5.23 (finished requests): the weight version of each span of output tokens
-                    "weight_versions": [{"version": version, "start": 0, "end": len(r["output_ids"])}]}
+            meta = {
+                "id": rid if isinstance(rid, str) and single else uuid.uuid4().hex,
+                "finish_reason": r["finish"],
+                "prompt_tokens": len(x),
+                "completion_tokens": len(r["output_ids"]),
+                "cached_tokens": 0,
+                "weight_version": version,
+                "e2e_latency": time.time() - t0,
+                # sglang 0.5.23 (finished requests): the weight version of each span of output tokens
+                "weight_versions": [{"version": version, "start": 0, "end": len(r["output_ids"])}],
+            }
             if lps[i]:
                 meta["input_token_logprobs"] = []
-                meta["output_token_logprobs"] = [[float(v), int(t), None]
-                                                 for v, t in zip(r["logprobs"], r["output_ids"])]
+                meta["output_token_logprobs"] = [
+                    [float(v), int(t), None] for v, t in zip(r["logprobs"], r["output_ids"])
+                ]
             if r.get("routed_experts") is not None:  # sglang: base64 of the int32 bytes
                 meta["routed_experts"] = encode_routed_experts(r["routed_experts"])
             if r.get(INDEXER_META_KEY) is not None:  # the same encoding (sglang's detokenizer)
@@ -178,8 +210,9 @@ class Front:
                 return 503, ""
             self.lock.release()
             return 200, ""
-        result = self.command("generate", requests=[{"input_ids": [0], "sampling_params":
-                                                     {"max_new_tokens": 1, "temperature": 0.0}}])
+        result = self.command(
+            "generate", requests=[{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}]
+        )
         if not result["success"]:
             # a failing generation, or memory released: sglang runs its one-token request on the
             # unmapped KV pool / weights, the scheduler dies, no answer within the timeout: 503
@@ -188,27 +221,42 @@ class Front:
 
     def server_info(self, body: dict) -> tuple[int, Any]:
         info = dict(vars(self.args))
-        info.update(startup_time=self.startup_time, internal_states=[{"weight_version": self.weight_version}],
-                    version=SGLANG_VERSION_TESTED, frontend="python")
+        info.update(
+            startup_time=self.startup_time,
+            internal_states=[{"weight_version": self.weight_version}],
+            version=SGLANG_VERSION_TESTED,
+            frontend="python",
+        )
         return 200, info
 
     def model_info(self, body: dict) -> tuple[int, Any]:
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(self.args.model_path)
-        return 200, {"model_path": self.args.model_path, "served_model_name": self.args.model_path,
-                     "tokenizer_path": self.args.model_path, "is_generation": True,
-                     "preferred_sampling_params": None, "weight_version": self.weight_version,
-                     "load_format": self.args.load_format, "reasoning_parser": None, "tool_call_parser": None,
-                     "disaggregation_mode": "null", "has_image_understanding": False,
-                     "has_audio_understanding": False, "model_type": getattr(cfg, "model_type", None),
-                     "architectures": getattr(cfg, "architectures", None)}
+        return 200, {
+            "model_path": self.args.model_path,
+            "served_model_name": self.args.model_path,
+            "tokenizer_path": self.args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "load_format": self.args.load_format,
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+        }
 
     def flush_cache(self, body: dict) -> tuple[int, Any]:
         result = self.command("flush_cache")
         if result["success"]:
-            return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-                         "waiting requests, the operation will not be performed.)\n")
+            return 200, (
+                "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                "waiting requests, the operation will not be performed.)\n"
+            )
         return 400, result.get("message") or "Flush cache failed.\n"
 
     def pause_generation(self, body: dict) -> tuple[int, Any]:
@@ -250,15 +298,24 @@ class Front:
         payloads = kw["serialized_named_tensors"]
         if isinstance(payloads, (str, bytes)):
             payloads = [payloads]
-        return self._version(self.command("update_tensor", _new_version=body.get("weight_version"),
-                                          serialized_named_tensors=list(payloads),
-                                          load_format=body.get("load_format")), body)
+        return self._version(
+            self.command(
+                "update_tensor",
+                _new_version=body.get("weight_version"),
+                serialized_named_tensors=list(payloads),
+                load_format=body.get("load_format"),
+            ),
+            body,
+        )
 
     def update_weight_version(self, body: dict) -> tuple[int, dict]:
         kw = _fields(body, "new_version")
         self.weight_version = str(kw["new_version"])
-        return 200, {"success": True, "message": f"Weight version updated to {self.weight_version}",
-                     "new_version": self.weight_version}
+        return 200, {
+            "success": True,
+            "message": f"Weight version updated to {self.weight_version}",
+            "new_version": self.weight_version,
+        }
 
     def get_weights_by_name(self, body: dict) -> tuple[int, Any]:
         kw = _fields(body, "name")
@@ -270,6 +327,19 @@ class Front:
         if not result["success"]:
             return 400, {"error": {"message": result["message"]}}
         return 200, None
+
+    # -- LoRA adapters (cpu_server/lora.py) --------------------------------------------------------
+    def load_lora_from_tensors(self, body: dict) -> tuple[int, Any]:
+        _fields(body, "lora_name", "config_dict", "serialized_named_tensors")
+        return self.loras.load(body, self.command)
+
+    def load_lora_from_path(self, body: dict) -> tuple[int, Any]:
+        _fields(body, "lora_name", "lora_path")
+        return self.loras.load_path(body, self.command)
+
+    def unload_lora(self, body: dict) -> tuple[int, Any]:
+        _fields(body, "lora_name")
+        return self.loras.unload(body, self.command)
 
     # -- test-only -------------------------------------------------------------------------------
     def weight_shards(self, body: dict) -> tuple[int, Any]:
@@ -296,8 +366,7 @@ def _fields(body: dict, *names: str) -> dict:
 def encode_tensor(t: torch.Tensor) -> dict:
     t = t.detach().contiguous()
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape),
-            "data": base64.b64encode(raw).decode()}
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": base64.b64encode(raw).decode()}
 
 
 def decode_tensor(d: dict) -> torch.Tensor:
@@ -308,7 +377,14 @@ def decode_tensor(d: dict) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(d["shape"]).clone()
 
 
-def make_server(front: Front | None, host: str, port: int) -> ThreadingHTTPServer:
+class FrontServer(ThreadingHTTPServer):
+    """The server :func:`make_server` builds: requests go to ``front_holder[0]`` (503 while None)."""
+
+    request_queue_size = 2048  # uvicorn's backlog (sglang); the default 5 resets concurrent clients
+    front_holder: list[Front | None]
+
+
+def make_server(front: Front | None, host: str, port: int) -> FrontServer:
     """A threaded HTTP server dispatching to ``server.front_holder[0]`` (503 while it is None)."""
     holder: list[Front | None] = [front]
 
@@ -358,10 +434,7 @@ def make_server(front: Front | None, host: str, port: int) -> ThreadingHTTPServe
         def do_PUT(self) -> None:
             self._serve("PUT")
 
-    class Server(ThreadingHTTPServer):
-        request_queue_size = 2048  # uvicorn's backlog (sglang); the default 5 resets concurrent clients
-
-    server = Server((host, port), Handler)
+    server = FrontServer((host, port), Handler)
     server.daemon_threads = True
-    server.front_holder = holder  # type: ignore[attr-defined]
+    server.front_holder = holder
     return server

@@ -21,12 +21,21 @@ engine's function, and one routing by itself differs exactly where the choice fl
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter",
-                  "DeepseekV32TopkRouter", "GlmMoeDsaTopkRouter")
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+ROUTER_CLASSES = (
+    "Qwen3MoeTopKRouter",
+    "Qwen2MoeTopKRouter",
+    "MixtralTopKRouter",
+    "DeepseekV32TopkRouter",
+    "GlmMoeDsaTopkRouter",
+)
 # sigmoid routers with bias and group-limited choice: recorded as they are, never perturbed (the
 # perturbation's weights are the softmax routers')
 _NO_PERTURB = ("DeepseekV32TopkRouter", "GlmMoeDsaTopkRouter")
@@ -34,8 +43,9 @@ INDEXER_CLASSES = ("DeepseekV32Indexer", "GlmMoeDsaIndexer")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def find_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    """(decoder layer index, router module) of every top-k router, in layer order."""
+def find_routers(model: torch.nn.Module) -> list[tuple[int, Any]]:
+    """(decoder layer index, router module) of every top-k router, in layer order (a module of one of
+    ``ROUTER_CLASSES``, which differ in class but all have ``top_k``)."""
     out = []
     for name, m in model.named_modules():
         if type(m).__name__ in ROUTER_CLASSES:
@@ -49,7 +59,7 @@ def find_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
 class RouteRecorder:
     """Forward hooks on a model's routers that record (and, with ``perturb``, change) top-k ids."""
 
-    def __init__(self, model: torch.nn.Module, perturb: float = 0.0):
+    def __init__(self, model: PreTrainedModel, perturb: float = 0.0):
         self.num_layers = int(model.config.num_hidden_layers)
         self.routers = find_routers(model)
         if not self.routers:
@@ -57,8 +67,10 @@ class RouteRecorder:
         self.topk = int(self.routers[0][1].top_k)
         self.perturb = float(perturb)
         if self.perturb and type(self.routers[0][1]).__name__ in _NO_PERTURB:
-            raise ValueError(f"--router-logit-perturbation: not implemented for {type(self.routers[0][1]).__name__} "
-                             "(sigmoid router with bias)")
+            raise ValueError(
+                f"--router-logit-perturbation: not implemented for {type(self.routers[0][1]).__name__} "
+                "(sigmoid router with bias)"
+            )
         self._seen: dict[int, torch.Tensor] = {}
         self._proj: dict[int, torch.Tensor] = {}
         self._handles = [m.register_forward_hook(self._hook(i)) for i, m in self.routers]
@@ -69,6 +81,7 @@ class RouteRecorder:
                 output = self._perturbed(layer, module, args[0])
             self._seen[layer] = output[2].detach().to(torch.int64).cpu()
             return output
+
         return hook
 
     def _perturbed(self, layer: int, module, hidden: torch.Tensor):
@@ -114,7 +127,7 @@ class IndexerRecorder:
     -1 after them (sglang returns a set, -1 where fewer keys exist).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: PreTrainedModel):
         self.num_layers = int(model.config.num_hidden_layers)
         self.index_topk = int(model.config.index_topk)
         self.indexers = []
@@ -132,6 +145,7 @@ class IndexerRecorder:
     def _hook(self, layer: int):
         def hook(module, args, output):
             self._seen[layer] = output.detach().to(torch.int64).cpu()
+
         return hook
 
     def take(self, pads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

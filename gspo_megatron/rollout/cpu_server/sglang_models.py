@@ -52,7 +52,7 @@ import importlib.util
 import os
 import sys
 import types
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -61,14 +61,22 @@ STUBBED = ("sgl_kernel", "torchvision")
 
 # architecture -> sglang module (srt/models/<module>.py defines it in EntryClass)
 MODULES = {
-    "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
-    "DeepseekV3ForCausalLM": "deepseek_v2", "DeepseekV2ForCausalLM": "deepseek_v2",
-    "Glm4MoeForCausalLM": "glm4_moe", "GptOssForCausalLM": "gpt_oss",
-    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "GptOssForCausalLM": "gpt_oss",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "Qwen3NextForCausalLM": "qwen3_next",
-    "DeepseekV32ForCausalLM": "deepseek_v2", "GlmMoeDsaForCausalLM": "glm4_moe",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_text", "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
+    "DeepseekV32ForCausalLM": "deepseek_v2",
+    "GlmMoeDsaForCausalLM": "glm4_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
 }
 
 
@@ -132,15 +140,19 @@ def install_import_stubs() -> None:
     if missing:
         sys.meta_path.insert(0, _StubFinder(missing))
     if "sgl_kernel" in missing and not isinstance(torch.ops.sgl_kernel, _KernelOps):
-        torch.ops.sgl_kernel = _KernelOps(torch.ops.sgl_kernel)
+        setattr(torch.ops, "sgl_kernel", _KernelOps(torch.ops.sgl_kernel))  # torch.ops: a namespace of attributes
 
 
 # ``torch.ops.sgl_kernel`` ops that sglang's modules bind at import on the CPU platform (``srt/models/qwen3_5.py``
 # lines 283-298, imported by ``qwen3_5_text.py``): without sgl_kernel the lookup raises, the import fails and
 # sglang's registry (which skips modules that fail to import) reports "Qwen3_5MoeForCausalLM has no SGlang
 # implementation". Bound to a stand-in that raises when called (the twin never runs a forward).
-IMPORT_BOUND_KERNELS = ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu",
-                        "fused_qkvzba_split_reshape_cat_contiguous_cpu")
+IMPORT_BOUND_KERNELS = (
+    "fused_sigmoid_mul_cpu",
+    "fused_qk_gemma_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+)
 
 
 class _KernelOps:
@@ -153,6 +165,7 @@ class _KernelOps:
 
     def __getattr__(self, name):
         if name in IMPORT_BOUND_KERNELS:
+
             def missing(*args, **kwargs):
                 raise RuntimeError(f"torch.ops.sgl_kernel.{name} is not available: sgl_kernel is not installed")
 
@@ -168,9 +181,11 @@ def import_error() -> str | None:
         from sglang.srt.distributed import initialize_model_parallel  # noqa: F401
         from sglang.srt.model_loader.loader import _initialize_model  # noqa: F401
         from sglang.srt.runtime_context import publish  # noqa: F401
-    except Exception as e:  # ImportError and whatever an import chain raises
-        return (f"sglang's model classes do not import ({type(e).__name__}: {e}); install sglang=={SGLANG_VERSION} "
-                "with --no-deps and the `sglang-cpu` extra (see the Makefile)")
+    except Exception as e:  # noqa: BLE001 - ImportError and whatever an import chain raises
+        return (
+            f"sglang's model classes do not import ({type(e).__name__}: {e}); install sglang=={SGLANG_VERSION} "
+            "with --no-deps and the `sglang-cpu` extra (see the Makefile)"
+        )
     if getattr(sglang, "__version__", SGLANG_VERSION) != SGLANG_VERSION:
         return f"sglang {sglang.__version__} is installed; the CPU server follows sglang {SGLANG_VERSION}"
     return None
@@ -181,13 +196,21 @@ def server_args(model_path: str, tp_size: int, ep_size: int = 1, dtype: str = "a
     install_import_stubs()
     from sglang.srt.server_args import ServerArgs
 
-    extra = {}
+    extra: dict[str, Any] = {}
     if _architecture(model_path) in LINEAR_ATTENTION_HYBRIDS:
         # sglang's "auto" picks the extra_buffer Mamba-state cache, which only GPU platforms support
         # (arg_groups/mamba_hook.py validate_mamba_extra_buffer); no_buffer needs no overlap schedule
         extra.update(mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True)
-    return ServerArgs(model_path=model_path, device="cpu", tp_size=tp_size, ep_size=ep_size, dtype=dtype,
-                      load_format="dummy", skip_tokenizer_init=True, **extra)
+    return ServerArgs(
+        model_path=model_path,
+        device="cpu",
+        tp_size=tp_size,
+        ep_size=ep_size,
+        dtype=dtype,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        **extra,
+    )
 
 
 # architecture -> prefixes of sglang parameters the weight sync never sends (carried tensors of the checkpoint,
@@ -242,16 +265,20 @@ def init_parallel(args, tp_rank: int) -> None:
         publish(args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
     if _PARALLEL is not None:
         if _PARALLEL != (args.tp_size, args.ep_size):
-            raise RuntimeError(f"sglang's parallel groups were built for tp/ep {_PARALLEL} in this process, "
-                               f"not {(args.tp_size, args.ep_size)}")
+            raise RuntimeError(
+                f"sglang's parallel groups were built for tp/ep {_PARALLEL} in this process, "
+                f"not {(args.tp_size, args.ep_size)}"
+            )
         return
     if not dist.is_initialized():
         dist.init_process_group("gloo", world_size=args.tp_size, rank=tp_rank)
     if dist.get_world_size() != args.tp_size:
-        raise RuntimeError(f"the torch.distributed world has {dist.get_world_size()} ranks; the engine has "
-                           f"tp_size {args.tp_size}")
-    init_distributed_environment(world_size=args.tp_size, rank=tp_rank, local_rank=tp_rank, backend="gloo",
-                                 distributed_init_method=None)
+        raise RuntimeError(
+            f"the torch.distributed world has {dist.get_world_size()} ranks; the engine has tp_size {args.tp_size}"
+        )
+    init_distributed_environment(
+        world_size=args.tp_size, rank=tp_rank, local_rank=tp_rank, backend="gloo", distributed_init_method=None
+    )
     initialize_model_parallel(backend="gloo")
     _PARALLEL = (args.tp_size, args.ep_size)
 
@@ -270,14 +297,30 @@ def model_class(model_config):
     return get_model_architecture(model_config)[0]
 
 
+@contextlib.contextmanager
+def known_architecture(cls):
+    """While sglang's loader reads the quantization config (``_get_quantization_config``: the class's
+    ``packed_modules_mapping`` / ``remap_prefix``), its ``get_model_architecture`` answers ``cls``, the
+    class :func:`model_class` found, instead of importing every model module through the registry."""
+    from sglang.srt.model_loader import loader
+
+    real = loader.get_model_architecture
+    loader.get_model_architecture = lambda model_config: (cls, cls.__name__)
+    try:
+        yield
+    finally:
+        loader.get_model_architecture = real
+
+
 class SglangModel:
     """sglang's model class for ``model_path`` at engine TP rank ``tp_rank`` of ``tp_size`` (on CPU).
 
     ``load(named_tensors)``: one ``load_weights`` call, as sglang's weight updater per bucket.
     ``poison()`` / ``unwritten()``: the written check of a full sync (module docstring)."""
 
-    def __init__(self, model_path: str, tp_size: int, tp_rank: int, ep_size: int = 1,
-                 dtype: torch.dtype | str | None = None):
+    def __init__(
+        self, model_path: str, tp_size: int, tp_rank: int, ep_size: int = 1, dtype: torch.dtype | str | None = None
+    ):
         install_import_stubs()
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.configs.model_config import ModelConfig
@@ -300,8 +343,9 @@ class SglangModel:
         for hf_cfg in (self.model_config.hf_config, getattr(self.model_config.hf_config, "text_config", None)):
             if hf_cfg is not None:
                 adjust_tp_num_heads_if_necessary(hf_cfg, tp_size, True)
-        quant_config = _get_quantization_config(self.model_config, load_config)
         cls = model_class(self.model_config)
+        with known_architecture(cls):
+            quant_config = _get_quantization_config(self.model_config, load_config)
         # loader.py DefaultModelLoader.load_model + _initialize_model, device "cpu"
         with set_default_torch_dtype(self.model_config.dtype), torch.device("cpu"):
             shared = resolve_shared_experts_config(cls, self.model_config.hf_config, quant_config)
@@ -346,9 +390,11 @@ class SglangModel:
         bad = self.unwritten()
         if bad:
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            raise RuntimeError(f"sglang {SGLANG_VERSION}'s {type(self.model).__name__}.load_weights left "
-                               f"{len(bad)} parameter(s) of engine TP rank {self.tp_rank} unwritten by this "
-                               f"weight update: {', '.join(bad[:3])}{more}")
+            raise RuntimeError(
+                f"sglang {SGLANG_VERSION}'s {type(self.model).__name__}.load_weights left "
+                f"{len(bad)} parameter(s) of engine TP rank {self.tp_rank} unwritten by this "
+                f"weight update: {', '.join(bad[:3])}{more}"
+            )
 
     def resident_bytes(self) -> int:
         return sum(p.untyped_storage().nbytes() for p in self.model.parameters())

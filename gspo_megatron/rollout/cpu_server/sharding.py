@@ -13,18 +13,21 @@ Read from sglang's ``layers/linear.py`` (``ColumnParallelLinear``, ``QKVParallel
 - vocab parallel (``embed_tokens``, ``lm_head``): the vocabulary is padded to a multiple of 64
   (``pad_vocab_size``), each rank owns ``padded / tp`` rows; rows past the real vocabulary are 0.
   A tied ``lm_head`` is the embedding (``lm_head.weight`` is skipped on load, as sglang does).
-- MoE experts (``{block}.experts.{e}.{gate|up|down}``): ``moe_tp = tp / ep``; rank r has
+- MoE experts (``{block}.experts.{e}.{gate|up|down}``, named by the family's ``expert_naming``:
+  ``models.registry.expert_weight``): ``moe_tp = tp / ep``; rank r has
   ``moe_tp_rank = r % moe_tp`` and ``moe_ep_rank = r // moe_tp``; it holds experts
   ``[moe_ep_rank * E/ep, (moe_ep_rank + 1) * E/ep)`` and of each the intermediate slice
   ``moe_tp_rank`` (gate / up: dim 0, down: dim 1). Other experts are not on the rank (None).
-- experts stacked per layer (gpt-oss: ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate / up
-  interleaved, ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]):
+- experts stacked per layer (the family's ``stacked_expert_naming``, ``models.registry.stacked_expert_naming``;
+  gpt-oss: ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate / up interleaved, ``gate_up_proj_bias``
+  [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]):
   sglang's ``models/gpt_oss.py`` ``_load_normal_weights`` transposes the weights and
   ``FusedMoE._load_w13`` / ``_load_w2`` cut the intermediate dimension in ``moe_tp`` contiguous parts
   (2I of gate_up as it is, interleaved, so each part keeps whole gate / up pairs): rank r holds the
-  rows of its EP rank's experts and part ``moe_tp_rank`` of dim 2 (gate_up), 1 (its bias, down);
-  ``down_proj_bias`` is held whole by MoE TP rank 0 and zero elsewhere (sglang zeroes it on the other
-  ranks, so the reduced sum adds it once).
+  rows of its EP rank's experts and part ``moe_tp_rank`` of the intermediate dimension
+  (``StackedExpertNaming.intermediate_dim``: 2 of gate_up, 1 of its bias and of down);
+  ``down_proj_bias`` (no intermediate dimension) is held whole by MoE TP rank 0 and zero elsewhere
+  (sglang zeroes it on the other ranks, so the reduced sum adds it once).
 - attention sinks (gpt-oss ``self_attn.sinks``, one per head): cut by head like ``q_proj``.
 - a row-parallel layer's bias (gpt-oss ``o_proj.bias``): whole on every rank (``RowParallelLinear``
   adds it on TP rank 0 after the reduction).
@@ -35,16 +38,15 @@ Full tensors have the HF checkpoint shape; a shard has the shape the rank stores
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from gspo_megatron.models.registry import expert_weight, stacked_expert_naming
+
 VOCAB_PADDING = 64  # sglang DEFAULT_VOCAB_PADDING_SIZE
 
-_EXPERT_RE = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_STACKED_RE = re.compile(r"\.mlp\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?$")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
 
@@ -64,13 +66,24 @@ class Layout:
 
     @classmethod
     def from_config(cls, hf_config: Any, tp_size: int, ep_size: int = 1) -> "Layout":
-        get = (lambda k, d=None: hf_config.get(k, d)) if isinstance(hf_config, Mapping) else \
-            (lambda k, d=None: getattr(hf_config, k, d))
+        get = (
+            (lambda k, d=None: hf_config.get(k, d))
+            if isinstance(hf_config, Mapping)
+            else (lambda k, d=None: getattr(hf_config, k, d))
+        )
         heads = int(get("num_attention_heads"))
         head_dim = get("head_dim") or int(get("hidden_size")) // heads
         experts = get("num_experts") or get("num_local_experts") or 0
-        return cls(int(tp_size), int(ep_size), heads, int(get("num_key_value_heads") or heads), int(head_dim),
-                   int(get("vocab_size")), int(experts), get("model_type"))
+        return cls(
+            int(tp_size),
+            int(ep_size),
+            heads,
+            int(get("num_key_value_heads") or heads),
+            int(head_dim),
+            int(get("vocab_size")),
+            int(experts),
+            get("model_type"),
+        )
 
     def check(self) -> None:
         """Refuse what sglang's ``divide`` asserts would refuse (one clear line)."""
@@ -95,9 +108,9 @@ class Layout:
 
 def kind_of(name: str) -> str:
     """``"expert" | "stacked" | "column" | "kv" | "row" | "vocab" | "replicated"`` for an HF weight name."""
-    if _EXPERT_RE.search(name):
+    if expert_weight(name) is not None:
         return "expert"
-    if _STACKED_RE.search(name):
+    if stacked_expert_naming(name) is not None:
         return "stacked"
     if name.endswith("self_attn.sinks"):
         return "column"
@@ -114,10 +127,22 @@ def kind_of(name: str) -> str:
     return "replicated"
 
 
-def expert_of(name: str) -> tuple[int, str] | None:
-    """(expert id, projection) for an expert weight name, else None."""
-    m = _EXPERT_RE.search(name)
-    return (int(m.group("e")), m.group("proj")) if m else None
+def expert_of(name: str) -> tuple[int, str]:
+    """(expert id, ``"gate" | "up" | "down"``) of an expert weight name (``kind_of`` "expert"): the
+    family's naming (``models.registry.expert_weight``). Raises ValueError for any other name."""
+    found = expert_weight(name)
+    if found is None:
+        raise ValueError(f"{name} is not a routed expert's weight of any family")
+    return found
+
+
+def _stacked_dim(name: str) -> int | None:
+    """The intermediate dimension of a stacked expert tensor (``kind_of`` "stacked"), None for one
+    without (gpt-oss's ``down_proj_bias``): the family's ``StackedExpertNaming.intermediate_dim``."""
+    naming = stacked_expert_naming(name)
+    if naming is None:
+        raise ValueError(f"{name} is not a stacked expert tensor of any family")
+    return naming.intermediate_dim(name)
 
 
 def _chunk(t: torch.Tensor, dim: int, parts: int, idx: int) -> torch.Tensor:
@@ -154,25 +179,24 @@ def shard_for_rank(name: str, full: torch.Tensor, tp_rank: int, layout: Layout) 
         if end > start:
             out[: end - start] = full[start:end]
         return out
-    expert, proj = expert_of(name)  # type: ignore[misc]
+    expert, role = expert_of(name)
     moe_tp = layout.moe_tp_size
     ep_rank, moe_tp_rank = tp_rank // moe_tp, tp_rank % moe_tp
     per_ep = layout.num_experts // layout.ep_size
     if not ep_rank * per_ep <= expert < (ep_rank + 1) * per_ep:
         return None
-    dim = 1 if proj in ("down_proj", "w2") else 0
+    dim = 1 if role == "down" else 0
     return _chunk(full, dim, moe_tp, moe_tp_rank).clone()
 
 
 def _stacked_shard(name: str, full: torch.Tensor, tp_rank: int, layout: Layout) -> torch.Tensor:
-    m = _STACKED_RE.search(name)
+    dim = _stacked_dim(name)
     moe_tp = layout.moe_tp_size
     ep_rank, moe_tp_rank = tp_rank // moe_tp, tp_rank % moe_tp
     per_ep = layout.num_experts // layout.ep_size
     rows = full.narrow(0, ep_rank * per_ep, per_ep)
-    if m.group("proj") == "down_proj" and m.group("bias"):
+    if dim is None:
         return rows.clone() if moe_tp_rank == 0 else torch.zeros_like(rows)
-    dim = 1 if m.group("bias") or m.group("proj") == "down_proj" else 2
     return _chunk(rows, dim, moe_tp, moe_tp_rank).clone()
 
 
@@ -185,10 +209,10 @@ def owner_ranks(name: str, layout: Layout) -> list[int]:
     if kind == "kv" and tp >= layout.num_kv_heads:
         return list(range(0, tp, tp // layout.num_kv_heads))
     if kind == "expert":
-        expert, _ = expert_of(name)  # type: ignore[misc]
+        expert, _ = expert_of(name)
         ep_rank = expert // (layout.num_experts // layout.ep_size)
         return [ep_rank * layout.moe_tp_size + i for i in range(layout.moe_tp_size)]
-    if kind == "stacked" and name.endswith("down_proj_bias"):  # whole on MoE TP rank 0 of each EP rank
+    if kind == "stacked" and _stacked_dim(name) is None:  # whole on MoE TP rank 0 of each EP rank
         return list(range(0, tp, layout.moe_tp_size))
     return list(range(tp))
 
@@ -201,18 +225,19 @@ def assemble(name: str, shards: Sequence[torch.Tensor], layout: Layout, full_sha
     if kind == "vocab":
         return torch.cat(list(shards), 0)[: full_shape[0]]
     if kind == "stacked":  # experts of each EP rank: its moe_tp parts side by side; EP ranks stacked
-        if name.endswith("down_proj_bias"):
+        dim = _stacked_dim(name)
+        if dim is None:
             return torch.cat(list(shards), 0)
-        dim = 1 if name.endswith(("_bias", "down_proj")) else 2
         k = layout.moe_tp_size
-        return torch.cat([torch.cat(list(shards[i:i + k]), dim) for i in range(0, len(shards), k)], 0)
-    if kind == "row" or (kind == "expert" and expert_of(name)[1] in ("down_proj", "w2")):  # type: ignore[index]
+        return torch.cat([torch.cat(list(shards[i : i + k]), dim) for i in range(0, len(shards), k)], 0)
+    if kind == "row" or (kind == "expert" and expert_of(name)[1] == "down"):
         return torch.cat(list(shards), 1)
     return torch.cat(list(shards), 0)
 
 
-def expected_shard(name: str, full_tensor: torch.Tensor, tp_rank: int, tp_size: int, ep_size: int,
-                   hf_config: Any) -> torch.Tensor | None:
+def expected_shard(
+    name: str, full_tensor: torch.Tensor, tp_rank: int, tp_size: int, ep_size: int, hf_config: Any
+) -> torch.Tensor | None:
     """What SGLang's sharding puts on engine TP rank ``tp_rank`` of HF tensor ``name`` (full
     checkpoint shape), or None when the rank holds no part of it (an expert of another EP rank).
     ``hf_config``: the model's config (object or dict). Tests compare this with the server's shards."""

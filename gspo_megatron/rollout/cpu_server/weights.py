@@ -61,8 +61,9 @@ def iter_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"--model-path {model_path}: no *.safetensors files (use --load-format dummy "
-                                "to start with random weights)")
+        raise FileNotFoundError(
+            f"--model-path {model_path}: no *.safetensors files (use --load-format dummy to start with random weights)"
+        )
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
@@ -112,8 +113,9 @@ class ShardStore:
             if self.skipped(name):
                 continue
             if tuple(full.shape) != self.full_shapes[name]:
-                raise ValueError(f"weight {name!r}: shape {tuple(full.shape)} does not match the model's "
-                                 f"{self.full_shapes[name]}")
+                raise ValueError(
+                    f"weight {name!r}: shape {tuple(full.shape)} does not match the model's {self.full_shapes[name]}"
+                )
             part = shard_for_rank(name, full, self.tp_rank, self.layout)
             if part is None:
                 continue

@@ -52,8 +52,8 @@ from gspo_megatron.rollout.cpu_server.sharding import Layout, assemble, owner_ra
 from gspo_megatron.rollout.cpu_server.weights import ShardStore, iter_checkpoint, load_config, resolve_dtype
 from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 from gspo_megatron.rollout.sglang_compat import (
-    flattened_bucket_class,
     multiprocessing_serializer,
+    require_flattened_bucket_class,
     use_cpu_shared_memory,
 )
 from gspo_megatron.runtime import children
@@ -95,6 +95,9 @@ class TPWorker:
         self.generator = torch.Generator(device="cpu").manual_seed(args.random_seed)
         self.eos_ids = eos_token_ids(args.model_path, self.config)
         self.loader_model = LoaderModel(self)  # what a custom weight loader is handed as ``model``
+        from gspo_megatron.rollout.cpu_server.lora import WorkerLoras
+
+        self.loras = WorkerLoras(args, self.config)  # --enable-lora's adapters (cpu_server/lora.py)
 
     def _sglang_model(self):
         """sglang's own model class for this rank (``--sglang-loader-check``; the caller loads the
@@ -110,18 +113,25 @@ class TPWorker:
                 raise RuntimeError(f"--sglang-loader-check on: {why}")
             log(self.tp_rank, f"sglang loader check off: {why}")
             return None
-        model = sglang_models.SglangModel(self.args.model_path, self.args.tp_size, self.tp_rank,
-                                          self.args.ep_size, self.dtype)
-        log(self.tp_rank, f"sglang {sglang_models.SGLANG_VERSION}'s {type(model.model).__name__} holds this rank's "
-                          f"weights too (every bucket goes to its load_weights)")
+        model = sglang_models.SglangModel(
+            self.args.model_path, self.args.tp_size, self.tp_rank, self.args.ep_size, self.dtype
+        )
+        log(
+            self.tp_rank,
+            f"sglang {sglang_models.SGLANG_VERSION}'s {type(model.model).__name__} holds this rank's "
+            f"weights too (every bucket goes to its load_weights)",
+        )
         return model
 
     # -- the full model on rank 0 ----------------------------------------------------------------
     def _refresh_full_model(self) -> None:
         """Collective: rank 0 rebuilds its transformers model from every rank's shards."""
-        gathered = [None] * self.args.tp_size if self.tp_rank == 0 else None
+        # every rank's shards, filled in on rank 0
+        gathered: list[dict[str, torch.Tensor]] | None = (
+            [{} for _ in range(self.args.tp_size)] if self.tp_rank == 0 else None
+        )
         dist.gather_object(self.store.shards, gathered, dst=0)
-        if self.tp_rank == 0:
+        if gathered is not None:  # rank 0
             if self.sampler is None:
                 engine = HFRolloutEngine(self.config, None, dtype=self.dtype, seed=self.args.random_seed)
                 recorder = None
@@ -154,21 +164,54 @@ class TPWorker:
             self._refresh_full_model()
         if self.tp_rank != 0:
             return {"success": True}
+        sampler = self.sampler
+        if sampler is None:  # rank 0 assembled its model at start-up (run_worker: _refresh_full_model)
+            raise RuntimeError("TP rank 0 has no assembled model")
         try:
-            reqs = [normalize(r["input_ids"], r["sampling_params"], self.eos_ids,
-                              self.args.enable_deterministic_inference) for r in requests]
-            reqs = [dataclasses.replace(q, routed_start=_routed_start(r)) if self.args.enable_return_routed_experts
-                    else q for q, r in zip(reqs, requests)]
+            reqs = [
+                normalize(r["input_ids"], r["sampling_params"], self.eos_ids, self.args.enable_deterministic_inference)
+                for r in requests
+            ]
+            reqs = [
+                dataclasses.replace(q, routed_start=_routed_start(r)) if self.args.enable_return_routed_experts else q
+                for q, r in zip(reqs, requests)
+            ]
             if self.args.enable_return_indexer_topk:
-                reqs = [dataclasses.replace(q, indexer=bool(r.get("return_indexer_topk"))) for q, r in zip(reqs, requests)]
+                reqs = [
+                    dataclasses.replace(q, indexer=bool(r.get("return_indexer_topk"))) for q, r in zip(reqs, requests)
+                ]
         except ValueError as e:
             return {"success": False, "message": str(e), "bad_request": True}
-        return {"success": True, "outputs": self.sampler.run(reqs)}
+        paths = [r.get("lora_path") for r in requests]
+        if not any(paths):
+            return {"success": True, "outputs": sampler.run(reqs)}
+        outputs: list = [None] * len(reqs)  # one run per adapter (None: the base), request order kept
+        for name in dict.fromkeys(paths):
+            idx = [i for i, p in enumerate(paths) if p == name]
+            with self.loras.applied(name, sampler.engine.model):
+                for i, out in zip(idx, sampler.run([reqs[i] for i in idx])):
+                    outputs[i] = out
+        return {"success": True, "outputs": outputs}
+
+    def op_lora_load(self, **kw) -> dict:
+        result = self.loras.load(self.tp_rank, **kw)
+        dist.barrier()
+        return result
+
+    def op_lora_load_path(self, **kw) -> dict:
+        result = self.loras.load_from_path(self.tp_rank, **kw)
+        dist.barrier()
+        return result
+
+    def op_lora_unload(self, lora_name: str) -> dict:
+        return self.loras.unload(lora_name)
 
     def op_begin(self) -> dict:
         if self.session is not None:
-            return {"success": False, "message": "a weight-update session is already open; "
-                                                 "call end_weight_update() first"}
+            return {
+                "success": False,
+                "message": "a weight-update session is already open; call end_weight_update() first",
+            }
         self.session = {"loaded": False, "stored": 0}
         if self.sglang is not None and not self.sglang.released:
             self.sglang.poison()  # a full sync writes every parameter: NaN left at end = unwritten
@@ -177,8 +220,7 @@ class TPWorker:
 
     def op_end(self) -> dict:
         if self.session is None:
-            return {"success": False,
-                    "message": "no weight-update session is open; call begin_weight_update() first"}
+            return {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"}
         result = {"success": True, "message": "Success"}
         if self.sglang is not None and self.session["stored"]:  # a session that wrote nothing: no sync
             try:
@@ -201,22 +243,29 @@ class TPWorker:
     def _load(self, named) -> None:
         stored = self._load_both(named)
         self.dirty = True
-        self.session["loaded"] = True  # type: ignore[index]
-        self.session["stored"] += stored  # type: ignore[index]
+        if self.session is None:  # the update ops load only inside a begin/end session
+            raise RuntimeError("weights loaded outside a weight-update session (begin_weight_update() first)")
+        self.session["loaded"] = True
+        self.session["stored"] += stored
 
     def op_update_tensor(self, serialized_named_tensors: list, load_format: str | None) -> dict:
         if self.session is None:
-            return {"success": False, "message": "update_weights_from_tensor must run between "
-                                                 "begin_weight_update() and end_weight_update()"}
+            return {
+                "success": False,
+                "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            }
         try:
             if self.tp_rank >= len(serialized_named_tensors):
-                raise IndexError(f"serialized_named_tensors has {len(serialized_named_tensors)} payload(s); "
-                                 f"TP rank {self.tp_rank} reads item {self.tp_rank} (one per TP rank)")
+                raise IndexError(
+                    f"serialized_named_tensors has {len(serialized_named_tensors)} payload(s); "
+                    f"TP rank {self.tp_rank} reads item {self.tp_rank} (one per TP rank)"
+                )
             use_cpu_shared_memory()
             obj = multiprocessing_serializer().deserialize(serialized_named_tensors[self.tp_rank])
             if load_format == "flattened_bucket":
-                named = flattened_bucket_class()(flattened_tensor=obj["flattened_tensor"],
-                                                 metadata=obj["metadata"]).reconstruct_tensors()
+                named = require_flattened_bucket_class()(
+                    flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]
+                ).reconstruct_tensors()
             elif load_format is None:
                 named = list(obj)
             elif load_format in (self.args.custom_weight_loader or []):
@@ -231,24 +280,35 @@ class TPWorker:
                 self._load(named)
             del obj, named
             result = {"success": True, "message": "Success"}
-        except Exception as e:  # sglang's scheduler would raise; answer instead (see docs)
+        except Exception as e:  # noqa: BLE001 - sglang's scheduler would raise; answer instead (see docs)
             result = {"success": False, "message": f"{type(e).__name__}: {e}"}
         dist.barrier()
         return result
 
-    def op_init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                      group_name: str, backend: str = "nccl") -> dict:
+    def op_init_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> dict:
         from gspo_megatron.weight_sync.nccl_broadcast import init_external_process_group
 
         rank = rank_offset + self.tp_rank
-        log(self.tp_rank, f"init custom process group: master_address={master_address}, master_port={master_port}, "
-                          f"rank_offset={rank_offset}, rank={rank}, world_size={world_size}, "
-                          f"group_name={group_name}, backend={backend}")
+        log(
+            self.tp_rank,
+            f"init custom process group: master_address={master_address}, master_port={master_port}, "
+            f"rank_offset={rank_offset}, rank={rank}, world_size={world_size}, "
+            f"group_name={group_name}, backend={backend}",
+        )
         try:
             self.groups[group_name] = init_external_process_group(
-                backend, f"tcp://{master_address}:{master_port}", world_size, rank, group_name, prefer_sglang=True)
+                backend, f"tcp://{master_address}:{master_port}", world_size, rank, group_name, prefer_sglang=True
+            )
             return {"success": True, "message": "Succeeded to initialize custom process group."}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
             return {"success": False, "message": f"Failed to initialize custom process group: {e}."}
 
     def op_destroy_group(self, group_name: str) -> dict:
@@ -257,21 +317,26 @@ class TPWorker:
         try:
             dist.destroy_process_group(self.groups.pop(group_name))
             return {"success": True, "message": "Succeeded to destroy custom process group."}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
             return {"success": False, "message": f"Failed to destroy custom process group: {e}."}
 
-    def op_update_distributed(self, names: list, dtypes: list, shapes: list, group_name: str,
-                              load_format: str | None = None) -> dict:
+    def op_update_distributed(
+        self, names: list, dtypes: list, shapes: list, group_name: str, load_format: str | None = None
+    ) -> dict:
         if self.session is None:
-            return {"success": False, "message": "update_weights_from_distributed must run between "
-                                                 "begin_weight_update() and end_weight_update()"}
+            return {
+                "success": False,
+                "message": "update_weights_from_distributed must run between "
+                "begin_weight_update() and end_weight_update()",
+            }
         try:
             if group_name not in self.groups:
-                raise AssertionError(f"Group {group_name} not in {list(self.groups)}. "
-                                     "Please call `init_weights_update_group` first.")
+                raise AssertionError(
+                    f"Group {group_name} not in {list(self.groups)}. Please call `init_weights_update_group` first."
+                )
             group = self.groups[group_name]
             if load_format == "flattened_bucket":
-                bucket = flattened_bucket_class().empty(names, dtypes, shapes, "cpu")
+                bucket = require_flattened_bucket_class().empty(names, dtypes, shapes, "cpu")
                 dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
                 weights = bucket.reconstruct_tensors()
             else:
@@ -282,13 +347,16 @@ class TPWorker:
                     weights.append((name, t))
                 for h in handles:
                     h.wait()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
             return {"success": False, "message": f"Failed to receive weights: {e}"}
         try:
             self._load(weights)
-        except Exception as e:
-            return {"success": False, "message": f"Failed to update parameter online: {e}. The full weights of "
-                                                 "the ModelRunner are partially updated. Please discard the whole weights."}
+        except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
+            return {
+                "success": False,
+                "message": f"Failed to update parameter online: {e}. The full weights of "
+                "the ModelRunner are partially updated. Please discard the whole weights.",
+            }
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     def op_get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
@@ -334,9 +402,13 @@ class TPWorker:
         assembled = 0
         if self.sampler is not None:
             assembled = sum(p.untyped_storage().nbytes() for p in self.sampler.engine.model.parameters())
-        return {"success": True, "weights_bytes": self.store.resident_bytes(), "assembled_model_bytes": assembled,
-                "sglang_model_bytes": self.sglang.resident_bytes() if self.sglang is not None else 0,
-                "offload_tags": sorted(self.offload_tags)}
+        return {
+            "success": True,
+            "weights_bytes": self.store.resident_bytes(),
+            "assembled_model_bytes": assembled,
+            "sglang_model_bytes": self.sglang.resident_bytes() if self.sglang is not None else 0,
+            "offload_tags": sorted(self.offload_tags),
+        }
 
     def op_shutdown(self) -> dict:
         return {"success": True}
@@ -367,6 +439,7 @@ def custom_loader(name: str):
             if not module:
                 raise ValueError("func_path should contain both module name and func name (such as 'module.func')")
             return getattr(importlib.import_module(module), attr)
+
     return dynamic_import(name)
 
 
@@ -376,12 +449,16 @@ def _routed_start(request: dict) -> int | None:
         return None
     start = int(request.get("routed_experts_start_len") or 0)
     if start < 0:
-        raise ValueError(f"recv_req.routed_experts_start_len={start} is lower than 0. "
-                         "Please use a non-negative routed_experts_start_len.")
+        raise ValueError(
+            f"recv_req.routed_experts_start_len={start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
     if start > len(request["input_ids"]):
-        raise ValueError(f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
-                         f"len(req.origin_input_ids)={len(request['input_ids'])}. Please use a smaller "
-                         "routed_experts_start_len.")
+        raise ValueError(
+            f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={len(request['input_ids'])}. Please use a smaller "
+            "routed_experts_start_len."
+        )
     return start
 
 
@@ -391,9 +468,11 @@ def released_refusal(tags: list[str]) -> str:
     on whatever its KV pool and weights map, and after ``release_memory_occupation`` with the
     memory saver that memory is unmapped (``scheduler_components/weight_updater.py``: torch_memory_saver
     ``pause``), which on a GPU is an illegal memory access that ends the server."""
-    return (f"{', '.join(repr(t) for t in tags)} released (release_memory_occupation): sglang 0.5.23 would "
-            "run this generation on unmapped memory (an illegal memory access on a GPU); "
-            "resume_memory_occupation first")
+    return (
+        f"{', '.join(repr(t) for t in tags)} released (release_memory_occupation): sglang 0.5.23 would "
+        "run this generation on unmapped memory (an illegal memory access on a GPU); "
+        "resume_memory_occupation first"
+    )
 
 
 def merge(results: list[dict]) -> dict:
@@ -423,9 +502,10 @@ def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent
         worker = TPWorker(args, tp_rank)
         worker._refresh_full_model()  # rank 0's model ready before the first health check
         dist.barrier()
-        log(tp_rank, f"weights loaded ({worker.store.resident_bytes()} bytes of shards) in "
-                     f"{time.monotonic() - t0:.1f}s")
-    except Exception as e:
+        log(
+            tp_rank, f"weights loaded ({worker.store.resident_bytes()} bytes of shards) in {time.monotonic() - t0:.1f}s"
+        )
+    except Exception as e:  # noqa: BLE001 - reported to the parent through the pipe; the rank exits 1
         log(tp_rank, f"start-up failed: {type(e).__name__}: {e}")
         if conn is not None:
             conn.send({"success": False, "message": f"{type(e).__name__}: {e}"})
@@ -433,7 +513,7 @@ def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent
     if conn is not None:
         conn.send({"success": True, "message": "ready"})
     while True:
-        box = [None]
+        box: list[Any] = [None]  # rank 0's command (op, kw), broadcast to the other ranks
         if tp_rank == 0:
             try:
                 box = [conn.recv()]
@@ -443,12 +523,13 @@ def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent
         op, kw = box[0]
         try:
             result = worker.handle(op, kw)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - one failed request is answered, the server stays up
             traceback.print_exc()
             result = {"success": False, "message": f"{type(e).__name__}: {e}"}
-        gathered = [None] * args.tp_size if tp_rank == 0 else None
+        # every rank's answer, filled in on rank 0
+        gathered: list[dict] | None = [{} for _ in range(args.tp_size)] if tp_rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
-        if tp_rank == 0:
+        if gathered is not None:  # rank 0
             try:
                 conn.send(merge(gathered))
             except (BrokenPipeError, OSError):
@@ -458,6 +539,6 @@ def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent
     for g in list(worker.groups.values()):
         try:
             dist.destroy_process_group(g)
-        except Exception:
+        except Exception:  # noqa: BLE001 - tearing down: a group already broken by a dead peer
             pass
     dist.destroy_process_group()

@@ -21,24 +21,43 @@ from gspo_megatron.rollout.sglang_engine import (
 
 
 def _out(ids, logps, kind="length"):
-    return {"output_ids": ids, "meta_info": {"finish_reason": {"type": kind},
-                                             "output_token_logprobs": [[lp, i, None] for lp, i in zip(logps, ids)]}}
+    return {
+        "output_ids": ids,
+        "meta_info": {
+            "finish_reason": {"type": kind},
+            "output_token_logprobs": [[lp, i, None] for lp, i in zip(logps, ids)],
+        },
+    }
 
 
 def test_cli_and_sampling_params():
-    assert server_args_to_cli({"model_path": "/m", "tp_size": 2, "enable_memory_saver": True, "x": False,
-                               "y": None, "cuda_graph_bs": [1, 2]}) == [
-        "--model-path", "/m", "--tp-size", "2", "--enable-memory-saver", "--cuda-graph-bs", "1", "2"]
-    sp = to_sglang_sampling_params(SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5,
-                                                  stop_token_ids=[2]), seed=11)
-    assert sp == {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 5, "skip_special_tokens": False,
-                  "no_stop_trim": True, "stop_token_ids": [2], "sampling_seed": 11}
+    assert server_args_to_cli(
+        {"model_path": "/m", "tp_size": 2, "enable_memory_saver": True, "x": False, "y": None, "cuda_graph_bs": [1, 2]}
+    ) == ["--model-path", "/m", "--tp-size", "2", "--enable-memory-saver", "--cuda-graph-bs", "1", "2"]
+    sp = to_sglang_sampling_params(
+        SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5, stop_token_ids=[2]), seed=11
+    )
+    assert sp == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_new_tokens": 5,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "stop_token_ids": [2],
+        "sampling_seed": 11,
+    }
     assert "sampling_seed" not in to_sglang_sampling_params(SamplingParams(), None)
 
 
 def test_parse_output():
     s = parse_output([1, 2], _out([5, 2], [-0.5, -1.5], "stop"))
-    assert (s.prompt_ids, s.response_ids, s.response_logprobs, s.finish_reason) == ([1, 2], [5, 2], [-0.5, -1.5], "stop")
+    assert (s.prompt_ids, s.response_ids, s.response_logprobs, s.finish_reason) == (
+        [1, 2],
+        [5, 2],
+        [-0.5, -1.5],
+        "stop",
+    )
     bad = _out([5, 2], [-0.5, -1.5])
     bad["output_ids"] = [5, 3]
     with pytest.raises(SGLangError, match="disagree"):
@@ -58,8 +77,10 @@ class FakeClient:
         self.requests.append((input_ids, sampling_params))
         self.batched.append(batch)
         # response encodes (engine, seed) so the test can check routing and order
-        return [_out([100 + sp.get("sampling_seed", -100), 7 if self.name == "a" else 8], [-0.1, -0.2])
-                for sp in sampling_params]
+        return [
+            _out([100 + sp.get("sampling_seed", -100), 7 if self.name == "a" else 8], [-0.1, -0.2])
+            for sp in sampling_params
+        ]
 
     def __getattr__(self, name):
         return lambda *a, **k: self.calls.append(name)
@@ -92,8 +113,10 @@ def test_generate_groups_prompts_per_engine_and_seeds_samples():
     assert a.batched == [True, True]  # engines directly: one batched request per prompt group
     # the post-sync probe asks every engine, not a router
     each = SGLangRolloutEngine([a, b], router=FakeClient("router"))
-    assert [[s.response_ids[1] for s in per] for per in each.generate_on_each([[1], [2]], SamplingParams())] == \
-        [[7, 7], [8, 8]]
+    assert [[s.response_ids[1] for s in per] for per in each.generate_on_each([[1], [2]], SamplingParams())] == [
+        [7, 7],
+        [8, 8],
+    ]
 
 
 def test_sync_bracket_and_memory_calls():
@@ -103,8 +126,17 @@ def test_sync_bracket_and_memory_calls():
     eng.end_weight_update()
     eng.release_memory()
     eng.resume_memory(["weights"])
-    assert a.calls == ["pause_generation", "flush_cache", "begin_weight_update", "end_weight_update", "flush_cache",
-                       "continue_generation", "flush_cache", "release_memory_occupation", "resume_memory_occupation"]
+    assert a.calls == [
+        "pause_generation",
+        "flush_cache",
+        "begin_weight_update",
+        "end_weight_update",
+        "flush_cache",
+        "continue_generation",
+        "flush_cache",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+    ]
     with pytest.raises(NotImplementedError, match="through a transport"):
         eng.update_weights([])
 
@@ -149,14 +181,16 @@ def server():
 def test_http_client_against_sglang_routes(server):
     srv, h = server
     c = SGLangHttpClient(f"http://127.0.0.1:{srv.server_address[1]}")
-    h.routes.update({
-        "/generate": (200, [_out([4, 2], [-1.0, -2.0], "stop")]),
-        "/health_generate": (200, None),
-        "/update_weights_from_tensor": (400, {"success": False, "message": "shape mismatch for q_proj"}),
-        "/update_weights_from_distributed": (200, {"success": True, "message": "ok"}),
-        "/get_weights_by_name": (200, [[0.5, 1.0]]),
-        "/get_server_info": (200, {"tp_size": 4}),
-    })
+    h.routes.update(
+        {
+            "/generate": (200, [_out([4, 2], [-1.0, -2.0], "stop")]),
+            "/health_generate": (200, None),
+            "/update_weights_from_tensor": (400, {"success": False, "message": "shape mismatch for q_proj"}),
+            "/update_weights_from_distributed": (200, {"success": True, "message": "ok"}),
+            "/get_weights_by_name": (200, [[0.5, 1.0]]),
+            "/get_server_info": (200, {"tp_size": 4}),
+        }
+    )
     assert c.health() and c.tp_size == 4
     assert c.generate([[1, 2]], [{"max_new_tokens": 2}])[0]["output_ids"] == [4, 2]
     method, path, body = h.seen[-1]
@@ -168,8 +202,14 @@ def test_http_client_against_sglang_routes(server):
         c.update_weights_from_tensor(["payload"], load_format="flattened_bucket")
     c.update_weights_from_distributed(["w"], ["bfloat16"], [(2, 3)], "g", weight_version="3")
     body = h.seen[-1][2]
-    assert body == {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]], "group_name": "g",
-                    "flush_cache": False, "weight_version": "3"}
+    assert body == {
+        "names": ["w"],
+        "dtypes": ["bfloat16"],
+        "shapes": [[2, 3]],
+        "group_name": "g",
+        "flush_cache": False,
+        "weight_version": "3",
+    }
     assert c.get_weights_by_name("w", 1) == [[0.5, 1.0]]
     h.routes["/begin_weight_update"] = (200, {"success": True, "message": "Success"})
     h.routes["/end_weight_update"] = (200, {"success": True, "message": "Success"})
