@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="plan the layout and memory for a cluster, and exit")
     parser.add_argument("-h", "--help", action="store_true", help="show this help and every config field")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.steps=10")
-    from gspo_megatron.planner import add_cluster_args
+    from gspo_megatron.plan_report import add_cluster_args
 
     add_cluster_args(parser)
     return parser
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None, *, after_sync: Callable[[Any], None] | N
         print(config_help())
         return 0
     if args.dry_run:
-        from gspo_megatron.planner import run_plan
+        from gspo_megatron.plan_report import run_plan
 
         return run_plan(
             args.config, args.overrides, args.nodes, args.gpus_per_node, args.gpu_memory_gb, prog="gspo-train"

@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from gspo_megatron.planner import plan_main
+from gspo_megatron.plan_report import plan_main
 
 if __name__ == "__main__":
     sys.exit(plan_main())

@@ -118,3 +118,27 @@ def test_peft_refuses_routed_experts_and_multi_rank(dirs, tmp_path):
     plain = tmp_path / "plain"
     proc = _tool("--checkpoint", str(dirs / "ckpt"), "--output", str(plain), "--lora-format", "peft", "--tp", "2")
     assert proc.returncode == 2 and "one process" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_peft_adapter_loads_in_transformers_and_peft(dirs):
+    """The exported adapter directory as a user loads it: transformers' base model plus
+    ``peft.PeftModel.from_pretrained`` gives the log-probs of the merged export (which is the trainer's
+    ``W + (alpha / r) B A``), every adapter matched to a module (peft warns and skips names it cannot place,
+    so the adapted logits must also differ from the base's)."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 12))
+    load = lambda d: AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    with torch.no_grad():
+        merged = load(dirs / "merged")(ids).logits.log_softmax(-1)
+        base_model = load(dirs / "hf")
+        base = base_model(ids).logits.log_softmax(-1)
+        adapted_model = peft.PeftModel.from_pretrained(base_model, str(dirs / "peft")).eval()
+        adapted = adapted_model(ids).logits.log_softmax(-1)
+    n_lora = sum(1 for n, _ in adapted_model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
+    n_file = len(_load(dirs / "peft" / "adapter_model.safetensors"))
+    assert n_lora == n_file, (n_lora, n_file)
+    assert (adapted - base).abs().max() > 1e-4  # the adapters do something
+    assert torch.allclose(adapted, merged, atol=1e-5, rtol=0), (adapted - merged).abs().max()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gspo_megatron.planner import build_arg_parser, plan_main, run_plan
+from gspo_megatron.plan_report import build_arg_parser, plan_main, run_plan
 
 
 def plan_cli(*args):
