@@ -341,11 +341,15 @@ def adapter_nbytes(model) -> int:
 
 
 @torch.no_grad()
+def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``W + s B A`` in fp32, cast to W's dtype: the one merge every merged weight goes through (the
+    merged export and sync here, the CPU server serving an adapter: rollout/cpu_server/lora.py)."""
+    return (w.detach().float() + scaling * (b.detach().float() @ a.detach().float())).to(w.dtype)
+
+
 def merged_weight(module) -> torch.Tensor:
     """This rank's shard of the merged weight, ``W_t + s B_t A_t`` (fp32 product, W's dtype)."""
-    w = module.weight
-    delta = module.lora_B.detach().float() @ module.lora_A.detach().float()
-    return (w.detach().float() + module.lora_scaling * delta).to(w.dtype)
+    return merge(module.weight, module.lora_A, module.lora_B, module.lora_scaling)
 
 
 @torch.no_grad()

@@ -43,6 +43,9 @@ from gspo_megatron.models.lora import lora_classes, lora_modules
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+#: sglang's fused LoRA modules and the HF modules stacked in them, in row order (``srt/lora/lora.py``
+#: ``normalize_qkv_proj`` / ``normalize_gate_up_proj``)
+SGLANG_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class PeftExportError(ValueError):
@@ -137,15 +140,21 @@ def peft_config(lora: dict, modules: list[str], base_model: str | None) -> dict:
     }
 
 
-def write_peft_dir(model, lora: dict, out_dir: str, base_model: str | None) -> list[str]:
-    """Write ``out_dir``/adapter_config.json and adapter_model.safetensors; returns the HF modules."""
+def save_peft_dir(out_dir: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """``out_dir``/adapter_model.safetensors and adapter_config.json (what peft and sglang's
+    ``LoRAConfig`` / ``LoRAAdapter.initialize_weights`` read)."""
     from safetensors.torch import save_file
 
-    tensors, modules = peft_tensors(model)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
-        json.dump(peft_config(lora, modules, base_model), f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def write_peft_dir(model, lora: dict, out_dir: str, base_model: str | None) -> list[str]:
+    """Write ``model``'s adapters as a PEFT directory at ``out_dir``; returns the HF modules."""
+    tensors, modules = peft_tensors(model)
+    save_peft_dir(out_dir, tensors, peft_config(lora, modules, base_model))
     return modules
 
 

@@ -51,6 +51,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.models.lm_head import unwrap_gpt
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.distributed import any_rank
 from gspo_megatron.weight_sync.sync import WeightSyncer, _gather_to_rank0, _lora_of
@@ -132,16 +133,15 @@ def base_export(model) -> Iterator[None]:
             w.lora_merged = fn
 
 
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
 def fuse_shared_a(tensors: dict, modules: list[str]) -> tuple[dict, list[str]]:
     """The PEFT export's q/k/v (gate/up) parts of one fused Megatron linear share one A: send them as
     sglang's already-fused ``qkv_proj`` (``gate_up_proj``) with that A once and B stacked [q; k; v]
     (HF row order), which sglang's ``normalize_qkv_proj`` / ``normalize_gate_up_proj`` read by
     repeating A 3x / 2x (``srt/lora/lora.py``): the bytes of one A instead of three (two)."""
+    from gspo_megatron.models.lora_peft import SGLANG_FUSED
+
     out, mods = dict(tensors), list(modules)
-    for fused, parts in FUSED.items():
+    for fused, parts in SGLANG_FUSED.items():
         for mod in [m for m in modules if m.endswith("." + parts[0])]:
             prefix = mod[: -len(parts[0])]
             names = [prefix + p for p in parts]
@@ -174,7 +174,7 @@ def gathered_peft_tensors(model, plan=None) -> tuple[dict[str, torch.Tensor], li
     from gspo_megatron.models.lora_peft import PEFT_PREFIX, module_pieces
     from gspo_megatron.models.registry import get_family
 
-    gpt = _gpt(model)
+    gpt = unwrap_gpt(model)
     column, _ = lora_classes()
     mapping = get_family(gpt.hf_config).mapping(gpt.hf_config)
     world = rdist.world_size()
@@ -229,12 +229,6 @@ def gathered_peft_tensors(model, plan=None) -> tuple[dict[str, torch.Tensor], li
     return tensors, mods
 
 
-def _gpt(model):
-    while not hasattr(model, "lora") and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 class AdapterSyncer(WeightSyncer):
     """``rollout.lora_sync=adapter``'s syncer (module docstring). ``engine``: rank 0's
     ``SGLangRolloutEngine`` (None elsewhere)."""
@@ -265,7 +259,7 @@ class AdapterSyncer(WeightSyncer):
         metrics: dict[str, float] = {}
         base_bytes = 0.0
         if not self.base_on_engines:
-            with base_export(_gpt(self.model)):
+            with base_export(unwrap_gpt(self.model)):
                 metrics = super().sync()  # numbers the version; self.errors on rank 0 after a failure
             if any_rank(bool(self.errors)):
                 self.engines_restarted()
@@ -308,25 +302,18 @@ class AdapterSyncer(WeightSyncer):
         return metrics
 
     def _write_peft_dir(self, name: str, tensors: dict, config: dict) -> str:
-        """``<adapter_dir>/<name>``: adapter_config.json + adapter_model.safetensors (what sglang's
-        ``LoRAConfig`` / ``LoRAAdapter.initialize_weights`` read), written to a temporary name and
-        renamed, so an engine never reads a partial directory. Returns its absolute path."""
-        import json
+        """``<adapter_dir>/<name>`` (``models.lora_peft.save_peft_dir``), written to a temporary name
+        and renamed, so an engine never reads a partial directory. Returns its absolute path."""
         import shutil
 
-        from safetensors.torch import save_file
-
-        from gspo_megatron.models.lora_peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+        from gspo_megatron.models.lora_peft import save_peft_dir
 
         assert self.adapter_dir is not None
         final = os.path.abspath(os.path.join(self.adapter_dir, name))
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
-        os.makedirs(tmp)
-        save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        save_peft_dir(tmp, tensors, config)
         os.replace(tmp, final)
         return final
 
@@ -338,7 +325,7 @@ class AdapterSyncer(WeightSyncer):
         from gspo_megatron.rollout.sglang_client import SGLangError
         from gspo_megatron.rollout.sglang_compat import multiprocessing_serializer, use_cpu_shared_memory
 
-        gpt = _gpt(self.model)
+        gpt = unwrap_gpt(self.model)
         tensors, modules = fuse_shared_a(tensors, modules)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         config = peft_config(gpt.lora, modules, None)

@@ -37,7 +37,7 @@ its source):
 - the computation: sglang runs ``x W + s (x A) B`` unmerged on its stacked buffers (each q/k/v and
   gate/up slice with its own ``r`` rows of A); here rank 0 runs its transformers model with the
   adapter merged for the requests that name it, ``W + s B_i A_i`` per slice in fp32 and cast to the
-  model dtype (``models/lora.py`` ``merged_weight``'s order), so that fp32 CPU serving equals the
+  model dtype (the trainer's own ``models/lora.py`` ``merge``), so that fp32 CPU serving equals the
   trainer's merged model exactly; the base is restored after. TP: every rank decodes and processes
   its own payload (sglang's ranks then slice it: ``slice_lora_a_weights`` / ``slice_lora_b_weights``);
   rank 0 applies the whole adapter to its assembled model. Routed experts: per-expert adapters
@@ -334,6 +334,8 @@ class WorkerLoras:
         ``up_proj`` / ``down_proj`` is that expert's slice of transformers' fused 3-D parameters when
         the model has no per-expert linear (``Qwen3MoeExperts``: ``gate_up_proj`` [E, 2I, H], gate rows
         then up rows; ``down_proj`` [E, H, I])."""
+        from gspo_megatron.models.lora_peft import PEFT_PREFIX, SGLANG_FUSED
+
         params = dict(_expert_views(model))
         params.update(model.named_parameters())
         ad = self.adapters[name]
@@ -343,11 +345,10 @@ class WorkerLoras:
                 continue
             b = ad["weights"][key.replace(".lora_A.", ".lora_B.")]
             module = key.split(".lora_A.")[0]
-            module = module[len("base_model.model.") :] if module.startswith("base_model.model.") else module
-            parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+            module = module.removeprefix(PEFT_PREFIX)
             leaf = module.rsplit(".", 1)[-1]
-            if leaf in parts:
-                names = [module[: -len(leaf)] + p + ".weight" for p in parts[leaf]]
+            if leaf in SGLANG_FUSED:
+                names = [module[: -len(leaf)] + p + ".weight" for p in SGLANG_FUSED[leaf]]
                 r = a.shape[0] // len(names)
                 row = 0
                 for i, n in enumerate(names):
@@ -369,12 +370,14 @@ class WorkerLoras:
         if name is None:
             yield
             return
+        from gspo_megatron.models.lora import merge  # the trainer's merge, bit for bit
+
         s = self.adapters[name]["scaling"]
         saved = []
         with torch.no_grad():
             for p, a, b in self.deltas(name, model):
                 saved.append((p, p.data.clone()))
-                p.data.copy_((p.data.float() + s * (b.float() @ a.float())).to(p.dtype))
+                p.data.copy_(merge(p.data, a, b, s))
         try:
             yield
         finally:
