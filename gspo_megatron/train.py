@@ -277,7 +277,7 @@ def build_session(cfg: Config, run: Run, after_sync: Callable[[Any], None] | Non
         from gspo_megatron.weight_sync.lora_adapter import AdapterSyncer
 
         adapter_dir = None
-        if cfg.rollout.sync_mode != "colocated" or cfg.rollout.engine_urls:  # a PEFT directory the engines read
+        if not sync_mode(cfg.rollout.sync_mode).colocated or cfg.rollout.engine_urls:  # a PEFT directory they read
             adapter_dir = cfg.rollout.lora_adapter_dir or os.path.join(cfg.output_dir, "lora_adapters")
         syncer = AdapterSyncer(
             run.model, rollout.topology, cfg.rollout.sync_bucket_mb, engine=engine, adapter_dir=adapter_dir

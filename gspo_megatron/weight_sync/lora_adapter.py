@@ -54,6 +54,7 @@ import torch.distributed as dist
 from gspo_megatron.models.lm_head import unwrap_gpt
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.distributed import any_rank
+from gspo_megatron.weight_sync.modes import modes_where
 from gspo_megatron.weight_sync.sync import WeightSyncer, _gather_to_rank0, _lora_of
 
 ADAPTER_NAME = "policy"
@@ -81,9 +82,10 @@ def adapter_sync_refusal(cfg) -> str | None:
             f"rollout.lora_sync=adapter needs rollout.engine=sglang (sglang's /load_lora_adapter_from_tensors), got "
             f"{r.engine}; use rollout.lora_sync=merged"
         )
-    if r.sync_mode not in ("colocated", "disaggregated") and not r.engine_urls:
+    sglang_modes = modes_where(engine="sglang")
+    if r.sync_mode not in sglang_modes and not r.engine_urls:
         return (
-            f"rollout.lora_sync=adapter needs rollout.sync_mode=colocated or disaggregated (or rollout.engine_urls), "
+            f"rollout.lora_sync=adapter needs rollout.sync_mode={' or '.join(sglang_modes)} (or rollout.engine_urls), "
             f"got {r.sync_mode}; use rollout.lora_sync=merged"
         )
     if r.sync_delta or r.sync_fp8:

@@ -17,6 +17,9 @@ comparing mode names:
 - ``attaches``: ``rollout.engine_urls`` (already running engines) may be used.
 - ``delta``: ``rollout.sync_delta`` is possible (changed elements only, applied by the engines' custom
   weight loader through ``update_weights_from_tensor``; ``weight_sync/delta.py``).
+- ``flat_buckets``: the mode's transport takes the export's buckets as views into one reused buffer
+  (``models.weights.FlatBucket``) and sends it as it is: no flattening copy, one send per bucket
+  (``weight_sync/sync.py``; shared memory on CPU when the engines share the host, ``colocated``).
 - ``topology``: ``"module:function"`` building this rank's ``weight_sync.topology.SyncTopology`` (and
   its transport), called as ``function(cfg, rank, engine=..., fleet=...)``; imported when called.
 
@@ -45,6 +48,7 @@ class SyncMode:
     topology: str
     help: str = ""
     delta: bool = False
+    flat_buckets: bool = False
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -121,6 +125,7 @@ register_sync_mode(
         attaches=False,
         topology=f"{_TOPOLOGY}:colocated_topology",
         delta=True,
+        flat_buckets=True,
         help="CUDA IPC handles (shared memory on CPU) to engines sharing the training GPUs (CudaIpcTransport)",
     )
 )
@@ -132,6 +137,7 @@ register_sync_mode(
         allows_staleness=True,
         attaches=True,
         topology=f"{_TOPOLOGY}:disaggregated_topology",
+        flat_buckets=True,
         help="NCCL broadcast (gloo on CPU) from one source rank per pipeline stage to engines on separate GPUs "
         "(NcclBroadcastTransport)",
     )

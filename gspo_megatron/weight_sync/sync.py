@@ -21,8 +21,7 @@ import torch.distributed as dist
 from gspo_megatron.models.lora import adapter_nbytes
 from gspo_megatron.models.weights import BucketBuffer, build_export_plan, export_hf_weights
 from gspo_megatron.runtime import distributed as rdist
-
-FLAT_MODES = ("colocated", "disaggregated")  # sync modes whose transports take FlatBucket as it is
+from gspo_megatron.weight_sync.modes import sync_mode
 
 
 class WeightSyncer:
@@ -39,7 +38,8 @@ class WeightSyncer:
         # CPU it lives in shared memory, so the engines map it instead of the serializer copying it.
         # The same on every rank (it changes the export's collectives).
         mode = getattr(topology, "mode", None)
-        self.bucket_buffer = BucketBuffer(share=mode == "colocated") if mode in FLAT_MODES else None
+        spec = sync_mode(mode) if mode is not None else None
+        self.bucket_buffer = BucketBuffer(share=spec.colocated) if spec is not None and spec.flat_buckets else None
         # model.lora: what an adapter-only sync would send (every adapter once, unsharded)
         self.lora_bytes = adapter_nbytes(model) if _lora_of(model) else 0
         self.version = 0
