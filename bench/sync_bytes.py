@@ -28,8 +28,8 @@ A node's off-node bytes are the ring / p2p edges that leave it.
 Sync-time model (issue 23; ``python bench/sync_bytes.py [recipe ...] [--nvlink-gbps 450] [--ib-gbps 50]
 [--nics-per-node 8] [--pcie-gbps 55] [--delta-fractions 0.0179,0.0005] [--bytes]``): each shipped recipe's
 bytes per link turned into seconds on a stated H100 / H200 cluster, for full (built), owner-direct
-(designed), delta as built (colocated) and delta from the owners (designed), colocated and
-disaggregated; t = max over (GPU, link, direction) of bytes / bandwidth (``LinkLoad``). Modelled, not
+(designed), delta as built (colocated: weight_sync/cuda_ipc.py; disaggregated: weight_sync/delta_http.py)
+and delta from the owners (designed), colocated and disaggregated; t = max over (GPU, link, direction) of bytes / bandwidth (``LinkLoad``). Modelled, not
 measured; assumptions in ``assumptions()`` (printed) and docs/bench.md.
 """
 
@@ -520,6 +520,26 @@ def delta_as_built_load(stages: list[StageBytes], lay: Layout, cluster: Cluster,
     return load
 
 
+def delta_http_load(stages: list[StageBytes], lay: Layout, cluster: Cluster, ratio: float) -> LinkLoad:
+    """Disaggregated delta sync as built (weight_sync/delta_http.py): the export's (E)TP gathers and
+    the EP owners' p2p to each stage source as in the full sync; each source copies its stage device ->
+    host (its PCIe) to compare it with its host copy and writes ratio x its stage bytes to the shared
+    file system once (its NIC out), and every engine GPU reads every stage's changes (its NIC in); the
+    HTTP calls carry only the file's name. The file system's own bandwidth is not modelled (taken as
+    no slower than the NICs); full syncs (start, restart) write and read the whole model the same way."""
+    load = LinkLoad(cluster, lay.gpus_per_node)
+    _tp_gathers(load, stages, lay)
+    for s, sb in enumerate(stages):
+        base = s * lay.per_stage
+        for k in range(1, lay.ep):
+            load.p2p(base + k * lay.etp, base, sb.expert / lay.ep)
+        load.pcie(base, sb.total)
+        load.bytes[(base, "ib", "out")] += sb.total * ratio
+        for g in engine_gpus(lay, "disaggregated"):
+            load.bytes[(g, "ib", "in")] += sb.total * ratio
+    return load
+
+
 def delta_owner_load(stages: list[StageBytes], lay: Layout, placement: str, cluster: Cluster, ratio: float) -> LinkLoad:
     """Delta sync from the owners (designed, not built): each sender of the owner-direct routing
     compares what it sends with its host copy (those bytes device -> host over its own PCIe:
@@ -582,8 +602,8 @@ def time_rows(
         loads.append((placement, "owner-direct", owner_direct_load(stages, lay, placement, cluster, wire)))
         for f in fractions:
             r = delta_ratio(f, dtype_bytes)
-            if placement == "colocated":
-                loads.append((placement, f"delta {f:.2%} (built)", delta_as_built_load(stages, lay, cluster, r)))
+            built = delta_as_built_load if placement == "colocated" else delta_http_load
+            loads.append((placement, f"delta {f:.2%} (built)", built(stages, lay, cluster, r)))
             loads.append((placement, f"delta {f:.2%} owner", delta_owner_load(stages, lay, placement, cluster, r)))
     rows = []
     for placement, mode, load in loads:
@@ -613,7 +633,9 @@ def assumptions(cluster: Cluster, fractions: list[float]) -> str:
             "(disaggregated); owner-direct = expert owners (or the expert-DP copy on the engine rank's node) send each "
             "engine rank its expert slice p2p, dense weights by the full sync's broadcast (designed, not built); "
             "delta (built) = colocated delta as weight_sync/cuda_ipc.py does it (full world broadcast, then "
-            "device -> host compare on each engine's first rank); delta owner = owners encode their own bytes, "
+            "device -> host compare on each engine's first rank), disaggregated as weight_sync/delta_http.py (each "
+            "stage source compares its stage and writes its changes to the shared file system once, every engine "
+            "GPU reads them); delta owner = owners encode their own bytes, "
             "owner-direct routing (designed); disaggregated = the same engines on their own nodes",
         ]
     )

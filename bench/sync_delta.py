@@ -1,8 +1,10 @@
 """Delta sync against full sync over a real GSPO run (``rollout.sync_delta``, weight_sync/delta.py).
 
-Two gspo-train runs with the same seed under torchrun (2 ranks, CPU): colocated, two CPU-server
-engines of engine_tp 1 (the delta run starts them with the delta loader as sglang's
-``--custom-weight-loader``), bf16 weights, an RL learning rate (default 1e-6), a Qwen3-MoE of tens of
+Per sync mode, two gspo-train runs with the same seed under torchrun (2 ranks, CPU): colocated (two
+CPU-server engines of engine_tp 1 on the training ranks' "GPUs") and disaggregated (one CPU-server engine
+of engine_tp 1 started by rank 0 after its training ranks; the delta run sends through
+weight_sync/delta_http.py: the changes in files named by HTTP); the delta runs start the engines
+with the delta loader as sglang's ``--custom-weight-loader``; bf16 weights, an RL learning rate (default 1e-6), a Qwen3-MoE of tens of
 millions of parameters (the tiny config with bigger dims, random init, the demo task). Both runs are
 launched by tests/train/ordered_sync_check.py (tests/topology/sync_check.py with one generation
 request at a time, so both runs see the same batch order), which after every sync compares every engine TP rank's
@@ -13,8 +15,8 @@ delta: the payload bytes of the encoded changes, and the bytes a full sync would
 fraction of elements that changed, and at the end the bitwise verdicts and whether the two runs'
 learning metrics are equal.
 
-Usage: python bench/sync_delta.py [--steps 6] [--lr 1e-6] [--hidden 512] [--layers 4] [--experts 8]
-    [--moe-ffn 512] [--workdir DIR]
+Usage: python bench/sync_delta.py [--mode both|colocated|disaggregated] [--steps 6] [--lr 1e-6]
+    [--hidden 512] [--layers 4] [--experts 8] [--moe-ffn 512] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYNC_CHECK = os.path.join(ROOT, "tests", "train", "ordered_sync_check.py")  # sync_check.py, requests in order
 VARYING = ("sync/", "time/", "perf/", "timing/")
+MODES = {
+    "colocated": ["rollout.sync_mode=colocated"],
+    "disaggregated": ["rollout.sync_mode=disaggregated", "rollout.num_engines=1"],
+}
 
 
 def make_model(path: str, a) -> int:
@@ -80,7 +86,6 @@ def run(name: str, workdir: str, model_dir: str, a, extra: list[str]) -> tuple[l
         "checkpoint.interval=0",
         "rollout.engine=sglang",
         "rollout.engine_server=cpu",
-        "rollout.sync_mode=colocated",
         "rollout.engine_tp=1",
         "rollout.engine_deterministic=true",
         "rollout.sync_verify_every=0",
@@ -105,6 +110,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--moe-ffn", type=int, default=512)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--mode", choices=("both", *MODES), default="both")
     a = p.parse_args()
     workdir = a.workdir or tempfile.mkdtemp(prefix="sync_delta_")
     model_dir = os.path.join(workdir, "model")
@@ -113,10 +119,17 @@ def main() -> None:
         f"model: Qwen3-MoE hidden {a.hidden}, {a.layers} layers, {a.experts} experts, moe_ffn {a.moe_ffn}: "
         f"{n / 1e6:.1f}M parameters ({2 * n / 1e6:.1f} MB in bf16); lr {a.lr}; {a.steps} steps; workdir {workdir}"
     )
-    full, full_checks = run("full", workdir, model_dir, a, [])
-    delta, delta_checks = run("delta", workdir, model_dir, a, ["rollout.sync_delta=true"])
+    for mode in MODES if a.mode == "both" else (a.mode,):
+        report(mode, workdir, model_dir, a)
+
+
+def report(mode: str, workdir: str, model_dir: str, a) -> None:
+    """One sync mode: the full run, the delta run, the table and verdicts."""
+    full, full_checks = run(f"{mode}_full", workdir, model_dir, a, MODES[mode])
+    delta, delta_checks = run(f"{mode}_delta", workdir, model_dir, a, [*MODES[mode], "rollout.sync_delta=true"])
+    print(f"\n[{mode}]")
     print(
-        f"\n{'step':>4} {'full MB':>9} {'full s':>8} {'delta MB':>9} {'delta s':>8} {'bytes %':>8} "
+        f"{'step':>4} {'full MB':>9} {'full s':>8} {'delta MB':>9} {'delta s':>8} {'bytes %':>8} "
         f"{'changed %':>10} {'tensors sent full':>18}"
     )
     ratios = []

@@ -164,22 +164,18 @@ def build_engines(cfg: Config, hf_dir: str) -> Engines:
             restart=lambda dead: engine.restart() if engine is not None else None,
             shutdown=lambda: engine.shutdown() if engine is not None else None,
         )
+    from gspo_megatron.models.hf_config import load_hf_config
+    from gspo_megatron.rollout.engine_args import config_server_args
     from gspo_megatron.rollout.engine_fleet import EngineFleet
 
-    server_args, route_spec = dict(random_seed=cfg.seed), None
+    hf = load_hf_config(hf_dir)
+    # every flag the config needs (routing replay, LoRA adapters, delta loader, ...): rollout/engine_args.py
+    server_args, route_spec = config_server_args(cfg, hf), None
     if cfg.rollout.routing_replay == "r3":  # the engines return each token's routed experts (rollout/routing.py)
-        from gspo_megatron.models.hf_config import load_hf_config
         from gspo_megatron.rollout.routing import route_spec_of
 
-        server_args["enable_return_routed_experts"] = True
-        route_spec = route_spec_of(load_hf_config(hf_dir))
-        if route_spec.index_topk:  # DSA models: the indexer's selection too (trainer replays it)
-            server_args["enable_return_indexer_topk"] = True
+        route_spec = route_spec_of(hf)
     adapter_sync = cfg.model.lora.rank > 0 and cfg.rollout.lora_sync == "adapter"
-    if adapter_sync:  # the engines serve the base plus a LoRA adapter per sync (weight_sync/lora_adapter.py)
-        from gspo_megatron.weight_sync.lora_adapter import engine_lora_args
-
-        server_args.update(engine_lora_args(cfg))
     fleet = EngineFleet(
         cfg, hf_dir, server_args=server_args, log_dir=os.path.join(cfg.output_dir, "engine_logs"), route_spec=route_spec
     )

@@ -100,10 +100,15 @@ def format_plan(plan: Plan) -> str:
     if host:
         out.append(f"   host memory per GPU for offloaded optimizer states: {host / GIB:.2f} GiB")
     delta = max(s.host_delta for s in cols)
-    if delta:
+    if delta and sm.colocated:
         out.append(
             f"   host memory per GPU for rollout.sync_delta's copies of the model (bf16; the engine TP rank's, "
             f"and the trainer's on each engine's first GPU): up to {delta / GIB:.2f} GiB"
+        )
+    elif delta:
+        out.append(
+            f"   host memory for rollout.sync_delta's copy of a stage's weights on its source GPU: {delta / GIB:.2f} GiB "
+            f"(bf16; each engine host keeps {plan.counts.total * 2 / GIB:.2f} GiB per engine TP rank)"
         )
     if not sm.in_process and plan.kv_per_token:  # SGLang engines: a KV cache
         kv = min(s.kv_cache for s in cols if s.rollout_items) if any(s.rollout_items for s in cols) else 0.0

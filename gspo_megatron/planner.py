@@ -75,12 +75,13 @@ class LayerParams:
     active_expert: int  # the topk experts a token uses
 
 
-def layer_params(d: _ModelDims, layer: int) -> LayerParams:
+def layer_params(d: _ModelDims, layer: int, te: bool = False) -> LayerParams:
     """GQA attention (+ biases, QK-norm, sinks); a SwiGLU MLP (3 matrices, + biases) per dense layer, per
     routed expert and for the shared expert (TP-sharded like a dense MLP; its sigmoid gate [1, hidden]
-    replicated); the router (+ its bias)."""
+    replicated); the router (+ its bias). ``te``: the Transformer Engine layer spec (MLA's down
+    projections replicated over TP)."""
     if d.mla:
-        attn, norms = _mla_params(d)
+        attn, norms = _mla_params(d, te)
     else:
         q, kv = d.q_size, d.kv_size
         attn = d.hidden * q + 2 * d.hidden * kv + q * d.hidden
@@ -88,8 +89,9 @@ def layer_params(d: _ModelDims, layer: int) -> LayerParams:
         # q/k norms: per head (head_dim each), or over all heads at once (MiniMax-M2: q_size + kv_size)
         norms = 2 * d.hidden + ((q + kv) if d.qk_norm_full_width else 2 * d.head_dim) * d.qk_norm
     attn += d.num_heads * d.attention_sinks  # sinks: split over TP with the heads
-    # DSA lightning indexer (DeepSeek-V3.2 / GLM-5): wq_b, wk, k_norm (+ bias), weights_proj; replicated over TP
-    norms += (
+    # DSA lightning indexer (DeepSeek-V3.2 / GLM-5): wq_b, wk, k_norm (+ bias), weights_proj; replicated over TP;
+    # none on GLM-5's "shared" layers (they reuse an earlier layer's selection)
+    norms += (layer not in d.index_shared_layers) * (
         d.q_lora_rank * d.index_n_heads * d.index_head_dim
         + d.hidden * d.index_head_dim
         + 2 * d.index_head_dim
@@ -122,18 +124,22 @@ def gated_delta_net_state_bytes(d: _ModelDims) -> int:
     return len(d.linear_layers) * (4 * d.linear_value_heads * d.linear_key_dim * d.linear_value_dim + 2 * conv)
 
 
-def _mla_params(d: _ModelDims) -> tuple[int, int]:
-    """Multi-latent attention: (TP-sharded weights, replicated norms) of one layer. q: hidden ->
+def _mla_params(d: _ModelDims, te: bool = False) -> tuple[int, int]:
+    """Multi-latent attention: (TP-sharded weights, replicated weights) of one layer. q: hidden ->
     q_lora (+ its norm) -> heads * (nope + rope), or hidden -> heads * (nope + rope) directly;
     kv: hidden -> kv_lora + rope (+ norm over kv_lora) -> heads * (nope + v); out: heads * v -> hidden.
-    The down projections count as sharded (the local spec splits them over TP too)."""
+    The down projections (hidden -> q_lora, hidden -> kv_lora + rope) count as sharded on the local spec
+    (it splits them over TP) and as replicated on Transformer Engine's (``te``: megatron-core builds them
+    ``TELinear(parallel_mode="duplicated")``, models/deepseek_v3/te_attention.py)."""
     qk = d.qk_nope_head_dim + d.qk_rope_head_dim
-    q = d.hidden * d.q_lora_rank + d.q_lora_rank * d.num_heads * qk if d.q_lora_rank else d.hidden * d.num_heads * qk
-    kv = d.hidden * (d.kv_lora_rank + d.qk_rope_head_dim) + d.kv_lora_rank * d.num_heads * (
-        d.qk_nope_head_dim + d.v_head_dim
-    )
+    down = d.hidden * d.q_lora_rank + d.hidden * (d.kv_lora_rank + d.qk_rope_head_dim)
+    q = d.q_lora_rank * d.num_heads * qk if d.q_lora_rank else d.hidden * d.num_heads * qk
+    kv = d.kv_lora_rank * d.num_heads * (d.qk_nope_head_dim + d.v_head_dim)
     out = d.num_heads * d.v_head_dim * d.hidden
-    return q + kv + out, 2 * d.hidden + d.q_lora_rank + d.kv_lora_rank
+    norms = 2 * d.hidden + d.q_lora_rank + d.kv_lora_rank
+    if te:
+        return q + kv + out, norms + down
+    return q + kv + out + down, norms
 
 
 @dataclass(frozen=True)
@@ -298,7 +304,8 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     assert p.etp is not None, "parallel.etp is resolved when the config is loaded"
     per_stage = d.num_layers // p.pp
     first, last = stage * per_stage, (stage + 1) * per_stage
-    layers = [layer_params(d, i) for i in range(first, last)]
+    te = m.transformer_impl != "local"  # auto: Transformer Engine on the GPUs planned for
+    layers = [layer_params(d, i, te) for i in range(first, last)]
     dense = sum(lp.tp_sharded for lp in layers) / p.tp + sum(lp.replicated for lp in layers)
     if stage == 0:
         dense += d.vocab_size * d.hidden / p.tp
@@ -371,8 +378,10 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
         if m.lora.rank > 0 and r.lora_sync == "adapter":  # weight_sync/lora_adapter.py
             kept = plan_args["counts"].total * 2 / r.engine_tp
             s.train_items.append(("engine weights kept (lora_sync=adapter: the base is sent once)", kept))
-    if r.sync_delta:  # weight_sync/delta.py: the engine TP rank's copy + the trainer's on an engine's first rank
-        s.host_delta = 2 * plan_args["counts"].total * 2
+    if r.sync_delta and sync_mode(r.sync_mode).colocated:  # weight_sync/delta.py: the engine TP rank's copy
+        s.host_delta = 2 * plan_args["counts"].total * 2  # + the trainer's on an engine's first rank
+    elif r.sync_delta:  # disaggregated (weight_sync/delta_http.py): each stage source's copy of its share;
+        s.host_delta = plan_args["counts"].total * 2 / p.pp  # the engines' copies are on their own hosts
     return s
 
 
@@ -438,6 +447,10 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
         _engine_rows(args, engine_gpu, 0.0, "training states (none on engine GPUs)")
     if dims.mla:  # SGLang caches MLA's latent (kv_lora + rope) per layer, on every TP rank
         kv_per_token = dims.num_layers * (dims.kv_lora_rank + dims.qk_rope_head_dim) * 2
+        if dims.index_topk:  # DSA: the indexer's key per token and layer, fp8 + an fp32 scale per 128
+            kv_per_token += dims.num_layers * (dims.index_head_dim + 4 * -(-dims.index_head_dim // 128))
+            # (sglang's DSATokenToKVPool index_k_with_scale_buffer, mem_cache/memory_pool.py; counted on
+            # every layer, shared ones too: conservative)
     else:
         kv_heads = max(1, dims.num_kv_heads // r.engine_tp)  # SGLang replicates KV heads when tp > kv heads
         # K and V, bf16, in the attention layers (Gated DeltaNet layers keep a fixed state per sequence instead)

@@ -7,6 +7,11 @@
 #   SGLANG_PORT [30000]         engine i listens on SGLANG_PORT + 10*i, host 0.0.0.0
 #   SGLANG_MEM_FRACTION [0.85]  --mem-fraction-static
 #   SGLANG_EXTRA_ARGS []        extra sglang.launch_server flags (word-split)
+#   GSPO_CONFIG []              the training config: the engines also get the flags (and environment)
+#                               it needs: routing replay, LoRA adapters, --ep-size, the delta loader
+#                               (python -m gspo_megatron.rollout.engine_args CONFIG OVERRIDES prints them;
+#                               the trainer refuses engines that lack them)
+#   GSPO_CONFIG_OVERRIDES []    dotted.key=value overrides of GSPO_CONFIG (word-split)
 #   SGLANG_MODULE [sglang.launch_server]  the server program; gspo_megatron.rollout.cpu_server is the
 #                               CPU stand-in (same flags and HTTP API; tests only)
 #   NUM_ENGINES [GPUs on node / SGLANG_TP]
@@ -32,6 +37,16 @@ mkdir -p "$LOG_DIR"
 HOST="$(hostname)"
 
 SGLANG_MODULE="${SGLANG_MODULE:-sglang.launch_server}"
+CONFIG_ARGS=""
+if [[ -n "${GSPO_CONFIG:-}" ]]; then
+  # shellcheck disable=SC2086  # GSPO_CONFIG_OVERRIDES is a list of overrides
+  CONFIG_ARGS="$(cd "$ROOT" && "$PYTHON" -m gspo_megatron.rollout.engine_args "$GSPO_CONFIG" ${GSPO_CONFIG_OVERRIDES:-})" || exit 2
+  # shellcheck disable=SC2086
+  while IFS= read -r kv; do
+    [[ -n "$kv" ]] && export "${kv?}"
+  done < <(cd "$ROOT" && "$PYTHON" -m gspo_megatron.rollout.engine_args --env "$GSPO_CONFIG" ${GSPO_CONFIG_OVERRIDES:-} 2>/dev/null)
+  echo "[sglang_node.sh] flags from $GSPO_CONFIG: $CONFIG_ARGS"
+fi
 if [[ -z "${NUM_ENGINES:-}" ]]; then
   NGPUS="$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)"
   if [[ "$NGPUS" -lt "$SGLANG_TP" ]]; then
@@ -51,7 +66,7 @@ for ((i = 0; i < NUM_ENGINES; i++)); do
     --model-path "$MODEL_PATH" --host 0.0.0.0 --port "$port" \
     --tp-size "$SGLANG_TP" --base-gpu-id $((i * SGLANG_TP)) \
     --mem-fraction-static "$SGLANG_MEM_FRACTION" --skip-server-warmup \
-    $SGLANG_EXTRA_ARGS >"$LOG_DIR/sglang-$HOST-$i.log" 2>&1 &
+    $CONFIG_ARGS $SGLANG_EXTRA_ARGS >"$LOG_DIR/sglang-$HOST-$i.log" 2>&1 &
   PIDS+=("$!")
   echo "[sglang_node.sh] engine $i on $HOST:$port (GPUs $((i * SGLANG_TP))..$(((i + 1) * SGLANG_TP - 1)))"
 done

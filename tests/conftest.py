@@ -17,11 +17,17 @@ from tiny_models import write_tiny_hf_checkpoint  # the tiny-model factory (test
 # suite on 2 pytest-xdist workers, one file per work unit (--dist loadfile): starting the long files
 # first keeps one worker from finishing minutes after the other. Only the order changes.
 LONG_FILES = (
+    "train/test_family_runs.py",
     "train/test_demo.py",
     "topology/test_multinode.py",
     "train/test_lora_adapter_run.py",
     "models/test_equivalence.py",
     "train/test_sync_delta_run.py",
+    "train/test_sync_delta_disaggregated_run.py",
+    "models/test_glm_moe_dsa.py",
+    "train/test_qwen3_5_vl_run.py",
+    "models/test_deepseek_v3_te.py",
+    "models/test_dsa_te.py",
     "models/test_hf_config_spellings.py",
     "train/test_run_paths.py",
     "train/test_route_replay_run.py",

@@ -126,7 +126,7 @@ def _fake_slurm(tmp_path: Path, nodes: list[str], run_training: bool = False) ->
     _exe(
         bin_dir / "srun",
         'trap "" TERM\necho "srun $* NNODES=${NNODES:-} MASTER_ADDR=${MASTER_ADDR:-} '
-        'URLS=${GSPO_SGLANG_URLS:-}" >> "$SRUN_LOG"\n'
+        'URLS=${GSPO_SGLANG_URLS:-} CFG=${GSPO_CONFIG:-} CFGO=${GSPO_CONFIG_OVERRIDES:-}" >> "$SRUN_LOG"\n'
         'if [[ -n "${GSPO_SGLANG_URLS:-}" && "$*" == *torchrun.sh* ]]; then\n'
         '  for _ in $(seq 200); do grep -q sglang_node.sh "$SRUN_LOG" && break; sleep 0.05; done\nfi\n'
         + (
@@ -171,6 +171,41 @@ def test_sbatch_disaggregated_places_engines_on_last_nodes(tmp_path):
     urls = "http://n3:30000,http://n3:30010"  # 4 GPUs / TP 2 = 2 engines
     assert f"rollout.engine_urls=[{urls}]" in train and "rollout.router_url=http://n3:30100" in train
     assert f"URLS={urls}" in train and "cfg.yaml a=1" in train
+    # the engines get the config and the same overrides (launch/sglang_node.sh derives their flags)
+    assert "CFG=cfg.yaml" in sgl and f"CFGO=a=1 rollout.engine_urls=[{urls}] rollout.sync_mode=disaggregated" in sgl
+
+
+def test_sglang_node_starts_engines_with_the_flags_the_config_needs(tmp_path):
+    """GSPO_CONFIG: the engine command line carries what rollout/engine_args.py derives (here r3's
+    --enable-return-routed-experts and --ep-size); a bad config stops the script before any engine."""
+    log = tmp_path / "engine.log"
+    fake = tmp_path / "python"
+    _exe(
+        fake,
+        f'if [[ "$2" == gspo_megatron.rollout.engine_args ]]; then exec "{sys.executable}" -W ignore "$@"; fi\n'
+        f'echo "$*" >> "{log}"\n',
+    )
+    demo = str(ROOT / "configs/demo_cpu.yaml")
+    overrides = "rollout.engine=sglang rollout.engine_server=cpu rollout.sync_mode=disaggregated rollout.num_engines=1 "
+    env = dict(
+        os.environ,
+        PYTHON=str(fake),
+        MODEL_PATH="/m",
+        NUM_ENGINES="1",
+        SGLANG_TP="2",
+        LOG_DIR=str(tmp_path / "logs"),
+        GSPO_CONFIG=demo,
+        GSPO_CONFIG_OVERRIDES=overrides + "rollout.routing_replay=r3 rollout.engine_tp=2 rollout.engine_ep=2",
+    )
+    res = subprocess.run(["bash", str(SCRIPTS[1])], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    (line,) = log.read_text().splitlines()
+    assert "--tp-size 2" in line and "--ep-size 2 --enable-return-routed-experts" in line, line
+    env["GSPO_CONFIG_OVERRIDES"] = "rollout.routing_replay=r3"  # the in-process engine returns no routes
+    log.unlink()
+    res = subprocess.run(["bash", str(SCRIPTS[1])], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and not log.exists()
+    assert "engine_args: error: rollout.routing_replay=r3" in res.stderr
 
 
 def test_sbatch_colocated_trains_everywhere_and_checks_mode(tmp_path):
@@ -205,6 +240,7 @@ RECIPES = {
     "deepseek_v3_671b_gspo": 32,
     "minimax_m2_gspo": 8,
     "qwen3_5_35b_a3b_gspo": 1,
+    "qwen3_5_397b_a17b_gspo": 16,
     "deepseek_v32_gspo": 32,
     "glm5_gspo": 32,
     "qwen3_30b_a3b_gspo_lora": 1,

@@ -184,9 +184,8 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     )
     need(
         not r.sync_delta or sm is None or sm.delta,
-        f"rollout.sync_delta=true needs rollout.sync_mode={_modes(delta=True)}, got {r.sync_mode}: sglang 0.5.23 applies "
-        "a custom weight loader only in update_weights_from_tensor (update_weights_from_distributed always calls "
-        "model.load_weights); set rollout.sync_delta=false",
+        f"rollout.sync_delta=true needs rollout.sync_mode={_modes(delta=True)}, got {r.sync_mode}: the engines apply "
+        "deltas with sglang's custom weight loader (update_weights_from_tensor); set rollout.sync_delta=false",
     )
     need(
         not (r.sync_delta and r.sync_fp8),

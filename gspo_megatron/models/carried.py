@@ -85,7 +85,7 @@ class CarriedTensors:
     def __init__(self, directory: str | None, hf: dict):
         from safetensors import safe_open
 
-        from gspo_megatron.models.weights import SafetensorsReader
+        from gspo_megatron.models.safetensors_reader import SafetensorsReader
 
         self._file = self._reader = None
         self.names: list[str] = []

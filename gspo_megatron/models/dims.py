@@ -49,6 +49,7 @@ class ModelDims:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    index_shared_layers: tuple[int, ...] = ()  # DSA layers without an indexer (GLM-5 "shared": reuse a selection)
     # Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): full attention with an output gate (q_proj twice as
     # wide); the layers in ``linear_layers`` are Gated DeltaNet instead: in_proj [2*Hk*dk + 2*Hv*dv + 2*Hv,
     # hidden], conv1d [2*Hk*dk + Hv*dv, 1, K], dt_bias / A_log [Hv], norm [dv], out_proj [hidden, Hv*dv];

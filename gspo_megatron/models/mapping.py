@@ -11,6 +11,12 @@ Names handled here are *global* Megatron names (layer and expert indices over th
 ``weights.py`` translates the local names a pipeline stage / expert-parallel rank sees.
 The same rules serve checkpoint conversion, HF export and weight sync.
 
+A rule serves both Megatron layer specs (local and Transformer Engine) unless it names one
+(``spec="local"`` / ``spec="te"``): where the two specs shard a parameter of the same name
+differently (multi-latent attention's down projections: split over TP on the local spec, whole on
+every TP rank on TE's, ``TELinear`` ``parallel_mode="duplicated"``), the family lists one rule per
+spec and ``MappingRegistry.for_model`` keeps those of the spec the model was built on.
+
 A family also declares its *fuse groups* (``FuseGroup``): HF tensors that a rollout engine's loader
 combines into one parameter only when every part arrives in the same ``load_weights`` call (sglang's
 DeepSeek loader concatenates ``q_a_proj`` and ``kv_a_proj_with_mqa`` into
@@ -48,17 +54,30 @@ class AttentionDims:
     head_dim: int
 
 
+SPECS = ("local", "te")  # Megatron's local layer spec, Transformer Engine's
+
+
 class Rule:
     """Base rule. ``parallel`` is "tp" (dense tensor parallel group), "etp" (expert tensor parallel
-    group) or None (replicated)."""
+    group) or None (replicated). ``spec``: None (both layer specs) or the one of ``SPECS`` it is for."""
 
     split_dim: int | None = None
 
-    def __init__(self, megatron: str, hf: str | Sequence[str], parallel: str | None = None, export: bool = True):
+    def __init__(
+        self,
+        megatron: str,
+        hf: str | Sequence[str],
+        parallel: str | None = None,
+        export: bool = True,
+        spec: str | None = None,
+    ):
+        if spec is not None and spec not in SPECS:
+            raise ValueError(f"rule {megatron!r}: spec must be one of {SPECS} or None, got {spec!r}")
         self.megatron = megatron
         self.hf = (hf,) if isinstance(hf, str) else tuple(hf)
         self.parallel = parallel
         self.export = export  # False: loaded from HF but not exported (e.g. tied lm_head copy)
+        self.spec = spec
         self._regex = _pattern_regex(megatron)
 
     def match(self, megatron_name: str) -> tuple[str, ...] | None:
@@ -150,10 +169,11 @@ class PermutedRows(ColumnParallel):
     """A column-parallel weight whose HF rows are permuted into Megatron's order (``perm``: the HF row
     index of each Megatron row, over the full tensor) before the TP split; the export inverts it.
     Used for the rope rows of DeepSeek checkpoints with ``rope_interleave=false`` (Megatron's MLA
-    expects interleaved rope rows): the same dot products, exactly."""
+    expects interleaved rope rows): the same dot products, exactly. ``parallel=None``: the whole
+    permuted tensor on every rank (TE's duplicated ``linear_kv_down_proj``)."""
 
-    def __init__(self, megatron, hf, perm: torch.Tensor, parallel="tp"):
-        super().__init__(megatron, hf, parallel)
+    def __init__(self, megatron, hf, perm: torch.Tensor, parallel: str | None = "tp", spec: str | None = None):
+        super().__init__(megatron, hf, parallel, spec=spec)
         self.perm = perm
         self.inverse = torch.argsort(perm)
 
@@ -317,6 +337,16 @@ class MappingRegistry:
         self.fuse_groups = list(fuse_groups)
         self._fuse = [[_pattern_regex(p) for p in g.hf] for g in self.fuse_groups]
 
+    def for_spec(self, te: bool) -> MappingRegistry:
+        """The rules of one layer spec (``te``: Transformer Engine's, else the local one): those for
+        both specs and those naming this one, in their order; the same fuse groups."""
+        spec = "te" if te else "local"
+        return MappingRegistry([r for r in self.rules if r.spec in (None, spec)], self.fuse_groups)
+
+    def for_model(self, model) -> MappingRegistry:
+        """``for_spec`` of the spec ``model`` (one GPTModel chunk) was built on."""
+        return self.for_spec(uses_transformer_engine(model))
+
     def fuse_key(self, hf_names: Sequence[str]) -> tuple | None:
         """A hashable key shared by every HF tensor of one fuse group instance (group index and the
         ``*`` values, e.g. the layer), or None when none of ``hf_names`` belongs to a group."""
@@ -329,7 +359,9 @@ class MappingRegistry:
         return None
 
     def find(self, megatron_name: str) -> tuple[Rule, tuple[str, ...]] | None:
-        """The rule for a global Megatron name and the HF names it maps to; None when no rule matches."""
+        """The rule for a global Megatron name and the HF names it maps to; None when no rule matches.
+        On a registry not narrowed by ``for_spec`` a name with one rule per spec finds the first
+        listed (the local spec's)."""
         for rule in self.rules:
             idx = rule.match(megatron_name)
             if idx is not None:
@@ -342,3 +374,14 @@ class MappingRegistry:
         if found is None:
             raise KeyError(f"no weight mapping for Megatron parameter {megatron_name!r}")
         return found
+
+
+# Where Megatron-Core 0.16.1 defines its Transformer Engine modules (TELinear, TENorm's products are
+# TE's own norms): a model holding one of them was built on TE's layer spec.
+_TE_MODULES = ("megatron.core.extensions.transformer_engine", "transformer_engine.")
+
+
+def uses_transformer_engine(model) -> bool:
+    """True when ``model`` was built on Transformer Engine's layer spec (one of its modules is a
+    class of ``megatron/core/extensions/transformer_engine.py`` or of TE itself)."""
+    return any(type(m).__module__.startswith(_TE_MODULES) for m in model.modules())

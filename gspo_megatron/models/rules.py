@@ -5,7 +5,8 @@ GPTModel (``decoder.layers.<layer>...``; ``weights.py`` translates local ones); 
 the second ``*`` the expert. Each part lists the names of both Megatron layer specs: the local spec
 (separate norm modules, SequentialMLP experts ``local_experts.<e>``) and Transformer Engine's (norm
 fused into the next linear as ``layer_norm_weight``, grouped experts ``linear_fc1.weight<e>``); a rule
-whose Megatron name does not occur in the built model is never resolved.
+whose Megatron name does not occur in the built model is never resolved. A parameter the two specs
+name alike but shard differently (MLA's down projections) has one rule per spec (``Rule.spec``).
 """
 
 from __future__ import annotations
@@ -198,10 +199,19 @@ def _interleave(rope: int) -> list[int]:
 
 
 def mla_attention_rules(hf: dict) -> list[Rule]:
-    """Multi-latent attention (DeepSeek-V2/V3): Megatron's MLASelfAttention on the local spec.
+    """Multi-latent attention (DeepSeek-V2/V3): Megatron's MLASelfAttention on either layer spec.
     q: ``q_proj`` or ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``; kv: ``kv_a_proj_with_mqa``
     ([kv_lora | rope] rows) -> ``kv_a_layernorm`` -> ``kv_b_proj`` (per head [nope | v]); ``o_proj``.
-    The local spec splits the down projections' rows over TP (gathered before the norms). Megatron's
+    The down projections ``linear_q_down_proj`` [q_lora, hidden] and ``linear_kv_down_proj``
+    [kv_lora + rope, hidden]: the local spec splits their rows over TP (ColumnParallelLinear, gathered
+    before the norms: ``spec="local"`` rules); Transformer Engine's spec (megatron-core 0.16.1
+    ``get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)``: ``backend.linear()``,
+    which ``MLASelfAttention`` builds as ``TELinear(parallel_mode="duplicated")``) keeps them whole on
+    every TP rank (``spec="te"``: loaded whole on every rank, exported from the lowest rank). The
+    q / kv norms: their own modules on the local spec (``q_layernorm`` / ``kv_layernorm``), fused on
+    TE's into the up projection (``TELayerNormColumnParallelLinear``: ``linear_q_up_proj.layer_norm_weight``
+    [q_lora], ``linear_kv_up_proj.layer_norm_weight`` [kv_lora]); ``input_layernorm`` is its own
+    module (``TENorm``) on both. Megatron's
     MLA RoPE treats the rope rows as interleaved pairs, as transformers does with ``rope_interleave``
     (the default): the rows map as they are; with ``rope_interleave=false`` the rope rows of q (per
     head) and of kv_a are interleaved on load and restored on export (``PermutedRows``)."""
@@ -214,15 +224,19 @@ def mla_attention_rules(hf: dict) -> list[Rule]:
         [h * (nope + rope) + i for h in range(heads) for i in list(range(nope)) + [nope + j for j in order]]
     )
     kv_perm = torch.tensor(list(range(kv_lora)) + [kv_lora + j for j in order])
-    a = f"{L}.self_attention"
+    a, kv_a = f"{L}.self_attention", f"{H}.self_attn.kv_a_proj_with_mqa.weight"
     rules: list[Rule] = [
         Replicated(f"{L}.input_layernorm.weight", f"{H}.input_layernorm.weight"),
         PermutedRows(f"{a}.linear_q_proj.weight", f"{H}.self_attn.q_proj.weight", q_perm),
-        ColumnParallel(f"{a}.linear_q_down_proj.weight", f"{H}.self_attn.q_a_proj.weight", "tp"),
+        ColumnParallel(f"{a}.linear_q_down_proj.weight", f"{H}.self_attn.q_a_proj.weight", "tp", spec="local"),
+        Replicated(f"{a}.linear_q_down_proj.weight", f"{H}.self_attn.q_a_proj.weight", spec="te"),
         Replicated(f"{a}.q_layernorm.weight", f"{H}.self_attn.q_a_layernorm.weight"),
+        Replicated(f"{a}.linear_q_up_proj.layer_norm_weight", f"{H}.self_attn.q_a_layernorm.weight"),
         PermutedRows(f"{a}.linear_q_up_proj.weight", f"{H}.self_attn.q_b_proj.weight", q_perm),
-        PermutedRows(f"{a}.linear_kv_down_proj.weight", f"{H}.self_attn.kv_a_proj_with_mqa.weight", kv_perm),
+        PermutedRows(f"{a}.linear_kv_down_proj.weight", kv_a, kv_perm, spec="local"),
+        PermutedRows(f"{a}.linear_kv_down_proj.weight", kv_a, kv_perm, parallel=None, spec="te"),
         Replicated(f"{a}.kv_layernorm.weight", f"{H}.self_attn.kv_a_layernorm.weight"),
+        Replicated(f"{a}.linear_kv_up_proj.layer_norm_weight", f"{H}.self_attn.kv_a_layernorm.weight"),
         ColumnParallel(f"{a}.linear_kv_up_proj.weight", f"{H}.self_attn.kv_b_proj.weight", "tp"),
         RowParallel(f"{a}.linear_proj.weight", f"{H}.self_attn.o_proj.weight", "tp"),
     ]

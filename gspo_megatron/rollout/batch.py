@@ -7,7 +7,10 @@ stays prompts_per_step * group_size: when the rounds run out, zero-variance grou
 Over-sampling (rollout.over_sample > 1): each round draws ceil(over_sample * needed) prompts at once
 and stops consuming the engine's groups (``engine.generate_stream``) as soon as enough informative
 groups are in; engines that deliver groups as they finish (SGLang) skip the requests not yet
-started. Groups are kept in delivery order.
+started. The batch lists its groups in prompt order (round, then the prompt's place in the round),
+whatever order the engines delivered them in: the same seed and engine results give the same batch
+(with ``rollout.engine_deterministic`` two runs sample the same tokens; over-sampling's early stop
+still takes whichever groups came first).
 
 Custom rollouts (rollout.custom_function): every sample is produced by the user's hook
 (``rollout/custom.py``); its Samples carry a ``loss_mask`` (the policy's tokens) and its rewards come
@@ -82,11 +85,12 @@ def _records(samples, scores, k0) -> list[Sample]:
 
 
 def _stream_groups(cfg, engine, rows, tokenizer, rewards, seed):
-    """Generate and score ``rows``, G samples each; yields (groups, reward stats) as the engine
-    delivers them (``engine.generate_stream``), a group being a list of Samples."""
+    """Generate and score ``rows``, G samples each; yields (groups, reward stats, each group's row
+    index) as the engine delivers them (``engine.generate_stream``), a group being a list of Samples."""
     params = sampling_params(cfg, tokenizer, seed)
     if cfg.rollout.custom_function:
-        yield _custom_groups(cfg, engine, rows, tokenizer, rewards, params)
+        groups, stats = _custom_groups(cfg, engine, rows, tokenizer, rewards, params)
+        yield groups, stats, list(range(len(groups)))
         return
     stream = engine.generate_stream([r.prompt_ids for r in rows], cfg.rollout.group_size, params)
     try:
@@ -102,7 +106,7 @@ def _stream_groups(cfg, engine, rows, tokenizer, rewards, seed):
             for i, group in delivered:
                 groups.append(_records(group, scores, k))
                 k += len(group)
-            yield groups, stats
+            yield groups, stats, [i for i, _ in delivered]
     finally:
         stream.close()
 
@@ -157,8 +161,9 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
     t0 = time.perf_counter()
     r = cfg.rollout
     G, want = r.group_size, r.prompts_per_step
-    kept: list[list[Sample]] = []
-    spare: list[list[Sample]] = []  # zero-variance groups (dynamic sampling), used to fill up
+    # (round, row index in the round) -> group: the batch takes them in that order (module docstring)
+    kept: list[tuple[tuple[int, int], list[Sample]]] = []
+    spare: list[tuple[tuple[int, int], list[Sample]]] = []  # zero-variance groups (dynamic sampling), to fill up
     stats_sum: dict[str, float] = {}
     rounds, first_round, drawn, generated = 0, None, 0, 0
     while len(kept) < want:
@@ -170,7 +175,7 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
         round_rewards, round_zero = [], []
         stream = _stream_groups(cfg, engine, rows, tokenizer, rewards, seed)
         try:
-            for groups, stats in stream:
+            for groups, stats, indices in stream:
                 generated += len(groups)
                 for key, v in stats.items():
                     stats_sum[key] = stats_sum.get(key, 0.0) + v
@@ -182,7 +187,7 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
                     for j, rec in enumerate(g):
                         rec.advantage = float(adv.advantages[gi * G + j])
                     zero = bool(adv.zero_variance[gi])
-                    (spare if zero and r.dynamic_sampling else kept).append(g)
+                    (spare if zero and r.dynamic_sampling else kept).append(((rounds, indices[gi]), g))
                 if r.dynamic_sampling and len(kept) >= want:
                     break  # enough informative groups: the rest is not generated
         finally:
@@ -192,8 +197,8 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
         rounds += 1
         if not r.dynamic_sampling or rounds > r.max_resample_rounds:
             break
-    kept = (kept + spare)[:want]
-    records = [rec for g in kept for rec in g]
+    chosen = [g for _, g in (sorted(kept, key=lambda kg: kg[0]) + sorted(spare, key=lambda kg: kg[0]))[:want]]
+    records = [rec for g in chosen for rec in g]
     if first_round is None:  # the loop runs at least once (prompts_per_step >= 1)
         raise ValueError(f"rollout.prompts_per_step must be >= 1, got {want}")
     all_rewards, first_zero_frac = first_round

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gspo_megatron.rollout.engine_args import attached_engine_errors, config_server_env
 from gspo_megatron.rollout.engine_model import prepare_engine_model_dir
 from gspo_megatron.rollout.placement import EnginePart, EngineSpec, gather_rank_infos, plan_engines
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
 from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine, kill_server, launch_server, wait_until_healthy
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.runtime.ports import free_port
-from gspo_megatron.weight_sync.delta_loader import LOADER_NAME as DELTA_LOADER
 from gspo_megatron.weight_sync.modes import sync_mode
 
 logger = logging.getLogger(__name__)
@@ -72,14 +72,13 @@ class EngineFleet:
         self.cfg, self.model_path, self.output_dir = cfg, model_path, cfg.output_dir
         self.processes: dict[tuple[int, int], Any] = {}  # (engine, node_rank) -> Popen, on the launcher
         self.attached = bool(r.engine_urls)
+        attach_errors: list[str] = []
         self.base_args = dict(
             model_path=model_path,
             tp_size=r.engine_tp,
             skip_server_warmup=True,
             enable_memory_saver=self.colocated,
             mem_fraction_static=r.engine_mem_fraction,
-            enable_deterministic_inference=r.engine_deterministic,
-            custom_weight_loader=[DELTA_LOADER] if r.sync_delta else None,
             **(server_args or {}),
         )
         if self.attached:
@@ -88,6 +87,7 @@ class EngineFleet:
             if self.rank == 0:
                 for url in self.urls:
                     wait_until_healthy(SGLangHttpClient(url), None, self.wait_s)
+                attach_errors = self._attached_errors()
         else:
             infos = gather_rank_infos()
             from gspo_megatron.config import engine_count
@@ -102,7 +102,13 @@ class EngineFleet:
         sizes = None
         if self.rank == 0:
             sizes = [SGLangHttpClient(u).world_size for u in self.urls]
-        self.world_sizes: list[int] = rdist.broadcast_object(sizes)
+        # every rank raises the attached engines' missing flags (rank 0 read them) before any sync
+        sizes, attach_errors = rdist.broadcast_object((sizes, attach_errors))
+        if attach_errors:
+            from gspo_megatron.errors import ConfigError
+
+            raise ConfigError(attach_errors)
+        self.world_sizes: list[int] = sizes
         self.engine = None
         if self.rank == 0:
             router = r.router_url if self.attached else None
@@ -126,6 +132,18 @@ class EngineFleet:
             ports.update(part)
         return ports
 
+    def _attached_errors(self) -> list[str]:
+        """Rank 0: what the attached engines lack of the flags the config needs (``rollout/engine_args.py``),
+        read from each one's ``/server_info``; one line per missing flag."""
+        from gspo_megatron.models.hf_config import load_hf_config
+
+        hf = load_hf_config(self.model_path)
+        return [
+            e
+            for url in self.urls
+            for e in attached_engine_errors(self.cfg, hf, url, SGLangHttpClient(url).server_info())
+        ]
+
     def _part_args(self, spec: EngineSpec, part: EnginePart) -> dict[str, Any]:
         http_port, dist_port = self.ports[spec.index]
         args = dict(self.base_args, host=part.address, port=http_port, base_gpu_id=part.base_gpu_id)
@@ -146,8 +164,8 @@ class EngineFleet:
                     os.makedirs(self.log_dir, exist_ok=True)
                     log = os.path.join(self.log_dir, f"engine{spec.index}_node{part.node_rank}.log")
                 env = dict(os.environ, GSPO_ENGINE=f"{spec.index}.{part.node_rank}")  # names the process
-                if self.base_args.get("enable_return_indexer_topk"):  # sglang's indexer ids as positions, not
-                    env.setdefault("SGLANG_DSA_FUSE_TOPK", "0")  # KV-pool slots (rollout/routing.py)
+                for k, v in config_server_env(self.base_args).items():  # e.g. DSA's indexer ids as
+                    env.setdefault(k, v)  # positions, not KV-pool slots (rollout/engine_args.py)
                 # the engine's own model dir (FP8-on-sync engines start quantized) and extra flags
                 model_path, extra_cli = prepare_engine_model_dir(
                     self.cfg, self.model_path, os.path.join(self.output_dir, "engine_model", f"rank{self.rank}")

@@ -6,7 +6,8 @@ whoever launches an engine (the node that starts it; every node of a multi-node 
 engine process reads the model path locally), before ``sglang.launch_server``:
 
 - bf16 sync (``rollout.sync_fp8=false``): the engine starts from ``hf_dir`` itself;
-  ``extra_server_args`` is ``["--ep-size", E]`` when ``rollout.engine_ep`` E > 1, else empty.
+  ``extra_server_args`` is empty (the flags that follow from the config alone, ``--ep-size`` among
+  them, are ``rollout.engine_args.config_server_args``).
 - FP8 sync (``rollout.sync_fp8=true``): the trainer sends the big projections as block-FP8
   (``weight_sync.fp8_quant``: ``<m>.weight`` e4m3 + ``<m>.weight_scale_inv`` fp32, 128 x 128 blocks).
   SGLang creates FP8 parameters and ``weight_scale_inv`` scales only when the model config says so;
@@ -157,11 +158,9 @@ def fp8_quantization_config(hf: dict) -> dict:
 
 
 def engine_server_args(cfg) -> list[str]:
-    """SGLang server arguments that follow from the config alone (no files)."""
-    args = ["--ep-size", str(cfg.rollout.engine_ep)] if cfg.rollout.engine_ep > 1 else []
-    if cfg.rollout.sync_fp8:
-        args += ["--load-format", "dummy"]
-    return args
+    """SGLang server arguments that go with the engine's model directory: ``--load-format dummy`` for
+    an FP8-on-sync engine (the rest: ``rollout.engine_args.config_server_args``)."""
+    return ["--load-format", "dummy"] if cfg.rollout.sync_fp8 else []
 
 
 def _atomic_write_json(path: str, data: dict) -> None:

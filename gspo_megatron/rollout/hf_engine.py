@@ -7,10 +7,22 @@ dim 1, ``experts.down_proj`` [E, H, I]), so :class:`HFCheckpointLayout` maps eac
 a view of the in-memory parameter. transformers' own converters (conversion_mapping.py) need the
 whole expert set at once (MergeModulelist), which a partial weight-sync bucket does not provide,
 hence this small explicit adapter; tests check it against ``revert_weight_conversion``.
+
+A vision-language checkpoint (Qwen3.5-MoE's ``Qwen3_5MoeForConditionalGeneration``, model_type
+qwen3_5_moe: ``text_config`` + ``vision_config``) is served as its language model alone: the engine
+builds transformers' causal LM from ``config.get_text_config()`` (``Qwen3_5MoeForCausalLM``: prompts
+are text, and for text transformers' vision-language forward is that model's forward) and
+:class:`HFCheckpointLayout` names its ``model.*`` parameters as the checkpoint does,
+``model.language_model.*`` (``lm_head.weight`` as is). Loading follows sglang 0.5.23's
+``Qwen3_5MoeForConditionalGeneration.load_weights`` (``srt/models/qwen3_5.py``): a name with
+``model.language_model.`` loads as ``model.`` (so the bare ``model.*`` spelling loads too), names
+containing ``mtp`` are skipped, and the vision tower (``model.visual.*``, which sglang loads into its own
+vision tower) is skipped here: the text-only engine holds none (:func:`language_model_of`).
 """
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import re
@@ -20,6 +32,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
+from gspo_megatron.models.qwen3_5_moe import LM_PREFIX
 from gspo_megatron.models.registry import expert_naming, experts_stacked, supported_model_types
 from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 
@@ -27,12 +40,52 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 _FUSED_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
+# model_type of a vision-language checkpoint -> the name prefix its checkpoint keeps the language model's
+# ``model.`` under (transformers 5.23's ``Qwen3_5MoeModel.language_model``)
+LANGUAGE_MODEL_PREFIXES = {"qwen3_5_moe": LM_PREFIX}
+# what sglang 0.5.23's Qwen3_5MoeForConditionalGeneration.load_weights does not load into its language model:
+# names containing "mtp" (skipped) and the vision tower (``model.visual.``, loaded as ``visual.``)
+_NOT_LANGUAGE_MODEL = ("model.visual.", "visual.")
+
+
+def language_model_of(config: PretrainedConfig) -> tuple[PretrainedConfig, str | None]:
+    """(the config transformers' causal LM is built from, the checkpoint prefix of its ``model.`` names):
+    ``(text_config, "model.language_model.")`` for a vision-language checkpoint's config
+    (:data:`LANGUAGE_MODEL_PREFIXES`), ``(config, None)`` for any other. The text config (a copy) takes
+    the checkpoint's top-level ``tie_word_embeddings``, as transformers' conditional-generation model
+    ties by it and sglang's ``Qwen3VLForConditionalGeneration.__init__`` (``models/qwen3_vl.py``) copies it."""
+    prefix = LANGUAGE_MODEL_PREFIXES.get(str(getattr(config, "model_type", "")))
+    if prefix is None or getattr(config, "text_config", None) is None:
+        return config, None
+    text = copy.deepcopy(config.get_text_config())
+    if hasattr(config, "tie_word_embeddings"):
+        text.tie_word_embeddings = config.tie_word_embeddings
+    return text, prefix
+
+
+def checkpoint_name(name: str, prefix: str | None) -> str:
+    """The checkpoint's spelling of a name sglang's ``load_weights`` loads into the language model:
+    with ``prefix`` (``model.language_model.``), ``model.X`` (not the vision tower) -> ``prefix + X``;
+    other names unchanged."""
+    if prefix and name.startswith("model.") and not name.startswith((prefix, *_NOT_LANGUAGE_MODEL)):
+        return prefix + name.removeprefix("model.")
+    return name
+
+
+def outside_language_model(name: str, prefix: str | None) -> bool:
+    """With ``prefix`` (a vision-language checkpoint): a checkpoint name sglang does not load into the
+    language model (``mtp`` in it, the vision tower), which a text-only engine skips."""
+    return bool(prefix) and ("mtp" in name or name.startswith(_NOT_LANGUAGE_MODEL))
 
 
 class HFCheckpointLayout:
-    """Maps HF checkpoint-layout names to (views of) a transformers model's in-memory parameters."""
+    """Maps HF checkpoint-layout names to (views of) a transformers model's in-memory parameters.
 
-    def __init__(self, model: PreTrainedModel):
+    prefix: the checkpoint prefix of the model's ``model.`` names (a vision-language checkpoint's
+    language model, :func:`language_model_of`), or None (names as in memory)."""
+
+    def __init__(self, model: PreTrainedModel, prefix: str | None = None):
+        self.prefix = prefix
         self.model_type: str = model.config.model_type
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         # persistent buffers are checkpoint tensors too (DeepSeek's router e_score_correction_bias)
@@ -53,8 +106,19 @@ class HFCheckpointLayout:
                 rf"(?P<proj>{re.escape(n.gate)}|{re.escape(n.up)}|{re.escape(n.down)})\.weight$"
             )
 
+    def memory_name(self, name: str) -> str:
+        """The in-memory spelling of checkpoint name ``name`` (``prefix + X`` -> ``model.X``)."""
+        if self.prefix and name.startswith(self.prefix):
+            return "model." + name.removeprefix(self.prefix)
+        return name
+
+    def skipped(self, name: str) -> bool:
+        """A checkpoint name loads nowhere here, without error (:func:`outside_language_model`)."""
+        return outside_language_model(name, self.prefix)
+
     def target(self, name: str) -> torch.Tensor:
         """The in-memory view that checkpoint tensor ``name`` occupies (same shape as on disk)."""
+        name = self.memory_name(name)
         if self._expert_re is not None:
             m = self._expert_re.match(name)
             if m is not None:
@@ -99,11 +163,14 @@ class HFCheckpointLayout:
                 names.append(pname.replace(".mlp.", f".{self.naming.block}.", 1))
             else:
                 names.append(pname)
-        return names
+        return [checkpoint_name(n, self.prefix) for n in names]
 
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint-layout tensor into the model; the shape must match exactly."""
+        """Copy one checkpoint-layout tensor into the model (none for a :meth:`skipped` name); the
+        shape must match exactly."""
+        if self.skipped(name):
+            return
         dst = self.target(name)
         if tuple(tensor.shape) != tuple(dst.shape):
             raise ValueError(
@@ -147,18 +214,19 @@ class HFRolloutEngine(RolloutEngine):
         device: str = "cpu",
     ):
         self.config = _as_config(config)
-        model_cls = AutoModelForCausalLM._model_mapping.get(type(self.config), None)
+        lm_config, prefix = language_model_of(self.config)  # a vision-language checkpoint: its language model
+        model_cls = AutoModelForCausalLM._model_mapping.get(type(lm_config), None)
         # transformers 5 annotates the mapping's values as (class, class) pairs; this one holds a class
         if attn_implementation == "sdpa" and model_cls is not None and not model_cls._supports_sdpa:  # type: ignore[attr-defined]
             attn_implementation = "eager"  # e.g. gpt-oss (attention sinks): transformers has no SDPA path
         with torch.random.fork_rng(devices=[]):  # random init must not move the caller's RNG
             torch.manual_seed(seed)
             self.model = AutoModelForCausalLM.from_config(
-                self.config, attn_implementation=attn_implementation, dtype=dtype
+                lm_config, attn_implementation=attn_implementation, dtype=dtype
             )
         self.model.to(device).eval()
         self.device = torch.device(device)
-        self.layout = HFCheckpointLayout(self.model)
+        self.layout = HFCheckpointLayout(self.model, prefix)
         self.max_batch_size = max_batch_size
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self.weight_version = 0

@@ -24,6 +24,11 @@ Wire format (one list of (name, tensor) pairs per bucket, what ``update_weights_
 the bucket is listed, because a colocated engine's weights are released and zero-filled between
 syncs (sglang's memory saver keeps no backup), so the engine reloads every tensor from its copy.
 
+Entries may instead travel in a file (engines on other hosts: ``weight_sync.delta_http``):
+``(FILE, uint8 [path bytes])`` names a safetensors file, on a file system the engine sees at the same
+path, holding wire entries (full tensors under their HF names, ``IDX`` / ``MASK`` / ``VAL`` records
+under theirs) of the same epoch; they are read in place of the ``FILE`` entry.
+
 The epoch is a random 63-bit id drawn when the encoder's copy is (re)started: after
 :meth:`DeltaEncoder.reset` (a new process, a failed sync, an engine restart) every tensor goes full
 under a new epoch, and the engine refuses a delta whose base it holds under another epoch (an
@@ -33,6 +38,7 @@ engine restarted without the trainer knowing fails the sync instead of loading w
 from __future__ import annotations
 
 import math
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -44,6 +50,7 @@ EPOCH = PREFIX + "epoch"
 IDX = PREFIX + "idx/"
 MASK = PREFIX + "mask/"
 VAL = PREFIX + "val/"
+FILE = PREFIX + "file"
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -205,6 +212,37 @@ class DeltaEncoder:
             old.copy_(new)
 
 
+def file_entry(path: str) -> tuple[str, torch.Tensor]:
+    """The wire entry naming a safetensors file of full tensors (module docstring)."""
+    return FILE, torch.tensor(list(path.encode("utf-8")), dtype=torch.uint8)
+
+
+def _file_entries(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The wire entries stored in the file a ``FILE`` entry names, in decoding order (each ``IDX`` /
+    ``MASK`` record followed by its ``VAL``)."""
+    from safetensors.torch import load_file
+
+    path = bytes(t.to("cpu", torch.uint8).tolist()).decode("utf-8")
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"delta payload names {path!r}, which this engine's host does not have "
+            "(rollout.sync_delta_dir must be on a file system the engine hosts see at the same path)"
+        )
+    stored = load_file(path)
+    out = []
+    for name, tensor in stored.items():
+        if name.startswith(VAL):
+            continue
+        out.append((name, tensor))
+        for kind in (IDX, MASK):
+            if name.startswith(kind):
+                val = VAL + name[len(kind) :]
+                if val not in stored:
+                    raise ValueError(f"delta file {path!r}: {name!r} without {val!r}")
+                out.append((val, stored[val]))
+    return out
+
+
 def decode_entries(
     entries: Sequence[tuple[str, torch.Tensor]],
     copy: dict[str, tuple[int, torch.Tensor]],
@@ -218,6 +256,7 @@ def decode_entries(
     if not entries or entries[0][0] != EPOCH:
         raise ValueError(f"delta payload must start with {EPOCH!r}")
     epoch = int(entries[0][1].view(-1)[0])
+    entries = [e for n, t in entries for e in (_file_entries(t) if n == FILE else [(n, t)])]
     out, i = [], 1
     while i < len(entries):
         name, t = entries[i]

@@ -16,7 +16,8 @@ comparing mode names:
   batches while the trainer trains).
 - ``attaches``: ``rollout.engine_urls`` (already running engines) may be used.
 - ``delta``: ``rollout.sync_delta`` is possible (changed elements only, applied by the engines' custom
-  weight loader through ``update_weights_from_tensor``; ``weight_sync/delta.py``).
+  weight loader through ``update_weights_from_tensor``; ``weight_sync/delta.py``; disaggregated engines
+  read the changes from a shared directory, ``weight_sync/delta_http.py``).
 - ``flat_buckets``: the mode's transport takes the export's buckets as views into one reused buffer
   (``models.weights.FlatBucket``) and sends it as it is: no flattening copy, one send per bucket
   (``weight_sync/sync.py``; shared memory on CPU when the engines share the host, ``colocated``).
@@ -137,8 +138,10 @@ register_sync_mode(
         allows_staleness=True,
         attaches=True,
         topology=f"{_TOPOLOGY}:disaggregated_topology",
+        delta=True,
         flat_buckets=True,
         help="NCCL broadcast (gloo on CPU) from one source rank per pipeline stage to engines on separate GPUs "
-        "(NcclBroadcastTransport)",
+        "(NcclBroadcastTransport); with rollout.sync_delta: the changes in files under rollout.sync_delta_dir, "
+        "named to the engines by HTTP (DeltaHttpTransport)",
     )
 )

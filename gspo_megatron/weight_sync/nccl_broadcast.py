@@ -29,11 +29,10 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.dtypes import dtype_name
-from gspo_megatron.rollout.sglang_client import close_weight_update, open_weight_update
 from gspo_megatron.rollout.sglang_compat import flattened_bucket_class
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
-from gspo_megatron.weight_sync.transport import WeightTransport
+from gspo_megatron.weight_sync.transport import StageSourceSessions, WeightTransport
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
@@ -217,7 +216,7 @@ class StoreLock:
         self.store.set(f"{self.key}/turn/{self.ticket + 1}", "1")
 
 
-class NcclBroadcastTransport(WeightTransport):
+class NcclBroadcastTransport(StageSourceSessions, WeightTransport):
     """Disaggregated transport for one pipeline stage's source rank (see module docstring).
 
     clients: one client per engine (``rollout.sglang_client``). engine_world_sizes: GPUs per engine
@@ -337,26 +336,12 @@ class NcclBroadcastTransport(WeightTransport):
 
     # -- one sync --------------------------------------------------------------------------------
     # Stage sources meet in ``barrier`` in begin / end: whatever the engines do, every source gets
-    # there. An engine call or broadcast that fails is remembered, the later ones are skipped, and
-    # ``end`` raises it after the barrier (``keeps_step`` tells the syncer to keep calling).
-    keeps_step = True
-
-    def _guarded(self, fn, *args) -> None:
-        if self.failed is None:
-            try:
-                fn(*args)
-            except Exception as e:  # noqa: BLE001 - raised by end()
-                self.failed = e
-
+    # there (``StageSourceSessions``).
     def begin(self, version: str) -> None:
         self.failed = None
         self._guarded(self.connect)
         self.weight_version = version
-        if self.manage_session:
-            for c in self.clients:
-                self._guarded(open_weight_update, c)
-        if self.barrier is not None:
-            self.barrier()
+        self._open_sessions()
 
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.fp8:
@@ -399,10 +384,4 @@ class NcclBroadcastTransport(WeightTransport):
             f.result()  # raises SGLangError naming the engine if it failed to load
 
     def end(self) -> None:
-        if self.barrier is not None:
-            self.barrier()
-        if self.manage_session:
-            for c in self.clients:
-                self._guarded(close_weight_update, c)
-        if self.failed is not None:
-            raise self.failed
+        self._close_sessions()

@@ -23,6 +23,7 @@ that send nothing).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -113,8 +114,20 @@ def disaggregated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopol
     stage_of, sources = stage_sources()
     group = dist.new_group(sources, backend="gloo") if len(sources) > 1 else None
     barrier = (lambda: dist.barrier(group=group)) if group is not None else None
-    transport = None
-    if rank in sources:
+    transport: Any = None
+    if rank in sources and cfg.rollout.sync_delta:  # the engines' delta loader: HTTP + shared files
+        from gspo_megatron.weight_sync.delta_http import DeltaHttpTransport
+
+        stage = sources.index(rank)
+        transport = DeltaHttpTransport(
+            [fleet.client(e) for e in range(len(fleet.urls))],
+            engine_world_sizes=fleet.world_sizes,
+            full_dir=cfg.rollout.sync_delta_dir or os.path.join(cfg.output_dir, "sync_delta"),
+            stage=stage,
+            manage_session=stage == 0,
+            barrier=barrier,
+        )
+    elif rank in sources:
         stage = sources.index(rank)
         cuda = torch.cuda.is_available()
         lock = StoreLock(dist.distributed_c10d._get_default_store()) if len(sources) > 1 else None

@@ -4,13 +4,15 @@ The export stream (``models.weights.export_hf_weights``) gathers TP/EP/PP shards
 cuts buckets; ``weight_sync.topology`` routes each bucket to the ranks that send it and builds the
 transport of each such rank. One class per mode (slime style): in-process (CPU transformers engine
 on rank 0), CUDA IPC (colocated SGLang: every training rank feeds the engine TP rank on its GPU),
-NCCL broadcast (disaggregated SGLang: each pipeline stage's source broadcasts its own part).
+NCCL broadcast (disaggregated SGLang: each pipeline stage's source broadcasts its own part), delta
+through a shared directory (disaggregated SGLang with ``rollout.sync_delta``: the changes in files, named
+to the engines by HTTP; ``weight_sync.delta_http``).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,6 +33,49 @@ class WeightTransport(abc.ABC):
 
     def reconnect(self) -> None:
         """After engines were restarted: rebuild whatever the transport holds on them (groups)."""
+
+
+class StageSourceSessions:
+    """What the transports with one source rank per pipeline stage, each sending to every engine
+    (``NcclBroadcastTransport``, ``DeltaHttpTransport``), share: an engine call that fails is
+    remembered and the later ones are skipped (``_guarded``; ``end`` raises it after the barrier, and
+    ``keeps_step`` tells the syncer to keep calling so the sources stay in step); the stage that
+    ``manage_session`` opens and closes the engines' weight-update session (pause, flush, version) and
+    every source meets the others in ``barrier`` after opening and before closing."""
+
+    keeps_step = True
+    clients: list
+    manage_session: bool
+    barrier: Callable[[], None] | None
+    failed: BaseException | None
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        if self.failed is None:
+            try:
+                fn(*args, **kw)
+            except Exception as e:  # noqa: BLE001 - raised by end()
+                self.failed = e
+
+    def _open_sessions(self) -> None:
+        from gspo_megatron.rollout.sglang_client import open_weight_update
+
+        if self.manage_session:
+            for c in self.clients:
+                self._guarded(open_weight_update, c)
+        if self.barrier is not None:
+            self.barrier()
+
+    def _close_sessions(self) -> None:
+        """After the barrier: close the sessions, then raise the first failure of this sync."""
+        from gspo_megatron.rollout.sglang_client import close_weight_update
+
+        if self.barrier is not None:
+            self.barrier()
+        if self.manage_session:
+            for c in self.clients:
+                self._guarded(close_weight_update, c)
+        if self.failed is not None:
+            raise self.failed
 
 
 class InProcessTransport(WeightTransport):

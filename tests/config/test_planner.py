@@ -224,6 +224,24 @@ def test_disaggregated_engines_take_their_own_gpus():
     assert ext.train_world == 8 and ext.engine_gpu is None
 
 
+def test_delta_sync_host_copies_by_mode():
+    """rollout.sync_delta: colocated, the engine TP rank's copy + the trainer's on the engine's first
+    rank (2 x the bf16 model per GPU); disaggregated, each stage source's copy of its stage only."""
+    colo = tiny_plan(*SGL, "rollout.sync_mode=colocated", "rollout.engine_tp=2", "rollout.sync_delta=true")
+    total = param_counts(colo.dims).total
+    assert colo.stages[0].host_delta == 2 * total * 2
+    dis = tiny_plan(
+        *SGL,
+        "rollout.sync_mode=disaggregated",
+        "rollout.num_engines=1",
+        "rollout.engine_tp=2",
+        "rollout.sync_delta=true",
+        "parallel.pp=2",
+        gpus=6,
+    )
+    assert dis.train_world == 4 and dis.stages[0].host_delta == pytest.approx(total * 2 / 2)
+
+
 def test_fits_and_does_not_fit():
     cfg = load_config("configs/qwen3_235b_a22b_gspo.yaml", [], check_files=False)
     # the 235B recipe fits 8x8x80 GiB only through rollout.offload_train (the assertion on

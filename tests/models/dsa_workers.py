@@ -1,4 +1,4 @@
-"""Rank functions for tests/models/test_deepseek_v32.py (module level: spawned ranks import them)."""
+"""Rank functions for tests/models/test_deepseek_v32.py and test_glm_moe_dsa.py (module level: spawned ranks import them)."""
 
 from __future__ import annotations
 
@@ -109,3 +109,74 @@ def indexer_vs_transformers(rank: int, world: int, hf_cfg: dict, n: int, interle
             earliest_differs += int(not torch.equal(earliest, got[s]))
     destroy_distributed()
     return {"equal": bool(torch.equal(got, want)), "tied_rows": tied_rows, "earliest_differs": earliest_differs}
+
+
+def shared_layer_selections(rank: int, world: int, hf_dir: str, ckpt: str, rows: list) -> dict:
+    """One rank, a checkpoint with "shared" indexer layers: convert ``hf_dir``, score ``rows`` (one per
+    micro-batch) recording the selection each layer's core attention attends with; score again with
+    every shared layer's carried selection replaced by the causal mask (reuse dropped); export the
+    weight-sync stream and load it into sglang's own class (``cpu_server/sglang_models.SglangModel``).
+    Returns the log-probs of both scorings, per row whether each shared layer's selection is the very
+    tensor of the full layer it reuses (and differs from the next full layer's), the layers built
+    without an indexer on both sides, the streamed names and sglang's unwritten parameters."""
+    import torch
+
+    from gspo_megatron import convert
+    from gspo_megatron.models.deepseek_v32 import indexer as dsa
+    from gspo_megatron.models.weights import export_hf_weights
+    from gspo_megatron.rollout.cpu_server.sglang_models import SglangModel
+    from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
+    from gspo_megatron.score import score_rows
+
+    init_distributed(ParallelLayout())
+    convert.hf_to_megatron(hf_dir, ckpt)
+    model, _ = convert.load_model(ckpt)
+    attend, take, seen = dsa.DSALocalAttention._attend, dsa.SelectionCarry.take, []
+
+    def recording(self, query, key, value, selection, *args):
+        seen.append((self.layer_number - 1, selection))
+        return attend(self, query, key, value, selection, *args)
+
+    def dropped(self, att, key):
+        sel = take(self, att, key)
+        return torch.ones_like(sel).tril_()  # padded micro-batches (score_rows): keep [b, s, s]
+
+    dsa.DSALocalAttention._attend = recording
+    try:
+        reused = score_rows(model, rows, micro_batch_size=1)
+        dsa.SelectionCarry.take = dropped
+        no_reuse = score_rows(model, rows, micro_batch_size=1)
+    finally:
+        dsa.DSALocalAttention._attend, dsa.SelectionCarry.take = attend, take
+    types = model.config.dsa_indexer_types
+    n = len(types)
+    per_row = [dict(seen[i : i + n]) for i in range(0, len(rows) * n, n)]  # the first scoring's rows
+    is_source, differs_from_next = [], []
+    for sel in per_row:
+        for layer, t in enumerate(types):
+            if t == "shared":
+                src = max(i for i in range(layer) if types[i] == "full")
+                is_source.append(sel[layer] is sel[src])
+                later = [i for i in range(layer, n) if types[i] == "full"]
+                if later:
+                    differs_from_next.append(not torch.equal(sel[layer], sel[later[0]]))
+    no_indexer = [
+        i for i, layer in enumerate(model.decoder.layers) if layer.self_attention.core_attention.indexer is None
+    ]
+    buckets = [[(k, t.clone()) for k, t in b] for b in export_hf_weights(model, 48 << 10)]
+    sg = SglangModel(hf_dir, 1, 0, dtype=torch.float32)
+    sg.poison()
+    for bucket in buckets:
+        sg.load(bucket)
+    sg_no_indexer = [i for i, layer in enumerate(sg.model.model.layers) if layer.self_attn.indexer is None]
+    destroy_distributed()
+    return {
+        "reused": reused,
+        "no_reuse": no_reuse,
+        "is_source": is_source,
+        "differs_from_next": differs_from_next,
+        "no_indexer": no_indexer,
+        "sglang_no_indexer": sg_no_indexer,
+        "streamed": {k: t for b in buckets for k, t in b},
+        "unwritten": sg.unwritten(),
+    }

@@ -58,9 +58,9 @@ def test_refused_features_name_the_field(override, field):
     assert "\n" not in str(e.value)
 
 
-def test_transformer_engine_spec_is_refused_not_mismapped():
-    with pytest.raises(ValueError, match="model.transformer_impl=local"):
-        FAMILY.check_transformer_impl(te=True)
+def test_both_layer_specs_are_accepted():
+    # TE's MLA layout (duplicated down projections, fused norms): tests/models/test_deepseek_v3_te.py
+    FAMILY.check_transformer_impl(te=True)
     FAMILY.check_transformer_impl(te=False)
 
 
@@ -100,3 +100,22 @@ def test_planner_counts_equal_transformers_parameters(override):
     assert c.total == sum(p.numel() for p in named.values())
     assert c.expert == sum(p.numel() for n, p in named.items() if ".mlp.experts." in n)
     assert d.moe_layers == (1, 2, 3) and layer_params(d, 0).expert == 0
+
+
+@pytest.mark.parametrize("override", [{}, dict(q_lora_rank=None)])
+def test_planner_counts_te_down_projections_replicated(override):
+    """On Transformer Engine's spec MLA's down projections are whole on every TP rank (TELinear
+    "duplicated"; tests/models/test_deepseek_v3_te.py): the planner moves exactly their parameters,
+    read from transformers' model, from the TP-sharded count to the replicated one; totals unchanged."""
+    from gspo_megatron.models.tiny import hf_model_from_config
+
+    cfg = _cfg(**override)
+    named = dict(hf_model_from_config(cfg).named_parameters())
+    down = sum(
+        named[f"model.layers.0.self_attn.{m}.weight"].numel()
+        for m in ("q_a_proj", "kv_a_proj_with_mqa")
+        if f"model.layers.0.self_attn.{m}.weight" in named
+    )
+    d = ModelDims.from_hf_config(cfg)
+    local, te = layer_params(d, 0), layer_params(d, 0, te=True)
+    assert te.replicated - local.replicated == down == local.tp_sharded - te.tp_sharded > 0

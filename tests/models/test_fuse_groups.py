@@ -101,13 +101,13 @@ def test_every_fuse_group_names_tensors_its_family_exports():
 
 
 def _item(name, nbytes, fuse=None):
-    from gspo_megatron.models.weights import _Item
+    from gspo_megatron.models.export_plan import _Item
 
     return _Item((name,), name, (name,), ((nbytes // 4,),), torch.float32, 0, None, fuse)
 
 
 def test_bucketer_never_cuts_a_group_and_gives_an_oversized_group_its_own_bucket():
-    from gspo_megatron.models.weights import _buckets, group_fused
+    from gspo_megatron.models.export_plan import _buckets, group_fused
 
     plan = group_fused(
         [
@@ -149,7 +149,8 @@ def test_bucketer_never_cuts_a_group_and_gives_an_oversized_group_its_own_bucket
 
 def _tiny_stream_worker(rank, world):
     from gspo_megatron.models.build import build_model
-    from gspo_megatron.models.weights import _buckets, build_export_plan, export_hf_weights
+    from gspo_megatron.models.export_plan import _buckets
+    from gspo_megatron.models.weights import build_export_plan, export_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 
@@ -207,8 +208,9 @@ def _recipe_bucket_bytes() -> int:
 
 def _671b_worker(rank, world, bucket_bytes):
     from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.export_plan import _buckets
     from gspo_megatron.models.registry import published_configs
-    from gspo_megatron.models.weights import _buckets, build_export_plan
+    from gspo_megatron.models.weights import build_export_plan
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
 
     init_distributed(ParallelLayout())

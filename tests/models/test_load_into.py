@@ -67,7 +67,7 @@ def test_reader_copy_into_reads_the_file(tmp_path, monkeypatch, size):
 
     from safetensors.torch import save_file
 
-    from gspo_megatron.models.weights import SafetensorsReader
+    from gspo_megatron.models.safetensors_reader import SafetensorsReader
 
     cases = list(_cases())
     tensors = {f"{name}.{i}": t.contiguous() for name, _, hf in cases for i, t in enumerate(hf)}

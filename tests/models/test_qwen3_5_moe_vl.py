@@ -17,6 +17,13 @@ ignores it), so that one mechanism (``models/carried.py`` carried tensors) is se
   ``lm_head.weight``): no carried tensor.
 The stream's load into sglang's own ``Qwen3_5MoeForConditionalGeneration`` is in
 tests/rollout/test_sglang_loaders.py (``qwen3_5_moe_vl``).
+
+The engines serve the same directory (issue 22; the run is tests/train/test_qwen3_5_vl_run.py): the
+transformers engine (``rollout/hf_engine.py``) builds the language model alone and its greedy log-probs
+equal transformers' vision-language forward; it and the CPU server's store
+(``rollout/cpu_server/weights.py``) hold the checkpoint's ``model.language_model.*`` names, take the bare
+``model.*`` spelling sglang's ``load_weights`` also takes as the same tensor, skip the vision tower and
+``mtp.*``, and refuse a wrong shape.
 """
 
 from __future__ import annotations
@@ -146,3 +153,66 @@ def test_weight_stream_holds_the_language_model_only(runs):
     want = sorted(n for n in src if n.startswith("model.language_model.") or n == "lm_head.weight")
     for world in (1, 2):
         assert sorted(out[world]["streamed"]) == want
+
+
+# -- the engines on the vision-language directory (issue 22) --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory) -> str:
+    d = str(tmp_path_factory.mktemp("qwen3_5_vl_engine") / "hf")
+    save_tiny_vl(d)
+    return d
+
+
+def _language_model(d: str) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in _tensors(d).items() if n.startswith("model.language_model.") or n == "lm_head.weight"}
+
+
+def test_hf_engine_serves_the_language_model(vl_dir):
+    import transformers
+
+    from gspo_megatron.rollout.base import SamplingParams
+    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+
+    engine = HFRolloutEngine(vl_dir, vl_dir)  # the directory's every tensor: vision tower and mtp.* skipped
+    assert type(engine.model).__name__ == "Qwen3_5MoeForCausalLM"
+    lm = _language_model(vl_dir)
+    assert sorted(engine.checkpoint_names()) == sorted(lm)
+    assert all(torch.equal(engine.layout.target(n), t) for n, t in lm.items())
+    prompts = [r for r in ROWS if len(r) > 1]
+    out = engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=4))  # left-padded batch
+    vl = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32)
+    rows = [p + s[0].response_ids for p, s in zip(prompts, out)]
+    ref = [lp[len(p) - 1 :] for p, lp in zip(prompts, hf_logprobs(vl, rows))]
+    assert max_abs_diff([s[0].response_logprobs for s in out], ref) < 1e-4
+
+    name = "model.language_model.layers.1.self_attn.q_proj.weight"
+    new = torch.randn_like(lm[name])
+    engine.update_weights([(name.replace("language_model.", "", 1), new)])  # sglang's other spelling
+    assert torch.equal(engine.layout.target(name), new)
+    with pytest.raises(ValueError, match="does not match"):
+        engine.update_weights([(name, new[:, :3])])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cpu_server_store_holds_the_checkpoint_names(vl_dir, tp):
+    from gspo_megatron.rollout.cpu_server import expected_shard
+    from gspo_megatron.rollout.cpu_server.sharding import Layout
+    from gspo_megatron.rollout.cpu_server.weights import ShardStore, iter_checkpoint, load_config
+
+    config = load_config(vl_dir)
+    lm = _language_model(vl_dir)
+    stores = [ShardStore(config, Layout.from_config(config, tp), r, torch.float32) for r in range(tp)]
+    for rank, store in enumerate(stores):
+        assert sorted(store.full_shapes) == sorted(lm)
+        assert store.skipped("model.visual.blocks.0.attn.qkv.weight") and store.skipped(MTP)
+        assert store.load(iter_checkpoint(vl_dir)) == len(store.shards)  # every language-model tensor held
+        for n, t in lm.items():
+            assert torch.equal(store.shards[n], expected_shard(n, t, rank, tp, 1, config)), (n, rank)
+        name = "model.language_model.layers.1.self_attn.k_proj.weight"
+        new = torch.randn_like(lm[name])
+        assert store.load([(name.replace("language_model.", "", 1), new)]) == 1  # sglang's other spelling
+        assert torch.equal(store.shards[name], expected_shard(name, new, rank, tp, 1, config))
+        with pytest.raises(ValueError, match="does not match"):
+            store.load([("model.norm.weight", torch.ones(3))])

@@ -61,7 +61,9 @@ def test_experts_tp_and_ep_by_hand():
     assert owner_ranks(w2, Layout.from_config(CFG, 4, 2)) == [2, 3]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2", "qwen3", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "mixtral", "qwen2", "qwen3", "gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2"]
+)
 def test_every_checkpoint_name_shards_and_reassembles(family, tmp_path):
     """Names known to the server == the names transformers saves (tied lm_head aside); for tp 1, 2,
     4 (and ep 2) every tensor's owner shards put back together give the tensor."""
@@ -113,3 +115,14 @@ def test_cli_refuses_like_argparse(capsys):
         ]
     )
     assert a.local_tp_ranks() == [2, 3] and a.mem_fraction_static == 0.5 and a.load_format == "dummy"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "mixtral", "qwen3_moe"])
+def test_layout_reads_every_expert_count_spelling_from_a_dict(family):
+    """A config.json dict (models.hf_config.load_hf_config) names the expert count n_routed_experts
+    (DeepSeek / GLM), num_local_experts (Mixtral) or num_experts: each gives the family's count."""
+    from gspo_megatron.models.hf_config import num_experts
+    from tiny_models import tiny_hf_config
+
+    hf = tiny_hf_config(family)
+    assert Layout.from_config(hf, 2, 2).num_experts == num_experts(hf) > 0

@@ -173,7 +173,7 @@ def test_fp8_engine_dir_is_what_sglang_loads_as_block_fp8(hf_dir, tmp_path, sgla
     cfg = _cfg("rollout.sync_fp8=true", "rollout.engine_tp=2", "rollout.engine_ep=2", "rollout.num_engines=1")
     path, args = prepare_engine_model_dir(cfg, hf_dir, str(tmp_path / "engine"))
     assert path == str(tmp_path / "engine")
-    assert args == ["--ep-size", "2", "--load-format", "dummy"]
+    assert args == ["--load-format", "dummy"]  # --ep-size: rollout/engine_args.py (tests/rollout/test_engine_args.py)
     assert sorted(os.listdir(path)) == [
         "config.json",
         "generation_config.json",
@@ -205,7 +205,7 @@ def test_bf16_engine_starts_from_the_hf_dir(hf_dir, tmp_path):
     assert prepare_engine_model_dir(_cfg(), hf_dir, out) == (hf_dir, [])
     assert prepare_engine_model_dir(
         _cfg("rollout.engine_tp=2", "rollout.engine_ep=2", "rollout.num_engines=1"), hf_dir, out
-    ) == (hf_dir, ["--ep-size", "2"])
+    ) == (hf_dir, [])
     assert not os.path.exists(out)
 
 

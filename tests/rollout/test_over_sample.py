@@ -171,3 +171,41 @@ def test_sglang_stream_cancels_requests_not_yet_sent():
     # took it from the queue before close() cancelled the queue (a race between two threads: both
     # outcomes are correct)
     assert sorted(client.sent) in (prompts[:2], prompts[:3]), client.sent
+
+
+class ShuffledEngine(StreamingEngine):
+    """Delivers the groups in an order given by ``order_seed`` (several engines finishing in a
+    different order from run to run)."""
+
+    def __init__(self, tokenizer, order_seed):
+        super().__init__(tokenizer)
+        self.order_seed = order_seed
+
+    def generate_stream(self, prompts, n, params):
+        import random
+
+        order = list(range(len(prompts)))
+        random.Random(self.order_seed).shuffle(order)
+        self.requested += len(prompts)
+        for i in order:
+            self.delivered += 1
+            yield [(i, self._group(prompts[i], n))]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_batch_is_in_prompt_order_whatever_the_delivery_order(tokenizer, dynamic):
+    """Two runs whose engines deliver the same groups in different orders get the same batch, in the
+    order the prompts were drawn (round, then place in the round)."""
+    batches = []
+    for order_seed in (0, 1, 2):
+        cfg, ds, sampler, rewards = _setup(tokenizer, "msmmsmsmssssssss", over_sample=1.0, dynamic=dynamic)
+        batch = collect_rollouts(cfg, 1, ShuffledEngine(tokenizer, order_seed), ds, sampler, tokenizer, rewards)
+        batches.append([(tokenizer.decode(r.prompt_ids), r.reward, r.advantage) for r in batch.records])
+    assert batches[0] == batches[1] == batches[2]
+    drawn = [f"{c}{k}" for k, c in enumerate("msmmsmsmssssssss")]
+    # each group's prompt, as its place among the drawn prompts: ascending within a round
+    places = [next(i for i, d in enumerate(drawn) if f"user\n{d}" in text) for text, _, _ in batches[0][::4]]
+    if not dynamic:
+        assert places == [0, 1, 2, 3]
+    else:  # round 1 gives m0 m2 m3 (s1 dropped), round 2 m5: informative groups, in drawing order
+        assert places == [0, 2, 3, 5]

@@ -103,6 +103,8 @@ def _tp1_run(rank, world, dirs: dict, negative: dict):
         )
         if kind == "deepseek_v32":
             out["dsa_cuda_fused"] = _cuda_fused_indexer(buckets, m)
+        if kind == "qwen3_5_moe_vl":
+            out["vl_spellings"] = _vl_spellings(hf_dir, buckets)
     for case, (hf_dir, buckets) in negative.items():
         m = _load_into_sglang(hf_dir, 1, 0, buckets)
         try:
@@ -112,6 +114,26 @@ def _tp1_run(rank, world, dirs: dict, negative: dict):
             error = str(e)
         out[case] = dict(unwritten=m.unwritten(), error=error)
     return out
+
+
+def _vl_spellings(hf_dir, buckets) -> dict:
+    """What sglang's ``Qwen3_5MoeForConditionalGeneration.load_weights`` does with the other names the CPU
+    server's store takes or skips (``rollout/cpu_server/weights.py``): the stream with ``model.*`` for
+    ``model.language_model.*``; a vision-tower tensor (loaded into ``visual.*``); an ``mtp.*`` tensor; a
+    wrong shape (the exception's type)."""
+    bare = [[(n.replace("model.language_model.", "model.", 1), t) for n, t in b] for b in buckets]
+    m = _load_into_sglang(hf_dir, 1, 0, bare)
+    params = {n: p.detach().clone() for n, p in m.params().items()}
+    hf = _hf_tensors(hf_dir)
+    vision = "model.visual.blocks.0.norm1.weight"
+    m.load([(vision, hf[vision] + 1.0), ("mtp.fc.weight", torch.zeros(8, 64))])
+    vision_loaded = torch.equal(m.params()["visual.blocks.0.norm1.weight"], hf[vision] + 1.0)
+    try:
+        m.load([("model.language_model.norm.weight", torch.ones(3))])
+        wrong_shape = None
+    except Exception as e:  # noqa: BLE001 - whatever sglang's weight loader raises
+        wrong_shape = type(e).__name__
+    return dict(unwritten=m.unwritten(), params=params, vision_loaded=vision_loaded, wrong_shape=wrong_shape)
 
 
 def _cuda_fused_indexer(buckets, m) -> dict:
@@ -339,6 +361,17 @@ def test_sync_stream_loads_every_sglang_param_exactly(runs, dirs, kind, tp):
             want = reference(name, hf, cfg, tp, rank).to(got.dtype)
             assert got.shape == want.shape, (kind, tp, rank, name, got.shape, want.shape)
             assert torch.equal(got, want), (kind, tp, rank, name)
+
+
+def test_vl_class_takes_both_language_model_spellings(runs):
+    """sglang's ``Qwen3_5MoeForConditionalGeneration.load_weights`` rewrites ``model.language_model.`` to
+    ``model.``: the stream spelled ``model.*`` writes every parameter alike (the CPU server's store and the
+    transformers engine take both spellings too); a vision-tower name loads into ``visual.*`` (the store
+    skips it: its generation is text only); a wrong shape raises (the store raises too)."""
+    r, streamed = runs[1][0]["vl_spellings"], runs[1][0]["qwen3_5_moe_vl"]["params"]
+    assert r["unwritten"] == [] and r["params"].keys() == streamed.keys()
+    assert all(torch.equal(r["params"][n], t) for n, t in streamed.items() if not n.startswith("visual."))
+    assert r["vision_loaded"] and r["wrong_shape"] is not None, r
 
 
 def test_deepseek_v32_indexer_loads_into_sglangs_cuda_fused_layout(runs, dirs):

@@ -30,6 +30,22 @@ LAYOUT = [
 ]
 
 
+def _train_cmd(out: str, *overrides: str) -> list[str]:
+    """gspo-train on CONFIG's LAYOUT (one rank), the fast settings, ``overrides`` last."""
+    config = os.path.join(REPO, CONFIG)
+    return [
+        sys.executable,
+        "-m",
+        "gspo_megatron.train",
+        "--config",
+        config,
+        f"output_dir={out}",
+        *FAST,
+        *LAYOUT,
+        *overrides,
+    ]
+
+
 def test_trainer_waits_for_an_attached_engine_then_syncs_and_trains(tmp_path):
     from gspo_megatron import factory
     from gspo_megatron.config import load_config
@@ -40,19 +56,7 @@ def test_trainer_waits_for_an_attached_engine_then_syncs_and_trains(tmp_path):
     port = cpu_server_util.free_port()
     url = f"http://127.0.0.1:{port}"
     out = str(tmp_path / "run")
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_megatron.train",
-        "--config",
-        os.path.join(REPO, CONFIG),
-        f"output_dir={out}",
-        *FAST,
-        "train.steps=2",
-        *LAYOUT,
-        f"rollout.engine_urls=[{url}]",
-        "rollout.engine_launch_timeout_s=300",
-    ]
+    cmd = _train_cmd(out, "train.steps=2", f"rollout.engine_urls=[{url}]", "rollout.engine_launch_timeout_s=300")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     log = tmp_path / "train.log"
     server = None
@@ -77,3 +81,27 @@ def test_trainer_waits_for_an_attached_engine_then_syncs_and_trains(tmp_path):
     for m in metrics:
         assert m["rollout/logprob_abs_diff"] < 1e-4, m["rollout/logprob_abs_diff"]  # the engine has the weights
         assert m["sync/verify_max_abs_diff"] <= 1e-3
+
+
+def test_an_attached_engine_without_the_flags_the_config_needs_is_refused_in_one_line(tmp_path):
+    """rollout.routing_replay=r3 with an engine started without --enable-return-routed-experts: the
+    trainer reads the engine's /server_info and stops before the first sync, naming engine, flag and
+    field (rollout/engine_args.py), instead of failing at the first rollout."""
+    from gspo_megatron import factory
+    from gspo_megatron.config import load_config
+
+    made = load_config(os.path.join(REPO, CONFIG), [f"output_dir={tmp_path / 'made'}", *LAYOUT])
+    hf_dir = factory.hf_init_dir(made)
+    server = cpu_server_util.CpuServer(hf_dir, str(tmp_path))  # sglang_node.sh without GSPO_CONFIG
+    try:
+        out = str(tmp_path / "run")
+        cmd = _train_cmd(out, "rollout.routing_replay=r3", f"rollout.engine_urls=[{server.url}]")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        server.stop()
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "--enable-return-routed-experts" in line]
+    assert len(lines) == 1 and server.url in lines[0] and "rollout.routing_replay=r3" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl")) or read_metrics(out) == []

@@ -61,13 +61,15 @@ def _learning(rows: list[dict]) -> list[dict]:
     ]
 
 
-def test_delta_sync_learns_as_full_sync_and_engines_match_bitwise(tmp_path):
-    full_rows, full_checks = _run(tmp_path, "full", [])
-    delta_rows, delta_checks = _run(tmp_path, "delta", ["rollout.sync_delta=true"])
+def full_and_delta_runs(tmp_path, extra: list[str], engines: int) -> tuple[list[dict], list[dict]]:
+    """The full-sync and the delta-sync run of one layout: every sync's engines bitwise equal to the
+    export (``engines`` of them checked), the same learning metrics; returns (full rows, delta rows)."""
+    full_rows, full_checks = _run(tmp_path, "full", extra)
+    delta_rows, delta_checks = _run(tmp_path, "delta", [*extra, "rollout.sync_delta=true"])
     for checks in (full_checks, delta_checks):
         assert len(checks) >= 5  # the first sync + one per step
         for c in checks:
-            assert not c["mismatches"] and len(c["engines"]) == 2 and all(e["checked"] for e in c["engines"]), c
+            assert not c["mismatches"] and len(c["engines"]) == engines and all(e["checked"] for e in c["engines"]), c
     diff = [
         (f["step"], k, f.get(k), d.get(k))
         for f, d in zip(_learning(full_rows), _learning(delta_rows))
@@ -75,6 +77,11 @@ def test_delta_sync_learns_as_full_sync_and_engines_match_bitwise(tmp_path):
         if f.get(k) != d.get(k)
     ]
     assert len(delta_rows) == len(full_rows) and not diff, diff[:20]
+    return full_rows, delta_rows
+
+
+def test_delta_sync_learns_as_full_sync_and_engines_match_bitwise(tmp_path):
+    full_rows, delta_rows = full_and_delta_runs(tmp_path, [], engines=2)
     fractions = [r["sync/delta_wire_bytes"] / r["sync/delta_full_bytes"] for r in delta_rows]
     assert all(f < 1.0 for f in fractions), fractions
     assert "sync/delta_wire_bytes" not in full_rows[0]

@@ -60,3 +60,32 @@ def run_train(
 def read_metrics(out_dir: str) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def write_demo_tokenized_checkpoint(out_dir: str, family: str, seed: int = 0, **overrides) -> str:
+    """``family``'s tiny model written by transformers' ``save_pretrained`` into ``out_dir`` (as a user
+    downloads a checkpoint) plus the byte-level demo tokenizer; the vocabulary is 320 rows so the
+    tokenizer's 259 ids fit (overrides may change it). Returns ``out_dir``."""
+    from gspo_megatron.data.tokenizer import build_demo_tokenizer
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    save_tiny_hf_model(family, out_dir, seed=seed, **{"vocab_size": 320, **overrides})
+    build_demo_tokenizer(out_dir)
+    return out_dir
+
+
+def score_checkpoint(checkpoint: str, rows: list[list[int]], work_dir: str, timeout: int = 300) -> list[list[float]]:
+    """Per-token log-probs of ``rows`` (row i: len(rows[i]) - 1 floats) under a Megatron checkpoint (a
+    run's ``checkpoints/`` root or step directory) or an HF directory, through ``tools/score.py`` in one
+    process (the checkpoint resharded to one rank); its input / output JSONL go to ``work_dir``."""
+    os.makedirs(work_dir, exist_ok=True)
+    src, dst = os.path.join(work_dir, "rows.jsonl"), os.path.join(work_dir, "logprobs.jsonl")
+    with open(src, "w") as f:
+        f.writelines(json.dumps({"input_ids": r}) + "\n" for r in rows)
+    cmd = [sys.executable, os.path.join(REPO, "tools", "score.py"), "--checkpoint", checkpoint]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = run_group([*cmd, "--input", src, "--output", dst], timeout=timeout, cwd=REPO, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"tools/score.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    with open(dst) as f:
+        return [json.loads(line)["logprobs"] for line in f]

@@ -159,3 +159,60 @@ def test_apply_deltas_is_the_custom_loader_signature_and_keeps_its_copy():
             assert bits_equal(model.loaded[n], t)
             assert bits_equal(getattr(model, COPY_ATTR)[n][1], t)
     assert COPY_ATTR not in dict(model.named_parameters()) and COPY_ATTR not in dict(model.named_buffers())
+
+
+class _RecordingClient:
+    """An engine's HTTP client that runs what sglang 0.5.23 runs on update_weights_from_tensor with a
+    custom loader: its own MultiprocessingSerializer.deserialize of TP rank i's payload, then the loader."""
+
+    def __init__(self, tp: int):
+        self.models = [torch.nn.Module() for _ in range(tp)]
+        self.loaded: list[dict] = [{} for _ in range(tp)]
+        for m, seen in zip(self.models, self.loaded):
+            m.load_weights = lambda named, seen=seen: seen.update({n: t.clone() for n, t in named})
+
+    def update_weights_from_tensor(self, payloads, load_format=None, flush_cache=False, weight_version=None):
+        serializer = pytest.importorskip("sglang.srt.utils.common").MultiprocessingSerializer
+        from gspo_megatron.weight_sync.delta_loader import LOADER_NAME
+
+        assert load_format == LOADER_NAME and len(payloads) == len(self.models)
+        for model, payload in zip(self.models, payloads):
+            apply_deltas(model, serializer.deserialize(payload))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_http_transport_by_value_and_files_rebuilds_every_sync_bitwise(tmp_path, dtype):
+    """weight_sync/delta_http.py: each bucket's wire entries in a file the payload names (the payload
+    pickled by value, read by sglang's own deserializer), the files gone after each sync; every engine
+    TP rank holds the trainer's tensors bit for bit after every sync; a reset makes the next sync full."""
+    import os
+
+    from gspo_megatron.weight_sync.delta_http import DeltaHttpTransport
+
+    g = torch.Generator().manual_seed(1)
+    state = {"a.weight": torch.randn(64, 32, generator=g).to(dtype), "b.bias": torch.randn(5, generator=g).to(dtype)}
+    clients = [_RecordingClient(2), _RecordingClient(1)]
+    t = DeltaHttpTransport(clients, engine_world_sizes=[2, 1], full_dir=str(tmp_path / "d"), manage_session=False)
+    for step in range(4):
+        if step == 2:
+            t.reset_delta()
+        if step:
+            flat = state["a.weight"].view(-1)
+            flat[step::97] += 0.5
+        t.begin(str(step))
+        t.send_bucket(sorted(state.items()))
+        t.end()
+        full = t.delta_metrics()["sync/delta_tensors_full"]
+        assert full == (2 if step in (0, 2) else 0), (step, full)  # the first sync and the one after a reset
+        for c in clients:
+            for seen in c.loaded:
+                assert sorted(seen) == sorted(state) and all(bits_equal(seen[n], v) for n, v in state.items())
+        assert not os.path.exists(tmp_path / "d") or not any((tmp_path / "d").iterdir())
+
+
+def test_a_file_the_engine_host_cannot_see_is_named(tmp_path):
+    from gspo_megatron.weight_sync.delta import file_entry
+
+    entries = [(EPOCH, torch.tensor([7])), file_entry(str(tmp_path / "elsewhere.safetensors"))]
+    with pytest.raises(ValueError, match="rollout.sync_delta_dir must be on a file system"):
+        decode_entries(entries, {})

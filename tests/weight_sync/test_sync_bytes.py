@@ -127,6 +127,14 @@ def test_time_model_bottleneck_colocated_vs_disaggregated():
     # delta from the owners: the PCIe read of the owner's bytes (2 GB at 55 GB/s) bounds it
     t, key, b = sb.delta_owner_load(stages, lay, "disaggregated", cl, sb.delta_ratio(0.0005, 2)).bottleneck()
     assert key == (0, "pcie", "out") and t == pytest.approx(2e9 / 55e9)
+    # delta as built, disaggregated (weight_sync/delta_http.py): the source reads its stage (9 GB) over
+    # PCIe, writes the changes once (r x 9 GB out of its NIC), every engine GPU reads them (r x 9 GB in)
+    r = sb.delta_ratio(0.0179, 2)
+    load = sb.delta_http_load(stages, lay, cl, r)
+    t, key, b = load.bottleneck()
+    assert key == (0, "pcie", "out") and t == pytest.approx(9e9 / 55e9)
+    assert load.bytes[(0, "ib", "out")] == pytest.approx(9e9 * r)  # the owners' p2p stays on NVLink (one node)
+    assert all(load.bytes[(("engine", i), "ib", "in")] == pytest.approx(9e9 * r) for i in range(8))
 
 
 def test_main_prints_a_row_per_mode(capsys):
@@ -146,6 +154,8 @@ def test_main_prints_a_row_per_mode(capsys):
         "colocated delta 0.05% owner",
         "disaggregated full (built)",
         "disaggregated owner-direct",
+        "disaggregated delta 1.79% (built)",
         "disaggregated delta 1.79% owner",
+        "disaggregated delta 0.05% (built)",
         "disaggregated delta 0.05% owner",
     ]

@@ -14,9 +14,12 @@ Refused with one line (Megatron-Core computes something else): ``norm_topk_prob=
 (Megatron always renormalizes sigmoid top-k), group-limited routing where ``num_experts_per_tok //
 topk_group != 2`` (Megatron scores a group by its top-(topk/topk_group) experts, transformers by its
 top-2), an explicit YaRN ``attention_factor`` or ``truncate=false``, ``attention_bias=true``.
-Transformer Engine's MLA spec keeps the down projections replicated (TELinear "duplicated"), which
-this mapping does not express yet: refused on GPU. On the local spec Megatron-Core 0.16.1's core
-attention lacks MLA's ``k_channels`` / ``v_channels`` arguments: ``local_attention.py`` adds them. The multi-token-prediction layers of the published
+Both layer specs: Transformer Engine's MLA spec keeps the down projections whole on every TP rank
+(``TELinear`` "duplicated") and fuses the q / kv norms into the up projections; the mapping has one
+rule per spec where they differ (``rules.mla_attention_rules``), and ``te_attention.py`` lists the
+per-rank layout and fixes the grad norm's count of the duplicated weights. On the local spec
+Megatron-Core 0.16.1's core attention lacks MLA's ``k_channels`` / ``v_channels`` arguments:
+``local_attention.py`` adds them. The multi-token-prediction layers of the published
 checkpoints (``num_nextn_predict_layers``) are not part of transformers' model: not loaded, not trained,
 carried unchanged through conversion and export (``models/carried.py``).
 """
@@ -172,21 +175,19 @@ class DeepseekV3(ModelFamily):
             no(rope.get("truncate", True) is False, "rope truncate=false (YaRN)")
         sigmoid_router_check(hf, self.name)
 
-    def check_transformer_impl(self, te: bool) -> None:
-        if te:
-            raise ValueError(
-                f"{self.name} (multi-latent attention) runs on Megatron's local layer spec "
-                "only for now: set model.transformer_impl=local"
-            )
-
     def adapt_layer_spec(self, block_spec, te: bool) -> None:
-        if not te:
+        if te:
+            from gspo_megatron.models.deepseek_v3.te_attention import use_te_mla_attention
+
+            use_te_mla_attention(block_spec)
+        else:
             from gspo_megatron.models.deepseek_v3.local_attention import use_local_mla_attention
 
             use_local_mla_attention(block_spec)
 
     def tp_divisible(self, hf: dict) -> list[tuple[str, int]]:
-        """Dims the local spec splits over TP besides heads (the MLA down projections)."""
+        """Dims the local spec splits over TP besides heads (the MLA down projections; TE's spec keeps
+        them whole, and a layout is meant to run on both)."""
         out = [
             (
                 "kv_lora_rank + qk_rope_head_dim",

@@ -7,9 +7,13 @@ a lightning indexer (``self_attn.indexer.{wq_b, wk, k_norm, weights_proj}``; ``i
 
 Megatron-Core 0.16.1: ``experimental_attention_variant="dsa"`` makes ``MLASelfAttention`` hand its core
 attention the layer input ``x`` and ``qr = q_a_layernorm(q_a_proj(x))``; the core attention is
-``indexer.DSALocalAttention`` (local spec only, like ``deepseek_v3``). transformers 5.23 computes MLA with
-interleaved RoPE always (no ``rope_interleave`` switch) and needs ``q_lora_rank`` (the indexer's query
-input): refused without it. ``mlp_layer_types`` (5.23's spelling of the dense/sparse layers) must agree
+``indexer.DSALocalAttention`` on both layer specs. On Transformer Engine's (``deepseek_v3/te_attention.py``:
+the MLA linears, parameters and mapping rules of DeepSeek-V3 on TE) the q norm is fused into
+``linear_q_up_proj`` and MLA's ``qr`` is unnormalized: ``TEMLASelfAttention`` binds the fused norm into
+the core attention (``bind_fused_q_norm``), which applies it before the indexer. Context parallelism:
+Megatron-Core's TransformerConfig refuses it with ``experimental_attention_variant="dsa"`` (an
+assertion). transformers 5.23 computes MLA with interleaved RoPE always (no ``rope_interleave``
+switch) and needs ``q_lora_rank`` (the indexer's query input): refused without it. ``mlp_layer_types`` (5.23's spelling of the dense/sparse layers) must agree
 with ``first_k_dense_replace``.
 
 sglang 0.5.23 serves it with ``DeepseekV32ForCausalLM`` (``models/deepseek_v2.py``; the loader in
@@ -56,16 +60,29 @@ class DeepseekV32(DeepseekV3):
         index_n_heads=4,
         index_head_dim=16,
     )
+    # deepseek-ai/DeepSeek-V3.2 (and V3.2-Exp). The hub file is not reachable from here; the values were checked
+    # against:
+    #   v32inf: DeepSeek's inference config of V3.2-Exp (awesome-mini-project/DeepSeek-V3.2-Exp
+    #     inference/config_671B_v3.2.json, a fork of deepseek-ai/DeepSeek-V3.2-Exp): vocab 129280, dim 7168,
+    #     inter 18432, moe inter 2048, 61 layers, 3 dense, 128 heads, 256 routed + 1 shared top-8, 8 groups top-4,
+    #     route scale 2.5, sigmoid, q/kv lora 1536/512, qk nope/rope 128/64, v 128, max_seq_len 163840,
+    #     index_n_heads 64, index_head_dim 128, index_topk 2048: DeepSeek-V3's shapes, so DeepSeek-V3's dict
+    #     (deepseek_v3/__init__.py) is taken for the rest;
+    #   v32hf: config.json fixtures of DeepseekV32ForCausalLM in public tests (found by find_string
+    #     '"model_type": "deepseek_v32",'; the index names no repository): architectures, model_type, the same
+    #     shapes, moe_layer_freq 1, topk_method noaux_tc, norm_topk_prob, num_nextn_predict_layers 1, rope_scaling
+    #     yarn factor 40 / original 4096, index_* as above; zianglih/miles scripts/models/deepseek-v32.sh agrees
+    #     (rotary scaling factor 40, base 10000, mscale 1.0 / 1.0).
     published = {
-        "deepseek-v3.2": {  # deepseek-ai/DeepSeek-V3.2 (and V3.2-Exp): DeepSeek-V3's shapes + the indexer
+        "deepseek-v3.2": {
             **{
                 k: v for k, v in DeepseekV3.published["deepseek-v3"].items() if k not in ("architectures", "model_type")
             },
-            "architectures": ["DeepseekV32ForCausalLM"],
-            "model_type": "deepseek_v32",
-            "index_head_dim": 128,
-            "index_n_heads": 64,
-            "index_topk": 2048,
+            "architectures": ["DeepseekV32ForCausalLM"],  # v32hf
+            "model_type": "deepseek_v32",  # v32hf
+            "index_head_dim": 128,  # v32inf, v32hf
+            "index_n_heads": 64,  # v32inf, v32hf
+            "index_topk": 2048,  # v32inf, v32hf
         },
     }
 
@@ -86,15 +103,6 @@ class DeepseekV32(DeepseekV3):
         if g(hf, "index_head_dim") <= g(hf, "qk_rope_head_dim"):
             raise ValueError(
                 f"config.json index_head_dim {g(hf, 'index_head_dim')} must exceed qk_rope_head_dim for {self.name}"
-            )
-
-    def check_transformer_impl(self, te: bool) -> None:
-        # stated here, not inherited: the DSA core attention (indexer.py) exists on the local spec only,
-        # whatever deepseek_v3 allows (and so parallel.cp > 1, which needs TE attention, is refused too)
-        if te:
-            raise ValueError(
-                f"{self.name} (DeepSeek Sparse Attention) runs on Megatron's local layer spec only: "
-                "set model.transformer_impl=local"
             )
 
     def adapt_layer_spec(self, block_spec, te: bool) -> None:

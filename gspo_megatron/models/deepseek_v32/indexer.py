@@ -39,14 +39,33 @@ is not used: it needs the GPU-only Hadamard kernel (bf16 only), applies RoPE to 
 interleaved-style, folds the scales in another order (other ties), refuses packed sequences and
 computes the indexer KL loss [b, heads, s, s] on every training forward. Its parameter names are kept
 (``indexer.linear_wq_b`` / ``linear_wk`` / ``k_norm`` / ``linear_weights_proj``).
+
+Shared layers (GLM-5's ``indexer_types``, ``config.dsa_indexer_types`` of :class:`DSAMLAConfig`): a
+``"shared"`` layer has no indexer (no parameters, as in transformers' ``GlmMoeDsaAttention``:
+``indexer = None if skip_topk``, and in sglang's checkpoint and loader) and attends with the selection
+of the last full layer before it, made in the same forward. transformers carries that layer's top-k
+indices [B, S, topk] through the decoder (``GlmMoeDsaModel.forward``'s ``prev_topk_indices``) and every
+layer turns them into its mask the same way (index_mask & the causal mask), so carrying the full
+layer's ``keep`` (already & causal; per packed segment, per padded row, replay applied) is the same
+selection in every layout. With a replay (r3) the full layer's is the engine's selection, which its
+shared layers then use, as sglang's do (``forward_mla.py``: ``prev_topk_indices``, captured again as
+the shared layer's own ``indexer_topk`` by ``maybe_capture_indexer_topk``: the same keys), so a shared
+layer's own replay slot is not read. The carry lives for one forward within a pipeline stage
+(:class:`SelectionCarry`): a stage may not start on a shared layer (``glm_moe_dsa.check_layout``) and a
+shared layer is not recomputed (:func:`shared_source` refuses ``model.recompute``).
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from gspo_megatron.models.deepseek_v3.local_attention import MLALocalDotProductAttention
 from gspo_megatron.models.packed_attention import PackedAttentionMixin, packed_bounds
@@ -54,6 +73,14 @@ from gspo_megatron.models.packed_attention import PackedAttentionMixin, packed_b
 # largest fp32 [queries, heads, keys] score block the indexer materializes at once (elements): queries
 # are taken in chunks below it (each query's row is computed alone: chunking changes no value's maths)
 SCORE_BLOCK = 1 << 28
+
+
+@dataclass
+class DSAMLAConfig(MLATransformerConfig):
+    """Megatron-Core's MLA config plus the per-layer indexer kind: ``dsa_indexer_types`` (0-based,
+    ``"full"`` / ``"shared"``; None: every layer full)."""
+
+    dsa_indexer_types: list[str] | None = None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -178,16 +205,98 @@ def replayed_keep(keep: torch.Tensor, replay: torch.Tensor, counts: torch.Tensor
     return torch.where(rows.view(n, 1), given[:, :n], keep)
 
 
+def shared_source(config, layer_number: int) -> int | None:
+    """For a "shared" layer of ``config.dsa_indexer_types`` (0-based list of "full" / "shared"; absent
+    or None: every layer full), the 1-based number of the full layer whose selection it reuses (the
+    last full one before it); None for a full layer. ValueError for a shared layer with no full layer
+    before it, or (``model.recompute``) a recomputed shared layer (its selection is carried within one
+    forward only: the recompute in backward would not find it)."""
+    types = getattr(config, "dsa_indexer_types", None)
+    if not types or types[layer_number - 1] != "shared":
+        return None
+    full = [i for i in range(layer_number - 1) if types[i] == "full"]
+    if not full:
+        raise ValueError(
+            f"config.json indexer_types: layer {layer_number - 1} is 'shared' with no 'full' layer before it"
+        )
+    if config.recompute_granularity is not None:
+        raise ValueError(
+            f"model.recompute=true is not supported with config.json indexer_types 'shared' layers (layer "
+            f"{layer_number - 1}): the recomputed layer would not see layer {full[-1]}'s selection, which is "
+            "carried within one forward only; set model.recompute=false"
+        )
+    return full[-1] + 1
+
+
+def _batch_key(attention_mask, packed_seq_params, query) -> tuple:
+    """What identifies one forward's micro-batch to every layer of it: the very mask / packing objects
+    Megatron's TransformerBlock hands each layer, and the query's leading dims."""
+    return (attention_mask, packed_seq_params, tuple(query.shape[:2]))
+
+
+class SelectionCarry:
+    """The selection a full DSA layer made in the running forward, for the "shared" layers right after
+    it (transformers' ``GlmMoeDsaModel.forward``: ``prev_topk_indices``, returned unchanged by a shared
+    layer). Layers of one pipeline stage run one after the other within a forward, so one slot per
+    process serves every model: a full layer followed by a shared one puts (itself, the micro-batch,
+    the selection); a shared layer takes it only from its own source layer of the same model and
+    micro-batch (a RuntimeError otherwise, never another selection), and the last shared layer of the
+    run clears the slot."""
+
+    def __init__(self) -> None:
+        self.config: object | None = None  # the model's TransformerConfig (one object per built model)
+        self.layer = 0  # the full layer's 1-based number
+        self.key: tuple | None = None  # _batch_key of the micro-batch
+        self.selection: object | None = None  # DSALocalAttention._select's form
+
+    def clear(self) -> None:
+        self.config, self.layer, self.key, self.selection = None, 0, None, None
+
+    def put(self, att, key: tuple, selection) -> None:
+        if _next_is_shared(att):
+            self.config, self.layer, self.key, self.selection = att.config, att.layer_number, key, selection
+
+    def take(self, att, key: tuple):
+        ok = (
+            self.config is att.config
+            and self.layer == att.source_layer
+            and self.key is not None
+            and all(a is b for a, b in zip(self.key[:2], key[:2]))
+            and self.key[2] == key[2]
+        )
+        if not ok:
+            raise RuntimeError(
+                f"DSA layer {att.layer_number - 1} ('shared' in indexer_types) found no selection of layer "
+                f"{att.source_layer - 1} from this forward (that layer must run before it in the same stage)"
+            )
+        selection = self.selection
+        if not _next_is_shared(att):
+            self.clear()
+        return selection
+
+
+def _next_is_shared(att) -> bool:
+    types = getattr(att.config, "dsa_indexer_types", None) or []
+    return att.layer_number < len(types) and types[att.layer_number] == "shared"
+
+
+CARRY = SelectionCarry()
+
+
 class DSALocalAttention(PackedAttentionMixin, MLALocalDotProductAttention):
     """MLA's local core attention restricted to the indexer's selection (module docstring). Takes
     MLA's extra ``x`` (the attention input, [s, b, hidden], [s/tp, b, hidden] with sequence parallel)
-    and ``qr`` (``q_layernorm(q_down(x))``, same layout; [t, q_lora_rank] packed); query/key/value
+    and ``qr`` (``q_layernorm(q_down(x))``, same layout; [t, q_lora_rank] packed; on Transformer
+    Engine's spec ``q_down(x)``, normalized here: :meth:`bind_fused_q_norm`); query/key/value
     [s, b, heads, dim] (packed THD: [t, heads, dim]). Output as the local attention's: [s, b, heads*v]
     ([t, 1, heads*v] packed). Already packed-capable: ``use_packed_local_attention`` leaves it alone."""
 
     def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
-        self.indexer = self.indexer_class(config)
+        # "shared" layers (``config.dsa_indexer_types``, GLM-5): no indexer, no parameters; they reuse
+        # the selection of ``self.source_layer`` (module docstring, "Shared layers")
+        self.source_layer = shared_source(config, self.layer_number)
+        self.indexer = self.indexer_class(config) if self.source_layer is None else None
         # routing replay (r3, ``trainer/route_replay.py``): the engine's selection of this layer for the
         # next forward, int64 [b, s, index_topk] (packed: [1, t, index_topk]) of key positions within
         # each sequence, -1 where none; None: the indexer selects itself
@@ -195,6 +304,16 @@ class DSALocalAttention(PackedAttentionMixin, MLALocalDotProductAttention):
         # with a replay: int64 [2] (queries whose own selection equals the engine's, replayed queries)
         # summed over the forward's sequences; read and cleared by ``trainer/route_replay.RouteReplay``
         self.indexer_counts: torch.Tensor | None = None
+        # Transformer Engine's spec: the q RMSNorm fused into linear_q_up_proj (bind_fused_q_norm)
+        self.q_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def bind_fused_q_norm(self, linear) -> None:
+        """On Transformer Engine's spec MLA's ``q_layernorm`` is an IdentityOp and the q RMSNorm is
+        fused into ``linear`` (``linear_q_up_proj``, TE ``LayerNormLinear``), so MLA hands this core
+        attention ``qr = q_a_proj(x)`` unnormalized; the indexer then normalizes it with
+        :func:`fused_rms_norm` of ``linear`` (transformers' ``q_resid = q_a_layernorm(q_a_proj(x))``).
+        ``linear`` is kept in a partial (not a submodule: its parameters stay MLA's)."""
+        self.q_norm = functools.partial(fused_rms_norm, linear)
 
     indexer_class = LightningIndexer
 
@@ -202,7 +321,8 @@ class DSALocalAttention(PackedAttentionMixin, MLALocalDotProductAttention):
         """The local attention's (its softmax offset, if any) plus the indexer's (replicated tensors):
         ``DotProductAttention.sharded_state_dict`` does not recurse into submodules."""
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        out.update(self.indexer.sharded_state_dict(f"{prefix}indexer.", sharded_offsets, metadata))
+        if self.indexer is not None:
+            out.update(self.indexer.sharded_state_dict(f"{prefix}indexer.", sharded_offsets, metadata))
         return out
 
     def _full(self, t: torch.Tensor) -> torch.Tensor:
@@ -224,9 +344,24 @@ class DSALocalAttention(PackedAttentionMixin, MLALocalDotProductAttention):
     ):
         if x is None or qr is None:
             raise ValueError("DSA core attention needs MLA's x and qr (config.experimental_attention_variant='dsa')")
-        dense = MLALocalDotProductAttention.forward
+        if self.indexer is None:  # a "shared" layer: the selection of its source layer in this forward
+            selection = CARRY.take(self, _batch_key(attention_mask, packed_seq_params, query))
+        else:
+            selection = self._select(x, qr, attention_mask, packed_seq_params, query.shape[0])
+            CARRY.put(self, _batch_key(attention_mask, packed_seq_params, query), selection)
+        return self._attend(query, key, value, selection, packed_seq_params, attn_mask_type, attention_bias)
+
+    def _select(self, x, qr, attention_mask, packed_seq_params, tokens: int):
+        """This layer's selection (its indexer, or the engine's with a replay): padded [s, b]: keep
+        [b, s, s] bool (padding queries causal); packed [t]: [(a, b, keep [b - a, b - a])] per non-empty
+        ``cu_seqlens`` segment."""
+        indexer = self.indexer
+        if indexer is None:
+            raise RuntimeError(f"DSA layer {self.layer_number - 1} is 'shared': it has no indexer to select with")
         with torch.no_grad():
             x, qr = self._full(x.detach()), self._full(qr.detach())
+            if self.q_norm is not None:  # TE spec: q_a_proj(x) -> q_a_layernorm (bind_fused_q_norm)
+                qr = self.q_norm(qr)
         replay = self.indexer_replay  # routing replay (r3): [b, s, index_topk] or None
         counts = None
         if replay is not None:
@@ -241,42 +376,61 @@ class DSALocalAttention(PackedAttentionMixin, MLALocalDotProductAttention):
                 raise ValueError(f"indexer replay: selection {tuple(replay.shape)} for a [b, s] = {[b, s]} micro-batch")
             keep = torch.ones(b, s, s, dtype=torch.bool, device=x.device).tril_()  # padding queries: causal
             for i, n in enumerate(lens):
-                keep[i, :n, :n] = self.indexer.select(
-                    x[i, :n], qr[i, :n], None if replay is None else replay[i, :n], counts
-                )
+                keep[i, :n, :n] = indexer.select(x[i, :n], qr[i, :n], None if replay is None else replay[i, :n], counts)
+            return keep
+        cu = packed_bounds(packed_seq_params, tokens)
+        x, qr = x.reshape(x.shape[0], -1), qr.reshape(qr.shape[0], -1)  # [t, hidden], [t, q_lora_rank]
+        if replay is not None and tuple(replay.shape[:2]) != (1, tokens):
+            raise ValueError(f"indexer replay: selection {tuple(replay.shape)} for a packed row of {tokens} tokens")
+        return [
+            (a, b, indexer.select(x[a:b], qr[a:b], None if replay is None else replay[0, a:b], counts))
+            for a, b in zip(cu[:-1], cu[1:])
+            if b > a
+        ]
+
+    def _attend(self, query, key, value, selection, packed_seq_params, attn_mask_type, attention_bias):
+        """MLA's local attention restricted to ``selection`` (:meth:`_select`'s form)."""
+        dense = MLALocalDotProductAttention.forward
+        if packed_seq_params is None:
             return dense(
                 self,
                 query,
                 key,
                 value,
-                ~keep.unsqueeze(1),
+                ~selection.unsqueeze(1),
                 attn_mask_type=attn_mask_type,
                 attention_bias=attention_bias,
             )
-        cu = packed_bounds(packed_seq_params, query.shape[0])
-        x, qr = x.reshape(x.shape[0], -1), qr.reshape(qr.shape[0], -1)  # [t, hidden], [t, q_lora_rank]
-        if replay is not None and tuple(replay.shape[:2]) != (1, query.shape[0]):
-            raise ValueError(
-                f"indexer replay: selection {tuple(replay.shape)} for a packed row of {query.shape[0]} tokens"
+        outs = [
+            dense(
+                self,
+                query[a:b].unsqueeze(1),
+                key[a:b].unsqueeze(1),
+                value[a:b].unsqueeze(1),
+                ~keep[None, None],
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
             )
-        outs = []
-        for a, b in zip(cu[:-1], cu[1:]):
-            if b > a:
-                masked = ~self.indexer.select(x[a:b], qr[a:b], None if replay is None else replay[0, a:b], counts)[
-                    None, None
-                ]
-                outs.append(
-                    dense(
-                        self,
-                        query[a:b].unsqueeze(1),
-                        key[a:b].unsqueeze(1),
-                        value[a:b].unsqueeze(1),
-                        masked,
-                        attn_mask_type=attn_mask_type,
-                        attention_bias=attention_bias,
-                    )
-                )
+            for a, b, keep in selection
+        ]
         return torch.cat(outs, dim=0)  # [t, 1, heads*v]
+
+
+def fused_rms_norm(linear, x: torch.Tensor) -> torch.Tensor:
+    """The RMSNorm that Transformer Engine's ``LayerNormLinear`` ``linear`` fuses before its GEMM, of
+    x [..., in_features]: in fp32, as TE's reference (transformer_engine/pytorch/ops/basic/rmsnorm.py,
+    ``op_onnx_forward``; the CUDA kernel computes in fp32 too) ``x * rsqrt(mean(x^2) + eps) * gamma``,
+    gamma = ``layer_norm_weight`` (+1 with ``zero_centered_gamma``), eps = ``linear.eps``; cast back to
+    x's dtype. In fp32 this is bitwise transformers' ``DeepseekV32RMSNorm`` given the same eps."""
+    if getattr(linear, "normalization", "RMSNorm") != "RMSNorm":
+        raise ValueError(
+            f"DSA on Transformer Engine: linear_q_up_proj normalization {linear.normalization!r}, needs RMSNorm"
+        )
+    w = linear.layer_norm_weight.float()
+    if getattr(linear, "zero_centered_gamma", False):
+        w = w + 1
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + linear.eps) * w).to(x.dtype)
 
 
 def row_lengths(attention_mask: torch.Tensor | None, b: int, s: int) -> list[int]:
@@ -312,13 +466,18 @@ class InterleavedDSALocalAttention(DSALocalAttention):
 
 
 def use_dsa_attention(block_spec, cls: type = DSALocalAttention) -> int:
-    """Every MLA layer's core attention of ``block_spec`` (after ``use_local_mla_attention``) becomes
-    ``cls`` (:class:`DSALocalAttention`, or GLM-5's :class:`InterleavedDSALocalAttention`) in place.
-    Returns how many."""
+    """Every MLA layer's core attention of ``block_spec`` becomes ``cls`` (:class:`DSALocalAttention`,
+    or GLM-5's :class:`InterleavedDSALocalAttention`) in place: the local spec's
+    ``MLALocalDotProductAttention`` (after ``use_local_mla_attention``) or Transformer Engine's
+    ``TEDotProductAttention`` (after ``te_attention.use_te_mla_attention``, whose ``TEMLASelfAttention``
+    binds the fused q norm). Returns how many."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
     n = 0
     for layer in block_spec.layer_specs:
-        sub = layer.submodules.self_attention.submodules
-        if sub.core_attention is MLALocalDotProductAttention:
-            sub.core_attention = cls
+        attn = layer.submodules.self_attention
+        module = attn.module
+        if isinstance(module, type) and issubclass(module, MLASelfAttention):
+            attn.submodules.core_attention = cls
             n += 1
     return n

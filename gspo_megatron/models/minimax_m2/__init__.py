@@ -30,40 +30,54 @@ from gspo_megatron.models.mapping import ColumnParallel, MappingRegistry
 from gspo_megatron.models.registry import register_family
 from gspo_megatron.models.rules import ExpertNaming, H, L, router_bias_rule
 
-# Published config.json of MiniMaxAI/MiniMax-M2 (the fields transformers and sglang read; the remote-code
-# extras such as attn_type_list (all 1: full attention) and the MTP fields are kept where read)
+# Published config.json of MiniMaxAI/MiniMax-M2 (remote-code spelling: rotary_dim, 4.x rope_theta). The hub file is
+# not reachable from here; each value names the public copies it was checked against:
+#   m25: a full copy of MiniMax-M2.5's config.json (the same architecture; M2.1 / M2.5 "identical architecture" to
+#     M2 in a public param-count test) in a public Ascend quantization guide (found by find_string
+#     '"num_mtp_modules": 3'; the index names no repository): every key it lists is listed here with its value;
+#   m2fix: a MiniMax-M2 config fixture in a public Go loader test (same find_string): architecture, model_type,
+#     sizes, heads, head_dim, max_position_embeddings 196608, experts, top-k, scoring, routing bias, MTP, qk norm,
+#     rotary_dim, rope_theta;
+#   miles: radixark/miles scripts/models/minimax-m2.sh (Megatron arguments: 62 layers, hidden 3072, vocab 200064,
+#     48 heads / 8 groups of 128, 256 experts top-8 of 1536, sigmoid router with expert bias, rotary percent 0.5,
+#     rotary base 5000000);
+#   tf523: transformers 5.23 MiniMaxM2Config defaults, for the keys m25 does not list (not found in any source
+#     reachable here as values of the M2 file).
+# Left out: auto_map, transformers_version, and the quantization_config of the FP8 weights on disk.
 MINIMAX_M2 = {
-    "architectures": ["MiniMaxM2ForCausalLM"],
-    "attention_dropout": 0.0,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 3072,
-    "initializer_range": 0.02,
-    "intermediate_size": 1536,
-    "max_position_embeddings": 196608,
-    "model_type": "minimax_m2",
-    "num_attention_heads": 48,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 62,
-    "num_key_value_heads": 8,
-    "num_local_experts": 256,
-    "output_router_logits": False,
-    "qk_norm_type": "per_layer",
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 5000000,
-    "rotary_dim": 64,
-    "router_aux_loss_coef": 0.001,
-    "router_jitter_noise": 0.0,
-    "scoring_func": "sigmoid",
-    "shared_intermediate_size": 0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "use_qk_norm": True,
-    "use_routing_bias": True,
-    "vocab_size": 200064,
-    "num_mtp_modules": 3,
-    "use_mtp": True,
+    "architectures": ["MiniMaxM2ForCausalLM"],  # m25, m2fix
+    "attention_dropout": 0.0,  # not in m25: tf523 default
+    "attn_type_list": [1] * 62,  # m25 (62 entries, all 1: full attention)
+    "head_dim": 128,  # m25, m2fix, miles --kv-channels
+    "hidden_act": "silu",  # m25
+    "hidden_size": 3072,  # m25, m2fix, miles
+    "initializer_range": 0.02,  # not in m25: tf523 default
+    "intermediate_size": 1536,  # m25, m2fix, miles --moe-ffn-hidden-size (the expert size)
+    "max_position_embeddings": 196608,  # m25, m2fix
+    "model_type": "minimax_m2",  # m25, m2fix
+    "mtp_transformer_layers": 1,  # m25, m2fix
+    "num_attention_heads": 48,  # m25, m2fix, miles
+    "num_experts_per_tok": 8,  # m25, m2fix, miles --moe-router-topk
+    "num_hidden_layers": 62,  # m25, m2fix, miles
+    "num_key_value_heads": 8,  # m25, m2fix, miles --num-query-groups
+    "num_local_experts": 256,  # m25, m2fix, miles --num-experts
+    "output_router_logits": False,  # not in m25: tf523 default
+    "qk_norm_type": "per_layer",  # m25
+    "rms_norm_eps": 1e-06,  # m25
+    "rope_theta": 5000000,  # m25, m2fix, miles --rotary-base
+    "rotary_dim": 64,  # m25, m2fix (miles --rotary-percent 0.5 of head_dim 128)
+    "router_aux_loss_coef": 0.001,  # not in m25: tf523 default
+    "router_jitter_noise": 0.0,  # not in m25: tf523 default
+    "scoring_func": "sigmoid",  # m25, m2fix, miles --moe-router-score-function
+    "shared_intermediate_size": 0,  # m25
+    "tie_word_embeddings": False,  # m25, miles --untie-embeddings-and-output-weights
+    "torch_dtype": "bfloat16",  # m25
+    "use_cache": True,  # m25
+    "use_qk_norm": True,  # m25, m2fix
+    "use_routing_bias": True,  # m25, m2fix (miles --moe-router-enable-expert-bias)
+    "vocab_size": 200064,  # m25, m2fix, miles
+    "num_mtp_modules": 3,  # m25, m2fix
+    "use_mtp": True,  # m25, m2fix
 }
 
 

@@ -64,49 +64,98 @@ def language_model_names(registry: MappingRegistry) -> MappingRegistry:
     return registry
 
 
-# text_config of Qwen/Qwen3.5-35B-A3B's config.json (the language model's fields). Checked: every field equals
-# transformers 5.23's Qwen3_5MoeTextConfig defaults (its docstring checkpoint) but max_position_embeddings,
-# bos/eos and rope_parameters (theta 1e7, mrope_section), which match a third-party copy of the published file
-# (a Qwen3.6-35B-A3B test fixture, same shapes); the hub file itself was not reachable from here.
+# The language-model fields (``text_config``) of the published config.json files. The hub files themselves are
+# not reachable from here; each value names the public copies it was checked against (short names below):
+#   slime35 / slime397: THUDM/slime scripts/models/qwen3.5-35B-A3B.sh / qwen3.5-397B-A17B.sh (Megatron architecture
+#     arguments: layers, hidden, heads, kv groups, kv-channels, vocab, norm eps, rotary percent and base, experts,
+#     top-k, expert and shared-expert sizes, linear-attention heads for 35B);
+#   q36copy: a pinned copy of Qwen/Qwen3.6-35B-A3B's config.json (same architecture and model_type as
+#     Qwen3.5-35B-A3B, transformers' docs/source/en/model_doc/qwen3_5_moe.md) in a public worker module (found by
+#     find_string '"mtp_num_hidden_layers": 1,'; the index names no repository): every text_config field;
+#   tf523: transformers 5.23 Qwen3_5MoeTextConfig defaults (its docstring checkpoint is Qwen/Qwen3.5-35B-A3B);
+#   c397: public copies of Qwen3.5-397B-A17B's text_config (a Rust test of a nested Qwen3_5MoeForConditionalGeneration
+#     config; a Python model_config() with layer_types; a resource-plan test of the 397B's state geometry; found by
+#     find_string '"shared_expert_intermediate_size": 1024,' / '"linear_num_value_heads": 64'), and the
+#     mlx-community/Qwen3.5-397B-A17B-4bit model card (pages corpus: 60 layers = 15 x (3 Gated DeltaNet + 1 full),
+#     512 experts, 10 routed + 1 shared, expert size 1024, 32 Q / 2 KV heads of 256, linear heads 16 QK / 64 V of
+#     128, 262,144 context, vocab 248,320).
+# NVIDIA-NeMo/Megatron-Bridge's Qwen3.5 bridge test fixture for the 397B ("a sample configuration") disagrees with
+# all of these on bos/eos (248045/248046) and shared_expert_intermediate_size (4096): not used.
+def _hybrid_layer_types(n: int, every: int = 4) -> list[str]:
+    """``layer_types`` as the published files list them: every ``every``-th layer full attention."""
+    return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+
+
 QWEN3_5_35B_A3B = {
-    "architectures": ["Qwen3_5MoeForCausalLM"],
-    "model_type": "qwen3_5_moe_text",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "attn_output_gate": True,
-    "bos_token_id": 248044,
-    "eos_token_id": 248044,
-    "full_attention_interval": 4,
-    "head_dim": 256,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_value_head_dim": 128,
-    "max_position_embeddings": 262144,
-    "moe_intermediate_size": 512,
-    "num_attention_heads": 16,
-    "num_experts": 256,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 40,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-06,
-    "router_aux_loss_coef": 0.001,
-    "shared_expert_intermediate_size": 512,
-    "tie_word_embeddings": False,
-    "dtype": "bfloat16",
-    "vocab_size": 248320,
-    "rope_parameters": {
+    "architectures": ["Qwen3_5MoeForCausalLM"],  # the text model's class (the hub file: the VL class, text_config)
+    "model_type": "qwen3_5_moe_text",  # q36copy text_config.model_type
+    "attention_bias": False,  # q36copy, tf523
+    "attention_dropout": 0.0,  # q36copy, tf523
+    "attn_output_gate": True,  # q36copy (slime35 --attention-output-gate)
+    "bos_token_id": 248044,  # q36copy (Qwen/Qwen3.5-0.8B's hub text_config omits it; unused in training)
+    "eos_token_id": 248044,  # q36copy
+    "full_attention_interval": 4,  # q36copy, slime35 --linear-attention-freq 4
+    "head_dim": 256,  # q36copy, slime35 --kv-channels 256
+    "hidden_act": "silu",  # q36copy, slime35 --swiglu
+    "hidden_size": 2048,  # q36copy, slime35
+    "initializer_range": 0.02,  # q36copy
+    "layer_types": _hybrid_layer_types(40),  # q36copy (30 linear, 10 full)
+    "linear_conv_kernel_dim": 4,  # q36copy, slime35
+    "linear_key_head_dim": 128,  # q36copy, slime35
+    "linear_num_key_heads": 16,  # q36copy, slime35
+    "linear_num_value_heads": 32,  # q36copy, slime35
+    "linear_value_head_dim": 128,  # q36copy, slime35
+    "mamba_ssm_dtype": "float32",  # q36copy (sglang's recurrent-state dtype)
+    "max_position_embeddings": 262144,  # q36copy (tf523 default 32768 is not the checkpoint's)
+    "moe_intermediate_size": 512,  # q36copy, slime35 --moe-ffn-hidden-size
+    "mtp_num_hidden_layers": 1,  # q36copy (the mtp.* layer, carried: models/carried.py)
+    "mtp_use_dedicated_embeddings": False,  # q36copy
+    "num_attention_heads": 16,  # q36copy, slime35
+    "num_experts": 256,  # q36copy, slime35
+    "num_experts_per_tok": 8,  # q36copy, slime35 --moe-router-topk
+    "num_hidden_layers": 40,  # q36copy, slime35
+    "num_key_value_heads": 2,  # q36copy, slime35 --num-query-groups
+    "output_router_logits": False,  # q36copy
+    "partial_rotary_factor": 0.25,  # q36copy (also inside rope_parameters), slime35 --rotary-percent
+    "rms_norm_eps": 1e-06,  # q36copy, slime35 --norm-epsilon
+    "router_aux_loss_coef": 0.001,  # q36copy, tf523
+    "shared_expert_intermediate_size": 512,  # q36copy, slime35
+    "tie_word_embeddings": False,  # q36copy, slime35 --untie-embeddings-and-output-weights
+    "use_cache": True,  # q36copy
+    "dtype": "bfloat16",  # q36copy
+    "vocab_size": 248320,  # q36copy, slime35
+    "rope_parameters": {  # q36copy; theta also slime35 --rotary-base 10000000
         "mrope_interleaved": True,
         "mrope_section": [11, 11, 10],
-        "rope_type": "default",
-        "rope_theta": 10000000,
         "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000,
+        "rope_type": "default",
     },
 }
+
+# Qwen/Qwen3.5-397B-A17B: the 35B's text_config schema (one release, one transformers class) with the 397B's
+# shapes. Shapes from slime397 and c397 (which agree on every one); the fields not naming c397/slime397 were not
+# found for the 397B itself: the 35B's value (q36copy), marked "as the 35B".
+QWEN3_5_397B_A17B = dict(
+    QWEN3_5_35B_A3B,
+    full_attention_interval=4,  # c397, mlx-community card (15 x (3 + 1))
+    head_dim=256,  # c397, slime397 --kv-channels 256
+    hidden_size=4096,  # c397, slime397
+    layer_types=_hybrid_layer_types(60),  # c397 (45 linear, 15 full)
+    linear_num_key_heads=16,  # c397, mlx-community card
+    linear_num_value_heads=64,  # c397, mlx-community card
+    max_position_embeddings=262144,  # c397, mlx-community card
+    moe_intermediate_size=1024,  # c397, slime397 --moe-ffn-hidden-size
+    num_attention_heads=32,  # c397, slime397
+    num_experts=512,  # c397, slime397
+    num_experts_per_tok=10,  # c397, slime397 --moe-router-topk
+    num_hidden_layers=60,  # c397, slime397
+    num_key_value_heads=2,  # c397, slime397 --num-query-groups
+    shared_expert_intermediate_size=1024,  # c397, slime397 --moe-shared-expert-intermediate-size
+    vocab_size=248320,  # c397, slime397
+    # as the 35B: bos/eos, rms_norm_eps (slime397 --norm-epsilon 1e-6 agrees), rope_parameters (c397 and slime397:
+    # theta 1e7, partial 0.25), linear head dims 128 and kernel 4 (c397), the MTP and dtype fields
+)
 
 
 @register_family
@@ -124,7 +173,7 @@ class Qwen3_5Moe(Qwen3Next):
     tiny = dict(Qwen3Next.tiny, architectures=["Qwen3_5MoeForCausalLM"])
     for _k in ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "intermediate_size"):
         tiny.pop(_k, None)
-    published = {"qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
+    published = {"qwen3.5-35b-a3b": QWEN3_5_35B_A3B, "qwen3.5-397b-a17b": QWEN3_5_397B_A17B}
 
     def check(self, hf: dict) -> None:
         if is_vision_language(hf) and hf_config.LIFTED not in hf:

@@ -38,50 +38,56 @@ from gspo_megatron.models.rules import (
     shared_expert_rules,
 )
 
-# Published config.json of Qwen/Qwen3-Next-80B-A3B-Instruct (transformers 4.57 spelling). Checked against
-# transformers 5.23's Qwen3NextConfig defaults (its docstring checkpoint): equal but intermediate_size (5120 here,
-# 5632 there: unused, every layer is MoE), max_position_embeddings and rope_theta (context settings the class
-# defaults do not carry); those three were not checked against the hub file.
+# Published config.json of Qwen/Qwen3-Next-80B-A3B-Instruct (transformers 4.57 spelling). The hub file is not
+# reachable from here; each value names the public copies it was checked against:
+#   slime80: THUDM/slime scripts/models/qwen3-next-80B-A3B.sh (Megatron architecture arguments: 48 layers,
+#     hidden 2048, ffn 5120, 16 heads / 2 kv groups of 256, rotary percent 0.25 and base 10000000, norm eps 1e-6,
+#     vocab 151936, untied, 512 experts top-10 of 512 with a gated shared expert of 512, MTP 1 layer);
+#   qcn: a transcription of the Qwen3-Coder-Next release's config.json in a public C++ loader test (found by
+#     find_string '"model_type": "qwen3_next",'; the index names no repository): the same Qwen3NextForCausalLM
+#     schema and shapes field for field, with rope_theta 5000000 which that test calls "half the 80B's theta";
+#   tf523: transformers 5.23 Qwen3NextConfig defaults (its docstring checkpoint is Qwen/Qwen3-Next-80B-A3B-Instruct;
+#     intermediate_size 5632 and max_position_embeddings 32768 there are class defaults, not the checkpoint's).
 QWEN3_NEXT_80B = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "decoder_sparse_step": 1,
-    "eos_token_id": 151645,
-    "full_attention_interval": 4,
-    "head_dim": 256,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 5120,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_value_head_dim": 128,
-    "max_position_embeddings": 262144,
-    "mlp_only_layers": [],
-    "model_type": "qwen3_next",
-    "moe_intermediate_size": 512,
-    "norm_topk_prob": True,
-    "num_attention_heads": 16,
-    "num_experts": 512,
-    "num_experts_per_tok": 10,
-    "num_hidden_layers": 48,
-    "num_key_value_heads": 2,
-    "output_router_logits": False,
-    "partial_rotary_factor": 0.25,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 10000000,
-    "router_aux_loss_coef": 0.001,
-    "shared_expert_intermediate_size": 512,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 151936,
+    "architectures": ["Qwen3NextForCausalLM"],  # qcn
+    "attention_bias": False,  # qcn, tf523
+    "attention_dropout": 0.0,  # qcn
+    "bos_token_id": 151643,  # qcn
+    "decoder_sparse_step": 1,  # qcn, tf523
+    "eos_token_id": 151645,  # qcn
+    "full_attention_interval": 4,  # qcn
+    "head_dim": 256,  # qcn, slime80 --kv-channels
+    "hidden_act": "silu",  # qcn, slime80 --swiglu
+    "hidden_size": 2048,  # qcn, slime80
+    "initializer_range": 0.02,  # qcn, tf523
+    "intermediate_size": 5120,  # qcn, slime80 --ffn-hidden-size (unused: every layer is MoE)
+    "linear_conv_kernel_dim": 4,  # qcn, tf523
+    "linear_key_head_dim": 128,  # qcn, tf523
+    "linear_num_key_heads": 16,  # qcn, tf523
+    "linear_num_value_heads": 32,  # qcn, tf523
+    "linear_value_head_dim": 128,  # qcn, tf523
+    "max_position_embeddings": 262144,  # qcn
+    "mlp_only_layers": [],  # qcn
+    "model_type": "qwen3_next",  # qcn
+    "moe_intermediate_size": 512,  # qcn, slime80 --moe-ffn-hidden-size
+    "norm_topk_prob": True,  # qcn, tf523
+    "num_attention_heads": 16,  # qcn, slime80
+    "num_experts": 512,  # qcn, slime80
+    "num_experts_per_tok": 10,  # qcn, slime80 --moe-router-topk
+    "num_hidden_layers": 48,  # qcn, slime80
+    "num_key_value_heads": 2,  # qcn, slime80 --num-query-groups
+    "output_router_logits": False,  # qcn
+    "partial_rotary_factor": 0.25,  # qcn, slime80 --rotary-percent
+    "rms_norm_eps": 1e-06,  # qcn, slime80 --norm-epsilon
+    "rope_scaling": None,  # qcn
+    "rope_theta": 10000000,  # slime80 --rotary-base; twice qcn's 5000000, as qcn states for the 80B
+    "router_aux_loss_coef": 0.001,  # qcn, tf523
+    "shared_expert_intermediate_size": 512,  # qcn, slime80 --moe-shared-expert-intermediate-size
+    "tie_word_embeddings": False,  # qcn, slime80 --untie-embeddings-and-output-weights
+    "torch_dtype": "bfloat16",  # qcn spells it "dtype" (transformers >= 4.56 writes dtype); same value
+    "use_cache": True,  # qcn
+    "use_sliding_window": False,  # qcn
+    "vocab_size": 151936,  # qcn, slime80
 }
 
 LAYER_TYPES = ("linear_attention", "full_attention")

@@ -124,7 +124,9 @@ class IndexerRecorder:
     ``c - pads[i]``; a selected column counts when ``0 <= c - pads[i] <= positions[i, s]`` (the query's
     own position: transformers' mask sets everything else to -inf, which ``topk`` may still return on
     a row with fewer valid keys than ``index_topk``). Each query's keys come back sorted ascending,
-    -1 after them (sglang returns a set, -1 where fewer keys exist).
+    -1 after them (sglang returns a set, -1 where fewer keys exist). A ``"shared"`` layer of GLM-5's
+    ``indexer_types`` (no indexer: it reuses the last full layer's top-k) gets that layer's keys, as
+    sglang captures them (``forward_mla.py``: ``maybe_capture_indexer_topk(layer_id, prev_topk_indices)``).
     """
 
     def __init__(self, model: PreTrainedModel):
@@ -137,6 +139,8 @@ class IndexerRecorder:
                 if match is None:
                     raise ValueError(f"indexer {name}: no decoder layer index in its name")
                 self.indexers.append((int(match.group(1)), m))
+        types = getattr(model.config, "indexer_types", None) or []
+        self.reuses = {i: max(j for j in range(i) if types[j] == "full") for i, t in enumerate(types) if t == "shared"}
         if not self.indexers:
             raise ValueError(f"{type(model).__name__}: no DSA indexer of {INDEXER_CLASSES} to return indexer_topk from")
         self._seen: dict[int, torch.Tensor] = {}
@@ -164,6 +168,8 @@ class IndexerRecorder:
             keys = torch.where(valid, pos, big).sort(-1).values
             keys = torch.where(keys == big, -1, keys)[..., : self.index_topk]
             out[:, :, layer, : keys.shape[-1]] = keys.to(torch.int32)
+        for layer, full in self.reuses.items():
+            out[:, :, layer] = out[:, :, full]
         self._seen.clear()
         return out
 

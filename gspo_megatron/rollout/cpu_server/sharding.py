@@ -43,6 +43,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from gspo_megatron.models.hf_config import SPELLINGS
 from gspo_megatron.models.registry import expert_weight, stacked_expert_naming
 
 VOCAB_PADDING = 64  # sglang DEFAULT_VOCAB_PADDING_SIZE
@@ -66,6 +67,10 @@ class Layout:
 
     @classmethod
     def from_config(cls, hf_config: Any, tp_size: int, ep_size: int = 1) -> "Layout":
+        """``hf_config``: a dict with the text fields at the top level (``models.hf_config.load_hf_config``)
+        or a ``PretrainedConfig`` (of a vision-language checkpoint, its ``get_text_config()``)."""
+        if not isinstance(hf_config, Mapping) and hasattr(hf_config, "get_text_config"):
+            hf_config = hf_config.get_text_config()
         get = (
             (lambda k, d=None: hf_config.get(k, d))
             if isinstance(hf_config, Mapping)
@@ -73,7 +78,8 @@ class Layout:
         )
         heads = int(get("num_attention_heads"))
         head_dim = get("head_dim") or int(get("hidden_size")) // heads
-        experts = get("num_experts") or get("num_local_experts") or 0
+        # every spelling the trainer reads (models/hf_config.py SPELLINGS: DeepSeek / GLM's n_routed_experts too)
+        experts = next((get(k) for k in SPELLINGS["num_experts"] if get(k)), 0)
         return cls(
             int(tp_size),
             int(ep_size),

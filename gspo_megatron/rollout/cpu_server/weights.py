@@ -9,6 +9,14 @@ Load rules copied from sglang 0.5.23's ``models/{qwen2,qwen3,qwen3_moe,mixtral}.
 a name the model does not have is skipped silently (``if name not in params_dict: continue``), as
 are ``rotary_emb.inv_freq`` and, with tied embeddings, ``lm_head.weight``; an expert of another EP
 rank is skipped; a shape that does not match raises (sglang's weight loaders assert it).
+
+A vision-language checkpoint (Qwen3.5-MoE's ``Qwen3_5MoeForConditionalGeneration``) is stored as its
+language model under the checkpoint's names (``model.language_model.*``, ``lm_head.weight``;
+``rollout.hf_engine.language_model_of``). Names as sglang 0.5.23's
+``Qwen3_5MoeForConditionalGeneration.load_weights`` (``models/qwen3_5.py``) takes them: ``model.X``
+is the same tensor as ``model.language_model.X`` (sglang rewrites ``model.language_model.`` ->
+``model.``), names containing ``mtp`` are skipped, and the vision tower (``model.visual.*``: sglang loads it
+into its vision tower, which text generation never runs) is not held here: skipped.
 """
 
 from __future__ import annotations
@@ -25,7 +33,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.rollout.cpu_server.sharding import Layout, shard_for_rank
-from gspo_megatron.rollout.hf_engine import HFCheckpointLayout
+from gspo_megatron.rollout.hf_engine import (
+    HFCheckpointLayout,
+    checkpoint_name,
+    language_model_of,
+    outside_language_model,
+)
 
 
 def resolve_dtype(flag: str, config: PretrainedConfig) -> torch.dtype:
@@ -43,10 +56,12 @@ def resolve_dtype(flag: str, config: PretrainedConfig) -> torch.dtype:
 
 
 def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint-layout name of the model -> its full shape (no memory allocated)."""
+    """Every checkpoint-layout name of the model -> its full shape (no memory allocated); of a
+    vision-language checkpoint, its language model's (``hf_engine.language_model_of``)."""
+    lm_config, prefix = language_model_of(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    layout = HFCheckpointLayout(model)
+        model = AutoModelForCausalLM.from_config(lm_config)
+    layout = HFCheckpointLayout(model, prefix)
     return {n: tuple(layout.target(n).shape) for n in layout.checkpoint_names()}
 
 
@@ -88,6 +103,7 @@ class ShardStore:
         self.config, self.layout, self.tp_rank, self.dtype = config, layout, tp_rank, dtype
         self.full_shapes = checkpoint_shapes(config)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.prefix = language_model_of(config)[1]  # a vision-language checkpoint's language-model prefix
         self.shards: dict[str, torch.Tensor] = {}
         self.released = False
         for name, shape in self.full_shapes.items():
@@ -101,7 +117,9 @@ class ShardStore:
             return True
         if self.tied and name == "lm_head.weight":
             return True
-        return name not in self.full_shapes
+        if outside_language_model(name, self.prefix):
+            return True
+        return checkpoint_name(name, self.prefix) not in self.full_shapes
 
     @torch.no_grad()
     def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -112,6 +130,7 @@ class ShardStore:
         for name, full in named:
             if self.skipped(name):
                 continue
+            name = checkpoint_name(name, self.prefix)  # sglang's other spelling of the same tensor
             if tuple(full.shape) != self.full_shapes[name]:
                 raise ValueError(
                     f"weight {name!r}: shape {tuple(full.shape)} does not match the model's {self.full_shapes[name]}"
