@@ -23,15 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from run_utils import ROOT, mean, train
 
-CONFIG = os.path.join(ROOT, "configs", "demo_cpu.yaml")
+sys.path.insert(0, ROOT)  # gspo_megatron from a checkout (write_checkpoint)
+
 FAMILIES = ["qwen3_5_moe", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "minimax_m2"]
 DSA = ("deepseek_v32", "glm_moe_dsa")
 ENGINE = [
@@ -52,36 +50,6 @@ def write_checkpoint(family: str, out_dir: str, seed: int) -> str:
     save_tiny_hf_model(family, out_dir, seed=seed, vocab_size=320)  # the tokenizer's 259 ids fit
     build_demo_tokenizer(out_dir)
     return out_dir
-
-
-def train(out: str, overrides: list[str]) -> tuple[list[dict], float]:
-    """One gspo-train run (one trainer rank, its log in ``out``.log); returns (metrics rows, wall seconds)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_megatron.train",
-        "--config",
-        CONFIG,
-        f"output_dir={out}",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-        "checkpoint.interval=0",
-        *ENGINE,
-        *overrides,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    start = time.time()
-    with open(out + ".log", "w") as log:
-        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        raise SystemExit(f"{out}: exit code {code}; log {out}.log")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], time.time() - start
-
-
-def mean(xs) -> float:
-    xs = list(xs)
-    return sum(xs) / max(1, len(xs))
 
 
 def summary(name: str, rows: list[dict], wall: float, w: int) -> dict:
@@ -119,7 +87,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|", flush=True)
     results = []
     for name, overrides in runs:
-        rows, wall = train(os.path.join(root, name), overrides)
+        rows, wall = train(os.path.join(root, name), [*ENGINE, *overrides])
         s = summary(name, rows, wall, w)
         results.append(s)
         probe = "-" if s["probe_max"] is None else f"{s['probe_max']:.1e}"

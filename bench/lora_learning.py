@@ -25,12 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "configs", "demo_cpu.yaml")
+from run_utils import mean, train
+
 PLACEMENTS = {
     "inprocess": [],
     "colocated": [
@@ -41,33 +39,6 @@ PLACEMENTS = {
     ],
     "full": [],  # no LoRA: the full-parameter continuation
 }
-
-
-def train(out: str, overrides: list[str]) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_megatron.train",
-        "--config",
-        CONFIG,
-        f"output_dir={out}",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-        "checkpoint.interval=0",
-        *overrides,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with open(out + ".log", "w") as log:
-        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        raise SystemExit(f"{out}: exit code {code}; log {out}.log")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def mean(xs) -> float:
-    xs = list(xs)
-    return sum(xs) / max(1, len(xs))
 
 
 def main() -> None:
@@ -100,7 +71,7 @@ def main() -> None:
             if name == "full"
             else [f"model.lora.rank={args.rank}", f"model.lora.alpha={args.alpha}", f"optimizer.lr={args.lr}"]
         )
-        rows = train(
+        rows, _ = train(
             os.path.join(root, name),
             ["model.init=pretrained", f"model.hf_path={base}", f"train.steps={args.steps}", *lora, *PLACEMENTS[name]],
         )

@@ -241,9 +241,9 @@ def _trainer_body(rank, mode, engines, engine_tp, cmd_queues, reply_queues, hf_d
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["BENCH_DUMP_S"]))
-    layout = {"tp": 2} if mode == "colocated" else {"pp": 2}
+    bench_mode, (mode, layout, owner_direct) = mode, CASES[mode]
     init_distributed(ParallelLayout(**layout))
-    model = build_model(load_hf_config(hf_dir), layout.get("tp", 1), layout.get("pp", 1))
+    model = build_model(load_hf_config(hf_dir), layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1))
     load_hf_weights(model, hf_dir)
     clients = [_Client(cmd_queues[e], reply_queues[e], engine_tp) for e in range(engines)]
     specs = [
@@ -254,7 +254,12 @@ def _trainer_body(rank, mode, engines, engine_tp, cmd_queues, reply_queues, hf_d
         )
         for e in range(engines)
     ]
-    cfg = SimpleNamespace(rollout=SimpleNamespace(sync_mode=mode, sync_fp8=False, sync_delta=False))
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(
+            sync_mode=mode, sync_fp8=False, sync_delta=False, sync_owner_direct=owner_direct, engine_ep=1
+        ),
+        model=SimpleNamespace(hf_path=hf_dir, arch=None),
+    )
     topology = build_sync_topology(cfg, fleet=_Fleet(specs, clients, [engine_tp] * engines))
     syncer = WeightSyncer(model, topology, bucket_mb=args.bucket_mb)
     items = syncer.plan[0]
@@ -323,14 +328,15 @@ def _trainer_body(rank, mode, engines, engine_tp, cmd_queues, reply_queues, hf_d
 
     timed(syncer.sync)  # warm-up: engines allocate their storage, groups settle
     timed(baseline)
-    if args.old:
+    old = args.old and not owner_direct  # the old path is the broadcast (owner-direct did not exist)
+    if old:
         timed(old_sync)
     t_sync, t_base, t_old, metrics = [], [], [], None
     for _ in range(args.repeats):  # interleaved: new, baseline, old
         t, metrics = timed(syncer.sync)
         t_sync.append(t)
         t_base.append(timed(baseline)[0])
-        if args.old:
+        if old:
             t_old.append(timed(old_sync)[0])
         if syncer.errors:
             raise RuntimeError(f"sync failed: {syncer.errors}")
@@ -341,7 +347,7 @@ def _trainer_body(rank, mode, engines, engine_tp, cmd_queues, reply_queues, hf_d
         for _ in range(3):
             dist.barrier()
             prof.runcall(syncer.sync)
-        prof.dump_stats(f"{os.environ['BENCH_PROFILE']}.{mode}{engines}.rank{rank}")
+        prof.dump_stats(f"{os.environ['BENCH_PROFILE']}.{bench_mode}{engines}.rank{rank}")
     checks = None
     if mode == "disaggregated" and transport is not None:
         transport.close()
@@ -357,7 +363,7 @@ def _trainer_body(rank, mode, engines, engine_tp, cmd_queues, reply_queues, hf_d
         "old_s": statistics.median(t_old) if t_old else float("nan"),
         "bytes_max_rank": metrics["sync/bytes_max_rank"],
         "buckets": metrics["sync/buckets"],
-        "layout": "tp2" if mode == "colocated" else "pp2",
+        "layout": "".join(f"{k}{v}" for k, v in layout.items()),
         "checks": checks,
     }
 
@@ -378,6 +384,15 @@ class _PollingStoreLock:
 
     def __exit__(self, *exc):
         self.store.set(self.key, "")
+
+
+# bench mode -> (rollout.sync_mode, the 2 trainer ranks' layout, rollout.sync_owner_direct)
+CASES = {
+    "colocated": ("colocated", {"tp": 2}, False),
+    "colocated-ep2": ("colocated", {"ep": 2}, False),
+    "owner-direct": ("colocated", {"ep": 2}, True),
+    "disaggregated": ("disaggregated", {"pp": 2}, False),
+}
 
 
 def run_case(mode: str, engines: int, engine_tp: int, hf_dir: str, args) -> dict:
@@ -448,7 +463,7 @@ def part_time(args) -> None:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     cases = [
-        (m, n, (2 // n) if m == "colocated" else args.disagg_engine_tp)
+        (m, n, (2 // n) if CASES[m][0] == "colocated" else args.disagg_engine_tp)
         for m in args.modes.split(",")
         for n in (int(e) for e in args.engines.split(","))
     ]
@@ -499,7 +514,12 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=8.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--disagg-engine-tp", type=int, default=1, help="TP ranks per disaggregated engine")
-    p.add_argument("--modes", default="colocated,disaggregated")
+    p.add_argument(
+        "--modes",
+        default="colocated,disaggregated",
+        help=f"comma-separated, of {', '.join(CASES)} (colocated-ep2 / owner-direct: the trainer ranks "
+        "expert-parallel, each owning half the experts; owner-direct with rollout.sync_owner_direct)",
+    )
     p.add_argument("--engines", default="1,2", help="engine counts to run (colocated: 2 // engines TP ranks each)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="for --part bytes")
     p.add_argument("--case-timeout", type=float, default=900.0, help="seconds per case before giving up")
@@ -514,6 +534,9 @@ def main() -> None:
     args = p.parse_args()
     if args.layers % 2:
         p.error("--layers must be even (the disaggregated case runs pp2)")
+    unknown = sorted(set(args.modes.split(",")) - set(CASES))
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
     if args.part in ("bytes", "all"):
         part_bytes(args)
     if args.part in ("time", "all"):

@@ -168,16 +168,22 @@ def build_engines(cfg: Config, hf_dir: str) -> Engines:
     from gspo_megatron.rollout.engine_args import config_server_args
     from gspo_megatron.rollout.engine_fleet import EngineFleet
 
-    hf = load_hf_config(hf_dir)
-    # every flag the config needs (routing replay, LoRA adapters, delta loader, ...): rollout/engine_args.py
-    server_args, route_spec = config_server_args(cfg, hf), None
+    hf = load_hf_config(hf_dir)  # read once: the flags below and the fleet's check of attached engines
+    route_spec = None
     if cfg.rollout.routing_replay == "r3":  # the engines return each token's routed experts (rollout/routing.py)
         from gspo_megatron.rollout.routing import route_spec_of
 
         route_spec = route_spec_of(hf)
+    # every flag the config needs (routing replay, LoRA adapters, delta loader, ...): rollout/engine_args.py
+    server_args = config_server_args(cfg, hf, route_spec)
     adapter_sync = cfg.model.lora.rank > 0 and cfg.rollout.lora_sync == "adapter"
     fleet = EngineFleet(
-        cfg, hf_dir, server_args=server_args, log_dir=os.path.join(cfg.output_dir, "engine_logs"), route_spec=route_spec
+        cfg,
+        hf_dir,
+        hf=hf,
+        server_args=server_args,
+        log_dir=os.path.join(cfg.output_dir, "engine_logs"),
+        route_spec=route_spec,
     )
     topology = build_sync_topology(cfg, fleet=fleet)
     if adapter_sync and fleet.engine is not None:  # colocated: the base stays (it is sent once)

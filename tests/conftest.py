@@ -23,6 +23,7 @@ LONG_FILES = (
     "train/test_lora_adapter_run.py",
     "models/test_equivalence.py",
     "train/test_sync_delta_run.py",
+    "train/test_sync_owner_direct_run.py",
     "train/test_sync_delta_disaggregated_run.py",
     "models/test_glm_moe_dsa.py",
     "train/test_qwen3_5_vl_run.py",

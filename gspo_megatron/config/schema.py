@@ -167,6 +167,10 @@ class RolloutConfig:
         False,
         "send per tensor only the elements changed since the last sync (weight_sync/delta.py; sync_mode=colocated: through the CUDA IPC route; disaggregated / engine_urls: the changes (and whole tensors) in files under sync_delta_dir, named to the engines by HTTP (weight_sync/delta_http.py); the trainer's sending ranks and every engine TP rank keep a host copy of the model in the engine dtype; full syncs at start, on resume and after an engine restart or a failed sync; not with sync_fp8)",
     )
+    sync_owner_direct: bool = _f(
+        False,
+        "sync_mode=colocated: routed expert weights go only to the engine TP ranks that load them (engine_ep), read by CUDA IPC (shared memory on CPU) from the rank on their node that holds them (the expert's owner, or one copy per node received from it) instead of a broadcast of the whole model to every training rank (weight_sync/owner_direct.py); with sync_delta each rank encodes what it serves",
+    )
     sync_delta_dir: str | None = _f(
         None,
         "sync_delta with engines on other hosts (disaggregated): where each sync writes the encoded changes (and whole tensors) the engines read (safetensors, removed after each sync); must be visible to the engine hosts at the same path; default <output_dir>/sync_delta",

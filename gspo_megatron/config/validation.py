@@ -193,6 +193,11 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
         "update, so an FP8 delta is no smaller; the engine would need the FP8 copy too); set one of them to false",
     )
     need(
+        not r.sync_owner_direct or sm is None or sm.colocated,
+        f"rollout.sync_owner_direct=true needs rollout.sync_mode={_modes(placement='colocated')}, got {r.sync_mode}: "
+        "the expert owners hand their weights to the engine ranks on their node; set rollout.sync_owner_direct=false",
+    )
+    need(
         not r.engine_urls or r.num_engines in (0, len(r.engine_urls)),
         f"rollout.num_engines={r.num_engines} but rollout.engine_urls lists {len(r.engine_urls)} engines",
     )

@@ -33,6 +33,7 @@ class _Item:
     owner: int  # global rank that assembles the HF tensors
     stack: tuple[int, int] | None = None  # (expert, num_experts): a row of stacked HF tensors
     fuse: tuple | None = None  # the fuse group instance (``MappingRegistry.fuse_key``), if any
+    copies: tuple[int, ...] = ()  # other ranks holding the full tensors without a gather (expert-DP replicas)
 
     @property
     def nbytes(self) -> int:

@@ -26,7 +26,7 @@ Parameters, and the buffers a family maps (the MoE router's ``expert_bias``: Dee
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, NamedTuple, cast
+from typing import Callable, Iterator, NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -121,13 +121,24 @@ def _is_dp_first(parallel: str | None) -> bool:
 
 
 def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.nn.Parameter]]]:
-    """The global, ordered export plan (collective: one all_gather_object) and this rank's part."""
+    """The global, ordered export plan (collective: one all_gather_object) and this rank's part.
+
+    This rank's part: the parameters it owns or holds a shard of (its (E)TP group's (expert-)DP rank
+    0), and the routed experts whose full copy it holds as another expert-DP replica (expert tensor
+    parallel size 1): those are the item's ``copies`` (an owner-direct routing reads them in place of
+    a transfer from the owner; nothing else uses them)."""
     mapping = get_family(model.hf_config).mapping(model.hf_config)
     mine: dict[str, tuple[Rule, torch.nn.Parameter]] = {}
     declared: list[_Declared] = []
+    copies: list[str] = []
     me = rdist.rank()
     for _, g, rule, hf_names, param in _mapped(model, mapping):
-        if not rule.export or not _is_dp_first(rule.parallel):
+        if not rule.export:
+            continue
+        if not _is_dp_first(rule.parallel):
+            if rule.parallel == "etp" and _rank_size("etp")[1] == 1 and rule.expert_index(g) is None:
+                mine[g] = (rule, param)  # a full replica: ``gather_full`` gives None here (not the owner)
+                copies.append(g)
             continue
         mine[g] = (rule, param)
         rank, size = _rank_size(rule.parallel)
@@ -137,14 +148,18 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
             expert = rule.expert_index(g)
             stack = None if expert is None else (expert, hf_config.num_experts(model.hf_config))
             declared.append((g, hf_names, shapes, dtype_name(param.dtype), me, stack))
-    everyone: list[list[_Declared]]
+    everyone: list[tuple[list[_Declared], list[str]]]
     if rdist.world_size() > 1:
-        everyone = [[] for _ in range(dist.get_world_size())]  # each rank's ``declared``, filled in
-        dist.all_gather_object(everyone, declared)
+        everyone = [([], []) for _ in range(dist.get_world_size())]  # each rank's ``declared``, filled in
+        dist.all_gather_object(everyone, (declared, copies))
     else:
-        everyone = [declared]
+        everyone = [(declared, copies)]
+    held_by: dict[str, list[int]] = {}
+    for r, (_, held) in enumerate(everyone):
+        for g in held:
+            held_by.setdefault(g, []).append(r)
     items: dict[str, _Item] = {}
-    for decl in everyone:
+    for decl, _ in everyone:
         for g, hf_names, shapes, dtype, owner, stack in decl:
             if g not in items or owner < items[g].owner:
                 items[g] = _Item(
@@ -156,6 +171,7 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
                     owner,
                     stack,
                     mapping.fuse_key(hf_names),
+                    tuple(sorted(held_by.get(g, ()))),
                 )
     return group_fused(sorted(items.values(), key=lambda it: it.key)), mine
 
@@ -164,10 +180,30 @@ ALL_RANKS = "all"
 
 
 def _destination(dst, owner: int) -> int | None:
-    """Where an item owned by ``owner`` goes: a rank, or None for every rank (``ALL_RANKS``)."""
-    if dst == ALL_RANKS:
+    """Where an item owned by ``owner`` goes: a rank, or None for every rank (``ALL_RANKS``, and the
+    items an :class:`ItemRouting` leaves to every rank)."""
+    if dst == ALL_RANKS or _routing(dst) is not None:
         return None
     return dst(owner) if callable(dst) else int(dst)
+
+
+class ItemRouting(Protocol):
+    """A ``dst`` of :func:`export_hf_weights` that sends some items to some ranks only (owner-direct
+    colocated sync: ``weight_sync.owner_direct.OwnerDirectRouting``); every other item goes to
+    every rank as with ``ALL_RANKS``.
+
+    ``holders(item, local)`` -> None (every rank gets it), or {rank: what the rank serves with it}:
+    the ranks that hold the item's full tensors in their bucket (the owner copies them, the others
+    receive them from the owner by ``dist.send`` / ``dist.recv``; ``local``: every rank assembles the
+    item itself from the bucket's (E)TP gather, so no transfer is needed). The values are opaque
+    here and come back to the transport in the bucket's ``FlatBucket.slots``. Must be the same on
+    every rank."""
+
+    def holders(self, item: _Item, local: bool) -> dict[int, tuple] | None: ...
+
+
+def _routing(dst) -> ItemRouting | None:
+    return dst if hasattr(dst, "holders") else None
 
 
 class FlatBucket(list):
@@ -177,7 +213,16 @@ class FlatBucket(list):
     element-aligned; ``byte_offset(t)`` is a tensor's place in ``flat``. They are valid until the
     stream's next bucket is requested (the buffer is reused)."""
 
-    flat: torch.Tensor
+    flat: torch.Tensor  # unset when the rank receives nothing of a routed bucket (or it has stacked rows)
+    # with an ``ItemRouting``: HF name -> what this rank serves with it (names not in it: the rank's own),
+    # and every item's holders in the bucket (None: every rank), the same on every rank
+    slots: dict[str, tuple]
+    routes: list[dict[int, tuple] | None]
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.slots = {}
+        self.routes = []
 
     def byte_offset(self, t: torch.Tensor) -> int:
         return t.data_ptr() - self.flat.data_ptr()
@@ -241,20 +286,27 @@ def export_hf_weights(
     whole = {
         k for k in ("tp", "etp") if flat is not None and world > 1 and dst == ALL_RANKS and _rank_size(k)[1] == world
     }
+    routing = _routing(dst)
     for bucket in _buckets(items, bucket_bytes):
         targets = [_destination(dst, it.owner) for it in bucket]
         shards = _gather_bucket(bucket, mine) if flat is not None else {}
         local = {g for g in shards if mine[g][0].parallel in whole}
-        layout = _buffer_layout(bucket, targets, local, flat) if flat is not None else None
+        held = _held(routing, bucket, local, flat)
+        layout = _buffer_layout(bucket, targets, local, flat, held) if flat is not None else None
         if layout is None:
             local = set()  # no buffer: only the owner assembles, and sends or broadcasts per tensor
-        out: list[tuple[str, torch.Tensor]] = FlatBucket() if layout is not None else []
-        for it, target in zip(bucket, targets):
+        out: list[tuple[str, torch.Tensor]] = FlatBucket() if layout is not None or routing is not None else []
+        if routing is not None:
+            cast(FlatBucket, out).routes = held
+        for it, target, holders in zip(bucket, targets, held):
             g = it.global_name
             if g in shards:
                 tensors = mine[g][0].from_shards(shards[g]) if me == it.owner or g in local else None
             else:
                 tensors = gather_full(it, mine) if g in mine else None
+            if holders is not None:  # routed: only its holders get it (``_routed``)
+                _routed(it, holders, tensors, g in local, mine, layout, cast(FlatBucket, out))
+                continue
             if target is not None and me != target:
                 if me == it.owner:
                     _send(it, tensors, target)
@@ -277,7 +329,7 @@ def export_hf_weights(
         if layout is not None:
             if world > 1 and targets[0] is None:  # ALL_RANKS: every rank, segment by segment
                 for owner, start, end in layout.segments:
-                    if owner != -1:  # -1: the ``local`` items, assembled on every rank
+                    if owner != -1:  # -1: the ``local`` items (assembled on every rank) and routed ones
                         dist.broadcast(layout.buf[start:end], src=owner)
             cast(FlatBucket, out).flat = layout.buf
         yield out if receives else None
@@ -291,19 +343,73 @@ class _BufferLayout(NamedTuple):
     segments: list[tuple[int, int, int]]  # (owner, start, end) in ``buf``; owner -1: the ``local`` items
 
 
-def _buffer_layout(bucket: list[_Item], targets: list[int | None], local: set[str], alloc) -> _BufferLayout | None:
+def _routed(
+    it: _Item,
+    holders: dict[int, tuple],
+    tensors: list[torch.Tensor] | None,
+    local: bool,
+    mine: dict,
+    layout: _BufferLayout | None,
+    out: FlatBucket,
+) -> None:
+    """A routed item (``ItemRouting``): each holder puts its full tensors into its bucket buffer. The
+    ranks with a full copy (its owner and ``it.copies``; every rank when ``local``) copy their own;
+    the other holders, in ascending order, receive them from the copies in turn (the i-th from
+    ``senders[i % len(senders)]``, ``senders = (owner, *copies)``: the sends spread over the copies,
+    not all from the owner). Every rank calls this for every routed item, in plan order (only senders
+    send, only holders without a copy receive)."""
+    me = rdist.rank()
+    senders = () if local else (it.owner, *it.copies)
+    receivers = [r for r in sorted(holders) if r not in senders] if senders else []
+    sender_of = {r: senders[i % len(senders)] for i, r in enumerate(receivers)}
+    if tensors is None and me in it.copies and (me in holders or me in sender_of.values()):
+        rule, param = mine[it.global_name]  # an expert-DP replica: its own full copy
+        tensors = rule.from_shards([weight_data(param)])
+    for r in receivers:
+        if sender_of[r] == me:
+            _send(it, tensors, r)
+    if me not in holders or layout is None:
+        return
+    views = [view(layout.buf, layout.where[it.global_name, k], s, it.dtype) for k, s in enumerate(it.hf_shapes)]
+    for k, v in enumerate(views):
+        if tensors is not None:
+            v.copy_(tensors[k])
+        else:
+            dist.recv(v, src=sender_of[me])
+    out.extend(zip(it.hf_names, views))
+    out.slots.update((n, holders[me]) for n in it.hf_names)
+
+
+def _held(routing: ItemRouting | None, bucket: list[_Item], local: set[str], flat) -> list[dict[int, tuple] | None]:
+    """Each item's holders (``ItemRouting.holders``); all None without a routing, without a buffer
+    (``flat``) or in a bucket of stacked-expert rows (those travel as plain tensors to every rank)."""
+    if routing is None or flat is None or any(it.stack is not None for it in bucket):
+        return [None] * len(bucket)
+    return [routing.holders(it, it.global_name in local) for it in bucket]
+
+
+def _buffer_layout(
+    bucket: list[_Item], targets: list[int | None], local: set[str], alloc, held: list[dict[int, tuple] | None]
+) -> _BufferLayout | None:
     """The buffer of a bucket that this rank receives into; None when it receives nothing of the
     bucket or the bucket holds stacked-expert rows (those travel as plain tensors). With
     ``ALL_RANKS`` (``targets`` all None) one segment per owner (one broadcast each) and one (owner
-    -1) of the ``local`` items; else one gapless run."""
+    -1) of the ``local`` items and of the routed items this rank holds (``held``); else one
+    gapless run."""
     me = rdist.rank()
-    entries = [(it, k) for it, tg in zip(bucket, targets) if tg is None or tg == me for k in range(len(it.hf_names))]
+    entries = [
+        (it, k)
+        for it, tg, h in zip(bucket, targets, held)
+        if (me in h if h is not None else tg is None or tg == me)
+        for k in range(len(it.hf_names))
+    ]
     if not entries or any(it.stack is not None for it in bucket):
         return None
     every = targets[0] is None
+    routed = {it.global_name for it, h in zip(bucket, held) if h is not None}
     pieces = [
         (
-            (-1 if it.global_name in local else it.owner) if every else 0,
+            (-1 if it.global_name in local or it.global_name in routed else it.owner) if every else 0,
             it.dtype.itemsize,
             tensor_bytes(it.hf_shapes[k], it.dtype),
         )

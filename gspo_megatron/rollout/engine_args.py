@@ -16,8 +16,8 @@ engines already running (``rollout.engine_urls``) against them.
 - ``custom_weight_loader``: ``rollout.sync_delta`` (``weight_sync.delta_loader``).
 
 ``attached_engine_errors(cfg, hf, url, info)``: what an engine's ``/server_info`` lacks of those (one
-line each, naming the engine, the flag, the config field that needs it, and how to start it right).
-Without the check an engine started without ``--enable-return-routed-experts`` fails at the first
+line each, naming the engine, the flag, the config field that needs it, and how to start it right),
+each flag compared as its row of ``_CHECKS`` says (equal, at least, present). Without the check an engine started without ``--enable-return-routed-experts`` fails at the first
 rollout, one without ``--ep-size`` generates with another layout than the planner counted, and one
 without ``--enable-lora`` fails at the first sync, after the model is built.
 
@@ -33,15 +33,15 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-#: flags that only record or tune (a running engine without them still serves the run correctly)
-_NOT_CHECKED = ("random_seed",)
 
-
-def config_server_args(cfg, hf: dict | None) -> dict[str, Any]:
+def config_server_args(cfg, hf: dict | None, route_spec: Any = None) -> dict[str, Any]:
     """The sglang ServerArgs fields ``cfg`` needs (module docstring). ``hf``: the model's config.json
-    (for DSA's indexer flag; None when it cannot be read: the flag is then left out)."""
+    (for DSA's indexer flag; None when it cannot be read: the flag is then left out). ``route_spec``:
+    ``rollout.routing.route_spec_of(hf)`` when the caller has it already (the factory, which hands it
+    to the engines too); computed here from ``hf`` otherwise."""
     r = cfg.rollout
     args: dict[str, Any] = {"random_seed": cfg.seed}
     if r.engine_deterministic:
@@ -49,10 +49,12 @@ def config_server_args(cfg, hf: dict | None) -> dict[str, Any]:
     if r.engine_ep > 1:
         args["ep_size"] = int(r.engine_ep)
     if r.routing_replay == "r3":
-        from gspo_megatron.rollout.routing import route_spec_of
-
         args["enable_return_routed_experts"] = True
-        if hf is not None and route_spec_of(hf).index_topk:
+        if route_spec is None and hf is not None:
+            from gspo_megatron.rollout.routing import route_spec_of
+
+            route_spec = route_spec_of(hf)
+        if route_spec is not None and route_spec.index_topk:
             args["enable_return_indexer_topk"] = True
     if cfg.model.lora.rank > 0 and r.lora_sync == "adapter":
         from gspo_megatron.weight_sync.lora_adapter import engine_lora_args
@@ -71,45 +73,70 @@ def config_server_env(args: dict[str, Any]) -> dict[str, str]:
     return {"SGLANG_DSA_FUSE_TOPK": "0"} if args.get("enable_return_indexer_topk") else {}
 
 
-_FIELD_OF = {
-    "ep_size": "rollout.engine_ep",
-    "enable_deterministic_inference": "rollout.engine_deterministic",
-    "enable_return_routed_experts": "rollout.routing_replay=r3",
-    "enable_return_indexer_topk": "rollout.routing_replay=r3 (a DSA model: the indexer's selection)",
-    "custom_weight_loader": "rollout.sync_delta",
+@dataclass(frozen=True)
+class _Check:
+    """How an attached engine's value of one flag is checked against the wanted one. ``field``: the
+    config field that needs the flag (named in the error). ``compare``: ``"equal"`` (the same value),
+    ``"at_least"`` (a capacity: a number no smaller), ``"present"`` (a list holding every wanted
+    entry) or ``"unchecked"`` (the flag only records or tunes: an engine without it still serves the
+    run correctly). ``unlimited``: engine values (``"present"``: entries) that satisfy any want."""
+
+    field: str
+    compare: str = "equal"
+    unlimited: tuple = ()
+
+    def __post_init__(self):
+        if self.compare not in ("equal", "at_least", "present", "unchecked"):
+            raise ValueError(f"_Check({self.field!r}): unknown compare {self.compare!r}")
+
+
+_LORA = "rollout.lora_sync=adapter"
+#: every flag :func:`config_server_args` can ask for (a new flag: one row)
+_CHECKS: dict[str, _Check] = {
+    "random_seed": _Check("seed", "unchecked"),
+    "ep_size": _Check("rollout.engine_ep"),
+    "enable_deterministic_inference": _Check("rollout.engine_deterministic"),
+    "enable_return_routed_experts": _Check("rollout.routing_replay=r3"),
+    "enable_return_indexer_topk": _Check("rollout.routing_replay=r3 (a DSA model: the indexer's selection)"),
+    "enable_lora": _Check(_LORA),
+    "max_lora_rank": _Check(_LORA, "at_least"),
+    # sglang's ["all"] holds every module
+    "lora_target_modules": _Check(_LORA, "present", unlimited=("all",)),
+    "max_loras_per_batch": _Check(_LORA, "at_least"),
+    "max_loaded_loras": _Check(_LORA, "at_least", unlimited=(None,)),  # None: sglang sets no limit
+    "custom_weight_loader": _Check("rollout.sync_delta", "present"),
 }
 
 
-def _lacks(key: str, want: Any, have: Any) -> bool:
-    """Whether an engine value ``have`` falls short of ``want``: a list must hold every wanted entry
-    (sglang's ``lora_target_modules`` ``["all"]`` holds every module), a LoRA capacity may be larger
-    (``max_loaded_loras`` None: sglang sets no limit), anything else must be equal."""
-    if isinstance(want, list):
+def _lacks(check: _Check, want: Any, have: Any) -> bool:
+    """Whether an engine value ``have`` falls short of ``want`` under ``check`` (:class:`_Check`)."""
+    if check.compare == "unchecked":
+        return False
+    if check.compare == "present":
         held = have if isinstance(have, (list, tuple, set)) else ([] if have in (None, "") else [have])
-        if key == "lora_target_modules" and "all" in held:
+        if any(h in check.unlimited for h in held):
             return False
-        return not set(map(str, want)) <= set(map(str, held))
-    if key in ("max_lora_rank", "max_loras_per_batch", "max_loaded_loras"):
-        if have is None:
-            return key != "max_loaded_loras"
-        return int(have) < int(want)
+        wanted = want if isinstance(want, (list, tuple, set)) else [want]
+        return not set(map(str, wanted)) <= set(map(str, held))
+    if check.compare == "at_least":
+        if have in check.unlimited:
+            return False
+        return have is None or int(have) < int(want)
     return have != want
 
 
-def attached_engine_errors(cfg, hf: dict | None, url: str, info: dict) -> list[str]:
-    """One line per flag ``info`` (the engine's ``/server_info``) lacks of :func:`config_server_args`."""
+def attached_engine_errors(cfg, hf: dict | None, url: str, info: dict, route_spec: Any = None) -> list[str]:
+    """One line per flag ``info`` (the engine's ``/server_info``) lacks of :func:`config_server_args`
+    (``hf``, ``route_spec``: as there), compared as :data:`_CHECKS` says."""
     errors = []
-    for key, want in config_server_args(cfg, hf).items():
-        if key in _NOT_CHECKED:
-            continue
-        have = info.get(key)
-        if not _lacks(key, want, have):
+    for key, want in config_server_args(cfg, hf, route_spec).items():
+        check, have = _CHECKS[key], info.get(key)
+        if not _lacks(check, want, have):
             continue
         flag = "--" + key.replace("_", "-")
-        field = _FIELD_OF.get(key, "rollout.lora_sync=adapter")
         value = " ".join(map(str, want)) if isinstance(want, list) else ("" if want is True else str(want))
         errors.append(
-            f"engine {url} runs with {key}={have!r} but {field} needs {flag}{' ' + value if value else ''}: "
+            f"engine {url} runs with {key}={have!r} but {check.field} needs {flag}{' ' + value if value else ''}: "
             f"start it with the flags `python -m gspo_megatron.rollout.engine_args <config>` prints "
             f"(launch/sglang_node.sh does with GSPO_CONFIG)"
         )

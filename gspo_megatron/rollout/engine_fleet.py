@@ -50,14 +50,17 @@ def _all_gather(obj) -> list:
 
 class EngineFleet:
     """See the module docstring. ``model_path``: the HF directory the engines start from (its config
-    and tokenizer; weights are then synced). ``server_args``: extra SGLang server args for every part
-    (e.g. ``random_seed``, ``enable_deterministic_inference``, quantization). ``route_spec``: the policy's
-    ``rollout.routing.RouteSpec`` with routing replay r3 (every request asks for its routed experts)."""
+    and tokenizer; weights are then synced). ``hf``: its config.json as a dict, as the caller read it
+    (the check of attached engines' flags needs it). ``server_args``: extra SGLang server args for
+    every part (e.g. ``random_seed``, ``enable_deterministic_inference``, quantization). ``route_spec``:
+    the policy's ``rollout.routing.RouteSpec`` with routing replay r3 (every request asks for its
+    routed experts)."""
 
     def __init__(
         self,
         cfg,
         model_path: str,
+        hf: dict | None,
         server_args: dict[str, Any] | None = None,
         log_dir: str | None = None,
         route_spec: Any = None,
@@ -70,6 +73,7 @@ class EngineFleet:
         self.log_dir = log_dir
         self.module = SERVER_MODULES[r.engine_server]
         self.cfg, self.model_path, self.output_dir = cfg, model_path, cfg.output_dir
+        self.hf, self.route_spec = hf, route_spec
         self.processes: dict[tuple[int, int], Any] = {}  # (engine, node_rank) -> Popen, on the launcher
         self.attached = bool(r.engine_urls)
         attach_errors: list[str] = []
@@ -116,7 +120,7 @@ class EngineFleet:
                 [SGLangHttpClient(u, timeout_s=self.request_timeout_s) for u in self.urls],
                 router=SGLangHttpClient(router, timeout_s=self.request_timeout_s) if router else None,
                 send_seeds=r.engine_deterministic,
-                route_spec=route_spec,
+                route_spec=self.route_spec,
             )
 
     # -- launching -------------------------------------------------------------------------------------
@@ -135,13 +139,12 @@ class EngineFleet:
     def _attached_errors(self) -> list[str]:
         """Rank 0: what the attached engines lack of the flags the config needs (``rollout/engine_args.py``),
         read from each one's ``/server_info``; one line per missing flag."""
-        from gspo_megatron.models.hf_config import load_hf_config
-
-        hf = load_hf_config(self.model_path)
         return [
             e
             for url in self.urls
-            for e in attached_engine_errors(self.cfg, hf, url, SGLangHttpClient(url).server_info())
+            for e in attached_engine_errors(
+                self.cfg, self.hf, url, SGLangHttpClient(url).server_info(), route_spec=self.route_spec
+            )
         ]
 
     def _part_args(self, spec: EngineSpec, part: EnginePart) -> dict[str, Any]:

@@ -66,15 +66,16 @@ class WeightSyncer:
         # a transport whose ranks run collectives per bucket (``keeps_step``) is called for every
         # bucket even after a failure; the others stop sending at the first one
         keeps_step = getattr(transport, "keeps_step", False)
+        # (and, its ranks' buckets differing under an owner-direct routing, even with an empty one)
         for bucket in export_hf_weights(
             self.model, self.bucket_bytes, plan=self.plan, dst=self.topology.dst, flat=self.bucket_buffer
         ):
-            if not bucket or transport is None or (error is not None and not keeps_step):
+            if bucket is None or transport is None or ((not bucket or error is not None) and not keeps_step):
                 continue
             tb = time.perf_counter()
             guard(transport.send_bucket, bucket)
             bucket_times.append(time.perf_counter() - tb)
-            nbuckets += 1
+            nbuckets += 1 if bucket else 0
             nbytes += bucket_nbytes(bucket)
         if transport is not None and (error is None or keeps_step):
             guard(transport.end)

@@ -8,7 +8,9 @@ Each mode's :class:`~gspo_megatron.weight_sync.modes.SyncMode` names its builder
 - ``colocated``: engine e shares the GPUs of training ranks ``[e*tp, (e+1)*tp)``. Every rank gets
   every full HF tensor (the owner broadcasts it), serializes it (a CUDA IPC handle on GPU, a
   shared-memory segment on CPU) and the engine's first rank hands the engine one payload per TP rank
-  (``CudaIpcTransport`` over a gloo gather group per engine). Every engine gets every bucket.
+  (``CudaIpcTransport`` over a gloo gather group per engine). Every engine gets every bucket. With
+  ``rollout.sync_owner_direct`` routed experts go only to the ranks whose engine TP rank loads them,
+  read on their node from the rank that holds them (``weight_sync.owner_direct``).
 - ``disaggregated``: one weight-update group per pipeline stage. The stage's source rank (its first
   rank with TP = DP = CP = 0) receives the HF tensors its stage owns (from the expert-parallel and
   tensor-parallel owners of that stage, over the training fabric) and broadcasts them to every engine
@@ -65,26 +67,42 @@ def inprocess_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopology:
 def colocated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopology:
     from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport
 
-    transport = None
+    routing = owner_direct_routing(cfg, fleet) if cfg.rollout.sync_owner_direct else None
+    world = dist.new_group(list(range(rdist.world_size())), backend="gloo") if routing is not None else None
+    transport: CudaIpcTransport | None = None
     for spec in fleet.specs:  # every rank creates every group, in the same order
         ranks = list(spec.train_ranks)
         group = dist.new_group(ranks, backend="gloo") if len(ranks) > 1 else None
         if rank in ranks:
             client = fleet.client(spec.index) if rank == spec.src_rank else None
-            transport = CudaIpcTransport(
-                client,
-                gather_group=group,
-                gather_src=spec.src_rank,
-                fp8=cfg.rollout.sync_fp8,
-                delta=cfg.rollout.sync_delta,
-            )
+            kw = dict(gather_group=group, gather_src=spec.src_rank, fp8=cfg.rollout.sync_fp8)
+            if routing is not None:
+                from gspo_megatron.weight_sync.owner_direct import OwnerDirectIpcTransport
+
+                transport = OwnerDirectIpcTransport(
+                    client, routing=routing, world_group=world, delta=cfg.rollout.sync_delta, **kw
+                )
+            else:
+                transport = CudaIpcTransport(client, delta=cfg.rollout.sync_delta, **kw)
     return SyncTopology(
         cfg.rollout.sync_mode,
-        ALL_RANKS,
+        routing if routing is not None else ALL_RANKS,
         transport,
         sources=[s.src_rank for s in fleet.specs],
         engine_urls=list(fleet.urls),
     )
+
+
+def owner_direct_routing(cfg, fleet):
+    """``rollout.sync_owner_direct``: the routing of routed experts to the engine ranks that load them
+    (``weight_sync.owner_direct``). Collective (every rank's node: one all_gather_object)."""
+    from gspo_megatron.models.arch import model_hf_config
+    from gspo_megatron.models.hf_config import num_experts
+    from gspo_megatron.rollout.placement import gather_rank_infos
+    from gspo_megatron.weight_sync.owner_direct import OwnerDirectRouting
+
+    nodes = [info.node for info in gather_rank_infos()]
+    return OwnerDirectRouting(fleet.specs, nodes, cfg.rollout.engine_ep, num_experts(model_hf_config(cfg)[0]))
 
 
 def stage_sources() -> tuple[dict[int, int], list[int]]:

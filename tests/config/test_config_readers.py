@@ -60,6 +60,7 @@ READERS = {
     "rollout.sync_fp8": "weight_sync/topology.py",
     "rollout.sync_delta": "weight_sync/topology.py",
     "rollout.sync_delta_dir": "weight_sync/topology.py",
+    "rollout.sync_owner_direct": "weight_sync/topology.py",
     "rollout.sync_verify_tol": "train.py",
     "rollout.sync_verify_every": "train.py",
     "rollout.offload_train": "train.py",

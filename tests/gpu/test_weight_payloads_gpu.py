@@ -60,20 +60,24 @@ def _describe(t: torch.Tensor) -> tuple:
 # ---------------------------------------------------------------- the engine side (spawned process)
 
 
-def _engine_process(conn, device_index: int | None) -> None:
+def _engine_process(conn, device_index: int | None, decode: bool = False) -> None:
     """A stand-in sglang TP rank: patch torch's reductions as sglang's tp_worker / weight_updater do,
     then, for every message (a list of payload strings), open each payload on the GPU with
     ``cuda_ipc.deserialize_payload`` and answer with, per payload, ``[(name, device, dtype, shape,
     sha256), ...]``. The producer waits for the answer (as the HTTP call waits for the engine) and
-    only then may free its buffer."""
+    only then may free its buffer. ``decode``: the payloads are delta wire entries, rebuilt as the
+    delta loader does (``weight_sync.delta.decode_entries`` with this process's host copy); the
+    answer describes the rebuilt tensors (device: where the payload's tensors arrived)."""
     try:
         if device_index is not None:
             torch.cuda.set_device(device_index)
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         from gspo_megatron.weight_sync import cuda_ipc
+        from gspo_megatron.weight_sync.delta import decode_entries
 
         monkey_patch_torch_reductions()
+        copy: dict = {}
         conn.send(("ready", None))
     except Exception:  # noqa: BLE001 - reported to the test
         conn.send(("error", traceback.format_exc()))
@@ -86,6 +90,9 @@ def _engine_process(conn, device_index: int | None) -> None:
             out = []
             for payload in msg:
                 tensors = cuda_ipc.deserialize_payload(payload)
+                if decode and tensors:
+                    device = tensors[0][1].device.type
+                    tensors = [(name, t.to(device)) for name, t in decode_entries(tensors, copy)]
                 out.append([(name, t.device.type, *_describe(t)) for name, t in tensors])
                 del tensors
             if device_index is not None:
@@ -99,10 +106,10 @@ def _engine_process(conn, device_index: int | None) -> None:
 class _Engine:
     """The spawned engine process and its end of the pipe."""
 
-    def __init__(self, device_index: int | None = None):
+    def __init__(self, device_index: int | None = None, decode: bool = False):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_process, args=(child, device_index), daemon=True)
+        self.proc = ctx.Process(target=_engine_process, args=(child, device_index, decode), daemon=True)
         self.proc.start()
         child.close()
         self._answer()  # "ready"
@@ -410,3 +417,110 @@ def test_deepseek_export_on_gpu_keeps_fuse_groups_in_one_bucket():
     assert _split_mla_layers(r["fp8"], r["layers"], "weight_scale_inv") == []
     # the bucketed stream carries the same bytes as one unbucketed export
     assert r["streamed"] == r["whole"]
+
+
+# ---------------------------------------------------------------- (d) owner-direct payloads
+
+
+def _flat_bucket(tensors: list[tuple[str, torch.Tensor]], slots: dict, dev: torch.device):
+    """``tensors`` copied into one buffer on ``dev`` as the export stream's ``FlatBucket`` of a routed
+    bucket (views into the buffer, ``slots`` as a holder's)."""
+    from gspo_megatron.models.flat_layout import flat_layout, view
+    from gspo_megatron.models.weights import FlatBucket
+
+    offsets, _, total = flat_layout([(0, t.element_size(), t.numel() * t.element_size()) for _, t in tensors])
+    flat = torch.empty(total, dtype=torch.uint8, device=dev)
+    bucket = FlatBucket()
+    for (name, t), o in zip(tensors, offsets):
+        v = view(flat, o, t.shape, t.dtype)
+        v.copy_(t)
+        bucket.append((name, v))
+    bucket.flat, bucket.slots = flat, slots
+    return bucket
+
+
+def test_owner_direct_payloads_describe_one_cuda_buffer_per_engine_rank():
+    """``OwnerDirectIpcTransport._payloads``: one CUDA buffer of a holder, described once per engine TP
+    rank it serves (sglang's ``flattened_bucket`` payload with a metadata subset: the same IPC handle
+    serialized per payload), each payload opened by its own engine process exactly once; the empty
+    payloads (a fresh 1-byte buffer each) open as no tensors. Then with FP8: one flattened copy of the
+    quantized bucket, the scales in the payload of their weight's engine rank."""
+    _need_sglang()
+    from types import SimpleNamespace
+
+    from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
+    from gspo_megatron.weight_sync.owner_direct import OwnerDirectIpcTransport, OwnerDirectRouting
+
+    dev = _cuda()
+    tensors = [
+        ("model.embed_tokens.weight", torch.randn(64, 32).to(torch.bfloat16)),  # every rank's
+        ("model.layers.0.mlp.experts.0.up_proj.weight", torch.randn(256, 128)),  # engine TP rank 0's
+        ("model.layers.0.mlp.experts.3.down_proj.weight", torch.randn(128, 256).to(torch.bfloat16)),  # rank 1's
+        ("model.norm.weight", torch.randn(33).to(torch.bfloat16)),
+    ]
+    slots = {tensors[1][0]: ((0, 0),), tensors[2][0]: ((0, 1),)}
+    bucket = _flat_bucket(tensors, slots, dev)
+    routing = OwnerDirectRouting([SimpleNamespace(index=0, train_ranks=(0, 1))], [0, 0], engine_ep=2, num_experts=4)
+    engines = [_Engine(torch.cuda.current_device()) for _ in range(2)]
+    try:
+        for fp8 in (False, True):
+            transport = OwnerDirectIpcTransport(object(), routing=routing, world_group=None, fp8=fp8)
+            sent = quantize_bucket_fp8(list(bucket)) if fp8 else list(bucket)
+            want = {name: _describe(t) for name, t in sent}
+            payloads = dict(transport._payloads(bucket))
+            assert sorted(payloads) == [(0, 0), (0, 1)]
+            got = [engines[i].load([payloads[(0, i)], transport._empty_payload()]) for i in range(2)]
+            for i, (loaded, empty) in enumerate(got):
+                assert empty == []
+                names = {name for name, *_ in loaded}
+                mine = {n for n, _ in tensors if slots.get(n, ((0, 0),))[0] == (0, i)}
+                assert {n.removesuffix("_scale_inv") for n in names} == mine
+                assert {n: tuple(rest) for n, device_type, *rest in loaded} == {n: want[n] for n in names}
+                assert {device_type for _, device_type, *_ in loaded} == {"cuda"}
+            transport._keep.clear()
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_owner_direct_delta_payloads_rebuild_bitwise_in_engine_processes():
+    """``OwnerDirectIpcTransport`` with delta: each engine TP rank's payload (a plain list of CUDA
+    tensors: the epoch, full tensors, changed-element records) opened in its own process and rebuilt
+    by the delta loader's decoding (``_engine_process(decode=True)``); the first sync is whole, the
+    second sends changes only, and both rebuild every tensor of the rank bit for bit."""
+    _need_sglang()
+    from types import SimpleNamespace
+
+    from gspo_megatron.weight_sync.owner_direct import OwnerDirectIpcTransport, OwnerDirectRouting
+
+    dev = _cuda()
+    g = torch.Generator().manual_seed(5)
+    tensors = [
+        ("model.embed_tokens.weight", torch.randn(64, 32, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.mlp.experts.0.up_proj.weight", torch.randn(256, 128, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.mlp.experts.3.down_proj.weight", torch.randn(128, 256, generator=g).to(torch.bfloat16)),
+    ]
+    slots = {tensors[1][0]: ((0, 0),), tensors[2][0]: ((0, 1),)}
+    bucket = _flat_bucket(tensors, slots, dev)
+    routing = OwnerDirectRouting([SimpleNamespace(index=0, train_ranks=(0, 1))], [0, 0], engine_ep=2, num_experts=4)
+    transport = OwnerDirectIpcTransport(object(), routing=routing, world_group=None, delta=True)
+    engines = [_Engine(torch.cuda.current_device(), decode=True) for _ in range(2)]
+    try:
+        for sync in range(2):
+            if sync:  # a few elements of each tensor change, as an optimizer step does
+                for _, v in bucket:
+                    v.view(-1)[:: max(1, v.numel() // 7)] += 1
+            transport.encoder.begin()
+            payloads = dict(transport._payloads(bucket))
+            for i in range(2):
+                (rebuilt,) = engines[i].load([payloads[(0, i)]])
+                mine = [n for n, _ in tensors if slots.get(n, ((0, 0),))[0] == (0, i)]
+                assert [r[0] for r in rebuilt] == mine
+                assert {r[1] for r in rebuilt} == {"cuda"}  # the payload's tensors arrived on the GPU
+                assert {r[0]: tuple(r[2:]) for r in rebuilt} == {n: _describe(v) for n, v in bucket if n in mine}
+            stats = transport.encoder.stats
+            assert (stats.encodings["full"] == 3) if sync == 0 else (stats.wire_bytes < stats.full_bytes / 2)
+            transport._keep.clear()
+    finally:
+        for e in engines:
+            e.close()

@@ -4,6 +4,13 @@ megatron is imported, in each spawned rank). Module level imports stay light for
 
 from __future__ import annotations
 
+import re
+
+# The layouts the CPU tests build the TE model in: one rank, tensor parallel 2, expert parallel 2.
+LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}}
+# The MLA down projections: TELinear "duplicated" on TE, whole on every TP rank.
+DOWN = re.compile(r"\.self_attention\.linear_(q|kv)_down_proj\.weight$")
+
 
 def te_layout(rank: int, world: int, layout: dict, hf_dir: str, bucket_bytes: int) -> dict:
     """Build the TE model of ``hf_dir`` in ``layout`` ({"tp", "ep"}), report this rank's parameters and
@@ -101,3 +108,63 @@ def standin_logprobs(
     te_standin.install()
     te_standin.patch_build()
     return te_logprobs(rank, world, hf_dir, rows, tp, max_tokens)
+
+
+def te_layout_runs(hf_dir: str, bucket_bytes: int = 1 << 14) -> dict[str, list[dict]]:
+    """{layout name: per-rank results of :func:`te_layout`} for ``hf_dir`` in each of ``LAYOUTS`` (one
+    spawn per layout; the test process's side, as are the checks below)."""
+    from distributed_harness import run_ranks
+
+    return {
+        name: run_ranks(te_layout, layout.get("tp", 1) * layout.get("ep", 1), layout, hf_dir, bucket_bytes)
+        for name, layout in LAYOUTS.items()
+    }
+
+
+def check_te_rules(ranks: list[dict], te_rules, full: dict, tp: int) -> None:
+    """Every parameter and mapped buffer of the TE model on every rank (``ranks``: :func:`te_layout`'s
+    results in tensor parallel ``tp``) is covered by exactly one of ``te_rules`` (the mapping's TE rules),
+    with the shape that rule gives the rank and the value ``load_hf_weights`` put there (from ``full``,
+    the HF tensors); the duplicated down projections are not TP-parallel (counted once in the grad norm)."""
+    import torch
+
+    for rank, res in enumerate(ranks):
+        assert res["te"]  # the model reads as TE-built: the weights code picks the TE rules
+        for gname, info in res["tensors"].items():
+            matches = [r for r in te_rules.rules if r.match(gname) is not None]
+            if not info["param"] and not matches:
+                continue  # a buffer the mapping leaves alone (rotary caches, token counts)
+            assert len(matches) == 1, (gname, [r.megatron for r in matches])
+            (rule,) = matches
+            size = {"tp": tp, "etp": tp}.get(rule.parallel, 1)
+            pos = {"tp": rank % tp, "etp": rank % tp}.get(rule.parallel, 0)  # tp is the innermost group
+            local = rule.to_local([full[h] for h in rule.hf_names(rule.match(gname))], pos, size)
+            assert tuple(local.shape) == info["shape"], (gname, rule.megatron)
+            assert torch.equal(res["values"][gname], local), gname
+            if DOWN.search(gname):
+                assert info["tensor_model_parallel"] is False, gname  # te_attention.TEMLASelfAttention
+
+
+def check_round_trip(ranks: list[dict], te_rules, full: dict, hf: dict) -> dict:
+    """HF -> Megatron (TE) -> HF is bitwise: rank 0 exports every tensor of ``full`` (the HF tensors of
+    config ``hf``) but the carried ones, bitwise, and each comes from exactly one Megatron tensor of the
+    model over all ``ranks`` (by ``te_rules``). Returns the expected export (HF name -> tensor)."""
+    import torch
+
+    from gspo_megatron.models.carried import carried_names
+
+    exported = ranks[0]["exported"]
+    expected = {n: t for n, t in full.items() if n not in set(carried_names(hf, list(full)))}
+    assert sorted(exported) == sorted(expected)
+    for name, t in expected.items():
+        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
+    sources: dict[str, set[str]] = {}
+    for res in ranks:
+        for gname in res["tensors"]:
+            found = te_rules.find(gname)
+            if found is not None and found[0].export:
+                for h in found[1]:
+                    sources.setdefault(h, set()).add(gname)
+    assert sorted(sources) == sorted(expected)
+    assert all(len(s) == 1 for s in sources.values()), {h: s for h, s in sources.items() if len(s) > 1}
+    return expected

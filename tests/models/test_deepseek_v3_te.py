@@ -11,19 +11,14 @@ forward on TE (log-probs against transformers) is tests/gpu/test_deepseek_v3_te_
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
-from distributed_harness import run_ranks
 from gspo_megatron.models import get_family
-from gspo_megatron.models.carried import carried_names
+from te_mla_workers import DOWN, LAYOUTS, check_round_trip, check_te_rules, te_layout_runs
 from tiny_models import tiny_hf_config
 
 FAMILY = get_family({"model_type": "deepseek_v3"})
-LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}}
-DOWN = re.compile(r"\.self_attention\.linear_(q|kv)_down_proj\.weight$")
 
 
 def _hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -35,61 +30,24 @@ def _hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def te_runs(tmp_path_factory):
     """{layout name: (hf_dir, per-rank results of te_mla_workers.te_layout)} (one spawn per layout)."""
-    from te_mla_workers import te_layout
     from tiny_models import write_tiny_hf_checkpoint
 
-    root = tmp_path_factory.mktemp("deepseek_v3_te")
-    hf_dir, _ = write_tiny_hf_checkpoint(root, "deepseek_v3", seed=3)
-    out = {}
-    for name, layout in LAYOUTS.items():
-        world = layout.get("tp", 1) * layout.get("ep", 1)
-        out[name] = (hf_dir, run_ranks(te_layout, world, layout, hf_dir, 1 << 14))
-    return out
+    hf_dir, _ = write_tiny_hf_checkpoint(tmp_path_factory.mktemp("deepseek_v3_te"), "deepseek_v3", seed=3)
+    return {name: (hf_dir, ranks) for name, ranks in te_layout_runs(hf_dir).items()}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_te_parameter_has_exactly_one_rule_of_its_shape(te_runs, layout):
     hf_dir, ranks = te_runs[layout]
-    hf = tiny_hf_config("deepseek_v3")
-    full = _hf_tensors(hf_dir)
-    te_rules = FAMILY.mapping(hf).for_spec(te=True)
-    tp = LAYOUTS[layout].get("tp", 1)
-    for rank, res in enumerate(ranks):
-        assert res["te"]  # the model reads as TE-built: the weights code picks the TE rules
-        for gname, info in res["tensors"].items():
-            matches = [r for r in te_rules.rules if r.match(gname) is not None]
-            if not info["param"] and not matches:
-                continue  # a buffer the mapping leaves alone (rotary caches, token counts)
-            assert len(matches) == 1, (gname, [r.megatron for r in matches])
-            (rule,) = matches
-            size = {"tp": tp, "etp": tp}.get(rule.parallel, 1)
-            pos = {"tp": rank % tp, "etp": rank % tp}.get(rule.parallel, 0)  # tp is the innermost group
-            local = rule.to_local([full[h] for h in rule.hf_names(rule.match(gname))], pos, size)
-            assert tuple(local.shape) == info["shape"], (gname, rule.megatron)
-            assert torch.equal(res["values"][gname], local), gname  # what load_hf_weights put there
+    te_rules = FAMILY.mapping(tiny_hf_config("deepseek_v3")).for_spec(te=True)
+    check_te_rules(ranks, te_rules, _hf_tensors(hf_dir), LAYOUTS[layout].get("tp", 1))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_hf_to_megatron_te_to_hf_is_bitwise(te_runs, layout):
     hf_dir, ranks = te_runs[layout]
     hf = tiny_hf_config("deepseek_v3")
-    full = _hf_tensors(hf_dir)
-    exported = ranks[0]["exported"]
-    expected = {n: t for n, t in full.items() if n not in set(carried_names(hf, list(full)))}
-    assert sorted(exported) == sorted(expected)
-    for name, t in expected.items():
-        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
-    # every HF tensor from exactly one Megatron tensor of the model (over all ranks)
-    te_rules = FAMILY.mapping(hf).for_spec(te=True)
-    sources: dict[str, set[str]] = {}
-    for res in ranks:
-        for gname in res["tensors"]:
-            found = te_rules.find(gname)
-            if found is not None and found[0].export:
-                for h in found[1]:
-                    sources.setdefault(h, set()).add(gname)
-    assert sorted(sources) == sorted(expected)
-    assert all(len(s) == 1 for s in sources.values()), {h: s for h, s in sources.items() if len(s) > 1}
+    check_round_trip(ranks, FAMILY.mapping(hf).for_spec(te=True), _hf_tensors(hf_dir), hf)
 
 
 def test_te_layout_read_off_megatron_core(te_runs):

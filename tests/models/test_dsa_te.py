@@ -12,19 +12,15 @@ against transformers' ``q_a_layernorm``. The forward on TE is tests/gpu/test_dee
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
 from distributed_harness import run_ranks
 from gspo_megatron.models import get_family
-from gspo_megatron.models.carried import carried_names
+from te_mla_workers import LAYOUTS, check_round_trip, check_te_rules, te_layout_runs
 
-LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}}
 FSFS = ["full", "shared", "full", "shared"]
 MODELS = {"deepseek_v32": {}, "glm_moe_dsa": {"indexer_types": FSFS}}
-DOWN = re.compile(r"\.self_attention\.linear_(q|kv)_down_proj\.weight$")
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +29,14 @@ def te_runs(tmp_path_factory):
     from safetensors.torch import load_file
 
     from gspo_megatron.models.hf_config import load_hf_config
-    from te_mla_workers import te_layout
     from tiny_models import write_tiny_hf_checkpoint
 
     out = {}
     for model_type, overrides in MODELS.items():
         hf_dir, _ = write_tiny_hf_checkpoint(tmp_path_factory.mktemp(model_type), model_type, seed=5, **overrides)
         hf, full = load_hf_config(hf_dir), load_file(f"{hf_dir}/model.safetensors")
-        for name, layout in LAYOUTS.items():
-            world = layout.get("tp", 1) * layout.get("ep", 1)
-            out[model_type, name] = (hf, full, run_ranks(te_layout, world, layout, hf_dir, 1 << 14))
+        for name, ranks in te_layout_runs(hf_dir).items():
+            out[model_type, name] = (hf, full, ranks)
     return out
 
 
@@ -52,44 +46,14 @@ CASES = [(m, lay) for m in MODELS for lay in LAYOUTS]
 @pytest.mark.parametrize("model_type,layout", CASES)
 def test_every_te_parameter_has_exactly_one_rule_of_its_shape(te_runs, model_type, layout):
     hf, full, ranks = te_runs[model_type, layout]
-    te_rules = get_family(hf).mapping(hf).for_spec(te=True)
-    tp = LAYOUTS[layout].get("tp", 1)
-    for rank, res in enumerate(ranks):
-        assert res["te"]
-        for gname, info in res["tensors"].items():
-            matches = [r for r in te_rules.rules if r.match(gname) is not None]
-            if not info["param"] and not matches:
-                continue  # a buffer the mapping leaves alone (rotary caches, token counts)
-            assert len(matches) == 1, (gname, [r.megatron for r in matches])
-            (rule,) = matches
-            size = {"tp": tp, "etp": tp}.get(rule.parallel, 1)
-            pos = {"tp": rank % tp, "etp": rank % tp}.get(rule.parallel, 0)
-            local = rule.to_local([full[h] for h in rule.hf_names(rule.match(gname))], pos, size)
-            assert tuple(local.shape) == info["shape"], (gname, rule.megatron)
-            assert torch.equal(res["values"][gname], local), gname
-            if DOWN.search(gname):
-                assert info["tensor_model_parallel"] is False, gname  # counted once in the grad norm
+    check_te_rules(ranks, get_family(hf).mapping(hf).for_spec(te=True), full, LAYOUTS[layout].get("tp", 1))
 
 
 @pytest.mark.parametrize("model_type,layout", CASES)
 def test_hf_to_megatron_te_to_hf_is_bitwise(te_runs, model_type, layout):
     hf, full, ranks = te_runs[model_type, layout]
-    exported = ranks[0]["exported"]
-    expected = {n: t for n, t in full.items() if n not in set(carried_names(hf, list(full)))}
-    assert any(".indexer." in n for n in expected)
-    assert sorted(exported) == sorted(expected)
-    for name, t in expected.items():
-        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
-    te_rules = get_family(hf).mapping(hf).for_spec(te=True)
-    sources: dict[str, set[str]] = {}
-    for res in ranks:
-        for gname in res["tensors"]:
-            found = te_rules.find(gname)
-            if found is not None and found[0].export:
-                for h in found[1]:
-                    sources.setdefault(h, set()).add(gname)
-    assert sorted(sources) == sorted(expected)
-    assert all(len(s) == 1 for s in sources.values()), {h: s for h, s in sources.items() if len(s) > 1}
+    expected = check_round_trip(ranks, get_family(hf).mapping(hf).for_spec(te=True), full, hf)
+    assert any(".indexer." in n for n in expected)  # the indexer's tensors go both ways too
 
 
 @pytest.mark.parametrize("model_type", list(MODELS))

@@ -113,6 +113,32 @@ def test_lora_capacity_may_be_larger_and_all_targets_cover_every_module():
     assert "max_lora_rank=2" in err and "--max-lora-rank 4" in err
 
 
+def test_every_flag_the_config_can_ask_for_has_a_check_row():
+    from gspo_megatron.rollout.engine_args import _CHECKS
+
+    asked = set()
+    for name in CASES:
+        asked |= set(config_server_args(*_case(name)))
+    assert asked - set(_CHECKS) == set()
+
+
+def test_a_given_route_spec_decides_the_indexer_flag_instead_of_the_config_json():
+    from dataclasses import replace
+
+    from gspo_megatron.rollout.routing import route_spec_of
+
+    cfg, dsa = _case("r3_dsa")
+    moe = tiny_hf_config("qwen3_moe")
+    assert "enable_return_indexer_topk" not in config_server_args(cfg, moe)
+    spec = route_spec_of(dsa)
+    assert config_server_args(cfg, moe, spec)["enable_return_indexer_topk"]
+    assert "enable_return_indexer_topk" not in config_server_args(cfg, dsa, replace(spec, index_topk=0))
+    info = {"enable_return_routed_experts": True}  # no indexer flag: refused only with the DSA spec
+    assert attached_engine_errors(cfg, moe, "http://e0", info) == []
+    (err,) = attached_engine_errors(cfg, moe, "http://e0", info, route_spec=spec)
+    assert "--enable-return-indexer-topk" in err
+
+
 def _cli(*argv):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run(

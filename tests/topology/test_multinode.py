@@ -225,3 +225,39 @@ def test_235b_shape_one_engine_across_nodes_with_offload(tmp_path, steps):
         [f"train.steps={steps}", "rollout.sync_verify=true", "rollout.sync_verify_every=1"],
     )
     _assert_synced(result, steps, engines=1, tp=4)
+
+
+@pytest.mark.parametrize(
+    "config, engines, tp",
+    [("configs/topology_30b_tiny.yaml", 2, 2), ("configs/topology_235b_tiny.yaml", 1, 4)],
+    ids=["30b-replicas", "235b-p2p"],
+)
+def test_owner_direct_colocated_two_nodes(tmp_path, config, engines, tp):
+    """``rollout.sync_owner_direct`` on two recipes' shapes (engines without --ep-size: every engine TP
+    rank loads every expert). 30B (TP2 x EP2, expert-DP 2, one engine of TP 2 per node): each node
+    holds every expert (the owners on node 0, their expert-DP replicas on node 1), so no expert crosses
+    between nodes: each rank reads the experts it lacks from its neighbour's buffer. 235B (PP2 x EP2,
+    one engine of TP 4 over both nodes): each stage's experts live on one node only, so the other
+    node's first rank receives one copy of each by ``dist.send`` and its second rank reads that copy;
+    the engine's TP ranks get different numbers of payloads (empty ones made on their own node).
+    Every engine TP rank must equal the export bitwise after every sync, and the ranks together
+    receive less than a broadcast of the whole model to each."""
+    steps = 2
+    result = run_two_nodes(
+        tmp_path,
+        config,
+        [
+            f"train.steps={steps}",
+            "rollout.sync_owner_direct=true",
+            "rollout.sync_verify=true",
+            "rollout.sync_verify_every=1",
+        ],
+    )
+    _assert_synced(result, steps, engines=engines, tp=tp)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "run" / "hf_init" / "model.safetensors"), "pt") as f:
+        model = sum(f.get_tensor(k).nbytes for k in f.keys())  # float32, as synced
+    for x in result["metrics"]:
+        # the broadcast gives each of the 4 ranks the whole model; here no rank holds all of it
+        assert x["sync/bytes_max_rank"] < model and x["sync/bytes_total"] < 0.9 * 4 * model, (x, model)

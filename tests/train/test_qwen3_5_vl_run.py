@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from gspo_megatron.runtime.ports import free_port
-from subprocess_utils import run_group
-from train_utils import FAST, REPO, read_metrics, run_train
+from train_utils import REPO, read_metrics, run_sync_check, run_train
 
 VL_ARCH = "Qwen3_5MoeForConditionalGeneration"
 SYNC_CHECK = os.path.join(REPO, "tests", "topology", "sync_check.py")
@@ -77,28 +74,11 @@ def vl_dir(tmp_path_factory) -> str:
 
 
 def test_cpu_server_serves_the_vision_language_checkpoint(tmp_path, vl_dir):
-    out, checks = str(tmp_path / "run"), tmp_path / "checks.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=1",
-        f"--master-port={free_port()}",
-        SYNC_CHECK,
-        "--config",
-        os.path.join(REPO, "configs/demo_cpu.yaml"),
-        f"output_dir={out}",
-        *FAST,
-        *ENGINE,
-        *model(vl_dir),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GSPO_SYNC_CHECK_FILE=str(checks))
-    proc = run_group(cmd, timeout=900, cwd=REPO, env=env)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    _check_logprobs(read_metrics(out))
+    out = str(tmp_path / "run")
+    rows, lines = run_sync_check(out, [*ENGINE, *model(vl_dir)], SYNC_CHECK)
+    _check_logprobs(rows)
     with open(f"{out}/engine_logs/engine0_node0.log") as f:  # sglang's own class took every bucket too
         assert f"sglang 0.5.23's {VL_ARCH} holds this rank's weights too" in f.read()
-    lines = [json.loads(line) for line in checks.read_text().splitlines()]
     assert len(lines) >= 3, lines  # the first sync + one per step
     with safe_open(f"{vl_dir}/model.safetensors", "pt") as f:
         language_model = [n for n in f.keys() if n.startswith("model.language_model.") or n == "lm_head.weight"]

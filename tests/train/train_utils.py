@@ -28,6 +28,19 @@ FAST = [
 ]
 
 
+def torchrun_cmd(nproc: int, *target: str) -> list[str]:
+    """The command that runs ``target`` (a script and its arguments, or ``-m`` and a module's) under
+    torchrun with ``nproc`` ranks on this machine, on a free rendezvous port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        *target,
+    ]
+
+
 def run_train(
     out_dir: str,
     overrides: list[str],
@@ -40,16 +53,7 @@ def run_train(
     if nproc == 1:
         cmd = [sys.executable, "-m", "gspo_megatron.train", *args]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
-            "-m",
-            "gspo_megatron.train",
-            *args,
-        ]
+        cmd = torchrun_cmd(nproc, "-m", "gspo_megatron.train", *args)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = run_group(cmd, timeout=timeout, cwd=REPO, env=env)  # kills torchrun's ranks / engine children too
     if check and proc.returncode != 0:
@@ -89,3 +93,28 @@ def score_checkpoint(checkpoint: str, rows: list[list[int]], work_dir: str, time
         raise AssertionError(f"tools/score.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     with open(dst) as f:
         return [json.loads(line)["logprobs"] for line in f]
+
+
+def run_sync_check(
+    out_dir: str,
+    overrides: list[str],
+    script: str,
+    nproc: int = 1,
+    config: str = "configs/demo_cpu.yaml",
+    timeout: int = 900,
+) -> tuple[list[dict], list[dict]]:
+    """gspo-train through a sync-checking launcher ``script`` (tests/topology/sync_check.py or one built on
+    it) under torchrun with ``nproc`` ranks, ``config`` with FAST and ``overrides``: after every sync the
+    engines' weights are compared with the trainer's HF export, one JSON line per sync in the file
+    ``GSPO_SYNC_CHECK_FILE`` names (``out_dir``'s sibling ``<out_dir>_checks.jsonl``). Returns (the
+    run's metrics rows, the check lines); a failed run raises AssertionError with its output's tail."""
+    checks = f"{out_dir}_checks.jsonl"
+    cmd = torchrun_cmd(
+        nproc, script, "--config", os.path.join(REPO, config), f"output_dir={out_dir}", *FAST, *overrides
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GSPO_SYNC_CHECK_FILE=checks)
+    proc = run_group(cmd, timeout=timeout, cwd=REPO, env=env)  # kills torchrun's ranks / engine children too
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    with open(checks) as f:
+        return read_metrics(out_dir), [json.loads(line) for line in f]
