@@ -62,6 +62,16 @@ def group_for_flattening(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[lis
     return list(groups.values())
 
 
+def view_metadata(name: str, t: torch.Tensor, flat: torch.Tensor) -> Any:
+    """sglang's ``FlattenedTensorMetadata`` of ``t``, a view into the uint8 buffer ``flat`` (a
+    ``models.weights.FlatBucket``'s tensor): the buffer is described, not copied."""
+    cls = flattened_metadata_class()
+    if cls is None:
+        raise ImportError("describing a flat bucket needs sglang's FlattenedTensorMetadata")
+    start, nbytes = t.data_ptr() - flat.data_ptr(), t.numel() * t.element_size()
+    return cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + nbytes, numel=nbytes)
+
+
 def serialize_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     """bucket -> payload strings for ``update_weights_from_tensor`` (one per flatten group).
 
@@ -76,12 +86,7 @@ def serialize_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     flat = getattr(bucket, "flat", None)  # models.weights.FlatBucket: already one buffer
     meta_cls = flattened_metadata_class()
     if flat is not None and bucket and meta_cls is not None and getattr(cls, "supports_multi_dtypes", False):
-        metadata = []
-        for name, t in bucket:
-            start, nbytes = t.data_ptr() - flat.data_ptr(), t.numel() * t.element_size()
-            metadata.append(
-                meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + nbytes, numel=nbytes)
-            )
+        metadata = [view_metadata(name, t, flat) for name, t in bucket]
         return [ser.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)]
     bucket = [(n, t.detach().contiguous()) for n, t in bucket]
     if cls is None:
@@ -176,6 +181,16 @@ class CudaIpcTransport(WeightTransport):
             except Exception as e:  # noqa: BLE001 - raised by end()
                 self.failed = e
 
+    def _update(self, payloads: list[str]) -> None:
+        """``src``: one ``update_weights_from_tensor`` call, payload i for engine TP rank i."""
+        self._engine_call(
+            self.client.update_weights_from_tensor,
+            payloads,
+            load_format=self.load_format,
+            flush_cache=False,
+            weight_version=self.weight_version,
+        )
+
     def begin(self, version: str) -> None:
         self.weight_version = version
         self.failed = None
@@ -205,13 +220,7 @@ class CudaIpcTransport(WeightTransport):
                     "every colocated rank must send the same bucket"
                 )
             for i in range(len(payloads)):
-                self._engine_call(
-                    self.client.update_weights_from_tensor,
-                    [p[i] for p in gathered],
-                    load_format=self.load_format,
-                    flush_cache=False,
-                    weight_version=self.weight_version,
-                )
+                self._update([p[i] for p in gathered])
         if self.group is not None:
             dist.barrier(group=self.group)  # producers keep their buffers until the engine loaded
         del payloads, bucket

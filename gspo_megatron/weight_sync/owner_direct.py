@@ -66,12 +66,12 @@ from gspo_megatron.rollout.sglang_compat import (
     multiprocessing_serializer,
     patch_torch_reductions,
 )
-from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport
+from gspo_megatron.runtime import distributed as rdist
+from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport, view_metadata
 from gspo_megatron.weight_sync.delta import DeltaEncoder
-from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
+from gspo_megatron.weight_sync.fp8_quant import SCALE_SUFFIX, quantize_bucket_fp8
 
 Slot = tuple[int, int]  # (engine index, engine TP rank)
-SCALE_SUFFIX = "_scale_inv"  # fp8_quant: a quantized weight's block scales travel with it
 
 
 class OwnerDirectRouting:
@@ -98,6 +98,9 @@ class OwnerDirectRouting:
         self.nodes = list(nodes)
         self.ep = engine_ep
         self.num_experts = num_experts
+        # holders per (item, local): the same every sync (the plan is fixed), asked for every item of
+        # every sync, and O(world) to work out
+        self._holders: dict[tuple[str, bool], dict[int, tuple[Slot, ...]] | None] = {}
 
     def needs(self, rank: int, expert: int) -> bool:
         """Whether the engine TP rank on ``rank``'s GPU loads routed expert ``expert``."""
@@ -117,7 +120,13 @@ class OwnerDirectRouting:
 
     def holders(self, item, local: bool) -> dict[int, tuple[Slot, ...]] | None:
         """``models.weights.ItemRouting.holders``: None (every rank) for all but routed experts;
-        for those {holder rank: the slots it serves}."""
+        for those {holder rank: the slots it serves}. Worked out once per item of the (fixed) plan."""
+        key = (item.global_name, local)
+        if key not in self._holders:
+            self._holders[key] = self._work_out_holders(item, local)
+        return self._holders[key]
+
+    def _work_out_holders(self, item, local: bool) -> dict[int, tuple[Slot, ...]] | None:
         expert = self.expert_of(item)
         if expert is None:
             return None
@@ -146,8 +155,7 @@ class OwnerDirectIpcTransport(CudaIpcTransport):
 
     def __init__(self, client: Any = None, *, routing: OwnerDirectRouting, world_group: Any, **kw: Any):
         self._bucket_cls: Any = flattened_bucket_class()
-        self._meta_cls: Any = flattened_metadata_class()
-        if self._bucket_cls is None or self._meta_cls is None:
+        if self._bucket_cls is None or flattened_metadata_class() is None:
             raise ImportError("rollout.sync_owner_direct needs sglang's FlattenedTensorBucket (sglang >= 0.5)")
         super().__init__(client, **kw)
         self.routing = routing
@@ -181,13 +189,7 @@ class OwnerDirectIpcTransport(CudaIpcTransport):
                     )
                 per_rank.append(got)
             for k in range(max(rounds.values(), default=0)):
-                self._engine_call(
-                    self.client.update_weights_from_tensor,
-                    [got[k] for got in per_rank],
-                    load_format=self.load_format,
-                    flush_cache=False,
-                    weight_version=self.weight_version,
-                )
+                self._update([got[k] for got in per_rank])
         dist.barrier(group=self.world)  # holders keep their buffers until every engine loaded
         self._keep.clear()
         del payloads, everyone
@@ -242,7 +244,7 @@ class OwnerDirectIpcTransport(CudaIpcTransport):
             meta = dict(zip(order, flat.get_metadata()))
             flat = flat.get_flattened_tensor()
         else:
-            meta = {j: self._meta(name, t, flat) for j, (name, t) in enumerate(bucket)}
+            meta = {j: view_metadata(name, t, flat) for j, (name, t) in enumerate(bucket)}
         patch_torch_reductions([flat])
         ser = multiprocessing_serializer()
         return [
@@ -274,12 +276,6 @@ class OwnerDirectIpcTransport(CudaIpcTransport):
             out.append((s, ser.serialize(entries, output_str=True)))
         return out
 
-    def _meta(self, name: str, t: torch.Tensor, flat: torch.Tensor):
-        start, nbytes = t.data_ptr() - flat.data_ptr(), t.numel() * t.element_size()
-        return self._meta_cls(
-            name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + nbytes, numel=nbytes
-        )
-
     def _empty_payload(self) -> str:
         """A payload of no tensors, made anew for each use: torch shares even an empty CPU tensor as a
         shared-memory segment (a CUDA one by IPC handle), reference-counted per serialization and
@@ -288,18 +284,7 @@ class OwnerDirectIpcTransport(CudaIpcTransport):
         With ``delta``: an empty list (the delta loader's ``apply_deltas`` loads nothing)."""
         if self.delta:
             return multiprocessing_serializer().serialize([], output_str=True)
-        one = torch.zeros(1, dtype=torch.uint8, device=self._device())
+        one = torch.zeros(1, dtype=torch.uint8, device=rdist.device())
         self._keep.append(one)
         patch_torch_reductions([one])
         return multiprocessing_serializer().serialize({"flattened_tensor": one, "metadata": []}, output_str=True)
-
-    @staticmethod
-    def _device() -> torch.device:
-        from gspo_megatron.runtime.distributed import device
-
-        return device()
-
-    def delta_metrics(self) -> dict[str, float]:
-        """This rank's delta-sync totals of the last sync: what it encoded (the tensors every rank
-        gets and the routed ones it holds), on every rank (the metrics row is rank 0's)."""
-        return self.encoder.stats.metrics() if self.encoder is not None else {}
