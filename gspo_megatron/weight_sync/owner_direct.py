@@ -68,7 +68,7 @@ from gspo_megatron.rollout.sglang_compat import (
 )
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport, view_metadata
-from gspo_megatron.weight_sync.delta import DeltaEncoder
+from gspo_megatron.weight_sync.delta import DeltaEncoder, DeltaStats
 from gspo_megatron.weight_sync.fp8_quant import SCALE_SUFFIX, quantize_bucket_fp8
 
 Slot = tuple[int, int]  # (engine index, engine TP rank)
@@ -195,6 +195,20 @@ class OwnerDirectIpcTransport(CudaIpcTransport):
         del payloads, everyone
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
+
+    def delta_metrics(self) -> dict[str, float]:
+        """The delta-sync totals of the last sync, summed over every training rank (each encodes only
+        what it serves: the tensors every rank gets, for its own engine TP rank, and the routed
+        experts it holds, once for all the slots it serves them to), so ``sync/delta_full_bytes``
+        equals ``sync/bytes_total``. One gloo all-reduce: every rank calls it (``WeightSync.sync``)."""
+        if self.encoder is None:
+            return {}
+        s = self.encoder.stats
+        counts = [s.full_bytes, s.wire_bytes, s.elements, s.changed, *s.encodings.values()]
+        total = torch.tensor(counts, dtype=torch.float64)
+        dist.all_reduce(total, group=self.world)
+        full, wire, elements, changed, *kinds = (int(v) for v in total.tolist())
+        return DeltaStats(full, wire, elements, changed, dict(zip(s.encodings, kinds))).metrics()
 
     def _rounds(self, bucket) -> tuple[dict[Slot, int], int]:
         """({slot of this rank's engine: engine calls of the bucket}, payloads this rank's slot gets

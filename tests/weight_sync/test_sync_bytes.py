@@ -454,7 +454,8 @@ def test_built_routes_equal_owner_direct_routing(engine_ep, ep):
             assert x in route.experts and route.fraction == Fraction(len(route.experts), experts)
             item = SimpleNamespace(
                 stack=None,
-                hf_names=[f"model.layers.0.mlp.experts.{x}.down_proj.weight"],
+                hf_names=[f"model.layers.{s}.mlp.experts.{x}.down_proj.weight"],
+                global_name=f"decoder.layers.{s}.mlp.experts.local_experts.{x}.linear_fc2.weight",
                 owner=route.owner,
                 copies=route.copies[1:],
             )
