@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch.distributed as dist
 
 from gspo_megatron.config import Config, config_help, load_config, save_config, values_for
+from gspo_megatron.runtime import stop
 from gspo_megatron.runtime.distributed import any_rank, broadcast_object
 from gspo_megatron.sample import Sample
 from gspo_megatron.weight_sync.modes import sync_mode
@@ -50,21 +50,6 @@ if TYPE_CHECKING:
     RewardScorer = InlineRewardScorer | RewardRunner | RemoteRewardScorer  # factory.build_rewards
 
 
-class _Stop:
-    """Set by SIGTERM / SIGUSR1 (Slurm preemption): checkpoint at the end of the step, then exit."""
-
-    signum: int | None = None
-
-    @classmethod
-    def install(cls) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, cls._handle)
-
-    @classmethod
-    def _handle(cls, signum, frame) -> None:
-        cls.signum = signum
-
-
 def check_before_start(cfg: Config) -> None:
     """Every start-up check of the user's input (config, output_dir, model files, tokenizer, data,
     reward, checkpoints; see gspo_megatron/preflight.py): fails in seconds, before any model is
@@ -83,12 +68,16 @@ def train(cfg: Config, *, checked: bool = False, after_sync: Callable[[Any], Non
         check_before_start(cfg)
     run = build_trainer(cfg)  # process groups, run dir, model, optimizer (weights not loaded yet)
     resume(cfg, run)  # the starting weights and step: a checkpoint, model.checkpoint or model.hf_path
-    build_rollout_side(cfg, run, after_sync=after_sync)  # data, rewards, metrics, engines, session; first sync
-    stopped = False
-    for step in range(run.start_step + 1, cfg.train.steps + 1):
-        stopped = run_step(cfg, run, step)
-        if stopped:
-            break
+    try:
+        build_rollout_side(cfg, run, after_sync=after_sync)  # data, rewards, metrics, engines, session; first sync
+        stopped = False
+        for step in range(run.start_step + 1, cfg.train.steps + 1):
+            stopped = run_step(cfg, run, step)
+            if stopped:
+                break
+    except stop.Stopped:  # a stop signal while an engine started (runtime/stop.py)
+        close(run)
+        raise
     finish(cfg, run, stopped)
     return run.metrics
 
@@ -137,7 +126,7 @@ def build_trainer(cfg: Config) -> Run:
     p = cfg.parallel
     init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
     rank = dist.get_rank()
-    _Stop.install()
+    stop.install()  # SIGTERM / SIGUSR1: checkpoint at the end of the step, then exit (runtime/stop.py)
     os.makedirs(cfg.output_dir, exist_ok=True)
     if rank == 0:
         save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"), header=record_model_source(cfg))
@@ -356,7 +345,7 @@ def run_step(cfg: Config, run: Run, step: int) -> bool:
         assert run.logger is not None  # rank 0's
         run.logger.log(step, run.metrics)
 
-    stop_signal = any_rank(_Stop.signum is not None)
+    stop_signal = any_rank(stop.requested())
     too_bad = run.bad_streak >= cfg.optimizer.max_bad_steps > 0
     interval = cfg.checkpoint.interval
     if (
@@ -447,17 +436,24 @@ def finish(cfg: Config, run: Run, stopped: bool) -> None:
         from gspo_megatron.convert import export_to_hf_dir
 
         export_to_hf_dir(run.model, run.hf, hf_out, max_shard_size=5 * 10**9, assets_dir=run.hf_dir)
-    if run.overlap is not None:
-        run.overlap.close()
-    assert run.rollout is not None, "built by build_rollout_side"
-    run.rollout.shutdown()
+    close(run)
     if run.rank == 0:
-        assert run.logger is not None and run.rewards is not None  # rank 0's
-        run.logger.close()
-        run.rewards.close()
         print(f"[gspo-train] run dir: {os.path.abspath(cfg.output_dir)}", flush=True)
         if not stopped:
             print(f"[gspo-train] exported Hugging Face model: {os.path.abspath(hf_out)}", flush=True)
+
+
+def close(run: Run) -> None:
+    """Every rank: stop what the run started, as far as it got (the engines this rank launched, the
+    overlap's generator; rank 0: the metrics files and reward workers)."""
+    if run.overlap is not None:
+        run.overlap.close()
+    if run.rollout is not None:
+        run.rollout.shutdown()
+    if run.logger is not None:
+        run.logger.close()
+    if run.rewards is not None:
+        run.rewards.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -537,6 +533,12 @@ def main(argv: list[str] | None = None, *, after_sync: Callable[[Any], None] | N
         train(cfg, checked=True, after_sync=after_sync)
     except UserInputError as e:  # met during the run on every rank (e.g. a reward failing on every call)
         return stop_all("gspo-train", e, args.debug, together=True)  # (RolloutSession broadcasts it)
+    except stop.Stopped as e:  # every rank (the engine fleet's collective told them); engines stopped
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"[gspo-train] {e}: engines stopped, exiting (nothing saved now; a rerun resumes from the last checkpoint)",
+                flush=True,
+            )
     if dist.is_initialized():
         destroy_distributed()
     return 0

@@ -31,6 +31,7 @@ from gspo_megatron.rollout.placement import EnginePart, EngineSpec, gather_rank_
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
 from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine, kill_server, launch_server, wait_until_healthy
 from gspo_megatron.runtime import distributed as rdist
+from gspo_megatron.runtime import stop
 from gspo_megatron.runtime.ports import free_port
 from gspo_megatron.weight_sync.modes import sync_mode
 
@@ -77,6 +78,7 @@ class EngineFleet:
         self.processes: dict[tuple[int, int], Any] = {}  # (engine, node_rank) -> Popen, on the launcher
         self.attached = bool(r.engine_urls)
         attach_errors: list[str] = []
+        stopped = ""  # a stop signal while an engine was starting (runtime/stop.py), on any rank
         self.base_args = dict(
             model_path=model_path,
             tp_size=r.engine_tp,
@@ -89,9 +91,13 @@ class EngineFleet:
             self.specs = [EngineSpec(e, r.engine_tp, (), ()) for e in range(len(r.engine_urls))]
             self.urls = list(r.engine_urls)
             if self.rank == 0:
-                for url in self.urls:
-                    wait_until_healthy(SGLangHttpClient(url), None, self.wait_s)
-                attach_errors = self._attached_errors()
+                try:
+                    for url in self.urls:
+                        wait_until_healthy(SGLangHttpClient(url), None, self.wait_s)
+                except stop.Stopped as e:  # the other ranks learn it from the broadcast below
+                    stopped = str(e)
+                else:
+                    attach_errors = self._attached_errors()
         else:
             infos = gather_rank_infos()
             from gspo_megatron.config import engine_count
@@ -104,10 +110,12 @@ class EngineFleet:
         # engine world sizes as the engines report them (not rollout.engine_tp): the weight-update
         # group's size must match what the engines join with
         sizes = None
-        if self.rank == 0:
+        if self.rank == 0 and not stopped:
             sizes = [SGLangHttpClient(u).world_size for u in self.urls]
         # every rank raises the attached engines' missing flags (rank 0 read them) before any sync
-        sizes, attach_errors = rdist.broadcast_object((sizes, attach_errors))
+        sizes, attach_errors, stopped = rdist.broadcast_object((sizes, attach_errors, stopped))
+        if stopped:
+            raise stop.Stopped(stopped)
         if attach_errors:
             from gspo_megatron.errors import ConfigError
 
@@ -182,7 +190,7 @@ class EngineFleet:
                     f"({spec.tp} TP ranks, {self.module}) starting; log {log}",
                     flush=True,
                 )
-        errors = []
+        errors, stopped = [], []
         for spec in self.specs:
             part = spec.parts[0]
             if spec.index in engines and part.launcher == self.rank:
@@ -197,9 +205,15 @@ class EngineFleet:
                     )
                 except SGLangError as e:
                     errors.append(str(e))
-        errors = [e for part in _all_gather(errors) for e in part]
-        if errors:
+                except stop.Stopped as e:  # a stop signal: every rank learns it from the gather below
+                    stopped.append(str(e))
+        parts = _all_gather((errors, stopped))
+        errors, stopped = [e for part, _ in parts for e in part], [e for _, part in parts for e in part]
+        if errors or stopped:
             self._kill_mine(engines)
+        if stopped:
+            raise stop.Stopped(stopped[0])
+        if errors:
             raise SGLangError("; ".join(errors))
 
     def _kill_mine(self, engines: list[int]) -> None:
@@ -216,11 +230,16 @@ class EngineFleet:
     def restart(self, engines: list[int]) -> None:
         """Collective: bring ``engines`` (dead ones, as rank 0 found) back on the same URLs."""
         if self.attached:
+            stopped = ""
             if self.engine is not None:  # rank 0
-                for e in engines:
-                    wait_until_healthy(SGLangHttpClient(self.urls[e]), None, self.wait_s)
-                    self.engine.engine_restarted(e)
-            rdist.barrier()
+                try:
+                    for e in engines:
+                        wait_until_healthy(SGLangHttpClient(self.urls[e]), None, self.wait_s)
+                        self.engine.engine_restarted(e)
+                except stop.Stopped as err:
+                    stopped = str(err)
+            if rdist.broadcast_object(stopped):  # (the barrier every rank waited at)
+                raise stop.Stopped(stopped)
             return
         self._kill_mine(engines)
         rdist.barrier()  # every part of a multi-node engine is down before any is started again

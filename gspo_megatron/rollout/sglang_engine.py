@@ -42,6 +42,7 @@ from gspo_megatron.rollout.routing import (
     route_tokens,
 )
 from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient, close_weight_update, open_weight_update
+from gspo_megatron.runtime import stop
 
 MEMORY_TAGS = ("weights", "kv_cache")
 ROUTES_KEY = "_routed_experts_decoded"  # an answer's decoded routes, set by SGLangRolloutEngine._dispatch
@@ -68,10 +69,12 @@ def server_args_to_cli(server_args: dict[str, Any]) -> list[str]:
 def wait_until_healthy(
     client: SGLangHttpClient, proc: subprocess.Popen | None, timeout_s: float, log_path: str | None = None
 ) -> None:
-    """Poll ``/health_generate`` until it answers; raise naming the URL (and log) on death/timeout."""
+    """Poll ``/health_generate`` until it answers; raise naming the URL (and log) on death/timeout,
+    and :class:`runtime.stop.Stopped` when a stop signal arrives meanwhile (``runtime/stop.py``)."""
     deadline = time.monotonic() + timeout_s
     pause = 0.25  # a CPU stand-in is up in seconds, a GPU server in minutes: poll often first, then every 2 s
     while time.monotonic() < deadline:
+        stop.check(f"SGLang server {client.base_url} to start")
         if client.health(timeout_s=5.0):
             return
         if proc is not None and proc.poll() is not None:
