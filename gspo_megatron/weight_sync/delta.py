@@ -41,7 +41,7 @@ import math
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -246,13 +246,16 @@ def _file_entries(t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 def decode_entries(
     entries: Sequence[tuple[str, torch.Tensor]],
     copy: dict[str, tuple[int, torch.Tensor]],
+    keep: Callable[[str], bool] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """The engine's side of :meth:`DeltaEncoder.encode_bucket`: wire entries -> (HF name, full tensor).
 
     ``copy`` (name -> (epoch, host tensor)) is updated in place: a full entry replaces the copy, a
     delta is applied to it. Returns the copies themselves (the caller copies them before handing
     them to a loader that may write into its input). ValueError names the tensor when a delta has
-    no base of this epoch (the engine restarted, or its copy is from another trainer)."""
+    no base of this epoch (the engine restarted, or its copy is from another trainer).
+    ``keep(name)`` False: the tensor is skipped, neither copied nor returned (an engine TP rank that
+    does not load it: ``delta_loader``)."""
     if not entries or entries[0][0] != EPOCH:
         raise ValueError(f"delta payload must start with {EPOCH!r}")
     epoch = int(entries[0][1].view(-1)[0])
@@ -261,8 +264,9 @@ def decode_entries(
     while i < len(entries):
         name, t = entries[i]
         if not name.startswith(PREFIX):
-            copy[name] = (epoch, t.detach().to("cpu", copy=True).contiguous())
-            out.append((name, copy[name][1]))
+            if keep is None or keep(name):
+                copy[name] = (epoch, t.detach().to("cpu", copy=True).contiguous())
+                out.append((name, copy[name][1]))
             i += 1
             continue
         kind = "index" if name.startswith(IDX) else "bitmask" if name.startswith(MASK) else None
@@ -272,6 +276,9 @@ def decode_entries(
         vname, values = entries[i + 1]
         if vname != VAL + hf:
             raise ValueError(f"delta payload: {name!r} must be followed by {VAL + hf!r}, got {vname!r}")
+        i += 2
+        if keep is not None and not keep(hf):
+            continue
         held = copy.get(hf)
         if held is None or held[0] != epoch:
             why = "no copy of it" if held is None else f"its copy is of epoch {held[0]}, the delta of {epoch}"
@@ -280,5 +287,4 @@ def decode_entries(
             )
         apply_delta(held[1], t, values, kind)
         out.append((hf, held[1]))
-        i += 2
     return out

@@ -15,21 +15,32 @@ copy of what the trainer last sent, kept on the model object as ``_gspo_delta_co
 (epoch, tensor)) and the payload's changed elements (``weight_sync.delta``), then calls
 ``model.load_weights`` once with the full HF-named tensors: sglang's own fusing (q/k/v, gate/up,
 experts' w13 / w2) and TP / EP sharding apply exactly as for a full sync, so the engine's weights
-are bitwise those of a full sync. Memory: the host copy is the model's bytes in the engine dtype,
-per engine TP rank process (every TP rank is handed the full HF tensors and cuts its own shard).
+are bitwise those of a full sync.
+
+Memory: the host copy holds, per engine TP rank process, every HF tensor the rank loads, whole in
+the engine dtype (each TP rank is handed the full tensors and cuts its own shard): the dense tensors,
+and of the routed experts only those of its expert-parallel rank. Which experts a rank loads is
+asked of sglang's own ``FusedMoE`` layer in the model (``layers/moe/fused_moe_triton/layer.py``:
+``weight_loader`` skips an expert for which ``_map_global_expert_id_to_local_expert_id`` gives -1),
+so with ``--ep-size`` E a rank keeps 1/E of the experts; the others are dropped before the copy and
+before ``load_weights`` (which would skip them). Where sglang maps experts otherwise (EPLB's expert
+location metadata, parameters that ask for every expert: ``_sglang_require_global_experts``) or the
+model has no such layer, every tensor is kept.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from gspo_megatron.models.registry import expert_weight
 from gspo_megatron.weight_sync.delta import decode_entries
 
 #: the dotted name the engines are started with (``--custom-weight-loader``) and the load_format sent
 LOADER_NAME = "gspo_megatron.weight_sync.delta_loader.apply_deltas"
 COPY_ATTR = "_gspo_delta_copy"
+EXPERTS_ATTR = "_gspo_delta_loads_expert"
 
 
 def host_copy(model: Any) -> dict[str, tuple[int, torch.Tensor]]:
@@ -51,5 +62,51 @@ def apply_deltas(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) 
     if not named_tensors:
         return
     device = named_tensors[0][1].device
-    full = decode_entries(named_tensors, host_copy(model))
-    model.load_weights([(name, t.to(device, copy=True)) for name, t in full])
+    full = decode_entries(named_tensors, host_copy(model), keep=_kept_tensors(model))
+    if full:  # (a bucket of only other EP ranks' experts: sglang would skip every one)
+        model.load_weights([(name, t.to(device, copy=True)) for name, t in full])
+
+
+def _kept_tensors(model: Any) -> Callable[[str], bool] | None:
+    """``decode_entries``' ``keep``: False for a routed expert this rank does not load; None: all."""
+    loads = loads_expert(model)
+    if loads is None:
+        return None
+
+    def keep(name: str) -> bool:
+        found = expert_weight(name)
+        return found is None or loads(found[0])
+
+    return keep
+
+
+def loads_expert(model: Any) -> Callable[[int], bool] | None:
+    """Whether this engine TP rank loads routed expert ``e`` (global index), by sglang's own rule,
+    asked of the model's first ``FusedMoE`` layer (module docstring); None when it loads every expert
+    or the rule cannot be asked. Worked out once per model object."""
+    if not hasattr(model, EXPERTS_ATTR):
+        object.__setattr__(model, EXPERTS_ATTR, _loads_expert(model))
+    return getattr(model, EXPERTS_ATTR)
+
+
+def _loads_expert(model: Any) -> Callable[[int], bool] | None:
+    modules = getattr(model, "modules", None)
+    for m in modules() if modules is not None else ():
+        local = getattr(m, "_map_global_expert_id_to_local_expert_id", None)
+        if local is None:
+            continue
+        if getattr(m, "moe_ep_size", 1) <= 1 or _expert_location_metadata(m) is not None:
+            return None
+        if any(getattr(p, "_sglang_require_global_experts", False) for p in m.parameters(recurse=False)):
+            return None
+        return lambda e: local(e) != -1
+    return None
+
+
+def _expert_location_metadata(moe: Any) -> Any:
+    """sglang's EPLB expert placement when the layer uses it (``FusedMoE.weight_loader``'s test)."""
+    if not getattr(moe, "uses_expert_location", False):
+        return None
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    return get_global_expert_location_metadata()

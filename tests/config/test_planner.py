@@ -225,11 +225,18 @@ def test_disaggregated_engines_take_their_own_gpus():
 
 
 def test_delta_sync_host_copies_by_mode():
-    """rollout.sync_delta: colocated, the engine TP rank's copy + the trainer's on the engine's first
-    rank (2 x the bf16 model per GPU); disaggregated, each stage source's copy of its stage only."""
+    """rollout.sync_delta: colocated, the trainer's copy on the engine's first rank (the bf16 model)
+    + the engine TP rank's (the dense tensors and its EP rank's experts: 2 x the bf16 model per GPU
+    with engine_ep 1); disaggregated, each stage source's copy of its stage only."""
     colo = tiny_plan(*SGL, "rollout.sync_mode=colocated", "rollout.engine_tp=2", "rollout.sync_delta=true")
-    total = param_counts(colo.dims).total
+    counts = param_counts(colo.dims)
+    total = counts.total
     assert colo.stages[0].host_delta == 2 * total * 2
+    ep2 = tiny_plan(
+        *SGL, "rollout.sync_mode=colocated", "rollout.engine_tp=2", "rollout.engine_ep=2", "rollout.sync_delta=true"
+    )
+    assert 0 < counts.expert < total
+    assert ep2.stages[0].host_delta == pytest.approx(total * 2 + (total - counts.expert / 2) * 2)
     dis = tiny_plan(
         *SGL,
         "rollout.sync_mode=disaggregated",

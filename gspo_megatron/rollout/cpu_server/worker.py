@@ -426,6 +426,12 @@ class LoaderModel:
     def load_weights(self, weights) -> None:
         self._worker._load(weights)
 
+    def modules(self):
+        """``nn.Module.modules`` of sglang's model class when this rank holds it (``--sglang-loader-check``:
+        a loader asks its ``FusedMoE`` layers which experts the rank loads), else none."""
+        sglang = self._worker.sglang
+        return sglang.model.modules() if sglang is not None else iter(())
+
 
 def custom_loader(name: str):
     """sglang's ``dynamic_import(load_format)`` (``srt/utils/common.py``: module path + attribute)."""
