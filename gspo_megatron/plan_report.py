@@ -102,8 +102,9 @@ def format_plan(plan: Plan) -> str:
     delta = max(s.host_delta for s in cols)
     if delta and sm.colocated:
         out.append(
-            f"   host memory per GPU for rollout.sync_delta's copies of the model (bf16; the engine TP rank's, "
-            f"and the trainer's on each engine's first GPU): up to {delta / GIB:.2f} GiB"
+            f"   host memory per GPU for rollout.sync_delta's copies of the model ({'FP8' if cfg.rollout.sync_fp8 else 'bf16'}; "
+            "the engine TP rank's: its dense tensors and its EP rank's experts, and the trainer's on each "
+            f"engine's first GPU): up to {delta / GIB:.2f} GiB"
         )
     elif delta:
         out.append(

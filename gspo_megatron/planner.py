@@ -378,12 +378,13 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
         if m.lora.rank > 0 and r.lora_sync == "adapter":  # weight_sync/lora_adapter.py
             kept = plan_args["counts"].total * 2 / r.engine_tp
             s.train_items.append(("engine weights kept (lora_sync=adapter: the base is sent once)", kept))
+    per = 1 if r.sync_fp8 else 2  # bytes per parameter of the copies: what the engines are sent
     if r.sync_delta and sync_mode(r.sync_mode).colocated:  # weight_sync/delta.py: the trainer's copy on an
         # engine's first rank + the engine TP rank's (delta_loader.py: the dense tensors and 1/engine_ep of the experts)
         c = plan_args["counts"]
-        s.host_delta = c.total * 2 + (c.total - c.expert + c.expert / r.engine_ep) * 2
+        s.host_delta = c.total * per + (c.total - c.expert + c.expert / r.engine_ep) * per
     elif r.sync_delta:  # disaggregated (weight_sync/delta_http.py): each stage source's copy of its share;
-        s.host_delta = plan_args["counts"].total * 2 / p.pp  # the engines' copies are on their own hosts
+        s.host_delta = plan_args["counts"].total * per / p.pp  # the engines' copies are on their own hosts
     return s
 
 

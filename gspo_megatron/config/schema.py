@@ -165,7 +165,7 @@ class RolloutConfig:
     )
     sync_delta: bool = _f(
         False,
-        "send per tensor only the elements changed since the last sync (weight_sync/delta.py; sync_mode=colocated: through the CUDA IPC route; disaggregated / engine_urls: the changes (and whole tensors) in files under sync_delta_dir, named to the engines by HTTP (weight_sync/delta_http.py); the trainer's sending ranks keep a host copy of the model in the engine dtype, every engine TP rank one of the tensors it loads (its EP rank's experts); full syncs at start, on resume and after an engine restart or a failed sync; not with sync_fp8)",
+        "send per tensor only the elements changed since the last sync (weight_sync/delta.py; sync_mode=colocated: through the CUDA IPC route; disaggregated / engine_urls: the changes (and whole tensors) in files under sync_delta_dir, named to the engines by HTTP (weight_sync/delta_http.py); the trainer's sending ranks keep a host copy of the model in the engine dtype, every engine TP rank one of the tensors it loads (its EP rank's experts); with sync_fp8 the FP8 codes and block scales are compared and sent; full syncs at start, on resume and after an engine restart or a failed sync)",
     )
     sync_owner_direct: bool = _f(
         False,

@@ -188,11 +188,6 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
         "deltas with sglang's custom weight loader (update_weights_from_tensor); set rollout.sync_delta=false",
     )
     need(
-        not (r.sync_delta and r.sync_fp8),
-        "rollout.sync_delta=true is not supported with rollout.sync_fp8=true (block scales change with every "
-        "update, so an FP8 delta is no smaller; the engine would need the FP8 copy too); set one of them to false",
-    )
-    need(
         not r.sync_owner_direct or sm is None or sm.colocated,
         f"rollout.sync_owner_direct=true needs rollout.sync_mode={_modes(placement='colocated')}, got {r.sync_mode}: "
         "the expert owners hand their weights to the engine ranks on their node; set rollout.sync_owner_direct=false",

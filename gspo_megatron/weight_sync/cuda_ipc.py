@@ -153,11 +153,6 @@ class CudaIpcTransport(WeightTransport):
         self.fp8 = fp8
         self.manage_session = manage_session
         self.load_format = "flattened_bucket" if flattened_bucket_class() is not None else None
-        if delta and fp8:
-            raise ValueError(
-                "CudaIpcTransport: delta sync of FP8-quantized weights is not supported "
-                "(rollout.sync_delta with rollout.sync_fp8)"
-            )
         self.delta = delta
         self.encoder = DeltaEncoder() if delta and self.is_src else None
         if delta:

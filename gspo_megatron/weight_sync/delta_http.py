@@ -42,6 +42,7 @@ import torch
 
 from gspo_megatron.weight_sync.delta import DeltaEncoder, file_entry
 from gspo_megatron.weight_sync.delta_loader import LOADER_NAME
+from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 from gspo_megatron.weight_sync.transport import StageSourceSessions, WeightTransport
 
 
@@ -56,7 +57,10 @@ class DeltaHttpTransport(StageSourceSessions, WeightTransport):
     """One pipeline stage's source rank (see module docstring). ``clients``: one per engine;
     ``engine_world_sizes``: TP ranks per engine (one payload each); ``full_dir``: where full tensors are
     written (shared with the engine hosts); ``stage``: names the files; ``manage_session``: this stage
-    opens / closes the engines' update session; ``barrier``: the stage sources' barrier (or None)."""
+    opens / closes the engines' update session; ``barrier``: the stage sources' barrier (or None);
+    ``fp8``: quantize the big projections blockwise first (``fp8_quant``, ``rollout.sync_fp8``): the
+    copy, the changes and the engine's rebuilt tensors are then the FP8 codes and block scales a full
+    FP8 sync sends."""
 
     delta = True
 
@@ -69,12 +73,14 @@ class DeltaHttpTransport(StageSourceSessions, WeightTransport):
         stage: int = 0,
         manage_session: bool = True,
         barrier: Callable[[], None] | None = None,
+        fp8: bool = False,
     ):
         if len(clients) != len(engine_world_sizes):
             raise ValueError(f"DeltaHttpTransport: {len(clients)} clients but {len(engine_world_sizes)} world sizes")
         self.clients, self.world_sizes = list(clients), [int(s) for s in engine_world_sizes]
         self.full_dir, self.stage = full_dir, int(stage)
         self.manage_session, self.barrier = manage_session, barrier
+        self.fp8 = fp8
         self.encoder = DeltaEncoder()
         self.failed: BaseException | None = None
         self.weight_version = "0"
@@ -89,6 +95,8 @@ class DeltaHttpTransport(StageSourceSessions, WeightTransport):
     def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         if not bucket:
             return
+        if self.fp8:
+            bucket = quantize_bucket_fp8(bucket)
         entries = self.encoder.encode_bucket(bucket)  # the copy is updated even if the engines fail
         if self.failed is not None:
             return

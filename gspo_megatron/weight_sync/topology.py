@@ -144,6 +144,7 @@ def disaggregated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopol
             stage=stage,
             manage_session=stage == 0,
             barrier=barrier,
+            fp8=cfg.rollout.sync_fp8,
         )
     elif rank in sources:
         stage = sources.index(rank)

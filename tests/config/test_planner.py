@@ -237,6 +237,11 @@ def test_delta_sync_host_copies_by_mode():
     )
     assert 0 < counts.expert < total
     assert ep2.stages[0].host_delta == pytest.approx(total * 2 + (total - counts.expert / 2) * 2)
+    # the DeepSeek-V3 recipe's FP8 engines: the copies hold FP8 codes, a byte per parameter
+    recipe = load_config("configs/deepseek_v3_671b_gspo.yaml", ["rollout.sync_delta=true"], check_files=False)
+    v3 = make_plan(recipe, 32, 8, 141.0)
+    v3_total = param_counts(v3.dims).total
+    assert v3.stages[0].host_delta == pytest.approx(2 * v3_total)
     dis = tiny_plan(
         *SGL,
         "rollout.sync_mode=disaggregated",

@@ -483,14 +483,17 @@ def test_owner_direct_payloads_describe_one_cuda_buffer_per_engine_rank():
             e.close()
 
 
-def test_owner_direct_delta_payloads_rebuild_bitwise_in_engine_processes():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_owner_direct_delta_payloads_rebuild_bitwise_in_engine_processes(fp8):
     """``OwnerDirectIpcTransport`` with delta: each engine TP rank's payload (a plain list of CUDA
     tensors: the epoch, full tensors, changed-element records) opened in its own process and rebuilt
     by the delta loader's decoding (``_engine_process(decode=True)``); the first sync is whole, the
-    second sends changes only, and both rebuild every tensor of the rank bit for bit."""
+    second sends changes only, and both rebuild every tensor of the rank bit for bit. ``fp8``: the
+    bucket quantized first, the rebuilt tensors those a full FP8 sync sends (codes + block scales)."""
     _need_sglang()
     from types import SimpleNamespace
 
+    from gspo_megatron.weight_sync.fp8_quant import SCALE_SUFFIX, quantize_bucket_fp8
     from gspo_megatron.weight_sync.owner_direct import OwnerDirectIpcTransport, OwnerDirectRouting
 
     dev = _cuda()
@@ -503,7 +506,7 @@ def test_owner_direct_delta_payloads_rebuild_bitwise_in_engine_processes():
     slots = {tensors[1][0]: ((0, 0),), tensors[2][0]: ((0, 1),)}
     bucket = _flat_bucket(tensors, slots, dev)
     routing = OwnerDirectRouting([SimpleNamespace(index=0, train_ranks=(0, 1))], [0, 0], engine_ep=2, num_experts=4)
-    transport = OwnerDirectIpcTransport(object(), routing=routing, world_group=None, delta=True)
+    transport = OwnerDirectIpcTransport(object(), routing=routing, world_group=None, delta=True, fp8=fp8)
     engines = [_Engine(torch.cuda.current_device(), decode=True) for _ in range(2)]
     try:
         for sync in range(2):
@@ -512,14 +515,15 @@ def test_owner_direct_delta_payloads_rebuild_bitwise_in_engine_processes():
                     v.view(-1)[:: max(1, v.numel() // 7)] += 1
             transport.encoder.begin()
             payloads = dict(transport._payloads(bucket))
+            sent = quantize_bucket_fp8(list(bucket)) if fp8 else list(bucket)
             for i in range(2):
                 (rebuilt,) = engines[i].load([payloads[(0, i)]])
-                mine = [n for n, _ in tensors if slots.get(n, ((0, 0),))[0] == (0, i)]
+                mine = [n for n, _ in sent if slots.get(n.removesuffix(SCALE_SUFFIX), ((0, 0),))[0] == (0, i)]
                 assert [r[0] for r in rebuilt] == mine
                 assert {r[1] for r in rebuilt} == {"cuda"}  # the payload's tensors arrived on the GPU
-                assert {r[0]: tuple(r[2:]) for r in rebuilt} == {n: _describe(v) for n, v in bucket if n in mine}
+                assert {r[0]: tuple(r[2:]) for r in rebuilt} == {n: _describe(v) for n, v in sent if n in mine}
             stats = transport.encoder.stats
-            assert (stats.encodings["full"] == 3) if sync == 0 else (stats.wire_bytes < stats.full_bytes / 2)
+            assert (stats.encodings["full"] == len(sent)) if sync == 0 else (stats.wire_bytes < stats.full_bytes / 2)
             transport._keep.clear()
     finally:
         for e in engines:

@@ -180,33 +180,39 @@ class _RecordingClient:
             apply_deltas(model, serializer.deserialize(payload))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_http_transport_by_value_and_files_rebuilds_every_sync_bitwise(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,fp8", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
+def test_http_transport_by_value_and_files_rebuilds_every_sync_bitwise(tmp_path, dtype, fp8):
     """weight_sync/delta_http.py: each bucket's wire entries in a file the payload names (the payload
     pickled by value, read by sglang's own deserializer), the files gone after each sync; every engine
-    TP rank holds the trainer's tensors bit for bit after every sync; a reset makes the next sync full."""
+    TP rank holds the trainer's tensors bit for bit after every sync (``fp8``: the quantized tensors a
+    full FP8 sync sends, FP8 codes in the safetensors files); a reset makes the next sync full."""
     import os
 
     from gspo_megatron.weight_sync.delta_http import DeltaHttpTransport
+    from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 
     g = torch.Generator().manual_seed(1)
-    state = {"a.weight": torch.randn(64, 32, generator=g).to(dtype), "b.bias": torch.randn(5, generator=g).to(dtype)}
+    big = "model.layers.0.self_attn.o_proj.weight"  # quantized with fp8 (2 blocks of 128)
+    state = {big: torch.randn(128, 256, generator=g).to(dtype), "b.bias": torch.randn(5, generator=g).to(dtype)}
     clients = [_RecordingClient(2), _RecordingClient(1)]
-    t = DeltaHttpTransport(clients, engine_world_sizes=[2, 1], full_dir=str(tmp_path / "d"), manage_session=False)
+    t = DeltaHttpTransport(
+        clients, engine_world_sizes=[2, 1], full_dir=str(tmp_path / "d"), manage_session=False, fp8=fp8
+    )
     for step in range(4):
         if step == 2:
             t.reset_delta()
         if step:
-            flat = state["a.weight"].view(-1)
+            flat = state[big].view(-1)
             flat[step::97] += 0.5
         t.begin(str(step))
         t.send_bucket(sorted(state.items()))
         t.end()
+        want = dict(quantize_bucket_fp8(sorted(state.items()))) if fp8 else state
         full = t.delta_metrics()["sync/delta_tensors_full"]
-        assert full == (2 if step in (0, 2) else 0), (step, full)  # the first sync and the one after a reset
+        assert full == (len(want) if step in (0, 2) else 0), (step, full)  # the first sync and the one after a reset
         for c in clients:
             for seen in c.loaded:
-                assert sorted(seen) == sorted(state) and all(bits_equal(seen[n], v) for n, v in state.items())
+                assert sorted(seen) == sorted(want) and all(bits_equal(seen[n], v) for n, v in want.items())
         assert not os.path.exists(tmp_path / "d") or not any((tmp_path / "d").iterdir())
 
 
@@ -216,3 +222,79 @@ def test_a_file_the_engine_host_cannot_see_is_named(tmp_path):
     entries = [(EPOCH, torch.tensor([7])), file_entry(str(tmp_path / "elsewhere.safetensors"))]
     with pytest.raises(ValueError, match="rollout.sync_delta_dir must be on a file system"):
         decode_entries(entries, {})
+
+
+def _fp8_state(g: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """bf16 weights a DeepSeek-style FP8 sync quantizes (attention / expert projections; 3 x 2 blocks of
+    128) and one it leaves alone (a norm), and the fp32 master weights behind the quantized one."""
+    master = torch.randn(300, 256, generator=g) * 0.02
+    return {
+        "model.layers.0.mlp.experts.3.down_proj.weight": master.to(torch.bfloat16),
+        "model.layers.0.post_attention_layernorm.weight": torch.randn(256, generator=g).to(torch.bfloat16),
+    }, master
+
+
+def _fp8_step(state, master, g, step: int) -> None:
+    """An Adam-sized step (1e-4 per element) of the master weights, rounded to bf16; on step 3 one
+    block's largest element doubles (its scale changes, so its codes change)."""
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    master -= 1e-4 * torch.sign(torch.randn(master.shape, generator=g))
+    if step == 3:
+        block = master[128:256, 0:128]
+        r, c = divmod(int(block.abs().argmax()), block.shape[1])
+        block[r, c] *= 2
+    state[name] = master.to(torch.bfloat16)
+    state["model.layers.0.post_attention_layernorm.weight"].view(-1)[step] += 1
+
+
+def test_fp8_quantized_deltas_rebuild_the_fp8_sync_bitwise():
+    """rollout.sync_delta with rollout.sync_fp8: the encoder compares the quantized bucket (FP8 codes,
+    float32 block scales, unquantized tensors), the engine's copy rebuilds exactly what a full FP8 sync
+    sends, a changed block scale arrives with its block, and after the first sync far fewer bytes go."""
+    from gspo_megatron.weight_sync.fp8_quant import FP8_DTYPE, SCALE_SUFFIX, quantize_bucket_fp8
+
+    g = torch.Generator().manual_seed(5)
+    state, master = _fp8_state(g)
+    enc, engine_copy = DeltaEncoder(), {}
+    scale = "model.layers.0.mlp.experts.3.down_proj.weight" + SCALE_SUFFIX
+    last_scale = None
+    for step in range(5):
+        if step:
+            _fp8_step(state, master, g, step)
+        sent = quantize_bucket_fp8(sorted(state.items()))
+        assert {t.dtype for _, t in sent} == {FP8_DTYPE, torch.float32, torch.bfloat16}
+        enc.begin()
+        full = dict(decode_entries(enc.encode_bucket(sent), engine_copy))
+        assert sorted(full) == sorted(n for n, _ in sent)
+        for n, t in sent:
+            assert bits_equal(full[n], t), (step, n)
+        if step:
+            assert enc.stats.wire_bytes < 0.5 * enc.stats.full_bytes, (step, enc.stats)
+        if step == 3:
+            assert not torch.equal(full[scale], last_scale)  # the doubled element's block re-scaled
+        last_scale = full[scale].clone()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_colocated_transport_fp8_deltas_reach_every_engine_rank_bitwise(fp8):
+    """CudaIpcTransport(delta=True[, fp8=True]) on one trainer rank: the engine TP rank's loader (sglang's
+    deserializer, then apply_deltas) holds after every sync what a full sync (FP8: quantized) gives."""
+    pytest.importorskip("sglang")
+    from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport
+    from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
+
+    g = torch.Generator().manual_seed(6)
+    state, master = _fp8_state(g)
+    client = _RecordingClient(1)
+    t = CudaIpcTransport(client, gather_group=None, gather_src=0, fp8=fp8, delta=True, manage_session=False)
+    for step in range(4):
+        if step:
+            _fp8_step(state, master, g, step)
+        t.begin(str(step))
+        t.send_bucket(sorted(state.items()))
+        t.end()
+        want = dict(quantize_bucket_fp8(sorted(state.items()))) if fp8 else state
+        (seen,) = client.loaded
+        assert sorted(seen) == sorted(want) and all(bits_equal(seen[n], v) for n, v in want.items()), step
+        m = t.delta_metrics()
+        assert m["sync/delta_tensors_full"] == (len(want) if step == 0 else 0), (step, m)
