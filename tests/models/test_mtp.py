@@ -16,13 +16,12 @@ checkpoints store them). Then:
 
 from __future__ import annotations
 
-import glob
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from distributed_harness import run_ranks
+from gspo_megatron.rollout.cpu_server.weights import iter_checkpoint
 
 CASES = {
     "deepseek_v3": dict(num_nextn_predict_layers=1),
@@ -33,10 +32,7 @@ CASES = {
 
 
 def _tensors(d: str) -> dict:
-    out = {}
-    for f in sorted(glob.glob(f"{d}/*.safetensors")):
-        out.update(load_file(f))
-    return out
+    return dict(iter_checkpoint(d))
 
 
 def add_mtp_layer(hf_dir: str, n_layers: int, hidden: int, vocab: int) -> list[str]:

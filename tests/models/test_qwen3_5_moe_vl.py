@@ -43,14 +43,9 @@ MTP = "mtp.fc.weight"
 
 
 def _tensors(d: str) -> dict[str, torch.Tensor]:
-    import glob
+    from gspo_megatron.rollout.cpu_server.weights import iter_checkpoint
 
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(glob.glob(f"{d}/*.safetensors")):
-        out.update(load_file(f))
-    return out
+    return dict(iter_checkpoint(d))
 
 
 def save_tiny_vl(d: str, seed: int = 11):

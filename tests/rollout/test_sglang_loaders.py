@@ -57,14 +57,9 @@ SPLIT_LAYER = 2  # the DeepSeek layer whose q_a / kv_a pair the negative case sp
 
 
 def _hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
-    import glob
+    from gspo_megatron.rollout.cpu_server.weights import iter_checkpoint
 
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(glob.glob(f"{hf_dir}/*.safetensors")):
-        out.update(load_file(f))
-    return out
+    return dict(iter_checkpoint(hf_dir))
 
 
 def _load_into_sglang(hf_dir, tp, rank, buckets):

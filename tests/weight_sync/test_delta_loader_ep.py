@@ -21,17 +21,6 @@ pytest.importorskip("sglang")
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
 
 
-def _hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
-    import glob
-
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(f"{hf_dir}/*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def _changed(hf: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
     """A training step's worth of change: a few elements of every tensor (a delta, not a full send)."""
     g = torch.Generator().manual_seed(step)
@@ -76,6 +65,7 @@ def _buckets(state: dict[str, torch.Tensor]) -> list[list[str]]:
 
 def _run(rank, world, dirs: dict):
     from gspo_megatron.rollout.cpu_server.sglang_models import SglangModel
+    from gspo_megatron.rollout.cpu_server.weights import iter_checkpoint
     from gspo_megatron.weight_sync.delta import DeltaEncoder
     from gspo_megatron.weight_sync.delta_loader import apply_deltas, host_copy
 
@@ -86,7 +76,7 @@ def _run(rank, world, dirs: dict):
         by_delta.poison()
         by_full.poison()
         enc = DeltaEncoder()
-        hf = _hf_tensors(hf_dir)
+        hf = dict(iter_checkpoint(hf_dir))
         kinds = []
         for step in range(3):  # a full sync, then two delta syncs
             state = hf if step == 0 else _changed(hf, step)
