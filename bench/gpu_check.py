@@ -72,6 +72,7 @@ GPU_TESTS = [
     "tests/losses/test_vocab_parallel_gpu.py",
     "tests/losses/test_fused_logprobs_gpu.py",
     "tests/checkpoint/test_direct_writes_gpu.py",
+    "tests/gpu/test_ipc_foreign_context_gpu.py",  # the planner's owner-direct foreign-context cost
 ]
 NEEDS_SGLANG = ["tests/gpu/test_weight_payloads_gpu.py"]
 NEEDS_TE = [

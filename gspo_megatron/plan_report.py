@@ -111,6 +111,12 @@ def format_plan(plan: Plan) -> str:
             f"   host memory for rollout.sync_delta's copy of a stage's weights on its source GPU: {delta / GIB:.2f} GiB "
             f"(bf16; each engine host keeps {plan.counts.total * 2 / GIB:.2f} GiB per engine TP rank)"
         )
+    capture = max(s.host_capture for s in cols)
+    if capture:  # planner.capture_buffer_bytes: sglang's pinned [KV tokens, layers, topk] int32 buffers
+        out.append(
+            f"   host memory per engine GPU (process) for routing replay r3's sglang capture buffers "
+            f"(pinned int32 [KV tokens, layers, topk]): {capture / GIB:.2f} GiB"
+        )
     if not sm.in_process and plan.kv_per_token:  # SGLang engines: a KV cache
         kv = min(s.kv_cache for s in cols if s.rollout_items) if any(s.rollout_items for s in cols) else 0.0
         if kv > 0:

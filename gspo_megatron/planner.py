@@ -44,10 +44,16 @@ from gspo_megatron.errors import ConfigError, UserInputError
 from gspo_megatron.losses.chunking import DEFAULT_CHUNK_BYTES
 from gspo_megatron.models.arch import model_hf_config
 from gspo_megatron.models.dims import ModelDims as _ModelDims
+from gspo_megatron.rollout.engine_startup_checks import startup_refusals
 from gspo_megatron.weight_sync.modes import sync_mode
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD_GIB = 4.0
+#: one CUDA context that a process creates on a GPU not its own when it opens a CUDA IPC handle of
+#: memory there (``rollout.sync_owner_direct``: an engine TP process opening a holder's buffer on
+#: another GPU of the node). 0.3-0.5 GiB on H100s with CUDA 12's lazy loading (reported, not
+#: measured here: docs/gpu.md); the upper end is planned for
+FOREIGN_CONTEXT_GIB = 0.5
 
 
 class PlanError(UserInputError):
@@ -171,6 +177,7 @@ class StageMemory:
     kv_cache: float = 0.0
     host_optimizer: float = 0.0  # optimizer bytes offloaded to host memory
     host_delta: float = 0.0  # rollout.sync_delta: host copies of the model on the busiest GPU's node share
+    host_capture: float = 0.0  # routing replay r3: sglang's pinned capture buffers of one engine process
     in_flight: int = 0  # micro-batches whose activations are held at once (1F1B)
 
     @property
@@ -249,6 +256,37 @@ def indexer_bytes_per_sample(d: _ModelDims, tokens: int) -> int:
     [tokens - 1, layers, index_topk] (sglang's ``meta_info["indexer_topk"]``, ``rollout/routing.py``):
     (tokens - 1) x layers x index_topk x 4 bytes; 0 without an indexer."""
     return max(tokens - 1, 0) * d.num_layers * int(getattr(d, "index_topk", 0) or 0) * 4
+
+
+def capture_buffer_bytes(d: _ModelDims, cfg: Config, kv_tokens: float, gpu_bytes: float) -> tuple[float, float]:
+    """(host, GPU) bytes of the capture buffers ``rollout.routing_replay=r3`` makes every sglang 0.5.23
+    engine process (one per engine TP rank) allocate: ``--enable-return-routed-experts`` ->
+    ``RoutedExpertsCapturer`` (``state_capturer/routed_experts.py``), and on a DSA model
+    ``--enable-return-indexer-topk`` -> ``IndexerTopkCapturer`` (``state_capturer/indexer_topk.py``), each a
+    ``BaseTopkCapturer`` (``state_capturer/base.py``) holding int32 buffers of width ``layers x topk``:
+
+    - host (pinned, ``BaseHostCache``): ``num_tokens`` rows, ``num_tokens =
+      kv_index_translator.capture_token_capacity(max_token_pool_size) = KV tokens + page_size``
+      (``mem_cache/kv_index_translator.py``; page_size 64 on DSA, 1 otherwise: negligible);
+    - GPU (``BaseDeviceCache``, outside ``mem_fraction_static``: allocated after the KV pool):
+      ``max(chunked_prefill_size, max_running_requests)`` rows (x ``num_dp_ranks`` for the routes: 1,
+      the engines run no attention DP); ``chunked_prefill_size`` by GPU memory
+      (``arg_groups/memory_hook.py`` ``handle_gpu_memory_settings``: < 20 GiB 2048, < 60 GiB 4096,
+      < 160 GiB 8192, else 16384); ``max_running_requests = min(max(min(tokens / context_len * 512,
+      4096), 2048), tokens // 2)`` (``mem_cache/kv_cache_configurator.py`` ``resolve_max_num_reqs``,
+      context_len: max_position_embeddings);
+    - widths: routes ``num_hidden_layers x num_experts_per_tok`` (the GPU buffer also holds fused shared
+      experts' columns when sglang fuses them: not counted), indexer ``num_hidden_layers x index_topk``
+      (``configs/model_config.py`` ``get_num_indexer_layers``: every layer on DSA)."""
+    if cfg.rollout.routing_replay != "r3" or not d.moe_layers:
+        return 0.0, 0.0
+    index_topk = int(getattr(d, "index_topk", 0) or 0)
+    width = d.num_layers * (d.topk + index_topk)
+    tokens = int(max(kv_tokens, 0.0))
+    mib = gpu_bytes / 2**20
+    chunked = 2048 if mib < 20 * 1024 else 4096 if mib < 60 * 1024 else 8192 if mib < 160 * 1024 else 16384
+    running = min(max(min(int(tokens / d.max_position_embeddings * 512), 4096), 2048), tokens // 2)
+    return float((tokens + (64 if index_topk else 1)) * width * 4), float(max(chunked, running) * width * 4)
 
 
 def _route_bytes(cfg: Config, d: _ModelDims, dp: int, stage_layers: int) -> tuple[str, float]:
@@ -375,6 +413,7 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     if sync_mode(r.sync_mode).colocated:  # the engines' rows on the training GPUs
         resident = 0.0 if r.offload_train else sum(b for _, b in static)
         _engine_rows(plan_args, s, resident, "training states" + (" (offloaded)" if r.offload_train else ""))
+        s.train_items += _foreign_context_rows(plan_args)  # contexts stay while the engines' memory is released
         if m.lora.rank > 0 and r.lora_sync == "adapter":  # weight_sync/lora_adapter.py
             kept = plan_args["counts"].total * 2 / r.engine_tp
             s.train_items.append(("engine weights kept (lora_sync=adapter: the base is sent once)", kept))
@@ -400,12 +439,36 @@ def _engine_rows(plan_args: dict, s: StageMemory, resident: float, resident_labe
         d = plan_args["dims"]  # (2, weight_sync/lora_adapter.engine_lora_args) adapters at max rank, bf16, whole
         lora_pool = 2 * 2 * sum(sum(lora_layer_params(d, i, cfg.model.lora.rank)) for i in range(d.num_layers))
     s.kv_cache = budget - overhead - resident - weights - lora_pool
+    host, device = capture_buffer_bytes(plan_args["dims"], cfg, s.kv_cache / plan_args["kv_per_token"], gpu)
+    s.host_capture = host
     s.rollout_items = [
         (resident_label, resident),
         (f"engine weights ({'fp8' if r.sync_fp8 else 'bf16'}, / engine_tp {r.engine_tp})", weights),
         *([("engine LoRA pool (2 adapters, bf16; lora_sync=adapter)", lora_pool)] if lora_pool else []),
         ("runtime overhead (CUDA context, NCCL, allocator)", overhead),
         (f"KV cache (fills to engine_mem_fraction {r.engine_mem_fraction})", max(s.kv_cache, 0.0)),
+        *([("routing replay r3: sglang capture buffers (int32 [batch, layers, topk])", device)] if device else []),
+        *_foreign_context_rows(plan_args),
+    ]
+
+
+def _foreign_context_rows(plan_args: dict) -> list[tuple[str, float]]:
+    """``rollout.sync_owner_direct``: the engine processes of the other GPUs of the node open CUDA IPC
+    handles of this GPU's holder buffers (``weight_sync/owner_direct.py``), each creating a CUDA context
+    here (:data:`FOREIGN_CONTEXT_GIB`), on top of the engine's budget (made at sync time, after the KV
+    cache) and kept through training (``release_memory_occupation`` frees no context). At most one per
+    other GPU of the node."""
+    cfg = plan_args["cfg"]
+    if not (cfg.rollout.sync_owner_direct and sync_mode(cfg.rollout.sync_mode).colocated):
+        return []
+    others = max(plan_args.get("gpus_per_node", 1) - 1, 0)
+    if not others:
+        return []
+    return [
+        (
+            f"owner-direct sync: {others} foreign CUDA contexts ({FOREIGN_CONTEXT_GIB} GiB each)",
+            others * FOREIGN_CONTEXT_GIB * GIB,
+        )
     ]
 
 
@@ -431,6 +494,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
     dims = ModelDims.from_hf_config(hf)
     validate(cfg, train_world)
     validate_model_layout(cfg, hf)
+    startup_refusals(cfg, hf)
     counts = param_counts(dims)
     dp = data_parallel_size(cfg, train_world)
     assert p.etp is not None, "parallel.etp is resolved when the config is loaded"
@@ -442,12 +506,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
         dp=dp,
         edp=train_world // (p.ep * p.etp * p.pp),
         micro_batches=micro_batches_per_rank(cfg, train_world),
+        gpus_per_node=gpus_per_node,
     )
-    stages = [_stage_memory(args, 0)] + ([_stage_memory(args, p.pp - 1)] if p.pp > 1 else [])
-    engine_gpu = None
-    if launched_apart:
-        engine_gpu = StageMemory(-1, (0, 0), 0)
-        _engine_rows(args, engine_gpu, 0.0, "training states (none on engine GPUs)")
     if dims.mla:  # SGLang caches MLA's latent (kv_lora + rope) per layer, on every TP rank
         kv_per_token = dims.num_layers * (dims.kv_lora_rank + dims.qk_rope_head_dim) * 2
         if dims.index_topk:  # DSA: the indexer's key per token and layer, fp8 + an fp32 scale per 128
@@ -458,6 +518,12 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
         kv_heads = max(1, dims.num_kv_heads // r.engine_tp)  # SGLang replicates KV heads when tp > kv heads
         # K and V, bf16, in the attention layers (Gated DeltaNet layers keep a fixed state per sequence instead)
         kv_per_token = 2 * (dims.num_layers - len(dims.linear_layers)) * kv_heads * dims.head_dim * 2
+    args["kv_per_token"] = kv_per_token
+    stages = [_stage_memory(args, 0)] + ([_stage_memory(args, p.pp - 1)] if p.pp > 1 else [])
+    engine_gpu = None
+    if launched_apart:
+        engine_gpu = StageMemory(-1, (0, 0), 0)
+        _engine_rows(args, engine_gpu, 0.0, "training states (none on engine GPUs)")
     notes = _notes(cfg, dims, args)
     kv_min = min((s.kv_cache for s in stages + [engine_gpu] if s is not None and s.rollout_items), default=None)
     state = gated_delta_net_state_bytes(dims) / r.engine_tp  # the engines' Gated DeltaNet state, per sequence

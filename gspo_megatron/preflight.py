@@ -69,11 +69,13 @@ def check_config(cfg: Config, world_size: int) -> dict:
 
     from gspo_megatron.config import validate, validate_model_layout
     from gspo_megatron.models.arch import model_hf_config
+    from gspo_megatron.rollout.engine_startup_checks import startup_refusals
 
     validate(cfg, world_size=world_size)
     hf, where = model_hf_config(cfg)
     try:
         validate_model_layout(cfg, hf)
+        startup_refusals(cfg, hf)
     except UserInputError:
         raise
     except ValueError as e:  # ModelDims.from_hf_config: a config.json it cannot read

@@ -219,7 +219,7 @@ class RolloutConfig:
     )
     routing_replay: Literal["off", "r2", "r3"] = _f(
         "off",
-        "MoE routing replay (gspo_megatron/trainer/route_replay.py, docs/training.md \"Routing replay\"): off; r3: the engines return each token's routed experts (sglang --enable-return-routed-experts) and both trainer forwards (old policy, policy) replay them; r2: the trainer's old-policy forward records its own routes and the policy forward replays them. MoE models only; not with model.recompute",
+        "MoE routing replay (gspo_megatron/trainer/route_replay.py, docs/training.md \"Routing replay\"): off; r3: the engines return each token's routed experts (sglang --enable-return-routed-experts) and both trainer forwards (old policy, policy) replay them; r2: the trainer's old-policy forward records its own routes and the policy forward replays them. MoE models only; holds under model.recompute (the forward recomputed in backward replays the same routes)",
     )
     lora_sync: Literal["merged", "adapter"] = _f(
         "merged",

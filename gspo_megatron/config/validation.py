@@ -219,11 +219,6 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
         "rollout.routing_replay=r3 needs rollout.engine=sglang (the engines must return their routed experts; "
         "rollout.engine_server=cpu on CPU); the in-process hf engine does not (use r2 or off)",
     )
-    need(
-        r.routing_replay == "off" or not m.recompute,
-        f"rollout.routing_replay={r.routing_replay} with model.recompute=true is not supported: the forward "
-        "recomputed in backward would route without the replayed experts",
-    )
     lora = cfg.model.lora
     need(lora.rank >= 0, f"model.lora.rank must be >= 0 (0 = off), got {lora.rank}")
     if lora.rank > 0:
@@ -504,6 +499,12 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
         )
     if r.routing_replay != "off" and not d.moe_layers:
         e.append(f"rollout.routing_replay={r.routing_replay} needs an MoE model; this one is dense (no routed experts)")
+    if r.lora_sync == "adapter" and cfg.model.lora.rank > 0:  # experts sglang would leave without LoRA
+        from gspo_megatron.weight_sync.lora_adapter import moe_lora_refusal
+
+        why = moe_lora_refusal(cfg.model.lora.target_modules, moe=bool(d.moe_layers))
+        if why:
+            e.append(why)
     if r.engine == "sglang":
         from gspo_megatron.rollout.engine_model import engine_layout_errors, engine_model_errors
 
@@ -511,5 +512,7 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
             e.append(f"rollout.engine_tp={r.engine_tp} must divide num_attention_heads = {d.num_heads}")
         e.extend(engine_layout_errors(cfg, d))
         e.extend(engine_model_errors(cfg, hf_config))
+        # (what sglang's start-up would abort on: rollout.engine_startup_checks, called by its callers,
+        # preflight.check_config and planner.make_plan, since it derives the engines' flags from the config)
     if e:
         raise ConfigError(e)

@@ -217,7 +217,7 @@ def _forward_step(loss_func_factory: Callable[[dict], Callable], fused_logprobs:
         attention_mask=row_padding_mask(model, batch),
         packed_seq_params=packed_seq_params(batch),
     )
-    route_replay.after_forward(model, batch, keep_in=raw)
+    route_replay.after_forward(model, batch, keep_in=raw, output=output)  # recompute in backward replays too
     loss_func = loss_func_factory(batch)
     return output, (loss_func if weight is None else partial(loss_func, output_weight=weight))
 

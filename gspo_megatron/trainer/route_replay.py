@@ -50,6 +50,18 @@ In training (``rollout.routing_replay``), :class:`RouteReplay` (one per policy m
   DSA trainer cannot equal the engine: the indexer's ReLU leaves exact-zero ties, and which tied
   keys ``topk`` keeps depends on the row length it runs on (the engine's decode rows, the trainer's
   whole sequence; ``models/deepseek_v32/indexer.py``). r2 does not touch the indexer.
+- recompute (``model.recompute``: Megatron re-runs each checkpointed layer's forward in backward):
+  the targets are set for one forward only and cleared after it, so the recomputed forward, which
+  runs later (with PP 1F1B after other micro-batches' forwards), would route by itself. So
+  :meth:`RouteReplay.after_forward` hooks the forward's output (when a backward will start from it):
+  when that micro-batch's backward begins, before any layer of it is recomputed, the hook puts back
+  exactly the targets (and DSA indexer selections) its forward replayed, and queues a callback that
+  clears them when that backward ends. Keyed by the autograd graph, not by a call order: any
+  schedule (1F1B, interleaved), any forward without a backward (old policy, probe, scorer), whatever
+  recomputes in backward (this repo configures full recompute; Megatron's selective "moe" recompute
+  would re-run the router in the same backward). Megatron's own ``REPLAY_BACKWARD`` is not used: a
+  FIFO per router that the caller must switch to around every backward (Megatron's schedules have no
+  such hook), that a forward-only pass leaves out of step, and that does not cover the DSA indexer.
 """
 
 from __future__ import annotations
@@ -190,8 +202,36 @@ class RouteReplay:
             rep.targets = self._targets(batch, rep.layer)
         for att in self.indexers:
             att.indexer_replay = self._indexer_targets(batch, int(att.layer_number) - 1)
+            att.indexer_counts = None  # this forward's own (never a recompute's, module docstring)
 
-    def after_forward(self, batch: dict) -> None:
+    def _clear(self) -> None:
+        for rep in self.replays:
+            rep.targets = None
+        for att in self.indexers:
+            att.indexer_replay = None
+            att.indexer_counts = None  # a recompute's: counted once, in the forward
+
+    def replay_in_backward(self, output: object) -> None:
+        """Hook ``output`` (a forward's output) so that its backward, and any forward recomputed in
+        it, replays what this forward replayed (module docstring, "recompute"); nothing when no
+        backward can start from it or nothing was replayed."""
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        routes = [(rep, rep.targets) for rep in self.replays]
+        selections = [(att, att.indexer_replay) for att in self.indexers]
+        if all(t is None for _, t in routes) and all(t is None for _, t in selections):
+            return
+
+        def restore(grad: torch.Tensor) -> None:
+            for rep, t in routes:
+                rep.targets = t
+            for att, t in selections:
+                att.indexer_replay = t
+            torch.autograd.Variable._execution_engine.queue_callback(self._clear)  # this backward's end
+
+        output.register_hook(restore)
+
+    def after_forward(self, batch: dict, output: object = None) -> None:
         if self.phase == "old" and self.replays:
             if self.mode == "r2":
                 routed = (batch["labels"] != PAD_LABEL)[..., None, None].to(torch.int64)  # [b, s, 1, 1]
@@ -215,10 +255,8 @@ class RouteReplay:
                 self.indexer_agree += int(att.indexer_counts[0])
                 self.indexer_compared += int(att.indexer_counts[1])
             att.indexer_counts = None
-        for rep in self.replays:
-            rep.targets = None
-        for att in self.indexers:
-            att.indexer_replay = None
+        self.replay_in_backward(output)
+        self._clear()
 
     def take_agreement(self) -> tuple[int, int]:
         """(agreeing, compared) (token, layer) top-k sets of this rank's routers since the last call."""
@@ -281,12 +319,13 @@ def before_forward(model: torch.nn.Module, batch: dict) -> None:
         state.before_forward(batch)
 
 
-def after_forward(model: torch.nn.Module, batch: dict, keep_in: dict | None = None) -> None:
+def after_forward(model: torch.nn.Module, batch: dict, keep_in: dict | None = None, output: object = None) -> None:
     """Record what the forward of ``batch`` needs kept, clear the targets (no-op without replay).
     ``keep_in``: a second dict that gets the record too (the schedule's own batch dict when
-    ``batch`` is its on-device copy, so that r2's record reaches the policy forwards)."""
+    ``batch`` is its on-device copy, so that r2's record reaches the policy forwards). ``output``:
+    the forward's output, whose backward (recompute) replays the same targets again."""
     state = _owner(model).__dict__.get(_ATTR)
     if state is not None:
-        state.after_forward(batch)
+        state.after_forward(batch, output)
         if keep_in is not None and R2_KEY in batch:
             keep_in[R2_KEY] = batch[R2_KEY]

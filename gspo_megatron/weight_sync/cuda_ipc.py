@@ -250,6 +250,10 @@ class CudaIpcTransport(WeightTransport):
         if self.encoder is not None:
             self.encoder.reset()
 
+    def engine_versions(self) -> list[str | None]:
+        """The weight version the engine reports (``src`` only: the rank that talks to it; else none)."""
+        return [self.client.weight_version()] if self.is_src and self.client is not None else []
+
     def end(self) -> None:
         if self.is_src and self.manage_session:
             self._engine_call(close_weight_update, self.client)

@@ -145,6 +145,10 @@ class DeltaHttpTransport(StageSourceSessions, WeightTransport):
         """The engines may hold anything (a failed sync, a restart): the next sync is full."""
         self.encoder.reset()
 
+    def engine_versions(self) -> list[str | None]:
+        """The weight version each engine reports (``WeightSyncer``'s check before a delta sync)."""
+        return [c.weight_version() for c in self.clients]
+
     def connect(self) -> None:
         """No group to form (HTTP and files)."""
 

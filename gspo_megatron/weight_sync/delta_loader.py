@@ -23,13 +23,17 @@ and of the routed experts only those of its expert-parallel rank. Which experts 
 asked of sglang's own ``FusedMoE`` layer in the model (``layers/moe/fused_moe_triton/layer.py``:
 ``weight_loader`` skips an expert for which ``_map_global_expert_id_to_local_expert_id`` gives -1),
 so with ``--ep-size`` E a rank keeps 1/E of the experts; the others are dropped before the copy and
-before ``load_weights`` (which would skip them). Where sglang maps experts otherwise (EPLB's expert
-location metadata, parameters that ask for every expert: ``_sglang_require_global_experts``) or the
-model has no such layer, every tensor is kept.
+before ``load_weights`` (which would skip them). sglang's model runner always installs expert location
+metadata for the MoE classes that define ``get_model_config_for_expert_location`` (the trivial map by
+default, EPLB's with ``--init-expert-location``); then ``weight_loader`` loads checkpoint (logical)
+expert e of layer L into every physical slot ``logical_to_all_physical(L, e)`` that is local to the
+rank, and the loader keeps e where any is, per layer. Where a parameter asks for every expert
+(``_sglang_require_global_experts``) or the model has no such layer, every tensor is kept.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Sequence
 
 import torch
@@ -75,32 +79,60 @@ def _kept_tensors(model: Any) -> Callable[[str], bool] | None:
 
     def keep(name: str) -> bool:
         found = expert_weight(name)
-        return found is None or loads(found[0])
+        if found is None:
+            return True
+        layer = _LAYER.search(name)
+        return layer is None or loads(int(layer.group(1)), found[0])
 
     return keep
 
 
-def loads_expert(model: Any) -> Callable[[int], bool] | None:
-    """Whether this engine TP rank loads routed expert ``e`` (global index), by sglang's own rule,
-    asked of the model's first ``FusedMoE`` layer (module docstring); None when it loads every expert
-    or the rule cannot be asked. Worked out once per model object."""
+def loads_expert(model: Any) -> Callable[[int, int], bool] | None:
+    """Whether this engine TP rank loads routed expert ``e`` (global, logical index) of layer ``layer``,
+    by sglang's own rule, asked of the model's ``FusedMoE`` layers (module docstring); None when it
+    loads every expert or the rule cannot be asked. Worked out once per model object."""
     if not hasattr(model, EXPERTS_ATTR):
         object.__setattr__(model, EXPERTS_ATTR, _loads_expert(model))
     return getattr(model, EXPERTS_ATTR)
 
 
-def _loads_expert(model: Any) -> Callable[[int], bool] | None:
+#: the decoder layer of an HF tensor name (``model.layers.3.``, ``model.language_model.layers.3.``)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _loads_expert(model: Any) -> Callable[[int, int], bool] | None:
     modules = getattr(model, "modules", None)
-    for m in modules() if modules is not None else ():
-        local = getattr(m, "_map_global_expert_id_to_local_expert_id", None)
-        if local is None:
-            continue
-        if getattr(m, "moe_ep_size", 1) <= 1 or _expert_location_metadata(m) is not None:
-            return None
-        if any(getattr(p, "_sglang_require_global_experts", False) for p in m.parameters(recurse=False)):
-            return None
-        return lambda e: local(e) != -1
-    return None
+    moes = [
+        m for m in (modules() if modules is not None else ()) if hasattr(m, "_map_global_expert_id_to_local_expert_id")
+    ]
+    if not moes or all(getattr(m, "moe_ep_size", 1) <= 1 for m in moes):
+        return None
+    if any(getattr(p, "_sglang_require_global_experts", False) for m in moes for p in m.parameters(recurse=False)):
+        return None
+    by_layer = {getattr(m, "layer_id", None): m for m in moes}
+
+    def loads(layer: int, e: int) -> bool:
+        moe = by_layer.get(layer)
+        if moe is None:  # not an MoE layer of sglang's model (or one it names otherwise): keep
+            return True
+        return _loaded_by(moe, e)
+
+    return loads
+
+
+def _loaded_by(moe: Any, e: int) -> bool:
+    """``FusedMoE.weight_loader``'s choice (``layers/moe/fused_moe_triton/layer.py``) for logical expert
+    ``e``: without expert location metadata the local id ``_map_global_expert_id_to_local_expert_id(e)``
+    (-1: skipped); with it, every physical slot of ``e`` in this layer (``logical_to_all_physical``)
+    that maps to a local id in ``[0, num_local_experts)`` (``_weight_loader_physical``). A fused
+    shared expert (``e`` past the logical routed experts) is kept."""
+    meta = _expert_location_metadata(moe)
+    local = moe._map_global_expert_id_to_local_expert_id
+    if meta is None:
+        return local(e) != -1
+    if e >= meta.num_logical_experts:
+        return True
+    return any(0 <= local(p) < moe.num_local_experts for p in meta.logical_to_all_physical(moe.layer_id, e))
 
 
 def _expert_location_metadata(moe: Any) -> Any:

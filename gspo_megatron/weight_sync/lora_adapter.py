@@ -21,10 +21,15 @@ Per sync (:class:`AdapterSyncer`, a :class:`~gspo_megatron.weight_sync.sync.Weig
   too, so the probe compares the adapter-serving engine with the trainer.
 
 Transport of the adapter:
-- colocated: ``POST /load_lora_adapter_from_tensors``, one ``MultiprocessingSerializer`` payload per
-  engine TP rank (each rank slices its part). The serializer is ForkingPickler: a CPU tensor travels
-  as a named shared-memory segment of *this host*, a CUDA tensor as a CUDA IPC handle; the adapters
-  go as CPU tensors (small; any engine on the host opens them);
+- colocated: ``POST /load_lora_adapter_from_tensors`` with the adapter *by value* (:func:`by_value_payload`):
+  every engine TP rank deserializes its own item of ``serialized_named_tensors`` (sglang's
+  ``tp_worker.py`` ``deserialize_own_rank``: ``MultiprocessingSerializer.deserialize``, a ``SafeUnpickler``)
+  and slices its part. Not ForkingPickler (``MultiprocessingSerializer.serialize``): it puts a CPU tensor
+  in a shared-memory segment of rank 0's host (a CUDA tensor in a CUDA IPC handle), which a TP rank on
+  another node (an engine spanning nodes, an engine on another node's GPUs) cannot open. The plain pickle
+  of CPU tensors carries their bytes (``torch._utils._rebuild_tensor_v2`` over ``torch.storage._load_from_bytes``,
+  both on SafeUnpickler's allow-list, the latter read by its ``_safe_load_torch_storage``): one payload,
+  the same string for every TP rank;
 - engines elsewhere (``sync_mode=disaggregated`` or ``rollout.engine_urls``; ``adapter_dir`` set):
   neither opens on another host, so each version is written as a PEFT directory
   ``<adapter_dir>/<name>-v<N>`` (adapter_config.json + adapter_model.safetensors, renamed into place)
@@ -38,7 +43,8 @@ base is not sent again.
 
 Refused (:func:`adapter_sync_refusal`, one line naming the fields): without ``model.lora``; engines
 other than sglang; sync modes other than colocated / disaggregated (without ``rollout.engine_urls``);
-``rollout.sync_delta`` / ``rollout.sync_fp8``.
+``rollout.sync_delta`` / ``rollout.sync_fp8``; routed-expert adapters on one of ``linear_fc1`` /
+``linear_fc2`` only (:func:`moe_lora_refusal`: sglang would drop them).
 """
 
 from __future__ import annotations
@@ -94,6 +100,9 @@ def adapter_sync_refusal(cfg) -> str | None:
             "(the base is sent once, unmerged, and the adapters in the model dtype); set them false or use "
             "rollout.lora_sync=merged"
         )
+    why = moe_lora_refusal(lora.target_modules, moe=None)
+    if why is not None:
+        return why
     if r.max_staleness > 0:
         return (
             f"rollout.lora_sync=adapter is not supported with rollout.max_staleness={r.max_staleness}: each sync "
@@ -101,6 +110,49 @@ def adapter_sync_refusal(cfg) -> str | None:
             "unloaded lora_path); set rollout.max_staleness=0 or use rollout.lora_sync=merged"
         )
     return None
+
+
+def _targets_routed(t: str, fc: str) -> bool:
+    """Whether target entry ``t`` reaches the routed experts' ``fc`` (``models/lora.py`` ``matches``:
+    a dotted suffix of ``...mlp.experts.linear_fcX``; ``shared_experts.*`` does not)."""
+    return t == fc or t == f"experts.{fc}" or t.endswith(f".experts.{fc}")
+
+
+def moe_lora_refusal(target_modules, moe: bool | None) -> str | None:
+    """None unless ``model.lora.target_modules`` puts adapters on routed experts that sglang would drop.
+    sglang 0.5.23 wraps an MoE layer (``FusedMoE``) with LoRA only when both ``gate_up_proj`` and
+    ``down_proj`` are among the server's ``--lora-target-modules`` (``lora/lora_manager.py``
+    ``init_lora_modules``); the engine's targets are :func:`engine_lora_args`'s (every entry's
+    leaf: ``linear_fc1`` -> gate/up, ``linear_fc2`` -> down). Unwrapped, the experts' adapters are
+    silently not applied while the trainer trains them. ``moe``: the model has routed experts (None:
+    unknown, so only entries naming ``experts.*`` count)."""
+    if moe is False:
+        return None
+    leaves = {t.split(".")[-1] for t in target_modules}
+    explicit = moe is None
+    for fc, other in (("linear_fc1", "linear_fc2"), ("linear_fc2", "linear_fc1")):
+        routed = [t for t in target_modules if _targets_routed(t, fc) and (not explicit or "experts" in t)]
+        if routed and other not in leaves:
+            fix = [*target_modules, "experts." + other]
+            return (
+                f"rollout.lora_sync=adapter: model.lora.target_modules={list(target_modules)} puts adapters on the "
+                f"routed experts' {fc} ({routed[0]}) but nothing on {other}; sglang wraps an MoE layer with LoRA only "
+                "when both gate_up_proj and down_proj are LoRA targets, so the engine would drop them while the "
+                f"trainer trains them: use model.lora.target_modules=[{','.join(fix)}] (or rollout.lora_sync=merged)"
+            )
+    return None
+
+
+def by_value_payload(tensors: dict) -> str:
+    """The adapter as one ``serialized_named_tensors`` item that carries its bytes: the plain pickle
+    (not ForkingPickler) of the CPU tensors, base64, which sglang's ``MultiprocessingSerializer.deserialize``
+    reads on any node (see the module docstring). Each tensor is cloned, so it pickles exactly its own
+    bytes (a view would carry its whole storage)."""
+    import base64
+    import pickle
+
+    named = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    return base64.b64encode(pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
 
 
 def engine_lora_args(cfg) -> dict[str, Any]:
@@ -325,28 +377,28 @@ class AdapterSyncer(WeightSyncer):
         after. Returns the bytes of one copy."""
         from gspo_megatron.models.lora_peft import peft_config
         from gspo_megatron.rollout.sglang_client import SGLangError
-        from gspo_megatron.rollout.sglang_compat import multiprocessing_serializer, use_cpu_shared_memory
 
         gpt = unwrap_gpt(self.model)
         tensors, modules = fuse_shared_a(tensors, modules)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         config = peft_config(gpt.lora, modules, None)
-        path = None
+        path = payload = None
         if self.adapter_dir is not None:  # engines on other hosts: sglang's /load_lora_adapter reads the directory
             path = self._write_peft_dir(name, tensors, config)
-        else:
-            use_cpu_shared_memory()
-            ser = multiprocessing_serializer()
+        else:  # by value: TP ranks on any node decode it
+            payload = by_value_payload(tensors)
         for client in self.engine.clients:
             body: dict[str, Any]
             if path is not None:
                 route, body = "load_lora_adapter", {"lora_name": name, "lora_path": path}
             else:
-                # one payload per engine TP rank (a CPU payload is opened once); kept alive until the answer
-                payloads = [ser.serialize(dict(tensors), output_str=True) for _ in range(int(client.tp_size))]
-                route, body = (
+                route, body = (  # one item per engine TP rank (tp_worker.py deserialize_own_rank)
                     "load_lora_adapter_from_tensors",
-                    {"lora_name": name, "config_dict": config, "serialized_named_tensors": payloads},
+                    {
+                        "lora_name": name,
+                        "config_dict": config,
+                        "serialized_named_tensors": [payload] * int(client.tp_size),
+                    },
                 )
             out = client.post(route, body)
             if not (isinstance(out, dict) and out.get("success")):

@@ -10,6 +10,14 @@ A transport failure (a dead engine) never leaves the other ranks stuck in the ex
 the failing rank keeps iterating the stream without sending, and after the stream every rank learns
 whether any rank failed (one all-gather, which also carries the byte counts); the error texts are
 gathered on rank 0, which decides (``rollout.session``).
+
+Delta sync (``rollout.sync_delta``): before encoding, the ranks that talk to engines ask each engine
+the version of the weights it serves (``/model_info``'s ``weight_version``, set by every update call);
+an engine that does not report the last sync's version was restarted (sglang starts at ``default``)
+or written by someone else, so it holds no base for a delta, and every rank's encoder starts over
+(a full sync under a new epoch, one all-gather of the flag). The engine's loader raising instead
+(``delta_loader``) would end a real engine: sglang's weight updater has no handler around a custom
+loader (``model_runner_components/weight_updater.py``), its scheduler exits on the exception.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ class WeightSyncer:
             except Exception as e:  # noqa: BLE001 - reported to every rank after the stream
                 error = e
 
+        rebased = self._forget_restarted_engines(transport) if getattr(self.topology, "delta", False) else None
         if transport is not None:
             guard(transport.begin, str(self.version))
         # a transport whose ranks run collectives per bucket (``keeps_step``) is called for every
@@ -98,7 +107,18 @@ class WeightSyncer:
             "sync/version": float(self.version),
             **({"sync/lora_adapter_bytes": float(self.lora_bytes)} if self.lora_bytes else {}),
             **(delta() if delta is not None else {}),
+            **({"sync/delta_engines_rebased": float(rebased)} if rebased is not None else {}),
         }
+
+    def _forget_restarted_engines(self, transport) -> bool:
+        """Collective (delta sync, before ``begin``): whether some engine reports a weight version other
+        than the last sync's (``self.version`` before it is incremented; module docstring), in which
+        case every rank's encoder is reset. An engine that does not answer counts as restarted (the
+        sync then fails on it the usual way)."""
+        stale, _, _ = _failed_and_bytes(engines_stale(transport, str(self.version - 1)), 0.0)
+        if stale:
+            self.engines_restarted()
+        return stale
 
     def engines_restarted(self) -> None:
         """After a failed sync or an engine restart (every rank): a delta-sync transport forgets
@@ -106,6 +126,17 @@ class WeightSyncer:
         reset = getattr(self.topology.transport, "reset_delta", None)
         if reset is not None:
             reset()
+
+
+def engines_stale(transport, expected: str) -> bool:
+    """Whether an engine this rank's ``transport`` talks to reports a weight version other than
+    ``expected`` (the last sync's) or does not answer: it holds no base for a delta."""
+    if transport is None:
+        return False
+    try:
+        return any(v != expected for v in transport.engine_versions())
+    except Exception:  # noqa: BLE001 - an engine that does not answer holds no known base
+        return True
 
 
 def _lora_of(model):

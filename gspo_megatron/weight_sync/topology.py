@@ -49,6 +49,8 @@ class SyncTopology:
     sources: list[int] = field(default_factory=lambda: [0])
     reconnect_all: Callable[[], None] = lambda: None
     engine_urls: list[str] = field(default_factory=list)
+    #: ``rollout.sync_delta`` (the same on every rank): the syncer checks the engines' weight versions first
+    delta: bool = False
 
 
 def build_sync_topology(cfg, engine=None, fleet=None) -> SyncTopology:
@@ -90,6 +92,7 @@ def colocated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopology:
         transport,
         sources=[s.src_rank for s in fleet.specs],
         engine_urls=list(fleet.urls),
+        delta=cfg.rollout.sync_delta,
     )
 
 
@@ -184,4 +187,5 @@ def disaggregated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopol
         sources=sources,
         reconnect_all=lambda: connect_all(True),
         engine_urls=list(fleet.urls),
+        delta=cfg.rollout.sync_delta,
     )

@@ -102,3 +102,80 @@ def test_fuse_shared_a():
     assert sorted(out) == sorted(
         f"base_model.model.{p}{m}.lora_{x}.weight" for m in ("o_proj", "qkv_proj") for x in "AB"
     )
+
+
+@pytest.mark.parametrize(
+    "targets, fix",
+    [
+        (
+            "linear_qkv,experts.linear_fc1",
+            "model.lora.target_modules=[linear_qkv,experts.linear_fc1,experts.linear_fc2]",
+        ),
+        ("mlp.experts.linear_fc2", "model.lora.target_modules=[mlp.experts.linear_fc2,experts.linear_fc1]"),
+        ("experts.linear_fc1,shared_experts.linear_fc1", "experts.linear_fc2]"),
+    ],
+)
+def test_routed_experts_on_one_of_fc1_fc2_refused(targets, fix):
+    """sglang 0.5.23 wraps an MoE layer with LoRA only when both gate_up_proj and down_proj are targets
+    (lora_manager.py init_lora_modules): routed-expert adapters on one of linear_fc1 / linear_fc2 only
+    would be dropped by the engine while the trainer trains them; refused in one line naming the field
+    and a value that works."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*OK, f"model.lora.target_modules=[{targets}]"])
+    msg = str(e.value)
+    assert "model.lora.target_modules=" in msg and "gate_up_proj and down_proj" in msg and fix in msg, msg
+    assert "\n" not in msg.split("rollout.lora_sync=adapter: ", 1)[1], msg  # one line
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        "linear_qkv,experts.linear_fc1,experts.linear_fc2",
+        "experts.linear_fc1,linear_fc2",  # the engine's targets hold down_proj: the MoE layer is wrapped
+        "linear_qkv,shared_experts.linear_fc1",  # no routed experts named
+    ],
+)
+def test_routed_experts_with_both_targets_load(targets):
+    load_config(None, [*OK, f"model.lora.target_modules=[{targets}]"])
+
+
+def test_bare_linear_fc1_refused_on_an_moe_model_only():
+    """``linear_fc1`` alone reaches the routed experts of an MoE model (dense MLPs of a dense one): the
+    model-layout check, which knows the model, refuses it for an MoE model only."""
+    from gspo_megatron.config import validate_model_layout
+    from gspo_megatron.models.arch import KNOWN_ARCHS
+    from gspo_megatron.weight_sync.lora_adapter import moe_lora_refusal
+
+    cfg = load_config(None, [*OK, "model.lora.target_modules=[linear_qkv,linear_fc1]"])  # statically fine
+    with pytest.raises(ConfigError, match=r"target_modules=\[linear_qkv,linear_fc1,experts.linear_fc2\]"):
+        validate_model_layout(cfg, KNOWN_ARCHS["tiny-qwen3-moe"])
+    assert moe_lora_refusal(["linear_qkv", "linear_fc1"], moe=False) is None
+    assert moe_lora_refusal(["linear_fc1", "linear_fc2"], moe=True) is None
+    ok = load_config(None, OK)
+    validate_model_layout(ok, KNOWN_ARCHS["tiny-qwen3-moe"])
+
+
+def test_by_value_payload_decodes_with_sglangs_deserializer_bitwise():
+    """The colocated payload (by_value_payload) carries the tensors' bytes, no shared-memory segment
+    or IPC handle, and sglang's own MultiprocessingSerializer.deserialize (its SafeUnpickler) reads it."""
+    import base64
+
+    import torch
+
+    from gspo_megatron.rollout.sglang_compat import multiprocessing_serializer
+    from gspo_megatron.weight_sync.lora_adapter import by_value_payload
+
+    big = torch.randn(600, 8, dtype=torch.bfloat16)  # the view below is 2 of its 600 rows
+    t = {"a.lora_A.weight": big[:2], "a.lora_B.weight": torch.randn(8, 2), "b": torch.arange(5)}
+    payload = by_value_payload(t)
+    raw = base64.b64decode(payload)
+    assert b"rebuild_storage_filename" not in raw and b"rebuild_storage_fd" not in raw and b"torch_" not in raw
+    got = multiprocessing_serializer().deserialize(payload)
+    assert sorted(got) == sorted(t)
+    for k, v in t.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape
+        assert torch.equal(
+            got[k].view(torch.uint8) if v.is_floating_point() else got[k],
+            v.view(torch.uint8) if v.is_floating_point() else v,
+        )
+    assert len(raw) < 2 * sum(v.numel() * v.element_size() for v in t.values()) + 4096  # a view sends its own bytes

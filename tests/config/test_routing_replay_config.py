@@ -31,12 +31,19 @@ def test_values_and_yaml_off(tmp_path):
     "overrides, match",
     [
         (["rollout.routing_replay=r3"], "rollout.routing_replay=r3 needs rollout.engine=sglang"),
-        (["rollout.routing_replay=r2", "model.recompute=true"], "rollout.routing_replay=r2 with model.recompute=true"),
     ],
 )
 def test_refusals(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("mode", ["r2", "r3"])
+def test_recompute_is_accepted(mode):
+    """Replay holds in the forward recomputed in backward (tests/pipeline/test_route_replay_recompute.py)."""
+    extra = SGLANG_CPU if mode == "r3" else []
+    cfg = load_config(None, [*extra, f"rollout.routing_replay={mode}", "model.recompute=true"])
+    assert cfg.model.recompute and cfg.rollout.routing_replay == mode
 
 
 def test_dense_model_refused():

@@ -17,8 +17,20 @@ from gspo_megatron.runtime.ports import free_port
 class CpuServer:
     """One engine (one or more launches: one per simulated node). ``url`` is node 0's."""
 
-    def __init__(self, model_path: str, log_dir: str, *, tp: int = 1, nnodes: int = 1, extra: tuple = ()):
-        self.port = free_port()
+    def __init__(
+        self,
+        model_path: str,
+        log_dir: str,
+        *,
+        tp: int = 1,
+        nnodes: int = 1,
+        extra: tuple = (),
+        port: int | None = None,
+        node_env: dict[int, dict[str, str]] | None = None,
+    ):
+        """``port``: the address to serve at (an engine restarted in place); ``node_env``: extra
+        environment of a node's launch (e.g. ``{1: {"GSPO_SIM_HOST": "1"}}``: node 1 on another host)."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
         dist_addr = f"127.0.0.1:{free_port()}" if nnodes > 1 else None
@@ -48,6 +60,7 @@ class CpuServer:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    env={**os.environ, **(node_env or {}).get(node, {})},
                 )
             )
         self.log_path = os.path.join(log_dir, f"cpu_server_{self.port}_node0.log")

@@ -225,8 +225,8 @@ def test_refusals_as_sglang(tp2, saved, config):
         )
         with pytest.raises(SGLangError, match="Failed to receive weights"):
             client.update_weights_from_distributed([name], ["float32"], [[64, 64]], "no_group")
-        with pytest.raises(SGLangError, match="shape"):
-            client.update_weights_from_tensor(per_rank([(name, torch.zeros(3, 3))]), load_format="flattened_bucket")
+        # a tensor sglang's loader raises on (a shape mismatch) ends the server, as it ends sglang's
+        # scheduler: test_cpu_server_delta.py::test_an_exception_in_the_update_ends_the_server_...
     finally:
         client.end_weight_update()
     after = read_weight_shards(tp2.url, [name])

@@ -1,9 +1,12 @@
 """Delta sync on the CPU server: sglang's ``--custom-weight-loader`` route of
-``update_weights_from_tensor`` (refusal of an unregistered load_format, as sglang's
-``NotImplementedError``; the delta loader applied on every TP rank, its full tensors reaching the
+``update_weights_from_tensor`` (an unregistered load_format raises sglang's ``NotImplementedError``
+and, like a delta without a base, ends the server as it ends sglang's scheduler; a restarted engine
+gets a full sync instead, found by its weight version; the delta loader applied on every TP rank, its full tensors reaching the
 shard store and sglang's own model class, whose NaN check at ``end_weight_update`` passes only when
 every parameter was written), driven by the real ``CudaIpcTransport(delta=True)`` from two trainer ranks.
 """
+
+import time
 
 import pytest
 import torch
@@ -50,29 +53,79 @@ def shards_equal(url, config, state, tp=2):
     return None
 
 
-def test_unregistered_loader_refused_and_stale_delta_fails(server, saved):
-    client = SGLangHttpClient(server.url)
-    info = client.server_info()
-    assert info["custom_weight_loader"] == [LOADER_NAME]
+def _bad_update(kind: str, client, saved) -> None:
+    """One update_weights_from_tensor call that sglang's code path raises on (module docstring)."""
     enc = DeltaEncoder()
-    assert client.begin_weight_update()
-    try:
-        # a loader that exists but is not in --custom-weight-loader: sglang raises NotImplementedError
-        with pytest.raises(SGLangError, match="Unknown load_format=gspo_megatron.weight_sync.delta.decode_entries"):
-            client.update_weights_from_tensor(
-                per_rank(enc.encode_bucket(sorted(saved.items()))),
-                load_format="gspo_megatron.weight_sync.delta.decode_entries",
-            )
-        enc.reset()
+    if kind == "unregistered_loader":  # exists, but not in --custom-weight-loader: NotImplementedError
+        client.update_weights_from_tensor(
+            per_rank(enc.encode_bucket(sorted(saved.items()))),
+            load_format="gspo_megatron.weight_sync.delta.decode_entries",
+        )
+    else:  # deltas of another trainer's copy (another epoch): the loader has no base for them
+        enc.copy.update({n: t.clone() for n, t in saved.items()})
         client.update_weights_from_tensor(per_rank(enc.encode_bucket(sorted(saved.items()))), load_format=LOADER_NAME)
-        stale = DeltaEncoder()  # another trainer's copy (another epoch): the engine refuses its deltas
-        stale.copy.update({n: t.clone() for n, t in saved.items()})
-        with pytest.raises(SGLangError, match="epoch"):
-            client.update_weights_from_tensor(
-                per_rank(stale.encode_bucket(sorted(saved.items()))), load_format=LOADER_NAME
-            )
+
+
+@pytest.mark.parametrize("kind", ["unregistered_loader", "delta_without_base"])
+def test_an_exception_in_the_update_ends_the_server_as_it_ends_sglangs_scheduler(kind, model_dir, saved, tmp_path):
+    """sglang 0.5.23 has no handler around the update's load (``weight_updater.py``): the scheduler
+    exits and the server with it. So does the CPU server (no ``success: false`` answer to go on from)."""
+    s = CpuServer(model_dir, str(tmp_path), tp=2, extra=("--custom-weight-loader", LOADER_NAME))
+    try:
+        client = SGLangHttpClient(s.url, timeout_s=60)
+        assert client.server_info()["custom_weight_loader"] == [LOADER_NAME]
+        assert client.begin_weight_update()
+        with pytest.raises(SGLangError):
+            _bad_update(kind, client, saved)
+        deadline = time.monotonic() + 30
+        while s.procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.procs[0].poll() is not None, "the CPU server outlived an exception sglang has no handler for"
+        with open(s.log_path) as f:
+            log = f.read()
+        assert "Scheduler hit an exception" in log
+        assert ("Unknown load_format" if kind == "unregistered_loader" else "no copy of it") in log
     finally:
-        client.end_weight_update()
+        s.stop()
+
+
+def test_delta_sync_to_a_restarted_engine_is_full_not_fatal(model_dir, saved, tmp_path):
+    """An attached engine restarted behind the trainer's back reports sglang's initial weight version:
+    the syncer's check (``weight_sync.sync.engines_stale``) resets the encoder, so the next sync is full
+    under a new epoch and the engine's weights are right, where a delta would have ended it."""
+    from gspo_megatron.weight_sync.sync import engines_stale
+
+    config = AutoConfig.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(5)
+    states = [{n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in saved.items()}]
+    for _ in range(2):  # a few elements of every tensor change per step
+        states.append({n: t.clone() for n, t in states[-1].items()})
+        for t in states[-1].values():
+            t.view(-1)[:: max(1, t.numel() // 5)] += 0.5
+    s = CpuServer(model_dir, str(tmp_path), tp=1, extra=("--custom-weight-loader", LOADER_NAME))
+    try:
+        transport = CudaIpcTransport(SGLangHttpClient(s.url), delta=True)
+        for version, state in enumerate(states[:2], start=1):
+            assert not engines_stale(transport, str(version - 1)) or version == 1
+            transport.begin(str(version))
+            transport.send_bucket(sorted((n, t.clone()) for n, t in state.items()))
+            transport.end()
+        assert transport.delta_metrics()["sync/delta_wire_bytes"] < transport.delta_metrics()["sync/delta_full_bytes"]
+        port = s.port
+        s.stop()  # restarted at the same address (an attached engine restarted by its operator)
+        s = CpuServer(model_dir, str(tmp_path), tp=1, extra=("--custom-weight-loader", LOADER_NAME), port=port)
+        assert transport.engine_versions() == ["default"]  # sglang's weight_version before any update
+        assert engines_stale(transport, "2")
+        transport.reset_delta()
+        transport.begin("3")
+        transport.send_bucket(sorted((n, t.clone()) for n, t in states[2].items()))
+        transport.end()
+        m = transport.delta_metrics()
+        assert m["sync/delta_wire_bytes"] == m["sync/delta_full_bytes"]
+        assert shards_equal(s.url, config, states[2], tp=1) is None
+        assert not engines_stale(transport, "3")
+    finally:
+        s.stop()
 
 
 def _delta_rank(rank, world, port, url, model_dir, states):

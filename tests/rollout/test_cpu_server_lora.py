@@ -295,3 +295,36 @@ def test_load_from_path(server, model_dir, saved, tmp_path):
     assert status == 400 and "not one" in out["error_message"], out
     status, out = post(server.url, "unload_lora_adapter", {"lora_name": "p"})
     assert status == 200 and "p" not in out["loaded_adapters"], out
+
+
+@pytest.mark.parametrize(
+    "server_targets, kept",
+    [
+        (["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], False),  # no down_proj: the MoE layer unwrapped
+        (["q_proj", "k_proj", "v_proj", "gate_up_proj", "down_proj"], True),
+        (["all"], True),
+    ],
+)
+def test_moe_layer_wrapped_only_with_gate_up_and_down(model_dir, saved, server_targets, kept):
+    """sglang 0.5.23 wraps a FusedMoE with LoRA only when both gate_up_proj and down_proj are among
+    --lora-target-modules (lora_manager.py init_lora_modules); otherwise the experts' adapters are
+    dropped without an error, the adapter still loads (its targets are within the server's). The CPU
+    server drops them the same way: only the attention adapters are applied."""
+    from transformers import AutoConfig
+
+    from gspo_megatron.rollout.cpu_server.args import parse_args
+    from gspo_megatron.rollout.cpu_server.lora import WorkerLoras
+
+    modules = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    tensors = adapter(saved, 6, modules=modules)
+    assert any(".mlp.experts.0.gate_proj.lora_A." in k for k in tensors)
+    args = parse_args(
+        ["--model-path", model_dir, "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", *server_targets]
+    )
+    loras = WorkerLoras(args, AutoConfig.from_pretrained(model_dir))
+    use_cpu_shared_memory()
+    out = loras.load(0, "moe", config(modules=modules), [multiprocessing_serializer().serialize(dict(tensors))])
+    assert out["success"], out
+    names = list(loras.adapters["moe"]["weights"])
+    assert any(".self_attn.qkv_proj.lora_A" in n for n in names)
+    assert any(".experts." in n for n in names) == kept, names

@@ -113,3 +113,14 @@ def test_engine_client_decodes_indexer_topk(server, dsa_dir, spec):
     )
     with pytest.raises(RoutedExpertsError, match=server.url):
         wrong.generate(PROMPTS[:1], 1, SamplingParams(max_new_tokens=2))
+
+
+def test_indexer_capture_at_tp_above_one_aborts_the_start_as_sglangs_capturer(dsa_dir, tmp_path):
+    """sglang's IndexerTopkCapturer asserts attn_tp_size == 1 when it is built (the model runner's
+    start): an engine at --tp-size 2 without attention DP never comes up; nor does the CPU server."""
+    from gspo_megatron.rollout.engine_startup_checks import INDEXER_CAPTURER_ASSERT
+
+    with pytest.raises(Exception):  # noqa: B017 - the start fails; the log names sglang's assert
+        CpuServer(dsa_dir, str(tmp_path), tp=2, extra=("--enable-return-indexer-topk",))
+    logs = "".join(p.read_text() for p in tmp_path.glob("cpu_server_*_node0.log"))
+    assert INDEXER_CAPTURER_ASSERT in logs and "attn_tp_size = 2" in logs

@@ -27,19 +27,31 @@ def perturbed(monkeypatch):
     monkeypatch.setenv(PERTURBATION_ENV, "3.0")
 
 
-def test_r3_run_closes_the_logprob_gap(tmp_path, perturbed):
+R3 = [
+    *ENGINES,
+    "rollout.routing_replay=r3",
+    "parallel.max_tokens_per_micro_batch=64",
+    "rollout.sync_verify_every=1",
+    "gspo.kl_coef=0.01",
+    "rollout.engine_deterministic=true",  # per-sample seeds: a second run samples the same (recompute test)
+]
+
+
+@pytest.fixture(scope="module")
+def r3_rows(tmp_path_factory) -> list[dict]:
+    """The metrics of the r3 run (perturbed engines); shared by the tests below."""
+    from gspo_megatron.rollout.cpu_server.args import PERTURBATION_ENV
+
+    out = str(tmp_path_factory.mktemp("r3"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(PERTURBATION_ENV, "3.0")
+        run_train(out, R3)
+    return read_metrics(out)
+
+
+def test_r3_run_closes_the_logprob_gap(tmp_path, perturbed, r3_rows):
     # the post-sync probe (rollout.sync_verify, every sync) replays the engine's routes too: it passes
-    run_train(
-        str(tmp_path / "r3"),
-        [
-            *ENGINES,
-            "rollout.routing_replay=r3",
-            "parallel.max_tokens_per_micro_batch=64",
-            "rollout.sync_verify_every=1",
-            "gspo.kl_coef=0.01",
-        ],
-    )
-    rows = read_metrics(str(tmp_path / "r3"))
+    rows = r3_rows
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout/logprob_abs_diff"] < 1e-5, r
@@ -49,6 +61,21 @@ def test_r3_run_closes_the_logprob_gap(tmp_path, perturbed):
     off = read_metrics(str(tmp_path / "off"))
     assert all(r["rollout/logprob_abs_diff"] > 1e-3 for r in off), off
     assert all("rollout/route_agreement" not in r for r in off)
+
+
+def test_r3_run_with_recompute_learns_as_without(tmp_path, perturbed, r3_rows):
+    """model.recompute=true (issue 32): the layers recomputed in backward replay the same routes, so
+    the run learns exactly as the one without recompute (same seed: same samples, same updates)."""
+    run_train(str(tmp_path / "rc"), [*R3, "model.recompute=true"])
+    rows = read_metrics(str(tmp_path / "rc"))
+    assert [r["step"] for r in rows] == [1, 2]
+    for r, ref in zip(rows, r3_rows):
+        assert r["rollout/logprob_abs_diff"] < 1e-5, r
+        assert r["sync/verify_max_abs_diff"] < 1e-4, r
+        keys = [k for k in ref if k.startswith(("loss/", "reward/", "train/grad_norm")) and isinstance(ref[k], float)]
+        assert keys, ref
+        for k in keys:
+            assert r[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), (r["step"], k)
 
 
 def test_r2_run(tmp_path):

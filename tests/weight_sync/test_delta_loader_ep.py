@@ -7,6 +7,12 @@ Qwen3-MoE, DeepSeek-V3 (shared experts beside the routed ones) and Mixtral (its 
 one model per rank loaded through ``delta_loader.apply_deltas`` with ``DeltaEncoder`` payloads, one
 through ``load_weights`` with the full tensors. The experts a rank keeps are checked against the
 range sglang's layout gives EP rank r (``[r * E / 2, (r + 1) * E / 2)``), written out here.
+
+The expert location metadata is installed as sglang's model runner installs it (the trivial map by
+default, for which ``FusedMoE.weight_loader`` maps each checkpoint expert through
+``logical_to_all_physical``); ``qwen3_moe_eplb`` starts the engine with an EPLB placement
+(``--init-expert-location`` with a ``physical_to_logical_map`` that differs per layer), so the experts a
+rank loads differ per layer: the kept set is checked against that map, written out here.
 """
 
 from __future__ import annotations
@@ -18,7 +24,27 @@ from distributed_harness import run_ranks
 
 pytest.importorskip("sglang")
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen3_moe_eplb")
+
+
+def _eplb_map(layers: int, experts: int) -> list[list[int]]:
+    """physical_to_logical_map [layers, experts]: layer l's physical slot p holds logical ``(p + l + 1) % E``."""
+    return [[(p + layer + 1) % experts for p in range(experts)] for layer in range(layers)]
+
+
+def _eplb_arg(hf_dir: str) -> str:
+    import json
+    import os
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return json.dumps(
+        {
+            "physical_to_logical_map": _eplb_map(
+                cfg["num_hidden_layers"], cfg.get("num_experts") or cfg["num_local_experts"]
+            )
+        }
+    )
 
 
 def _changed(hf: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
@@ -71,8 +97,9 @@ def _run(rank, world, dirs: dict):
 
     out = {}
     for kind, hf_dir in dirs.items():
-        by_delta = SglangModel(hf_dir, world, rank, ep_size=2, dtype=torch.float32)
-        by_full = SglangModel(hf_dir, world, rank, ep_size=2, dtype=torch.float32)
+        location = _eplb_arg(hf_dir) if kind.endswith("_eplb") else "trivial"
+        by_delta = SglangModel(hf_dir, world, rank, ep_size=2, dtype=torch.float32, init_expert_location=location)
+        by_full = SglangModel(hf_dir, world, rank, ep_size=2, dtype=torch.float32, init_expert_location=location)
         by_delta.poison()
         by_full.poison()
         enc = DeltaEncoder()
@@ -106,7 +133,7 @@ def results(tmp_path_factory):
     dirs = {}
     for kind in FAMILIES:
         d = tmp_path_factory.mktemp(kind)
-        save_tiny_hf_model(kind, str(d))
+        save_tiny_hf_model(kind.removesuffix("_eplb"), str(d))
         dirs[kind] = str(d)
     return run_ranks(_run, 2, dirs, timeout=900)
 
@@ -122,7 +149,16 @@ def test_delta_loader_keeps_only_this_ep_ranks_experts_and_loads_bitwise(results
         experts = {n: expert_weight(n)[0] for n in r["names"] if expert_weight(n) is not None}
         count = max(experts.values()) + 1
         assert count % 2 == 0 and len(experts) > 0
-        mine = {n for n, e in experts.items() if rank * count // 2 <= e < (rank + 1) * count // 2}
+        if kind.endswith("_eplb"):  # rank r holds physical slots [r * E / 2, (r + 1) * E / 2) of each layer
+            layers = 1 + max(int(n.split(".")[2]) for n in experts)
+            table = _eplb_map(layers, count)
+            held = {
+                (lay, table[lay][p]) for lay in range(layers) for p in range(rank * count // 2, (rank + 1) * count // 2)
+            }
+            mine = {n for n, e in experts.items() if (int(n.split(".")[2]), e) in held}
+            assert len({e for n, e in experts.items() if n in mine and n.startswith("model.layers.0.")}) == count // 2
+        else:
+            mine = {n for n, e in experts.items() if rank * count // 2 <= e < (rank + 1) * count // 2}
         dense = set(r["names"]) - set(experts)
         assert set(r["kept"]) == dense | mine, (rank, sorted(set(r["kept"]) ^ (dense | mine))[:5])
         assert len(mine) * 2 == len(experts)

@@ -344,8 +344,8 @@ class Front:
     # -- test-only -------------------------------------------------------------------------------
     def weight_shards(self, body: dict) -> tuple[int, Any]:
         kw = _fields(body, "names")
-        result = self.command("shards", names=list(kw["names"]))
-        return 200, {"ranks": [{n: encode_tensor(t) for n, t in r["shards"].items()} for r in result["ranks"]]}
+        result = self.command("shards", names=list(kw["names"]))  # encoded by each rank (encode_tensor)
+        return 200, {"ranks": [r["shards"] for r in result["ranks"]]}
 
     def memory_report(self, body: dict) -> tuple[int, Any]:
         result = self.command("memory")

@@ -43,7 +43,11 @@ its source):
   rank 0 applies the whole adapter to its assembled model. Routed experts: per-expert adapters
   (``...mlp.experts.<e>.{gate,up,down}_proj``, sglang's per-expert form) are applied to that expert's slice of
   transformers' fused 3-D expert parameters (``_expert_views``); shared-outer 3-D adapters and embedding / lm_head
-  adapters are refused by this stand-in (not by sglang).
+  adapters are refused by this stand-in (not by sglang). As sglang, expert adapters are dropped unless the
+  server's targets hold both ``gate_up_proj`` and ``down_proj`` (``lora_manager.py`` ``init_lora_modules``
+  wraps a ``FusedMoE`` only then);
+- nodes: a payload's shared-memory segment opens only on its creator's host (``hosts.segments_of_host``;
+  ``hosts.simulated_host`` tells simulated nodes on one machine apart), as on sglang's TP ranks.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ import time
 from typing import Any, Iterator
 
 import torch
+
+from gspo_megatron.rollout.cpu_server.hosts import segments_of_host, simulated_host
 
 TENSOR_PATH = "__tensor__"  # LoadLoRAAdapterFromTensorsReqInput.to_ref's lora_path
 NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
@@ -71,29 +77,10 @@ def supported_target_modules() -> list[str]:
 
         return list(SUPPORTED_LORA_TARGET_MODULES) + [LORA_TARGET_ALL_MODULES]
     except Exception:  # noqa: BLE001 - sglang absent: the 0.5.23 list
-        return [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "q_a_proj",
-            "kv_a_proj_with_mqa",
-            "q_b_proj",
-            "kv_b_proj",
-            "wq_b",
-            "wk",
-            "weights_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-            "qkv_proj",
-            "gate_up_proj",
-            "embed_tokens",
-            "lm_head",
-            "qkvr",
-            "wo_ud",
-            "all",
-        ]
+        return (
+            "q_proj k_proj v_proj o_proj q_a_proj kv_a_proj_with_mqa q_b_proj kv_b_proj wq_b wk weights_proj "
+            "gate_proj up_proj down_proj qkv_proj gate_up_proj embed_tokens lm_head qkvr wo_ud all"
+        ).split()
 
 
 def add_lora_args(p) -> None:
@@ -161,8 +148,11 @@ class WorkerLoras:
     """One TP rank's adapters (``lora_manager.py``'s ``configs`` / ``loras`` / ``lora_refs``)."""
 
     def __init__(self, args, hf_config) -> None:
+        import os
+
         self.args, self.hf_config = args, hf_config
         self.adapters: dict[str, dict] = {}  # name -> {"scaling", "pinned", "weights": {name: tensor}}
+        self.host = simulated_host(os.getpid()) or ""  # now, while the process that launched the server lives
 
     def loaded(self) -> dict[str, str]:
         return {n: a.get("path", TENSOR_PATH) for n, a in self.adapters.items()}
@@ -200,7 +190,8 @@ class WorkerLoras:
                     f"{tp_rank} reads item {tp_rank} (one per TP rank)"
                 )
             use_cpu_shared_memory()
-            data = multiprocessing_serializer().deserialize(serialized_named_tensors[tp_rank])
+            with segments_of_host(self.host):  # a shared-memory segment opens on its own host only
+                data = multiprocessing_serializer().deserialize(serialized_named_tensors[tp_rank])
             if load_format == "flattened_bucket":
                 tensors = dict(
                     require_flattened_bucket_class()(
@@ -299,6 +290,10 @@ class WorkerLoras:
             weights: dict[str, torch.Tensor] = {}
             for layer in adapter.layers:
                 weights.update(layer.weights)
+            if server is not None and not {"gate_up_proj", "down_proj"} <= server:
+                # lora_manager.py init_lora_modules: a FusedMoE is wrapped with LoRA only when both are
+                # targets; unwrapped, the memory pool never reads its experts' adapters (dropped silently)
+                weights = {n: w for n, w in weights.items() if not re.search(r"\.experts\.", n)}
             if adapter.embedding_layers or adapter.added_tokens_embeddings:
                 raise ValueError(
                     f"the CPU server does not apply embedding / lm_head adapters "

@@ -191,8 +191,17 @@ def import_error() -> str | None:
     return None
 
 
-def server_args(model_path: str, tp_size: int, ep_size: int = 1, dtype: str = "auto"):
-    """sglang's ``ServerArgs`` for this engine on CPU (no tokenizer; weights come by load)."""
+def server_args(
+    model_path: str,
+    tp_size: int,
+    ep_size: int = 1,
+    dtype: str = "auto",
+    init_expert_location: str = "trivial",
+    custom_weight_loader: list[str] | None = None,
+):
+    """sglang's ``ServerArgs`` for this engine on CPU (no tokenizer; weights come by load);
+    ``init_expert_location``: sglang's ``--init-expert-location`` (EPLB's initial placement);
+    ``custom_weight_loader``: ``--custom-weight-loader`` (read by sglang's ``WeightUpdater``)."""
     install_import_stubs()
     from sglang.srt.server_args import ServerArgs
 
@@ -209,6 +218,8 @@ def server_args(model_path: str, tp_size: int, ep_size: int = 1, dtype: str = "a
         dtype=dtype,
         load_format="dummy",
         skip_tokenizer_init=True,
+        init_expert_location=init_expert_location,
+        custom_weight_loader=list(custom_weight_loader or []),
         **extra,
     )
 
@@ -302,14 +313,36 @@ def known_architecture(cls):
     """While sglang's loader reads the quantization config (``_get_quantization_config``: the class's
     ``packed_modules_mapping`` / ``remap_prefix``), its ``get_model_architecture`` answers ``cls``, the
     class :func:`model_class` found, instead of importing every model module through the registry."""
+    import sglang.srt.model_loader as package
     from sglang.srt.model_loader import loader
 
-    real = loader.get_model_architecture
-    loader.get_model_architecture = lambda model_config: (cls, cls.__name__)
+    real = loader.get_model_architecture, package.get_model_architecture
+    loader.get_model_architecture = package.get_model_architecture = lambda model_config: (cls, cls.__name__)
     try:
         yield
     finally:
-        loader.get_model_architecture = real
+        loader.get_model_architecture, package.get_model_architecture = real
+
+
+def install_expert_location(model_config) -> Any:
+    """sglang's ``ExpertLocationMetadata`` for this rank, computed and installed process-wide as the model
+    runner does before it loads the model (``model_executor/model_runner.py``
+    ``maybe_init_expert_location_metadata``: ``set_global_expert_location_metadata(
+    compute_initial_expert_location_metadata(model_config, moe_ep_rank))``; ``eplb/expert_location.py``:
+    with the default ``--init-expert-location trivial``, ``ExpertLocationMetadata.init_trivial``, and None
+    for a class without ``get_model_config_for_expert_location``). ``FusedMoE.weight_loader`` then maps
+    each checkpoint expert through it (``logical_to_all_physical``). sglang sets it once per engine
+    process; here one process may build several engines (tests), each installing its own
+    (``allow_overwrite``, as ``publish`` is last-publish-wins). Call under :func:`known_architecture`."""
+    from sglang.srt.eplb.expert_location import (
+        compute_initial_expert_location_metadata,
+        set_global_expert_location_metadata,
+    )
+    from sglang.srt.runtime_context import get_parallel
+
+    meta = compute_initial_expert_location_metadata(model_config=model_config, moe_ep_rank=get_parallel().moe_ep_rank)
+    set_global_expert_location_metadata(meta, allow_overwrite=True)
+    return meta
 
 
 class SglangModel:
@@ -319,7 +352,14 @@ class SglangModel:
     ``poison()`` / ``unwritten()``: the written check of a full sync (module docstring)."""
 
     def __init__(
-        self, model_path: str, tp_size: int, tp_rank: int, ep_size: int = 1, dtype: torch.dtype | str | None = None
+        self,
+        model_path: str,
+        tp_size: int,
+        tp_rank: int,
+        ep_size: int = 1,
+        dtype: torch.dtype | str | None = None,
+        init_expert_location: str = "trivial",
+        custom_weight_loader: list[str] | None = None,
     ):
         install_import_stubs()
         from sglang.srt.configs.load_config import LoadConfig
@@ -330,7 +370,9 @@ class SglangModel:
 
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
-        self.args = server_args(model_path, tp_size, ep_size, dtype or "auto")
+        self.args = server_args(
+            model_path, tp_size, ep_size, dtype or "auto", init_expert_location, custom_weight_loader
+        )
         self.tp_size, self.tp_rank = tp_size, tp_rank
         init_parallel(self.args, tp_rank)
         self.model_config = ModelConfig.from_server_args(self.args)
@@ -346,6 +388,7 @@ class SglangModel:
         cls = model_class(self.model_config)
         with known_architecture(cls):
             quant_config = _get_quantization_config(self.model_config, load_config)
+            self.expert_location = install_expert_location(self.model_config)
         # loader.py DefaultModelLoader.load_model + _initialize_model, device "cpu"
         with set_default_torch_dtype(self.model_config.dtype), torch.device("cpu"):
             shared = resolve_shared_experts_config(cls, self.model_config.hf_config, quant_config)

@@ -13,7 +13,8 @@ Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` a
   and loads it (``flattened_bucket`` or a plain list; a load_format named by ``--custom-weight-loader``
   is imported by name and called as ``loader(model, named_tensors)`` with :class:`LoaderModel`, whose
   ``load_weights`` is the store + sglang's model; any other load_format raises sglang's
-  ``NotImplementedError("Unknown load_format=...")``); barrier.
+  ``NotImplementedError("Unknown load_format=...")``); barrier. Any exception on that path ends
+  the server, as it ends sglang's scheduler (``sglang_runtime.SchedulerDeath``).
 - ``init_group`` / ``destroy_group``: join / leave a custom process group at rank
   ``rank_offset + tp_rank`` (sglang's ``init_custom_process_group``).
 - ``update_distributed``: refused outside a session; receive each tensor (or one flattened bucket)
@@ -34,6 +35,7 @@ Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` a
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -48,6 +50,7 @@ from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.rollout.cpu_server.args import ServerArgs
 from gspo_megatron.rollout.cpu_server.generation import Sampler, eos_token_ids, normalize
 from gspo_megatron.rollout.cpu_server.routes import IndexerRecorder, RouteRecorder
+from gspo_megatron.rollout.cpu_server.sglang_runtime import SchedulerDeath, capturer_assert, custom_loader
 from gspo_megatron.rollout.cpu_server.sharding import Layout, assemble, owner_ranks
 from gspo_megatron.rollout.cpu_server.weights import ShardStore, iter_checkpoint, load_config, resolve_dtype
 from gspo_megatron.rollout.hf_engine import HFRolloutEngine
@@ -72,6 +75,7 @@ class TPWorker:
     def __init__(self, args: ServerArgs, tp_rank: int):
         self.args, self.tp_rank = args, tp_rank
         self.config = load_config(args.model_path)
+        capturer_assert(args, self.config)
         self.layout = Layout.from_config(self.config, args.tp_size, args.ep_size)
         self.layout.check()
         self.dtype = resolve_dtype(args.dtype, self.config)
@@ -95,6 +99,11 @@ class TPWorker:
         self.generator = torch.Generator(device="cpu").manual_seed(args.random_seed)
         self.eos_ids = eos_token_ids(args.model_path, self.config)
         self.loader_model = LoaderModel(self)  # what a custom weight loader is handed as ``model``
+        self.updater = None  # sglang's own WeightUpdater when sglang's model is held (sglang_runtime.py)
+        if self.sglang is not None:
+            from gspo_megatron.rollout.cpu_server import sglang_runtime
+
+            self.updater = sglang_runtime.weight_updater(self.sglang, self.loader_model, tp_rank)
         from gspo_megatron.rollout.cpu_server.lora import WorkerLoras
 
         self.loras = WorkerLoras(args, self.config)  # --enable-lora's adapters (cpu_server/lora.py)
@@ -114,7 +123,12 @@ class TPWorker:
             log(self.tp_rank, f"sglang loader check off: {why}")
             return None
         model = sglang_models.SglangModel(
-            self.args.model_path, self.args.tp_size, self.tp_rank, self.args.ep_size, self.dtype
+            self.args.model_path,
+            self.args.tp_size,
+            self.tp_rank,
+            self.args.ep_size,
+            self.dtype,
+            custom_weight_loader=self.args.custom_weight_loader,
         )
         log(
             self.tp_rank,
@@ -254,7 +268,9 @@ class TPWorker:
                 "success": False,
                 "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
             }
-        try:
+        try:  # sglang catches nothing from here on: an exception ends the engine (``SchedulerDeath``)
+            if self.updater is not None:  # sglang's own deserialization and dispatch
+                return self._sglang_update_tensor(self.updater, serialized_named_tensors, load_format)
             if self.tp_rank >= len(serialized_named_tensors):
                 raise IndexError(
                     f"serialized_named_tensors has {len(serialized_named_tensors)} payload(s); "
@@ -279,11 +295,24 @@ class TPWorker:
             if named is not None:
                 self._load(named)
             del obj, named
-            result = {"success": True, "message": "Success"}
-        except Exception as e:  # noqa: BLE001 - sglang's scheduler would raise; answer instead (see docs)
-            result = {"success": False, "message": f"{type(e).__name__}: {e}"}
+        except Exception as e:  # re-raised as what it is in sglang: the end of the engine
+            raise SchedulerDeath(f"update_weights_from_tensor: {type(e).__name__}: {e}") from e
         dist.barrier()
-        return result
+        return {"success": True, "message": "Success"}
+
+    def _sglang_update_tensor(self, updater: Any, serialized_named_tensors: list, load_format: str | None) -> dict:
+        """sglang's scheduler path of ``update_weights_from_tensor`` (``sglang_runtime.py``): its
+        deserializer, then its ``WeightUpdater.update_weights_from_tensor`` (which loads through
+        :class:`LoaderModel` into the store and sglang's model); a ``(False, reason)`` it returns is
+        the answer; barrier."""
+        from gspo_megatron.rollout.cpu_server import sglang_runtime
+
+        use_cpu_shared_memory()
+        named = sglang_runtime.deserialize_own_rank(serialized_named_tensors)
+        success, message = updater.update_weights_from_tensor(named_tensors=named, load_format=load_format)
+        del named
+        dist.barrier()
+        return {"success": bool(success), "message": message}
 
     def op_init_group(
         self,
@@ -396,7 +425,14 @@ class TPWorker:
         return {"success": True}
 
     def op_shards(self, names: list) -> dict:
-        return {"success": True, "shards": {n: self.store.shards[n].clone() for n in names if n in self.store.shards}}
+        """The named shards, encoded here: no tensor crosses the pipe to the front (sglang's
+        ``monkey_patch_torch_reductions``, which its weight updater applies in this process, breaks
+        the multiprocessing pickling of CPU tensors). Encoded from clones: ``Tensor.numpy()`` makes a
+        storage non-resizable, and the memory saver resizes the shards."""
+        from gspo_megatron.rollout.cpu_server.http_front import encode_tensor
+
+        shards = self.store.shards
+        return {"success": True, "shards": {n: encode_tensor(shards[n].clone()) for n in names if n in shards}}
 
     def op_memory(self) -> dict:
         assembled = 0
@@ -431,22 +467,6 @@ class LoaderModel:
         a loader asks its ``FusedMoE`` layers which experts the rank loads), else none."""
         sglang = self._worker.sglang
         return sglang.model.modules() if sglang is not None else iter(())
-
-
-def custom_loader(name: str):
-    """sglang's ``dynamic_import(load_format)`` (``srt/utils/common.py``: module path + attribute)."""
-    try:
-        from sglang.srt.utils import dynamic_import
-    except ImportError:  # the CPU server without sglang: the same two lines
-        import importlib
-
-        def dynamic_import(path: str):
-            module, _, attr = path.rpartition(".")
-            if not module:
-                raise ValueError("func_path should contain both module name and func name (such as 'module.func')")
-            return getattr(importlib.import_module(module), attr)
-
-    return dynamic_import(name)
 
 
 def _routed_start(request: dict) -> int | None:
@@ -529,6 +549,11 @@ def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent
         op, kw = box[0]
         try:
             result = worker.handle(op, kw)
+        except SchedulerDeath as e:  # sglang's scheduler exits; so does this rank, and the server with it
+            traceback.print_exc()
+            log(tp_rank, f"Scheduler hit an exception: {e}; exiting (sglang sends SIGQUIT to the server)")
+            sys.stdout.flush()
+            os._exit(1)  # no clean-up: the server process kills the other ranks
         except Exception as e:  # noqa: BLE001 - one failed request is answered, the server stays up
             traceback.print_exc()
             result = {"success": False, "message": f"{type(e).__name__}: {e}"}
