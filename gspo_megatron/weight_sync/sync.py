@@ -112,7 +112,7 @@ class WeightSyncer:
 
     def _forget_restarted_engines(self, transport) -> bool:
         """Collective (delta sync, before ``begin``): whether some engine reports a weight version other
-        than the last sync's (``self.version`` before it is incremented; module docstring), in which
+        than the last sync's (``self.version - 1``, called after this sync's increment; module docstring), in which
         case every rank's encoder is reset. An engine that does not answer counts as restarted (the
         sync then fails on it the usual way)."""
         stale, _, _ = _failed_and_bytes(engines_stale(transport, str(self.version - 1)), 0.0)

@@ -10,18 +10,8 @@ from gspo_megatron.config import load_config
 from gspo_megatron.models.arch import KNOWN_ARCHS
 from gspo_megatron.plan_report import format_plan
 from gspo_megatron.planner import GIB, ModelDims, capture_buffer_bytes, make_plan
+from test_planner_indexer import BASE, DSA  # the colocated sglang DeepSeek-V3.2 plan those tests use
 
-BASE = [
-    "rollout.prompts_per_step=16",
-    "rollout.group_size=4",
-    "gspo.mini_batches=2",
-    "parallel.micro_batch_size=1",
-    "model.dtype=bfloat16",
-    "rollout.engine=sglang",
-    "rollout.sync_mode=colocated",
-    "model.max_seq_len=4096",
-]
-DSA = ["model.arch=deepseek-v3.2", "parallel.ep=8"]
 ROW = "routing replay r3: sglang capture buffers"
 
 

@@ -231,18 +231,12 @@ def test_routed_expert_adapter_applied_per_expert(model_dir, saved, tmp_path):
     import shutil
 
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from gspo_megatron.rollout.cpu_server.args import parse_args
-    from gspo_megatron.rollout.cpu_server.lora import WorkerLoras
+    from transformers import AutoModelForCausalLM
 
     modules = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
     tensors = adapter(saved, 5, modules=modules)
     assert any(".mlp.experts.3.down_proj.lora_B." in k for k in tensors)
-    args = parse_args(
-        ["--model-path", model_dir, "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", *modules]
-    )
-    loras = WorkerLoras(args, AutoConfig.from_pretrained(model_dir))
+    loras = _worker_loras(model_dir, modules)
     use_cpu_shared_memory()
     payload = multiprocessing_serializer().serialize(dict(tensors), output_str=True)
     out = loras.load(0, "moe", config(modules=modules), [payload])
@@ -297,6 +291,19 @@ def test_load_from_path(server, model_dir, saved, tmp_path):
     assert status == 200 and "p" not in out["loaded_adapters"], out
 
 
+def _worker_loras(model_dir: str, server_targets: list[str]):
+    """One TP rank's LoRA state of a CPU server started with ``--lora-target-modules server_targets``."""
+    from transformers import AutoConfig
+
+    from gspo_megatron.rollout.cpu_server.args import parse_args
+    from gspo_megatron.rollout.cpu_server.lora import WorkerLoras
+
+    args = parse_args(
+        ["--model-path", model_dir, "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", *server_targets]
+    )
+    return WorkerLoras(args, AutoConfig.from_pretrained(model_dir))
+
+
 @pytest.mark.parametrize(
     "server_targets, kept",
     [
@@ -310,18 +317,11 @@ def test_moe_layer_wrapped_only_with_gate_up_and_down(model_dir, saved, server_t
     --lora-target-modules (lora_manager.py init_lora_modules); otherwise the experts' adapters are
     dropped without an error, the adapter still loads (its targets are within the server's). The CPU
     server drops them the same way: only the attention adapters are applied."""
-    from transformers import AutoConfig
-
-    from gspo_megatron.rollout.cpu_server.args import parse_args
-    from gspo_megatron.rollout.cpu_server.lora import WorkerLoras
 
     modules = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
     tensors = adapter(saved, 6, modules=modules)
     assert any(".mlp.experts.0.gate_proj.lora_A." in k for k in tensors)
-    args = parse_args(
-        ["--model-path", model_dir, "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", *server_targets]
-    )
-    loras = WorkerLoras(args, AutoConfig.from_pretrained(model_dir))
+    loras = _worker_loras(model_dir, server_targets)
     use_cpu_shared_memory()
     out = loras.load(0, "moe", config(modules=modules), [multiprocessing_serializer().serialize(dict(tensors))])
     assert out["success"], out

@@ -50,7 +50,13 @@ from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.rollout.cpu_server.args import ServerArgs
 from gspo_megatron.rollout.cpu_server.generation import Sampler, eos_token_ids, normalize
 from gspo_megatron.rollout.cpu_server.routes import IndexerRecorder, RouteRecorder
-from gspo_megatron.rollout.cpu_server.sglang_runtime import SchedulerDeath, capturer_assert, custom_loader
+from gspo_megatron.rollout.cpu_server.sglang_runtime import (
+    SchedulerDeath,
+    capturer_assert,
+    custom_loader,
+    deserialize_own_rank,
+    weight_updater,
+)
 from gspo_megatron.rollout.cpu_server.sharding import Layout, assemble, owner_ranks
 from gspo_megatron.rollout.cpu_server.weights import ShardStore, iter_checkpoint, load_config, resolve_dtype
 from gspo_megatron.rollout.hf_engine import HFRolloutEngine
@@ -101,9 +107,7 @@ class TPWorker:
         self.loader_model = LoaderModel(self)  # what a custom weight loader is handed as ``model``
         self.updater = None  # sglang's own WeightUpdater when sglang's model is held (sglang_runtime.py)
         if self.sglang is not None:
-            from gspo_megatron.rollout.cpu_server import sglang_runtime
-
-            self.updater = sglang_runtime.weight_updater(self.sglang, self.loader_model, tp_rank)
+            self.updater = weight_updater(self.sglang, self.loader_model, tp_rank)
         from gspo_megatron.rollout.cpu_server.lora import WorkerLoras
 
         self.loras = WorkerLoras(args, self.config)  # --enable-lora's adapters (cpu_server/lora.py)
@@ -305,10 +309,8 @@ class TPWorker:
         deserializer, then its ``WeightUpdater.update_weights_from_tensor`` (which loads through
         :class:`LoaderModel` into the store and sglang's model); a ``(False, reason)`` it returns is
         the answer; barrier."""
-        from gspo_megatron.rollout.cpu_server import sglang_runtime
-
         use_cpu_shared_memory()
-        named = sglang_runtime.deserialize_own_rank(serialized_named_tensors)
+        named = deserialize_own_rank(serialized_named_tensors)
         success, message = updater.update_weights_from_tensor(named_tensors=named, load_format=load_format)
         del named
         dist.barrier()
