@@ -18,8 +18,8 @@ from transformers import Qwen3MoeConfig
 from gspo_megatron.data.dataset import decode_response, format_prompt
 from gspo_megatron.data.tasks import get_task
 from gspo_megatron.data.tokenizer import build_demo_tokenizer, padded_vocab_size
-from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+from gspo_megatron.engines.base import SamplingParams
+from gspo_megatron.engines.hf_engine import HFRolloutEngine
 
 
 def main() -> None:

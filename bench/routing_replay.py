@@ -1,7 +1,7 @@
 """Routing replay (issue 24) side by side: route agreement and the engine/trainer log-prob gap
 without replay, with R2 and with R3, for engines that route differently from the trainer.
 
-The engine is the CPU server's (``rollout.hf_engine.HFRolloutEngine`` with the server's
+The engine is the CPU server's (``engines.hf_engine.HFRolloutEngine`` with the server's
 ``cpu_server.routes.RouteRecorder``, in process): fp32 with ``--router-logit-perturbation`` (a fixed
 random change of the engine's router logits only), bf16 (the server's ``--dtype bfloat16``: the whole
 engine forward in bf16, the trainer in fp32), and both. The trainer is Megatron-Core (1 rank, fp32,
@@ -43,9 +43,9 @@ PROMPT_IDS = [
 def engine_records(hf_dir: str, dtype: torch.dtype, perturb: float, prompts: int, new_tokens: int, seed: int = 3):
     """Samples from the CPU server's engine (its transformers model in ``dtype``, routes recorded,
     the router's choice perturbed by ``perturb``): engine log-probs + routed experts."""
-    from gspo_megatron.rollout.base import SamplingParams
-    from gspo_megatron.rollout.cpu_server.routes import RouteRecorder
-    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+    from gspo_megatron.cpu_server.routes import RouteRecorder
+    from gspo_megatron.engines.base import SamplingParams
+    from gspo_megatron.engines.hf_engine import HFRolloutEngine
     from gspo_megatron.sample import Sample
 
     engine = HFRolloutEngine(hf_dir, hf_dir, dtype=dtype, seed=seed)
@@ -91,10 +91,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def measure(hf_dir: str, records: list, mode: str, lr: float) -> dict:
     """One fresh trainer (the HF weights) per call; see the module docstring for the columns."""
     from gspo_megatron.config import load_config
+    from gspo_megatron.engines.routing import NO_ROUTE
     from gspo_megatron.models.build import ModelOptions, build_model
     from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.rollout.routing import NO_ROUTE
     from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
     from gspo_megatron.trainer.packing import ROUTES_KEY
     from gspo_megatron.trainer.route_replay import local_targets, replay_phase, route_replay_for

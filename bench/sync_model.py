@@ -430,7 +430,7 @@ class BuiltRoute(NamedTuple):
 
     def sender(self, node: int) -> int:
         """The copy that sends its tensors to the holder on ``node``, a node without a copy
-        (``models.weights._routed``: per expert the receiving holders, ascending, take ``copies`` in
+        (``weight_sync.buckets._routed``: per expert the receiving holders, ascending, take ``copies`` in
         turn, the i-th ``copies[i % len(copies)]``). Each node without a copy has one receiving holder
         per expert and ranks are node-major, so the i-th receiver is on the i-th such node, whichever
         of its ranks holds the expert: the sender depends on the node alone."""

@@ -35,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gspo_megatron.rollout.cpu_server.args import PERTURBATION_ENV  # noqa: E402
+from gspo_megatron.cpu_server.args import PERTURBATION_ENV  # noqa: E402
 from gspo_megatron.runtime.ports import free_port  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "topology_30b_tiny.yaml")

@@ -213,7 +213,7 @@ class OursInProcess:
         """One step of train.py's loop: rollout -> records to every rank -> train -> weight sync."""
         import torch.distributed as dist
 
-        from gspo_megatron.rollout.batch import collect_rollouts
+        from gspo_megatron.orchestration.batch import collect_rollouts
         from gspo_megatron.trainer.step import train_on_batch
 
         self.steps_done += 1

@@ -64,7 +64,7 @@ def _engine_rank(engine: int, tp_rank: int, cmd_q, reply_q, hf_dir: str) -> None
     import torch
     import torch.distributed as dist
 
-    from gspo_megatron.rollout.sglang_compat import use_cpu_shared_memory
+    from gspo_megatron.engines.sglang_compat import use_cpu_shared_memory
     from gspo_megatron.weight_sync.cuda_ipc import deserialize_payload
     from gspo_megatron.weight_sync.nccl_broadcast import init_external_process_group
 
@@ -107,7 +107,7 @@ def _engine_rank(engine: int, tp_rank: int, cmd_q, reply_q, hf_dir: str) -> None
             elif op == "dist":  # update_weights_from_distributed: allocate by metadata, receive, load
                 _, names, dtypes, shapes, name, load_format = msg
                 if load_format == "flattened_bucket":  # sglang 0.5.23's bucketed receive
-                    from gspo_megatron.rollout.sglang_compat import require_flattened_bucket_class
+                    from gspo_megatron.engines.sglang_compat import require_flattened_bucket_class
 
                     bucket = require_flattened_bucket_class().empty(names, dtypes, shapes, "cpu")
                     dist.broadcast(bucket.get_flattened_tensor(), 0, group=groups[name])
@@ -143,7 +143,7 @@ def _engine_rank(engine: int, tp_rank: int, cmd_q, reply_q, hf_dir: str) -> None
 
 
 class _Client:
-    """Trainer-side stand-in for ``rollout.sglang_client``: forwards each call to the engine's TP
+    """Trainer-side stand-in for ``engines.sglang_client``: forwards each call to the engine's TP
     processes and waits for all of them (as the HTTP call returns when every TP rank is done)."""
 
     def __init__(self, cmd_queues, reply_queue, tp_size: int):
@@ -202,7 +202,7 @@ class _Client:
 
 
 class _Fleet:
-    """What ``build_sync_topology`` reads of ``rollout.engine_fleet.EngineFleet``."""
+    """What ``build_sync_topology`` reads of ``fleet.engine_fleet.EngineFleet``."""
 
     def __init__(self, specs, clients, world_sizes):
         self.specs, self._clients, self.world_sizes = specs, clients, world_sizes
@@ -227,10 +227,10 @@ def _trainer_body(rank, mode, engines, engine_tp, cmd_queues, reply_queues, hf_d
     import torch
     import torch.distributed as dist
 
+    from gspo_megatron.engines.placement import EngineSpec
     from gspo_megatron.models.build import build_model
     from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
-    from gspo_megatron.rollout.placement import EngineSpec
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.weight_sync.cuda_ipc import serialize_bucket
     from gspo_megatron.weight_sync.sync import WeightSyncer

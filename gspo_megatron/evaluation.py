@@ -116,7 +116,7 @@ class Evaluator:
         return is_due(step, cfg.eval.interval, cfg.train.steps) and step > self.last_step
 
     def sampling_params(self, step: int, chunk: int):
-        from gspo_megatron.rollout.batch import sampling_params
+        from gspo_megatron.orchestration.batch import sampling_params
 
         cfg = self.cfg
         params = sampling_params(

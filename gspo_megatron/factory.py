@@ -14,6 +14,8 @@ import torch
 
 from gspo_megatron.config import Config, values_for
 from gspo_megatron.dtypes import torch_dtype
+from gspo_megatron.features.adapter_sync import ADAPTER_SYNC
+from gspo_megatron.features.routing_replay import ROUTING_REPLAY
 from gspo_megatron.runtime import distributed as rdist
 
 
@@ -145,7 +147,7 @@ def build_engines(cfg: Config, hf_dir: str) -> Engines:
     - ``rollout.engine=hf``: the transformers engine on rank 0 (in a child process with
       ``rollout.engine_process``), fed in-process.
     - ``rollout.engine=sglang``: ``rollout.num_engines`` SGLang servers (``rollout.engine_server``:
-      the real one, or the CPU stand-in) placed and launched by ``rollout.engine_fleet``, or attached
+      the real one, or the CPU stand-in) placed and launched by ``fleet.engine_fleet``, or attached
       by URL; colocated or disaggregated sync (``weight_sync.topology``)."""
     from gspo_megatron.weight_sync.topology import build_sync_topology
 
@@ -164,19 +166,19 @@ def build_engines(cfg: Config, hf_dir: str) -> Engines:
             restart=lambda dead: engine.restart() if engine is not None else None,
             shutdown=lambda: engine.shutdown() if engine is not None else None,
         )
+    from gspo_megatron.fleet.engine_args import config_server_args
+    from gspo_megatron.fleet.engine_fleet import EngineFleet
     from gspo_megatron.models.hf_config import load_hf_config
-    from gspo_megatron.rollout.engine_args import config_server_args
-    from gspo_megatron.rollout.engine_fleet import EngineFleet
 
     hf = load_hf_config(hf_dir)  # read once: the flags below and the fleet's check of attached engines
     route_spec = None
-    if cfg.rollout.routing_replay == "r3":  # the engines return each token's routed experts (rollout/routing.py)
-        from gspo_megatron.rollout.routing import route_spec_of
+    if ROUTING_REPLAY.returns_routes(cfg):  # the engines return each token's routed experts (engines/routing.py)
+        from gspo_megatron.engines.routing import route_spec_of
 
         route_spec = route_spec_of(hf)
-    # every flag the config needs (routing replay, LoRA adapters, delta loader, ...): rollout/engine_args.py
+    # every flag the config needs (each enabled component's: features/): fleet/engine_args.py
     server_args = config_server_args(cfg, hf, route_spec)
-    adapter_sync = cfg.model.lora.rank > 0 and cfg.rollout.lora_sync == "adapter"
+    adapter_sync = ADAPTER_SYNC.enabled(cfg)
     fleet = EngineFleet(
         cfg,
         hf_dir,
@@ -197,11 +199,11 @@ def build_engines(cfg: Config, hf_dir: str) -> Engines:
 
 
 def _build_hf_engine(cfg: Config, hf_dir: str):
-    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+    from gspo_megatron.engines.hf_engine import HFRolloutEngine
 
     kwargs: dict[str, Any] = dict(config=hf_dir, weights=None, dtype=torch_dtype(cfg.model.dtype), seed=cfg.seed)
     if cfg.rollout.engine_process:
-        from gspo_megatron.rollout.subprocess_engine import SubprocessRolloutEngine
+        from gspo_megatron.engines.subprocess_engine import SubprocessRolloutEngine
 
         return SubprocessRolloutEngine(HFRolloutEngine, kwargs, call_timeout_s=cfg.rollout.engine_timeout_s)
     return HFRolloutEngine(**kwargs)

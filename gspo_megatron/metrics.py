@@ -17,7 +17,7 @@ import time
 from typing import Any, Mapping
 
 # The key numbers shown on the console line, in order (shown when present). Each is a key the trainer
-# logs every step (rollout.batch, trainer.step, train, weight_sync.sync); tests/train/test_console_keys.py
+# logs every step (orchestration.batch, trainer.step, train, weight_sync.sync); tests/train/test_console_keys.py
 # checks that a short run produces all of them.
 CONSOLE_KEYS = (
     "reward/mean",

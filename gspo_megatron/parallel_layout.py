@@ -20,6 +20,8 @@ The rules (Megatron-Core's):
 
 from __future__ import annotations
 
+from gspo_megatron.runtime.world_layout import world_layout_errors
+
 SIZES = ("tp", "pp", "ep", "etp", "cp")
 
 
@@ -42,25 +44,9 @@ def layout_errors(
     config.json that no family reads raises the family's ValueError (naming the field)."""
     etp_v = tp if etp is None else etp
     sizes = {"tp": tp, "pp": pp, "ep": ep, "etp": etp_v, "cp": cp}
-    bad = [f"{prefix}{k} must be >= 1, got {v}" for k, v in sizes.items() if v < 1]
-    if bad:
-        return bad
-    e: list[str] = []
-    if world_size is not None:
-        if world_size < 1:
-            return [f"world size must be >= 1, got {world_size}"]
-        mp = tp * pp * cp
-        if world_size % mp:
-            e.append(
-                f"{prefix}tp * {prefix}pp * {prefix}cp = {tp} * {pp} * {cp} = {mp} must divide the "
-                f"world size {world_size}"
-            )
-        emp = ep * etp_v * pp
-        if world_size % emp:
-            e.append(
-                f"{prefix}ep * {prefix}etp * {prefix}pp = {ep} * {etp_v} * {pp} = {emp} must divide the "
-                f"world size {world_size}"
-            )
+    e = world_layout_errors(tp, pp, ep, etp_v, cp, world_size=world_size, prefix=prefix)
+    if e and (e[0].startswith("world size must") or any(v < 1 for v in sizes.values())):
+        return e
     if hf is not None:
         e += _model_errors(hf, sizes, sequence_parallel, prefix)
     return e

@@ -10,8 +10,11 @@ import sys
 
 from gspo_megatron.config import load_config
 from gspo_megatron.errors import ConfigError
+from gspo_megatron.features.adapter_sync import ADAPTER_SYNC
+from gspo_megatron.features.fp8_sync import engine_param_bytes
+from gspo_megatron.features.offload import OFFLOAD
+from gspo_megatron.features.sync_modes import sync_mode
 from gspo_megatron.planner import GIB, Plan, PlanError, make_plan
-from gspo_megatron.weight_sync.modes import sync_mode
 
 
 def _count(n: float) -> str:
@@ -91,7 +94,7 @@ def format_plan(plan: Plan) -> str:
             + "".join(f"{_gib(getattr(s, peak)):>12}" if getattr(s, attr) else f"{'-':>12}" for s in cols)
         )
 
-    kept = cfg.model.lora.rank > 0 and cfg.rollout.lora_sync == "adapter"  # the engines keep their weights
+    kept = ADAPTER_SYNC.enabled(cfg)  # the engines keep their weights (features/adapter_sync.py)
     rows("training phase" + (" (engines released)" if sm.colocated and not kept else ""), "train_items", "train_peak")
     rows("rollout phase (engines generating)", "rollout_items", "rollout_peak")
     if p.pp > 1:
@@ -102,7 +105,7 @@ def format_plan(plan: Plan) -> str:
     delta = max(s.host_delta for s in cols)
     if delta and sm.colocated:
         out.append(
-            f"   host memory per GPU for rollout.sync_delta's copies of the model ({'FP8' if cfg.rollout.sync_fp8 else 'bf16'}; "
+            f"   host memory per GPU for rollout.sync_delta's copies of the model ({'FP8' if engine_param_bytes(cfg) == 1 else 'bf16'}; "
             "the engine TP rank's: its dense tensors and its EP rank's experts, and the trainer's on each "
             f"engine's first GPU): up to {delta / GIB:.2f} GiB"
         )
@@ -112,7 +115,7 @@ def format_plan(plan: Plan) -> str:
             f"(bf16; each engine host keeps {plan.counts.total * 2 / GIB:.2f} GiB per engine TP rank)"
         )
     capture = max(s.host_capture for s in cols)
-    if capture:  # planner.capture_buffer_bytes: sglang's pinned [KV tokens, layers, topk] int32 buffers
+    if capture:  # features.routing_replay.capture_buffer_bytes: sglang's pinned [KV tokens, layers, topk] int32 buffers
         out.append(
             f"   host memory per engine GPU (process) for routing replay r3's sglang capture buffers "
             f"(pinned int32 [KV tokens, layers, topk]): {capture / GIB:.2f} GiB"
@@ -148,7 +151,7 @@ def _advice(plan: Plan) -> str:
             "no room for the KV cache: raise rollout.engine_mem_fraction or rollout.engine_tp"
             + (
                 ", or set rollout.offload_train=true"
-                if sync_mode(cfg.rollout.sync_mode).colocated and not cfg.rollout.offload_train
+                if sync_mode(cfg.rollout.sync_mode).colocated and not OFFLOAD.enabled(cfg)
                 else ""
             )
         )

@@ -41,19 +41,17 @@ from gspo_megatron.config import (
 )
 from gspo_megatron.dtypes import DTYPE_BYTES
 from gspo_megatron.errors import ConfigError, UserInputError
+from gspo_megatron.features import PlanContext, enabled_features
+from gspo_megatron.features.fp8_sync import engine_param_bytes
+from gspo_megatron.features.offload import OFFLOAD
+from gspo_megatron.features.sync_modes import sync_mode
+from gspo_megatron.fleet.engine_startup_checks import startup_refusals
 from gspo_megatron.losses.chunking import DEFAULT_CHUNK_BYTES
 from gspo_megatron.models.arch import model_hf_config
 from gspo_megatron.models.dims import ModelDims as _ModelDims
-from gspo_megatron.rollout.engine_startup_checks import startup_refusals
-from gspo_megatron.weight_sync.modes import sync_mode
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD_GIB = 4.0
-#: one CUDA context that a process creates on a GPU not its own when it opens a CUDA IPC handle of
-#: memory there (``rollout.sync_owner_direct``: an engine TP process opening a holder's buffer on
-#: another GPU of the node). 0.3-0.5 GiB on H100s with CUDA 12's lazy loading (reported, not
-#: measured here: docs/gpu.md); the upper end is planned for
-FOREIGN_CONTEXT_GIB = 0.5
 
 
 class PlanError(UserInputError):
@@ -245,69 +243,6 @@ def _activation_bytes_per_layer(d: _ModelDims, cfg: Config, layer: int, tokens: 
     return per_token * tokens * act
 
 
-def route_bytes_per_sample(d: _ModelDims, tokens: int) -> int:
-    """Routing replay: one sample's routed experts, int32 [tokens - 1, layers, top-k] (the engine
-    routes every token but the last; ``rollout/routing.py``): (tokens - 1) x layers x top-k x 4 bytes."""
-    return max(tokens - 1, 0) * d.num_layers * d.topk * 4
-
-
-def indexer_bytes_per_sample(d: _ModelDims, tokens: int) -> int:
-    """Routing replay r3 on a DSA model (DeepSeek-V3.2, GLM-5): one sample's indexer selection, int32
-    [tokens - 1, layers, index_topk] (sglang's ``meta_info["indexer_topk"]``, ``rollout/routing.py``):
-    (tokens - 1) x layers x index_topk x 4 bytes; 0 without an indexer."""
-    return max(tokens - 1, 0) * d.num_layers * int(getattr(d, "index_topk", 0) or 0) * 4
-
-
-def capture_buffer_bytes(d: _ModelDims, cfg: Config, kv_tokens: float, gpu_bytes: float) -> tuple[float, float]:
-    """(host, GPU) bytes of the capture buffers ``rollout.routing_replay=r3`` makes every sglang 0.5.23
-    engine process (one per engine TP rank) allocate: ``--enable-return-routed-experts`` ->
-    ``RoutedExpertsCapturer`` (``state_capturer/routed_experts.py``), and on a DSA model
-    ``--enable-return-indexer-topk`` -> ``IndexerTopkCapturer`` (``state_capturer/indexer_topk.py``), each a
-    ``BaseTopkCapturer`` (``state_capturer/base.py``) holding int32 buffers of width ``layers x topk``:
-
-    - host (pinned, ``BaseHostCache``): ``num_tokens`` rows, ``num_tokens =
-      kv_index_translator.capture_token_capacity(max_token_pool_size) = KV tokens + page_size``
-      (``mem_cache/kv_index_translator.py``; page_size 64 on DSA, 1 otherwise: negligible);
-    - GPU (``BaseDeviceCache``, outside ``mem_fraction_static``: allocated after the KV pool):
-      ``max(chunked_prefill_size, max_running_requests)`` rows (x ``num_dp_ranks`` for the routes: 1,
-      the engines run no attention DP); ``chunked_prefill_size`` by GPU memory
-      (``arg_groups/memory_hook.py`` ``handle_gpu_memory_settings``: < 20 GiB 2048, < 60 GiB 4096,
-      < 160 GiB 8192, else 16384); ``max_running_requests = min(max(min(tokens / context_len * 512,
-      4096), 2048), tokens // 2)`` (``mem_cache/kv_cache_configurator.py`` ``resolve_max_num_reqs``,
-      context_len: max_position_embeddings);
-    - widths: routes ``num_hidden_layers x num_experts_per_tok`` (the GPU buffer also holds fused shared
-      experts' columns when sglang fuses them: not counted), indexer ``num_hidden_layers x index_topk``
-      (``configs/model_config.py`` ``get_num_indexer_layers``: every layer on DSA)."""
-    if cfg.rollout.routing_replay != "r3" or not d.moe_layers:
-        return 0.0, 0.0
-    index_topk = int(getattr(d, "index_topk", 0) or 0)
-    width = d.num_layers * (d.topk + index_topk)
-    tokens = int(max(kv_tokens, 0.0))
-    mib = gpu_bytes / 2**20
-    chunked = 2048 if mib < 20 * 1024 else 4096 if mib < 60 * 1024 else 8192 if mib < 160 * 1024 else 16384
-    running = min(max(min(int(tokens / d.max_position_embeddings * 512), 4096), 2048), tokens // 2)
-    return float((tokens + (64 if index_topk else 1)) * width * 4), float(max(chunked, running) * width * 4)
-
-
-def _route_bytes(cfg: Config, d: _ModelDims, dp: int, stage_layers: int) -> tuple[str, float]:
-    """The GPU row of ``rollout.routing_replay`` on one rank: the step's DP share of samples, each at
-    ``model.max_seq_len`` tokens, cut over CP. r3: the engine's routes of every layer on the step's
-    micro-batches (int32, :func:`route_bytes_per_sample`); r2: the old forward's record of this stage's
-    layers (int64 [tokens / (cp * sp), top-k] per layer, ``trainer/route_replay.py``)."""
-    p = cfg.parallel
-    n = cfg.step_batch_size / max(dp, 1)
-    if cfg.rollout.routing_replay == "r3":
-        return (
-            "routing replay r3: engine routes (int32 [tokens - 1, layers, top-k] per sample, step's DP share)",
-            n * route_bytes_per_sample(d, cfg.model.max_seq_len) / p.cp,
-        )
-    sp = p.tp if p.sequence_parallel else 1
-    return (
-        "routing replay r2: old forward's routes (int64 [tokens, top-k] per stage layer, step's DP share)",
-        n * cfg.model.max_seq_len / (p.cp * sp) * stage_layers * d.topk * 8,
-    )
-
-
 def lora_layer_params(d: _ModelDims, layer: int, rank: int) -> tuple[int, int]:
     """(dense, routed-expert) LoRA parameters of one layer, r * (in + out) per adapted linear, with
     ``model.lora.target_modules`` at its default (every attention / MLP / expert linear; the adapters
@@ -338,7 +273,7 @@ def lora_layer_params(d: _ModelDims, layer: int, rank: int) -> tuple[int, int]:
 def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     cfg: Config = plan_args["cfg"]
     d: _ModelDims = plan_args["dims"]
-    p, m, r, o = cfg.parallel, cfg.model, cfg.rollout, cfg.optimizer
+    p, m, o = cfg.parallel, cfg.model, cfg.optimizer
     assert p.etp is not None, "parallel.etp is resolved when the config is loaded"
     per_stage = d.num_layers // p.pp
     first, last = stage * per_stage, (stage + 1) * per_stage
@@ -397,78 +332,57 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     elif stage == p.pp - 1:
         s.train_items.append(("logits + grad (vocab-parallel)", tokens * d.vocab_size / p.tp * 2 * wb))
     s.train_items.append(("runtime overhead (CUDA context, NCCL, allocator)", RUNTIME_OVERHEAD_GIB * GIB))
-    if r.routing_replay != "off":
-        s.train_items.append(_route_bytes(cfg, d, plan_args["dp"], per_stage))
-    if r.routing_replay == "r3" and d.index_topk:  # DSA: the indexer's selection travels too
-        s.train_items.append(
-            (
-                "routing replay r3: engine indexer selection (int32 [tokens - 1, layers, index_topk] "
-                "per sample, step's DP share)",
-                cfg.step_batch_size
-                / max(plan_args["dp"], 1)
-                * indexer_bytes_per_sample(d, cfg.model.max_seq_len)
-                / p.cp,
-            )
-        )
-    if sync_mode(r.sync_mode).colocated:  # the engines' rows on the training GPUs
-        resident = 0.0 if r.offload_train else sum(b for _, b in static)
-        _engine_rows(plan_args, s, resident, "training states" + (" (offloaded)" if r.offload_train else ""))
-        s.train_items += _foreign_context_rows(plan_args)  # contexts stay while the engines' memory is released
-        if m.lora.rank > 0 and r.lora_sync == "adapter":  # weight_sync/lora_adapter.py
-            kept = plan_args["counts"].total * 2 / r.engine_tp
-            s.train_items.append(("engine weights kept (lora_sync=adapter: the base is sent once)", kept))
-    per = 1 if r.sync_fp8 else 2  # bytes per parameter of the copies: what the engines are sent
-    if r.sync_delta and sync_mode(r.sync_mode).colocated:  # weight_sync/delta.py: the trainer's copy on an
-        # engine's first rank + the engine TP rank's (delta_loader.py: the dense tensors and 1/engine_ep of the experts)
-        c = plan_args["counts"]
-        s.host_delta = c.total * per + (c.total - c.expert + c.expert / r.engine_ep) * per
-    elif r.sync_delta:  # disaggregated (weight_sync/delta_http.py): each stage source's copy of its share;
-        s.host_delta = plan_args["counts"].total * per / p.pp  # the engines' copies are on their own hosts
+    ctx = _plan_context(plan_args, per_stage)
+    for f in enabled_features(cfg):  # routing replay's routes, owner-direct's contexts, adapter sync's kept weights
+        s.train_items += f.train_rows(ctx)
+    if ctx.colocated:  # the engines' rows on the training GPUs
+        resident = 0.0 if OFFLOAD.enabled(cfg) else sum(b for _, b in static)
+        _engine_rows(plan_args, s, resident, OFFLOAD.resident_label(cfg), ctx)
+    for f in enabled_features(cfg):
+        s.host_delta += f.host_bytes(ctx, 0.0).get("delta", 0.0)
     return s
 
 
-def _engine_rows(plan_args: dict, s: StageMemory, resident: float, resident_label: str) -> None:
-    """Rollout-phase rows: SGLang fills engine_mem_fraction of the GPU; the KV cache gets the rest."""
+def _plan_context(plan_args: dict, stage_layers: int, engine_gpu: bool = False) -> PlanContext:
+    """What the components (``features/``) are told of the GPU planned (``features.base.PlanContext``)."""
+    cfg, d = plan_args["cfg"], plan_args["dims"]
+    rank = cfg.model.lora.rank
+    return PlanContext(
+        cfg=cfg,
+        dims=d,
+        counts=plan_args["counts"],
+        dp=plan_args["dp"],
+        gpu_bytes=plan_args["gpu_bytes"],
+        gpus_per_node=plan_args.get("gpus_per_node", 1),
+        stage_layers=stage_layers,
+        colocated=sync_mode(cfg.rollout.sync_mode).colocated,
+        engine_gpu=engine_gpu,
+        adapter_params=sum(sum(lora_layer_params(d, i, rank)) for i in range(d.num_layers)) if rank > 0 else 0,
+    )
+
+
+def _engine_rows(plan_args: dict, s: StageMemory, resident: float, resident_label: str, ctx: PlanContext) -> None:
+    """Rollout-phase rows: SGLang fills engine_mem_fraction of the GPU; the enabled components' rows inside
+    that budget (e.g. a LoRA pool) come off it, the KV cache gets the rest, and their rows beyond it
+    (capture buffers, foreign contexts) follow."""
     cfg, counts, gpu = plan_args["cfg"], plan_args["counts"], plan_args["gpu_bytes"]
     r = cfg.rollout
     budget = r.engine_mem_fraction * gpu
-    weights = counts.total * (1 if r.sync_fp8 else 2) / r.engine_tp
+    per = engine_param_bytes(cfg)
+    weights = counts.total * per / r.engine_tp
     overhead = RUNTIME_OVERHEAD_GIB * GIB
-    lora_pool = 0.0
-    if cfg.model.lora.rank > 0 and r.lora_sync == "adapter":  # sglang's LoRA memory pool: max_loras_per_batch
-        d = plan_args["dims"]  # (2, weight_sync/lora_adapter.engine_lora_args) adapters at max rank, bf16, whole
-        lora_pool = 2 * 2 * sum(sum(lora_layer_params(d, i, cfg.model.lora.rank)) for i in range(d.num_layers))
-    s.kv_cache = budget - overhead - resident - weights - lora_pool
-    host, device = capture_buffer_bytes(plan_args["dims"], cfg, s.kv_cache / plan_args["kv_per_token"], gpu)
-    s.host_capture = host
+    features = enabled_features(cfg)
+    inside = [row for f in features for row in f.engine_budget_rows(ctx)]
+    s.kv_cache = budget - overhead - resident - weights - sum(b for _, b in inside)
+    kv_tokens = s.kv_cache / plan_args["kv_per_token"]
+    s.host_capture = sum(f.host_bytes(ctx, kv_tokens).get("capture", 0.0) for f in features)
     s.rollout_items = [
         (resident_label, resident),
-        (f"engine weights ({'fp8' if r.sync_fp8 else 'bf16'}, / engine_tp {r.engine_tp})", weights),
-        *([("engine LoRA pool (2 adapters, bf16; lora_sync=adapter)", lora_pool)] if lora_pool else []),
+        (f"engine weights ({'fp8' if per == 1 else 'bf16'}, / engine_tp {r.engine_tp})", weights),
+        *inside,
         ("runtime overhead (CUDA context, NCCL, allocator)", overhead),
         (f"KV cache (fills to engine_mem_fraction {r.engine_mem_fraction})", max(s.kv_cache, 0.0)),
-        *([("routing replay r3: sglang capture buffers (int32 [batch, layers, topk])", device)] if device else []),
-        *_foreign_context_rows(plan_args),
-    ]
-
-
-def _foreign_context_rows(plan_args: dict) -> list[tuple[str, float]]:
-    """``rollout.sync_owner_direct``: the engine processes of the other GPUs of the node open CUDA IPC
-    handles of this GPU's holder buffers (``weight_sync/owner_direct.py``), each creating a CUDA context
-    here (:data:`FOREIGN_CONTEXT_GIB`), on top of the engine's budget (made at sync time, after the KV
-    cache) and kept through training (``release_memory_occupation`` frees no context). At most one per
-    other GPU of the node."""
-    cfg = plan_args["cfg"]
-    if not (cfg.rollout.sync_owner_direct and sync_mode(cfg.rollout.sync_mode).colocated):
-        return []
-    others = max(plan_args.get("gpus_per_node", 1) - 1, 0)
-    if not others:
-        return []
-    return [
-        (
-            f"owner-direct sync: {others} foreign CUDA contexts ({FOREIGN_CONTEXT_GIB} GiB each)",
-            others * FOREIGN_CONTEXT_GIB * GIB,
-        )
+        *[row for f in features for row in f.rollout_rows(ctx, kv_tokens)],
     ]
 
 
@@ -523,7 +437,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
     engine_gpu = None
     if launched_apart:
         engine_gpu = StageMemory(-1, (0, 0), 0)
-        _engine_rows(args, engine_gpu, 0.0, "training states (none on engine GPUs)")
+        ctx = _plan_context(args, dims.num_layers // p.pp, engine_gpu=True)
+        _engine_rows(args, engine_gpu, 0.0, "training states (none on engine GPUs)", ctx)
     notes = _notes(cfg, dims, args)
     kv_min = min((s.kv_cache for s in stages + [engine_gpu] if s is not None and s.rollout_items), default=None)
     state = gated_delta_net_state_bytes(dims) / r.engine_tp  # the engines' Gated DeltaNet state, per sequence
@@ -570,17 +485,7 @@ def _notes(cfg: Config, d: _ModelDims, args: dict) -> list[str]:
         )
     if r.engine_urls:
         notes.append(f"engines at rollout.engine_urls ({len(r.engine_urls)}) run outside this cluster")
-    if r.routing_replay == "r3":
-        host = cfg.step_batch_size * route_bytes_per_sample(d, cfg.model.max_seq_len)
-        notes.append(
-            f"routing replay r3: every rank's host memory holds the step's routes ({cfg.step_batch_size} "
-            f"samples x (max_seq_len - 1) x {d.num_layers} layers x top-{d.topk} x 4 B = {host / GIB:.2f} GiB)"
-        )
-        if getattr(d, "index_topk", 0):
-            host = cfg.step_batch_size * indexer_bytes_per_sample(d, cfg.model.max_seq_len)
-            notes.append(
-                f"routing replay r3 (DSA): every rank's host memory holds the step's indexer selection "
-                f"({cfg.step_batch_size} samples x (max_seq_len - 1) x {d.num_layers} layers x "
-                f"index_topk {d.index_topk} x 4 B = {host / GIB:.2f} GiB)"
-            )
+    ctx = _plan_context(args, d.num_layers // p.pp)
+    for f in enabled_features(cfg):
+        notes += f.notes(ctx)
     return notes

@@ -68,8 +68,8 @@ def check_config(cfg: Config, world_size: int) -> dict:
     import torch
 
     from gspo_megatron.config import validate, validate_model_layout
+    from gspo_megatron.fleet.engine_startup_checks import startup_refusals
     from gspo_megatron.models.arch import model_hf_config
-    from gspo_megatron.rollout.engine_startup_checks import startup_refusals
 
     validate(cfg, world_size=world_size)
     hf, where = model_hf_config(cfg)
@@ -245,8 +245,8 @@ def check_reward(spec: str, row, group: bool = False) -> None:
 
 def check_custom_rollout(cfg: Config, row, tokenizer) -> None:
     """The rollout hook loads, binds ``(generate, sample)`` and returns a well-formed result on
-    ``row`` (see ``rollout.custom.dry_run``)."""
-    from gspo_megatron.rollout.custom import dry_run
+    ``row`` (see ``engines.custom.dry_run``)."""
+    from gspo_megatron.engines.custom import dry_run
 
     assert cfg.rollout.custom_function, "called only with rollout.custom_function set"
     dry_run(cfg.rollout.custom_function, row, tokenizer, cfg.model.max_seq_len, tokenizer.eos_token_id)

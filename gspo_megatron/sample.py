@@ -2,20 +2,20 @@
 
 Where a Sample is made and what fills it (rank 0 unless said otherwise):
 
-- ``rollout.batch._records``: one per engine response (``rollout.base.RolloutSample``): prompt and
+- ``orchestration.batch._records``: one per engine response (``engines.base.RolloutSample``): prompt and
   response ids, the engine's log-probs, finish reason, the engine's weight version per token, and the
   reward ``rewards.score`` gave it;
-- ``rollout.custom.check_result``: one per call of the user's rollout hook (rollout.custom_function),
+- ``engines.custom.check_result``: one per call of the user's rollout hook (rollout.custom_function),
   converted from the hook's documented dict at that boundary: response ids, ``loss_mask``, the
-  engine's log-probs on the policy's tokens, the hook's reward (or None: ``rollout.batch`` scores it
+  engine's log-probs on the policy's tokens, the hook's reward (or None: ``orchestration.batch`` scores it
   with reward.function), its metrics and its number of generate calls;
-- ``rollout.batch.collect_rollouts``: ``advantage`` (group-relative, ``losses.advantages``) once the
+- ``orchestration.batch.collect_rollouts``: ``advantage`` (group-relative, ``losses.advantages``) once the
   whole group is scored; dynamic sampling keeps or drops whole groups; the hook's ``metrics`` are
   averaged into the batch's metrics and cleared (they are not broadcast);
-- ``rollout.async_producer.AsyncProducer.take`` (off-policy runs): ``behaviour_version`` from
+- ``orchestration.async_producer.AsyncProducer.take`` (off-policy runs): ``behaviour_version`` from
   ``token_versions``;
-- ``rollout.batch._records``: ``routed_experts``, the engine's MoE routes, when the engine was asked
-  for them (``SGLangRolloutEngine(route_spec=...)``; decoded and validated in ``rollout/routing.py``).
+- ``orchestration.batch._records``: ``routed_experts``, the engine's MoE routes, when the engine was asked
+  for them (``SGLangRolloutEngine(route_spec=...)``; decoded and validated in ``engines/routing.py``).
 
 ``RolloutSession.rollout`` broadcasts the list to every rank; ``trainer.step.split_batch`` cuts it into
 mini- and micro-batches and ``trainer.micro_batches.collate`` / ``trainer.packing.collate_packed`` lay each Sample on a
@@ -60,10 +60,10 @@ class Sample:
         on the collated batch instead).
     routed_experts: int32 numpy [P + R - 1, num_layers, topk], the engine's top-k expert ids of
         token t (the input at row position t) in row t: sglang's ``[0, seqlen - 1)``, the last token
-        has none (``rollout/routing.py``); None when the engine was not asked for routes.
+        has none (``engines/routing.py``); None when the engine was not asked for routes.
     indexer_topk: DSA models, int32 numpy [P + R - 1, num_layers, index_topk], the key positions
         the engine's indexer selected for query t in row t (-1 where fewer keys exist; sglang's
-        ``meta_info["indexer_topk"]``, ``rollout/routing.py``); None when not asked for.
+        ``meta_info["indexer_topk"]``, ``engines/routing.py``); None when not asked for.
     """
 
     prompt_ids: list[int]

@@ -86,7 +86,7 @@ def score_rows(
 ) -> list[list[float]] | None:
     """Log-probs of every row (collective: every rank passes the same ``rows``). Returns the
     per-row lists (input order) on global rank 0, None elsewhere. ``routes``: per row, the engine's
-    routed experts int32 [len(row) - 1, layers, topk] (``rollout/routing.py``), laid on the
+    routed experts int32 [len(row) - 1, layers, topk] (``engines/routing.py``), laid on the
     micro-batches for a model whose routing replay is in a replaying phase (the sync probe, r3)."""
     from megatron.core import parallel_state as ps
 

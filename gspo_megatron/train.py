@@ -27,7 +27,6 @@ from gspo_megatron.config import Config, config_help, load_config, save_config, 
 from gspo_megatron.runtime import stop
 from gspo_megatron.runtime.distributed import any_rank, broadcast_object
 from gspo_megatron.sample import Sample
-from gspo_megatron.weight_sync.modes import sync_mode
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -40,10 +39,10 @@ if TYPE_CHECKING:
     from gspo_megatron.evaluation import Evaluator
     from gspo_megatron.factory import Engines
     from gspo_megatron.metrics import MetricsLogger
+    from gspo_megatron.orchestration.async_producer import Overlap
+    from gspo_megatron.orchestration.session import RolloutSession
     from gspo_megatron.rewards.remote import RemoteRewardScorer
     from gspo_megatron.rewards.runner import InlineRewardScorer, RewardRunner
-    from gspo_megatron.rollout.async_producer import Overlap
-    from gspo_megatron.rollout.session import RolloutSession
     from gspo_megatron.runtime.gpu_monitor import GpuMonitor
     from gspo_megatron.trainer.offload import TrainStateOffloader
 
@@ -193,10 +192,11 @@ def resume(cfg: Config, run: Run) -> None:
 
 def build_rollout_side(cfg: Config, run: Run, after_sync: Callable[[Any], None] | None = None) -> None:
     """Every rank: the tokenizer, the engines (colocated ones start on the nodes that share their GPUs),
-    the rollout session (:func:`build_session`), then the first sync (the engines start from exactly
+    the rollout session (``orchestration.build.build_session``), then the first sync (the engines start from exactly
     the trainer's weights), the evaluator. Rank 0 also: the dataset and its sampler (resumed), the
     reward functions, the metrics logger."""
     from gspo_megatron import factory
+    from gspo_megatron.orchestration.build import build_session
     from gspo_megatron.runtime.gpu_monitor import GpuMonitor
 
     run.tokenizer = factory.build_tokenizer(run.hf_dir)
@@ -235,82 +235,6 @@ def build_rollout_side(cfg: Config, run: Run, after_sync: Callable[[Any], None] 
         if run.rank == 0:
             assert run.logger is not None  # rank 0 made it above
             run.logger.log(run.start_step, eval_metrics)
-
-
-def build_session(cfg: Config, run: Run, after_sync: Callable[[Any], None] | None = None) -> RolloutSession:
-    """Every rank: the ``RolloutSession`` composed once from what the config asks (nothing of it is
-    replaced later); sets ``run.overlap`` and ``run.offloader``.
-
-    - collector: rank 0's synchronous rollout (``rollout.batch.collect_rollouts``), or with
-      ``rollout.max_staleness`` >= 1 the overlap (rank 0 generates the next batches while every rank
-      trains), which also brackets every sync (``rollout.async_producer``);
-    - colocation: colocated engines release their memory after each rollout and take it back around
-      the sync; ``rollout.offload_train``: the training state leaves the devices while the engines
-      generate (``trainer.offload.TrainStateOffloader``), and a sync inside a rollout (engine
-      restarted) brings it back for the push (``rollout.colocation``);
-    - verifier: ``rollout.sync_verify``: the weight version every sync; the log-prob probe on sync 1
-      and every ``rollout.sync_verify_every``-th (``weight_sync.probe.SyncVerifier``)."""
-    from gspo_megatron.rollout.async_producer import build_overlap
-    from gspo_megatron.rollout.batch import collect_rollouts
-    from gspo_megatron.rollout.colocation import Colocation
-    from gspo_megatron.rollout.session import RolloutSession, SyncCollector
-    from gspo_megatron.trainer.offload import TrainStateOffloader
-    from gspo_megatron.weight_sync.probe import SyncVerifier, default_tolerance
-    from gspo_megatron.weight_sync.sync import WeightSyncer
-
-    rollout = run.rollout
-    assert rollout is not None, "build_session needs the engines (factory.build_engines) first"
-    engine = rollout.engine
-    syncer: WeightSyncer
-    if cfg.model.lora.rank > 0 and cfg.rollout.lora_sync == "adapter":  # only the adapters per sync
-        from gspo_megatron.weight_sync.lora_adapter import AdapterSyncer
-
-        adapter_dir = None
-        if not sync_mode(cfg.rollout.sync_mode).colocated or cfg.rollout.engine_urls:  # a PEFT directory they read
-            adapter_dir = cfg.rollout.lora_adapter_dir or os.path.join(cfg.output_dir, "lora_adapters")
-        syncer = AdapterSyncer(
-            run.model, rollout.topology, cfg.rollout.sync_bucket_mb, engine=engine, adapter_dir=adapter_dir
-        )
-    else:
-        syncer = WeightSyncer(run.model, rollout.topology, cfg.rollout.sync_bucket_mb)
-    collector = None
-    if run.rank == 0:
-        dataset, sampler, tokenizer, rewards = run.dataset, run.sampler, run.tokenizer, run.rewards
-        collector = SyncCollector(
-            lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards), sampler
-        )
-    run.overlap = build_overlap(cfg, run.model, syncer, collector, run.start_step)
-    if cfg.rollout.offload_train:
-        run.offloader = TrainStateOffloader(run.ddp, run.optimizer)
-    colocation = Colocation(engine, colocated=sync_mode(cfg.rollout.sync_mode).colocated, offloader=run.offloader)
-    verifier = None
-    if cfg.rollout.sync_verify:
-        probe_prompts = None
-        if run.rank == 0:
-            dataset = run.dataset
-            assert dataset is not None  # rank 0 holds the dataset
-            probe_prompts = [dataset[i].prompt_ids for i in range(min(4, len(dataset)))]
-        verifier = SyncVerifier(
-            run.model,
-            cfg.rollout.sync_verify_tol or default_tolerance(cfg.model.dtype, cfg.rollout.sync_fp8),
-            run.pad_id,
-            every=cfg.rollout.sync_verify_every,
-            routing_replay=cfg.rollout.routing_replay,
-            probe_prompts=probe_prompts,
-        )
-    overlap = run.overlap
-    return RolloutSession(
-        syncer,
-        engine,
-        overlap if overlap is not None else collector,
-        max_restarts=cfg.rollout.max_engine_restarts,
-        dead_engines=rollout.dead_engines,
-        restart=rollout.restart,
-        colocation=colocation,
-        verifier=verifier,
-        sync_hooks=[overlap.around_sync] if overlap is not None else [],
-        after_sync=after_sync,
-    )
 
 
 def run_step(cfg: Config, run: Run, step: int) -> bool:

@@ -9,10 +9,10 @@
 #   SGLANG_EXTRA_ARGS []        extra sglang.launch_server flags (word-split)
 #   GSPO_CONFIG []              the training config: the engines also get the flags (and environment)
 #                               it needs: routing replay, LoRA adapters, --ep-size, the delta loader
-#                               (python -m gspo_megatron.rollout.engine_args CONFIG OVERRIDES prints them;
+#                               (python -m gspo_megatron.fleet.engine_args CONFIG OVERRIDES prints them;
 #                               the trainer refuses engines that lack them)
 #   GSPO_CONFIG_OVERRIDES []    dotted.key=value overrides of GSPO_CONFIG (word-split)
-#   SGLANG_MODULE [sglang.launch_server]  the server program; gspo_megatron.rollout.cpu_server is the
+#   SGLANG_MODULE [sglang.launch_server]  the server program; gspo_megatron.cpu_server is the
 #                               CPU stand-in (same flags and HTTP API; tests only)
 #   NUM_ENGINES [GPUs on node / SGLANG_TP]
 #   START_ROUTER [0]            1: also start the router over ROUTER_WORKER_URLS on ROUTER_PORT [30100]
@@ -40,11 +40,11 @@ SGLANG_MODULE="${SGLANG_MODULE:-sglang.launch_server}"
 CONFIG_ARGS=""
 if [[ -n "${GSPO_CONFIG:-}" ]]; then
   # shellcheck disable=SC2086  # GSPO_CONFIG_OVERRIDES is a list of overrides
-  CONFIG_ARGS="$(cd "$ROOT" && "$PYTHON" -m gspo_megatron.rollout.engine_args "$GSPO_CONFIG" ${GSPO_CONFIG_OVERRIDES:-})" || exit 2
+  CONFIG_ARGS="$(cd "$ROOT" && "$PYTHON" -m gspo_megatron.fleet.engine_args "$GSPO_CONFIG" ${GSPO_CONFIG_OVERRIDES:-})" || exit 2
   # shellcheck disable=SC2086
   while IFS= read -r kv; do
     [[ -n "$kv" ]] && export "${kv?}"
-  done < <(cd "$ROOT" && "$PYTHON" -m gspo_megatron.rollout.engine_args --env "$GSPO_CONFIG" ${GSPO_CONFIG_OVERRIDES:-} 2>/dev/null)
+  done < <(cd "$ROOT" && "$PYTHON" -m gspo_megatron.fleet.engine_args --env "$GSPO_CONFIG" ${GSPO_CONFIG_OVERRIDES:-} 2>/dev/null)
   echo "[sglang_node.sh] flags from $GSPO_CONFIG: $CONFIG_ARGS"
 fi
 if [[ -z "${NUM_ENGINES:-}" ]]; then

@@ -2,7 +2,7 @@
 the config schema (issue 21: docs/gpu.md named ``rollout.sglang.urls``, which no config has).
 
 A ``section.name`` that is not a config key is accepted only when it names something else that exists:
-a module file (``train.py``), a module (``rollout.batch``), a function or attribute of a module
+a module file (``train.py``), a module (``orchestration.batch``), a function or attribute of a module
 (``train.run_step``, ``checkpoint.manager.save_checkpoint``), a file name (``model.safetensors``), or one of
 the few outside names listed in OTHER_NAMES."""
 
@@ -44,8 +44,8 @@ def _is_other_name(token: str, section: str, rest: str) -> bool:
         except ImportError:
             continue
         if k == len(parts):
-            return True  # a module (rollout.batch)
-        return hasattr(obj, parts[k])  # a function or attribute of it (rollout.batch.collect_rollouts)
+            return True  # a module (orchestration.batch)
+        return hasattr(obj, parts[k])  # a function or attribute of it (orchestration.batch.collect_rollouts)
     return False
 
 

@@ -26,7 +26,7 @@ CHECKED = ("megatron-core", "sglang", "transformer-engine")
 
 
 def expected_versions() -> dict[str, str]:
-    from gspo_megatron.rollout.sglang_compat import SGLANG_VERSION_TESTED
+    from gspo_megatron.engines.sglang_compat import SGLANG_VERSION_TESTED
 
     return {
         "megatron-core": importlib.metadata.version("megatron-core"),

@@ -176,13 +176,13 @@ def test_sbatch_disaggregated_places_engines_on_last_nodes(tmp_path):
 
 
 def test_sglang_node_starts_engines_with_the_flags_the_config_needs(tmp_path):
-    """GSPO_CONFIG: the engine command line carries what rollout/engine_args.py derives (here r3's
+    """GSPO_CONFIG: the engine command line carries what fleet/engine_args.py derives (here r3's
     --enable-return-routed-experts and --ep-size); a bad config stops the script before any engine."""
     log = tmp_path / "engine.log"
     fake = tmp_path / "python"
     _exe(
         fake,
-        f'if [[ "$2" == gspo_megatron.rollout.engine_args ]]; then exec "{sys.executable}" -W ignore "$@"; fi\n'
+        f'if [[ "$2" == gspo_megatron.fleet.engine_args ]]; then exec "{sys.executable}" -W ignore "$@"; fi\n'
         f'echo "$*" >> "{log}"\n',
     )
     demo = str(ROOT / "configs/demo_cpu.yaml")

@@ -12,11 +12,12 @@ import os
 
 from gspo_megatron.config.schema import Config
 from gspo_megatron.errors import ConfigError
-from gspo_megatron.weight_sync.modes import SYNC_MODES, modes_where
+from gspo_megatron.features import enabled_features, feature_config_errors
+from gspo_megatron.features.sync_modes import SYNC_MODES, modes_where
 
 
 def _modes(**props: object) -> str:
-    """The sync modes with ``props`` (weight_sync/modes.py), for a message: 'a or b'."""
+    """The sync modes with ``props`` (features/sync_modes.py), for a message: 'a or b'."""
     return " or ".join(sorted(modes_where(**props)))
 
 
@@ -163,34 +164,10 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
         f"rollout.sync_mode must be {_modes(engine=r.engine)} with rollout.engine={r.engine}, got {r.sync_mode}",
     )
     if r.engine == "hf":
-        need(not r.sync_fp8, "rollout.sync_fp8 needs rollout.engine=sglang")
         need(r.num_engines in (0, 1), f"rollout.num_engines must be 0 or 1 with rollout.engine=hf, got {r.num_engines}")
     need(
         not r.engine_urls or (sm is not None and sm.attaches),
         f"rollout.engine_urls needs rollout.sync_mode={_modes(attaches=True)}",
-    )
-    need(
-        not (r.sync_fp8 and r.engine_urls),
-        "rollout.sync_fp8=true is not supported with rollout.engine_urls (attached engines): they start from the "
-        "bf16 checkpoint (launch/sglang_node.sh) without the FP8 quantization_config the trainer gives the engines "
-        "it launches, so SGLang would skip the weight_scale_inv tensors and load e4m3 bytes into bf16 weights; set "
-        "rollout.sync_fp8=false, or rollout.engine_urls=[] and rollout.num_engines=N to let the trainer launch them",
-    )
-    need(
-        not (r.sync_fp8 and r.engine == "sglang" and r.engine_server == "cpu"),
-        "rollout.sync_fp8=true is not supported with rollout.engine_server=cpu: the CPU stand-in server does not read "
-        "the engine's FP8 quantization_config, so it would skip the weight_scale_inv tensors and load e4m3 bytes "
-        "into float weights; set rollout.sync_fp8=false (or rollout.engine_server=sglang on GPUs)",
-    )
-    need(
-        not r.sync_delta or sm is None or sm.delta,
-        f"rollout.sync_delta=true needs rollout.sync_mode={_modes(delta=True)}, got {r.sync_mode}: the engines apply "
-        "deltas with sglang's custom weight loader (update_weights_from_tensor); set rollout.sync_delta=false",
-    )
-    need(
-        not r.sync_owner_direct or sm is None or sm.colocated,
-        f"rollout.sync_owner_direct=true needs rollout.sync_mode={_modes(placement='colocated')}, got {r.sync_mode}: "
-        "the expert owners hand their weights to the engine ranks on their node; set rollout.sync_owner_direct=false",
     )
     need(
         not r.engine_urls or r.num_engines in (0, len(r.engine_urls)),
@@ -203,22 +180,6 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
     non_negative("rollout.max_staleness", r.max_staleness)
     non_negative("rollout.sync_verify_every", r.sync_verify_every)
     non_negative("rollout.sync_verify_tol", r.sync_verify_tol)
-    need(
-        r.max_staleness == 0 or (sm is not None and sm.allows_staleness),
-        f"rollout.max_staleness={r.max_staleness} needs rollout.sync_mode={_modes(allows_staleness=True)} (got {r.sync_mode}): "
-        "overlapping generation with training needs engines on their own GPUs; colocated or in-process engines "
-        "share the training devices and cannot generate while the trainer trains",
-    )
-    need(
-        r.max_staleness == 0 or r.custom_function is None,
-        "rollout.max_staleness >= 1 with rollout.custom_function is not supported: the hook's records do not carry "
-        "the weight version of each token, which off-policy training needs",
-    )
-    need(
-        r.routing_replay != "r3" or r.engine == "sglang",
-        "rollout.routing_replay=r3 needs rollout.engine=sglang (the engines must return their routed experts; "
-        "rollout.engine_server=cpu on CPU); the in-process hf engine does not (use r2 or off)",
-    )
     lora = cfg.model.lora
     need(lora.rank >= 0, f"model.lora.rank must be >= 0 (0 = off), got {lora.rank}")
     if lora.rank > 0:
@@ -238,16 +199,7 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
             "model.lora needs Megatron's local layer spec (model.transformer_impl=local or auto without "
             "Transformer Engine, no model.fp8): the adapters wrap its ColumnParallelLinear / RowParallelLinear",
         )
-    if r.lora_sync == "adapter":  # weight_sync/lora_adapter.py
-        from gspo_megatron.weight_sync.lora_adapter import adapter_sync_refusal
-
-        why = adapter_sync_refusal(cfg)
-        need(why is None, why or "")
-    need(
-        not r.offload_train or sm is None or not sm.separate_gpus,
-        "rollout.offload_train needs engines on the training devices "
-        f"(rollout.sync_mode {_modes(separate_gpus=False)}), got {r.sync_mode}",
-    )
+    e.extend(feature_config_errors(cfg))  # each component's checks and refusals (features/)
     need(
         m.max_seq_len >= cfg.data.max_prompt_len + r.max_new_tokens,
         f"model.max_seq_len={m.max_seq_len} must be >= data.max_prompt_len + rollout.max_new_tokens "
@@ -497,22 +449,16 @@ def validate_model_layout(cfg: Config, hf_config: dict) -> None:
             f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
             f"= {d.max_position_embeddings}"
         )
-    if r.routing_replay != "off" and not d.moe_layers:
-        e.append(f"rollout.routing_replay={r.routing_replay} needs an MoE model; this one is dense (no routed experts)")
-    if r.lora_sync == "adapter" and cfg.model.lora.rank > 0:  # experts sglang would leave without LoRA
-        from gspo_megatron.weight_sync.lora_adapter import moe_lora_refusal
-
-        why = moe_lora_refusal(cfg.model.lora.target_modules, moe=bool(d.moe_layers))
-        if why:
-            e.append(why)
+    for feature in enabled_features(cfg):  # each component's checks against the model (features/)
+        e.extend(feature.model_errors(cfg, d))
     if r.engine == "sglang":
-        from gspo_megatron.rollout.engine_model import engine_layout_errors, engine_model_errors
+        from gspo_megatron.engines.engine_model import engine_layout_errors, engine_model_errors
 
         if d.num_heads % r.engine_tp:
             e.append(f"rollout.engine_tp={r.engine_tp} must divide num_attention_heads = {d.num_heads}")
         e.extend(engine_layout_errors(cfg, d))
         e.extend(engine_model_errors(cfg, hf_config))
-        # (what sglang's start-up would abort on: rollout.engine_startup_checks, called by its callers,
+        # (what sglang's start-up would abort on: fleet.engine_startup_checks, called by its callers,
         # preflight.check_config and planner.make_plan, since it derives the engines' flags from the config)
     if e:
         raise ConfigError(e)

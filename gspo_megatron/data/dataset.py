@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence, overload
 from gspo_megatron.errors import UserInputError
 
 if TYPE_CHECKING:
-    from gspo_megatron.rollout.base import RolloutSample
+    from gspo_megatron.engines.base import RolloutSample
 
 
 class DatasetError(UserInputError):

@@ -86,9 +86,9 @@ def _turn_text(tokenizer, sample) -> str:
 
 def tool_calc_rollout(generate, sample) -> dict:
     """The rollout hook (see the module docstring); ``sample`` is a
-    :class:`gspo_megatron.rollout.custom.HookSample`."""
+    :class:`gspo_megatron.engines.custom.HookSample`."""
     from gspo_megatron.data.answer_reward import shaped_integer_reward
-    from gspo_megatron.rollout.custom import Trajectory
+    from gspo_megatron.engines.custom import Trajectory
 
     tok = sample.tokenizer
     traj = Trajectory()

@@ -1,8 +1,10 @@
 """The policy-gradient losses: GSPO (sequence ratio), GSPO-token, and the GRPO baseline.
 
 The objective J of each mode is a small registered function (:mod:`gspo_megatron.losses.objectives`);
-this module holds the shared preparation (masking, per-sequence sums and their CP all-reduce, TIS
-weights, the normalizer), the KL / entropy terms and the metrics.
+the shared preparation and the other terms (masking, per-sequence sums and their CP all-reduce, the
+sequence ratio, TIS weights, the aggregation weights and normalizer, the KL / entropy terms) are one
+small function each in :mod:`gspo_megatron.losses.loss_terms`; :func:`policy_loss_flat` checks the
+inputs, composes the terms and computes the metrics.
 
 Core representation (covers padded, packed/THD and context-parallel batches alike): flat per-token
 tensors [N] with ``seq_index`` [N] (the micro-batch sequence each token belongs to; masked tokens may
@@ -61,11 +63,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gspo_megatron.losses.loss_terms import (
+    KL_ESTIMATORS,
+    Tokens,
+    aggregation_weights,
+    denominator,
+    entropy_term,
+    kl_term,
+    sequence_ratio,
+    sequence_sums,
+    split_advantages,
+    tis_at_level,
+)
+from gspo_megatron.losses.loss_terms import kl_estimate as kl_estimate  # (re-exported: gspo_megatron.losses)
+from gspo_megatron.losses.loss_terms import tis_weights as tis_weights  # (re-exported)
 from gspo_megatron.losses.objectives import TIS_LEVELS, TIS_MODES, LossInputs, ObjectiveTerms, policy_objective
-from gspo_megatron.losses.reductions import all_reduce_sum, all_reduce_sum_, segment_sum
 
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclass(frozen=True)
@@ -137,33 +151,98 @@ class PolicyLossOutput(NamedTuple):
     metrics: dict[str, float]
 
 
-def tis_weights(log_rho: Tensor, cap: float, mode: str) -> tuple[Tensor, Tensor]:
-    """Engine/trainer importance weights from log rho (any shape: [S] per-sequence mean log-ratios
-    mean_t(old_t - engine_t), or [N] per-token old_t - engine_t). Returns (w, capped): "truncate"
-    w = min(rho, cap), capped = rho >= cap; "mask" w = rho * [rho <= cap], capped = rho > cap (dropped)."""
-    rho = torch.exp(log_rho)
-    if mode == "mask":
-        capped = rho > cap
-        return torch.where(capped, torch.zeros_like(rho), rho), capped
-    return rho.clamp(max=cap), rho >= cap
-
-
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token estimator of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's k1/k2/k3)."""
-    d = logprobs - ref_logprobs
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    if estimator == "k3":
-        return torch.expm1(-d) + d
-    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-
-
 def _check_shapes(n: int, named: dict[str, Tensor | None]) -> None:
     for name, t in named.items():
         if t is not None and t.shape != (n,):
             raise ValueError(f"{name} must have shape [{n}] (one value per token), got {tuple(t.shape)}")
+
+
+def _check_inputs(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    seq_index: Tensor,
+    num_seqs: int,
+    cfg: PolicyLossConfig,
+    sequence_ratio: bool,
+    ref_logprobs: Tensor | None,
+    entropy: Tensor | None,
+    engine_logprobs: Tensor | None,
+    token_advantages: bool | None,
+) -> bool:
+    """Refuse inputs :func:`policy_loss_flat` cannot use (ValueError / TypeError naming the argument):
+    every per-token tensor [N], ``advantages`` [S] or [N] (not [N] for a ``sequence_ratio`` mode), the
+    inputs a nonzero ``kl_coef`` / ``entropy_coef`` / a ``tis_cap`` needs, an integer ``seq_index``.
+    Returns whether ``advantages`` is per token (None infers it: per token when [N] and N != S)."""
+    n = logprobs.shape[0] if logprobs.dim() == 1 else -1
+    if logprobs.dim() != 1:
+        raise ValueError(f"logprobs must be 1-D [N], got {tuple(logprobs.shape)}")
+    _check_shapes(
+        n,
+        {
+            "old_logprobs": old_logprobs,
+            "response_mask": response_mask,
+            "seq_index": seq_index,
+            "ref_logprobs": ref_logprobs,
+            "entropy": entropy,
+            "engine_logprobs": engine_logprobs,
+        },
+    )
+    if not isinstance(num_seqs, int) or num_seqs < 1:
+        raise ValueError(f"num_seqs must be a positive int, got {num_seqs!r}")
+    if token_advantages is None:  # infer; when N == S the per-sequence reading wins
+        token_advantages = advantages.shape == (n,) and n != num_seqs
+    want = (n,) if token_advantages else (num_seqs,)
+    if advantages.shape != want:
+        raise ValueError(
+            f"advantages must have shape [{num_seqs}] (per sequence) or [{n}] (per token), "
+            f"got {tuple(advantages.shape)}"
+        )
+    if token_advantages and sequence_ratio:
+        raise ValueError(
+            f"advantages must be per sequence [S] for mode={cfg.mode!r}; use mode='gspo_token' for token advantages"
+        )
+    if cfg.kl_coef != 0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs entropy")
+    if cfg.tis_cap is not None and engine_logprobs is None:
+        raise ValueError("tis_cap is set but engine_logprobs is None")
+    if seq_index.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"seq_index must be an integer tensor, got {seq_index.dtype}")
+    return bool(token_advantages)
+
+
+def _total_loss(
+    objective: Tensor, cfg: PolicyLossConfig, tok_w: Tensor, tok: Tokens, entropy: Tensor | None, denom: Tensor
+) -> Tensor:
+    """(-J + kl_coef * KL_ref - entropy_coef * H) / denom, each term aggregated by ``tok_w``."""
+    loss = -objective
+    if cfg.kl_coef != 0:
+        assert tok.ref is not None  # checked: kl_coef != 0 needs ref_logprobs
+        loss = loss + cfg.kl_coef * kl_term(tok_w, tok.lp, tok.ref, cfg.kl_estimator)
+    if cfg.entropy_coef != 0:
+        assert entropy is not None  # checked: entropy_coef != 0 needs entropy
+        loss = loss - cfg.entropy_coef * entropy_term(tok_w, tok.masked(entropy))
+    return loss / denom
+
+
+def _finite_checks(
+    checks: dict[str, Tensor],
+    inputs: dict[str, Tensor | None],
+    advantages: Tensor,
+    token_advantages: bool,
+    tok: Tokens,
+    valid: Tensor,
+) -> None:
+    """checks[name] = whether input ``name`` is non-finite on a response token (advantages: on a
+    response token, or a valid sequence); one flag each, read at the metrics' sync."""
+    for name, t in inputs.items():
+        if t is not None:
+            checks[name] = (~torch.isfinite(t.detach()) & tok.mask).any()
+    adv_ok = torch.isfinite(advantages.detach())
+    checks["advantages"] = (~adv_ok & tok.mask).any() if token_advantages else (~adv_ok & valid).any()
 
 
 def policy_loss_flat(
@@ -203,155 +282,66 @@ def policy_loss_flat(
     """
     cfg = config
     spec = policy_objective(cfg.mode, "mode")
-    n = logprobs.shape[0] if logprobs.dim() == 1 else -1
-    if logprobs.dim() != 1:
-        raise ValueError(f"logprobs must be 1-D [N], got {tuple(logprobs.shape)}")
-    _check_shapes(
-        n,
-        {
-            "old_logprobs": old_logprobs,
-            "response_mask": response_mask,
-            "seq_index": seq_index,
-            "ref_logprobs": ref_logprobs,
-            "entropy": entropy,
-            "engine_logprobs": engine_logprobs,
-        },
+    token_advantages = _check_inputs(
+        logprobs,
+        old_logprobs,
+        advantages,
+        response_mask,
+        seq_index,
+        num_seqs,
+        cfg,
+        spec.sequence_ratio,
+        ref_logprobs,
+        entropy,
+        engine_logprobs,
+        token_advantages,
     )
-    if not isinstance(num_seqs, int) or num_seqs < 1:
-        raise ValueError(f"num_seqs must be a positive int, got {num_seqs!r}")
-    if token_advantages is None:  # infer; when N == S the per-sequence reading wins
-        token_advantages = advantages.shape == (n,) and n != num_seqs
-    want = (n,) if token_advantages else (num_seqs,)
-    if advantages.shape != want:
-        raise ValueError(
-            f"advantages must have shape [{num_seqs}] (per sequence) or [{n}] (per token), "
-            f"got {tuple(advantages.shape)}"
-        )
-    if token_advantages and spec.sequence_ratio:
-        raise ValueError(
-            f"advantages must be per sequence [S] for mode={cfg.mode!r}; use mode='gspo_token' for token advantages"
-        )
-    if cfg.kl_coef != 0 and ref_logprobs is None:
-        raise ValueError("kl_coef != 0 needs ref_logprobs")
-    if cfg.entropy_coef != 0 and entropy is None:
-        raise ValueError("entropy_coef != 0 needs entropy")
-    if cfg.tis_cap is not None and engine_logprobs is None:
-        raise ValueError("tis_cap is set but engine_logprobs is None")
-    if seq_index.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"seq_index must be an integer tensor, got {seq_index.dtype}")
-
-    f32 = torch.promote_types(logprobs.dtype, torch.float32)  # fp32 math; fp64 inputs stay fp64
-    mask = response_mask != 0
-    maskf = mask.to(f32)
-    seq = torch.where(mask, seq_index.long(), torch.zeros_like(seq_index, dtype=torch.long))
-    zero = torch.zeros((), dtype=f32, device=logprobs.device)
-
-    def masked(t: Tensor) -> Tensor:  # fp32, exactly 0 off the response (NaN padding cannot leak)
-        return torch.where(mask, t.to(f32), zero)
-
-    lp = masked(logprobs)
-    old = masked(old_logprobs.detach())
-    ref = masked(ref_logprobs.detach()) if ref_logprobs is not None else None
-    delta = lp - old
-
-    # One CP all-reduce of per-sequence sums [K, S]; row 0 is differentiable for a sequence_ratio mode.
-    rows: dict[str, Tensor] = {"logratio": delta if spec.sequence_ratio else delta.detach(), "count": maskf}
-    with torch.no_grad():
-        rows["k3_old"] = masked(kl_estimate(old, lp, "k3"))  # KL(old || new) from old's samples
-        if engine_logprobs is not None:
-            rows["engine_gap"] = masked(old_logprobs.detach() - engine_logprobs.detach())
-            rows["engine_absgap"] = rows["engine_gap"].abs()
-        if entropy is not None:
-            rows["entropy"] = masked(entropy.detach())
-        if ref is not None:
-            rows["kl_ref"] = masked(kl_estimate(lp, ref, cfg.kl_estimator))
-    names = list(rows)
-    local = segment_sum(torch.stack([rows[k] for k in names]), seq, num_seqs)
-    if spec.sequence_ratio:
-        seq_sums = all_reduce_sum(local, cp_group)
-    else:
-        seq_sums = all_reduce_sum_(local.detach().clone(), cp_group)
-    sums = dict(zip(names, seq_sums.unbind(0)))
-    count = sums["count"].detach()
-    valid = count > 0
-    count_safe = count.clamp(min=1.0)
-    num_valid = valid.sum().to(f32)
-
+    tok = Tokens.prepare(logprobs, old_logprobs, ref_logprobs, response_mask, seq_index)
+    s = sequence_sums(
+        tok,
+        num_seqs,
+        cfg.kl_estimator,
+        spec.sequence_ratio,
+        cp_group,
+        old_logprobs=old_logprobs,
+        engine_logprobs=engine_logprobs,
+        entropy=entropy,
+    )
     checks: dict[str, Tensor] = {}
-    if normalizer is None:
-        default = num_valid if cfg.aggregation == "seq-mean-token-mean" else count.sum()
-        denom = default.clamp(min=1.0)
-    elif isinstance(normalizer, Tensor):
-        if normalizer.numel() != 1:
-            raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
-        denom = normalizer.detach().to(device=logprobs.device, dtype=f32).reshape(())
-        checks["normalizer"] = ~(denom > 0) | ~torch.isfinite(denom)  # checked at the metrics' sync
-    else:
-        if not (math.isfinite(normalizer) and normalizer > 0):
-            raise ValueError(f"normalizer must be > 0 (global sequence or token count), got {normalizer}")
-        denom = torch.tensor(float(normalizer), dtype=f32, device=logprobs.device)
-
-    adv_seq = None
-    if token_advantages:
-        adv_tok = masked(advantages.detach())
-    else:
-        adv_seq = torch.where(valid, advantages.detach().to(f32), zero)  # [S]; empty sequences' A unused
-        adv_tok = adv_seq[seq]
-    log_seq_ratio = sums["logratio"] / count_safe  # [S]; differentiable for a sequence_ratio mode
-    seq_ratio = torch.exp(log_seq_ratio)
-    tis_seq = tis_tok = tis = None
-    if cfg.tis_cap is not None:
-        tis = tis_weights(
-            sums["engine_gap"] / count_safe if cfg.tis_level == "sequence" else rows["engine_gap"],
-            cfg.tis_cap,
-            cfg.tis_mode,
-        )
-        tis_seq, tis_tok = (tis[0], tis[0][seq]) if cfg.tis_level == "sequence" else (None, tis[0])
-
-    # Per-token aggregation weight: 1/|y_i| (seq-mean-token-mean) or 1 (token-mean), 0 off the response.
-    tok_w = maskf / count_safe[seq] if cfg.aggregation == "seq-mean-token-mean" else maskf
+    denom = denominator(normalizer, cfg.aggregation, s, tok, checks)
+    adv_seq, adv_tok = split_advantages(advantages, token_advantages, s, tok)
+    log_seq_ratio, seq_ratio = sequence_ratio(s)
+    tis, tis_seq, tis_tok = tis_at_level(cfg.tis_level, cfg.tis_cap, cfg.tis_mode, s, tok)
+    tok_w = aggregation_weights(tok, s.count_safe, cfg.aggregation)
     assert cfg.clip_low is not None and cfg.clip_high is not None  # resolved by PolicyLossConfig.__post_init__
-    terms = spec.fn(
-        LossInputs(
-            lp=lp,
-            delta=delta,
-            seq=seq,
-            tok_w=tok_w,
-            adv_seq=adv_seq,
-            adv_tok=adv_tok,
-            log_seq_ratio=log_seq_ratio,
-            seq_ratio=seq_ratio,
-            local_count=local[1],
-            count_safe=count_safe,
-            tis_seq=tis_seq,
-            tis_tok=tis_tok,
-        ),
-        cfg.clip_low,
-        cfg.clip_high,
+    inputs = LossInputs(
+        lp=tok.lp,
+        delta=tok.delta,
+        seq=tok.seq,
+        tok_w=tok_w,
+        adv_seq=adv_seq,
+        adv_tok=adv_tok,
+        log_seq_ratio=log_seq_ratio,
+        seq_ratio=seq_ratio,
+        local_count=s.local[1],
+        count_safe=s.count_safe,
+        tis_seq=tis_seq,
+        tis_tok=tis_tok,
     )
-    objective = terms.objective
-    loss = -objective
-    if cfg.kl_coef != 0:
-        assert ref is not None  # checked above: kl_coef != 0 needs ref_logprobs
-        loss = loss + cfg.kl_coef * (tok_w * kl_estimate(lp, ref, cfg.kl_estimator)).sum()
-    if cfg.entropy_coef != 0:
-        assert entropy is not None  # checked above: entropy_coef != 0 needs entropy
-        loss = loss - cfg.entropy_coef * (tok_w * masked(entropy)).sum()
-    loss = loss / denom
-
+    terms = spec.fn(inputs, cfg.clip_low, cfg.clip_high)
+    loss = _total_loss(terms.objective, cfg, tok_w, tok, entropy, denom)
     if check_finite:
-        for name, t in {
+        named = {
             "logprobs": logprobs,
             "old_logprobs": old_logprobs,
             "ref_logprobs": ref_logprobs,
             "entropy": entropy,
             "engine_logprobs": engine_logprobs,
-        }.items():
-            if t is not None:
-                checks[name] = (~torch.isfinite(t.detach()) & mask).any()
-        adv_ok = torch.isfinite(advantages.detach())
-        checks["advantages"] = (~adv_ok & mask).any() if token_advantages else (~adv_ok & valid).any()
-    metrics = _metrics(cfg, loss, objective / denom, sums, valid, num_valid, seq_ratio, terms, mask, tis, checks)
+        }
+        _finite_checks(checks, named, advantages, token_advantages, tok, s.valid)
+    metrics = _metrics(
+        cfg, loss, terms.objective / denom, s.sums, s.valid, s.num_valid, seq_ratio, terms, tok.mask, tis, checks
+    )
     return PolicyLossOutput(loss=loss, metrics=metrics)
 
 

@@ -15,6 +15,11 @@ A family is one folder under ``models/`` (``qwen3_moe/``, ``mixtral/``, ...) hol
   FP8 engine must keep unquantized (``fp8_engine_unquantized``);
 - what sglang 0.5.23's model class for the family builds differently from the config
   (``sglang_ties_lm_head``, ``sglang_every_layer_sparse``; checked by ``sglang_errors``);
+- the names the engines look the family up by: the sglang module of each architecture and what its class
+  keeps (``sglang_modules``, ``sglang_kept_from_start``, ``sglang_mamba_cache``), the transformers router
+  and indexer classes the CPU server hooks (``hf_router_classes``, ``hf_router_perturbable``,
+  ``hf_indexer_classes``), a vision-language checkpoint's language model (``language_model_prefix``,
+  ``language_model_excluded``);
 - a tiny test config (``tiny``: kwargs of transformers' config class) and published configs the
   planner knows by name (``published``).
 Every other module asks the family (``gspo_megatron.models.get_family(hf)``) and names no architecture.
@@ -73,6 +78,35 @@ class ModelFamily:
     # sglang 0.5.23's class builds routed experts in every decoder layer, ignoring mlp_only_layers /
     # decoder_sparse_step (qwen2_moe.py / qwen3_moe.py ``stage_facts``: ``is_layer_sparse = True``)
     sglang_every_layer_sparse: bool = False
+    # -- the names other packages look the family up by (read there; the engines build their tables
+    # from every registered family's, so no module outside ``models/`` names an architecture) ----------
+    # HF architecture -> the sglang 0.5.23 module serving it (``sglang/srt/models/<module>.py``, whose
+    # ``EntryClass`` lists the class), one entry per ``architectures``: the CPU server imports the class
+    # from it (``cpu_server/sglang_models.py``: ``MODULES``), not through sglang's registry
+    sglang_modules: dict[str, str] = {}
+    # HF architecture -> prefixes of parameters of sglang's class that the weight sync never writes (a
+    # vision tower the engine keeps from start-up; ``carried_prefixes``): the CPU server neither poisons
+    # nor checks them (``KEPT_FROM_START``)
+    sglang_kept_from_start: dict[str, tuple[str, ...]] = {}
+    # sglang 0.5.23's class keeps a Mamba-style state cache (Gated DeltaNet layers): the CPU server starts
+    # it with the cache strategy the CPU platform supports (``LINEAR_ATTENTION_HYBRIDS``)
+    sglang_mamba_cache: bool = False
+    # transformers' top-k router classes (``forward(h) -> (logits, scores, indices)``) whose choices the
+    # CPU server returns as routed experts (``cpu_server/routes.py``: ``ROUTER_CLASSES``); empty: it
+    # returns none for this family
+    hf_router_classes: tuple[str, ...] = ()
+    # whether ``--router-logit-perturbation`` may move those routers' choices (softmax routers); False: a
+    # sigmoid router with a bias, recorded as it is (``routes._NO_PERTURB``)
+    hf_router_perturbable: bool = True
+    # transformers' DSA indexer classes whose selections the CPU server returns as ``indexer_topk``
+    # (``routes.INDEXER_CLASSES``)
+    hf_indexer_classes: tuple[str, ...] = ()
+    # a vision-language checkpoint of the family (config.json with ``text_config``): the prefix its
+    # checkpoint keeps the language model's ``model.`` names under, and the name prefixes (checkpoint's
+    # and sglang's spelling) that are not the language model; the transformers engine serves the language
+    # model alone (``engines/hf_engine.py``: ``LANGUAGE_MODEL_PREFIXES``, ``_NOT_LANGUAGE_MODEL``)
+    language_model_prefix: str | None = None
+    language_model_excluded: tuple[str, ...] = ()
     tiny: dict = {}
     published: dict[str, dict] = {}
 

@@ -1,6 +1,6 @@
 """Byte layout of tensors packed into one uint8 buffer: the export stream's bucketed (E)TP gather
-(``models.weights._gather_bucket``: a bucket's shards in one all-gather) and its flat buckets
-(``models.weights.export_hf_weights(flat=...)``: a bucket's tensors as views into one reused buffer)
+(``models.weights._gather_bucket``: a bucket's shards in one all-gather) and the weight sync's flat
+buckets (``weight_sync.buckets.FlatBucketSink``: a bucket's tensors as views into one reused buffer)
 lay out their tensors with the same arithmetic, here.
 
 - ``tensor_bytes(shape, dtype)``: prod(shape) * itemsize.

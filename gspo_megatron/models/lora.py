@@ -343,7 +343,7 @@ def adapter_nbytes(model) -> int:
 @torch.no_grad()
 def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """``W + s B A`` in fp32, cast to W's dtype: the one merge every merged weight goes through (the
-    merged export and sync here, the CPU server serving an adapter: rollout/cpu_server/lora.py)."""
+    merged export and sync here, the CPU server serving an adapter: cpu_server/lora.py)."""
     return (w.detach().float() + scaling * (b.detach().float() @ a.detach().float())).to(w.dtype)
 
 

@@ -42,7 +42,7 @@ class ExpertNaming:
     """How a family names one routed expert's weights in the HF *checkpoint*:
     ``model.layers.<l>.{block}.experts.<e>.{gate|up|down}.weight``, and its router ``{block}.{router}``.
     transformers 5.x keeps these experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H],
-    ``mlp.experts.down_proj`` [E, H, I]); the CPU engine (rollout/hf_engine.py) maps between the two."""
+    ``mlp.experts.down_proj`` [E, H, I]); the CPU engine (engines/hf_engine.py) maps between the two."""
 
     block: str
     gate: str

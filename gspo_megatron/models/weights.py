@@ -19,14 +19,15 @@ Parameters, and the buffers a family maps (the MoE router's ``expert_bias``: Dee
   larger than ``bucket_bytes`` gets a bucket of its own, whole (the plan's items, order and
   buckets: ``models/export_plan.py``). Stacked-expert rows are collected on the receiving rank and
   yielded as the stacked tensor in the bucket of the last row. The same stream feeds HF export
-  (tools/megatron_to_hf.py) and weight sync to the rollout engines; with ``flat`` (the SGLang sync
-  modes) a bucket's tensors are views into one reused buffer (its byte layout:
-  ``models/flat_layout.py``).
+  (tools/megatron_to_hf.py) and weight sync to the rollout engines. How a receiving rank assembles
+  its buckets is the caller's (``sink``, a :class:`BucketSink`; the default :class:`ListSink`: plain
+  lists): the weight sync passes its own (``weight_sync/buckets.py``), so this module knows no
+  transport.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, NamedTuple, Protocol, cast
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.export_plan import _buckets, _Item, group_fused, sort_key
-from gspo_megatron.models.flat_layout import flat_layout, pack_aligned, tensor_bytes, view
+from gspo_megatron.models.flat_layout import pack_aligned, tensor_bytes, view
 from gspo_megatron.models.mapping import Rule
 from gspo_megatron.models.param_names import global_names, named_tensors
 from gspo_megatron.models.registry import get_family
@@ -125,8 +126,8 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
 
     This rank's part: the parameters it owns or holds a shard of (its (E)TP group's (expert-)DP rank
     0), and the routed experts whose full copy it holds as another expert-DP replica (expert tensor
-    parallel size 1): those are the item's ``copies`` (an owner-direct routing reads them in place of
-    a transfer from the owner; nothing else uses them)."""
+    parallel size 1): those are the item's ``copies`` (a caller's sink may read them in place of a
+    transfer from the owner; the stream itself does not use them)."""
     mapping = get_family(model.hf_config).mapping(model.hf_config)
     mine: dict[str, tuple[Rule, torch.nn.Parameter]] = {}
     declared: list[_Declared] = []
@@ -180,76 +181,83 @@ ALL_RANKS = "all"
 
 
 def _destination(dst, owner: int) -> int | None:
-    """Where an item owned by ``owner`` goes: a rank, or None for every rank (``ALL_RANKS``, and the
-    items an :class:`ItemRouting` leaves to every rank)."""
-    if dst == ALL_RANKS or _routing(dst) is not None:
+    """Where an item owned by ``owner`` goes: a rank, or None for every rank (``ALL_RANKS``)."""
+    if dst == ALL_RANKS:
         return None
     return dst(owner) if callable(dst) else int(dst)
 
 
-class ItemRouting(Protocol):
-    """A ``dst`` of :func:`export_hf_weights` that sends some items to some ranks only (owner-direct
-    colocated sync: ``weight_sync.owner_direct.OwnerDirectRouting``); every other item goes to
-    every rank as with ``ALL_RANKS``.
+class OpenBucket(Protocol):
+    """One bucket being assembled on this rank (:meth:`BucketSink.open`)."""
 
-    ``holders(item, local)`` -> None (every rank gets it), or {rank: what the rank serves with it}:
-    the ranks that hold the item's full tensors in their bucket (the owner copies them, the others
-    receive them from the owner by ``dist.send`` / ``dist.recv``; ``local``: every rank assembles the
-    item itself from the bucket's (E)TP gather, so no transfer is needed). The values are opaque
-    here and come back to the transport in the bucket's ``FlatBucket.slots``. Must be the same on
-    every rank."""
+    #: what the stream yields for the bucket on a receiving rank: (HF name, full tensor), filled by
+    #: :meth:`place` and by the stream's own per-tensor delivery
+    out: list[tuple[str, torch.Tensor]]
+    #: False: the sink has no buffer of its own on this rank for the bucket, so no rank assembles an
+    #: item from the bucket's gather but its owner (``local`` is dropped)
+    buffered: bool
 
-    def holders(self, item: _Item, local: bool) -> dict[int, tuple] | None: ...
+    def place(self, it: _Item, target: int | None, tensors: list[torch.Tensor] | None, local: bool) -> bool:
+        """Deliver item ``it`` the sink's way and return True, or return False to leave it to the
+        stream (``dist.send`` / ``recv`` / ``broadcast`` per tensor, appended to ``out``). ``target``:
+        its destination rank (None: every rank); ``tensors``: its full HF tensors where assembled
+        (owner, or every rank when ``local``), else None. Called on every rank for every item of the
+        bucket, in plan order (the sink's collectives must match across ranks)."""
+        ...
 
-
-def _routing(dst) -> ItemRouting | None:
-    return dst if hasattr(dst, "holders") else None
-
-
-class FlatBucket(list):
-    """A bucket (list of (HF name, tensor)) whose tensors are views into one uint8 buffer ``flat``
-    (``export_hf_weights(..., flat=...)``): a transport can send ``flat`` as it is (one broadcast,
-    or sglang's ``flattened_bucket`` payload) instead of flattening the tensors again. The views are
-    element-aligned; ``byte_offset(t)`` is a tensor's place in ``flat``. They are valid until the
-    stream's next bucket is requested (the buffer is reused)."""
-
-    flat: torch.Tensor  # unset when the rank receives nothing of a routed bucket (or it has stacked rows)
-    # with an ``ItemRouting``: HF name -> what this rank serves with it (names not in it: the rank's own),
-    # and every item's holders in the bucket (None: every rank), the same on every rank
-    slots: dict[str, tuple]
-    routes: list[dict[int, tuple] | None]
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.slots = {}
-        self.routes = []
-
-    def byte_offset(self, t: torch.Tensor) -> int:
-        return t.data_ptr() - self.flat.data_ptr()
+    def close(self) -> None:
+        """After the bucket's last item, on every rank: the sink's remaining collectives."""
+        ...
 
 
-class BucketBuffer:
-    """One reusable uint8 buffer for ``export_hf_weights(flat=...)``, grown to the largest bucket;
-    ``share``: in shared memory (CPU tensors then travel to another process without a copy)."""
+class BucketSink(Protocol):
+    """How a rank assembles the buckets it receives: ``export_hf_weights``'s ``sink``, the caller's
+    policy (the default :class:`ListSink`: plain lists; the weight sync's: ``weight_sync/buckets.py``).
+    The same kind of sink on every rank: it decides the stream's collectives.
 
-    def __init__(self, share: bool = False):
-        self.share = share
-        self.buf: torch.Tensor | None = None
+    ``bucket_gather``: a bucket's (E)TP shards travel in one all-gather per parallel kind
+    (:func:`_gather_bucket`) instead of one per item (:func:`gather_full`). ``local_assembly`` (with
+    ``bucket_gather`` and ``ALL_RANKS``): items of an (E)TP group that spans the whole world (e.g.
+    tp = world) are assembled by every rank from that gather, with no broadcast. ``open`` is called
+    once per bucket on every rank with the bucket's items, their destinations (None: every rank), the
+    global names assembled on every rank (``local``) and this rank's part of the plan (``mine``:
+    global name -> (rule, parameter))."""
 
-    def __call__(self, nbytes: int, device) -> torch.Tensor:
-        device = torch.device(device)
-        if self.buf is None or self.buf.numel() < nbytes or self.buf.device != device:
-            self.buf = None  # free the old one first
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-            if self.share and device.type == "cpu":
-                buf.share_memory_()
-            self.buf = buf
-        return self.buf[:nbytes]
+    bucket_gather: bool
+    local_assembly: bool
+
+    def open(self, bucket: list[_Item], targets: list[int | None], local: set[str], mine: dict) -> OpenBucket: ...
+
+
+class _ListBucket:
+    """A :class:`ListSink` bucket: a new list, every item left to the stream."""
+
+    buffered = False
+
+    def __init__(self) -> None:
+        self.out: list[tuple[str, torch.Tensor]] = []
+
+    def place(self, it: _Item, target: int | None, tensors: list[torch.Tensor] | None, local: bool) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class ListSink:
+    """The plain sink: every bucket a new list, every tensor delivered by the stream (HF export,
+    the in-process engine)."""
+
+    bucket_gather = False
+    local_assembly = False
+
+    def open(self, bucket: list[_Item], targets: list[int | None], local: set[str], mine: dict) -> _ListBucket:
+        return _ListBucket()
 
 
 @torch.no_grad()
 def export_hf_weights(
-    model, bucket_bytes: int = 512 << 20, plan=None, dst=0, flat=None
+    model, bucket_bytes: int = 512 << 20, plan=None, dst=0, sink: BucketSink | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]] | None]:
     """Collective generator over buckets of full HF tensors (see module docstring). Every rank must
     iterate it to the end. ``plan`` may be a cached ``build_export_plan(model)``.
@@ -265,163 +273,62 @@ def export_hf_weights(
     ``bucket_bytes`` (a single larger tensor or fuse group excepted), and a fuse group (one layer's
     tensors, one owner) reaches its destination in one bucket.
 
-    ``flat`` (same on every rank; None: plain lists): an allocator ``(nbytes, device) -> uint8
-    tensor`` (e.g. :class:`BucketBuffer`). A receiving rank then gets each bucket as a
-    :class:`FlatBucket` whose tensors are views into one buffer (buckets holding stacked-expert
-    rows excepted), filled by copying (owner), receiving (``dist.recv``) or, with ``ALL_RANKS``,
-    one broadcast per owner per bucket instead of one per tensor.
+    ``sink`` (the same kind on every rank; None: :class:`ListSink`, plain lists) assembles each
+    bucket (:class:`BucketSink`): a caller's sink may gather a bucket's shards at once, place the
+    tensors in a buffer of its own and deliver some items to some ranks itself (the weight sync's:
+    ``weight_sync/buckets.py``). What it leaves to the stream goes item by item: the owner's
+    ``dist.send`` to the destination, or with ``ALL_RANKS`` its broadcasts.
 
-    Communication per bucket, the same sequence on every rank: without ``flat``, item by item, its
-    (E)TP all-gather (:func:`gather_full`) then its send / recv or broadcasts; with ``flat``, one
-    all-gather per parallel kind for the whole bucket (:func:`_gather_bucket`), then item by item
-    its send / recv (broadcasts only in a bucket without a buffer), then with ``ALL_RANKS`` one
-    broadcast per owner segment of the buffer."""
+    Communication per bucket, the same sequence on every rank: the (E)TP all-gathers (per item,
+    :func:`gather_full`, or per bucket, :func:`_gather_bucket`, by ``sink.bucket_gather``), then item
+    by item the sink's or the stream's send / recv / broadcasts, then the sink's ``close``."""
+    sink = sink if sink is not None else ListSink()
     items, mine = plan if plan is not None else build_export_plan(model)
     me, world = rdist.rank(), rdist.world_size()
     pending: dict[str, dict[int, torch.Tensor]] = {}  # stacked HF tensor -> its expert rows so far
     destinations = {_destination(dst, o) for o in {it.owner for it in items}}
     receives = None in destinations or me in destinations
-    # flat, ALL_RANKS, (E)TP groups spanning the whole world (e.g. tp = world): every rank has every
-    # shard of their items after the bucket's gather, so each assembles them itself (no broadcast)
+    # ALL_RANKS, (E)TP groups spanning the whole world (e.g. tp = world), a sink that gathers per
+    # bucket and allows it: every rank has every shard of their items after the bucket's gather, so
+    # each assembles them itself (no broadcast)
     whole = {
-        k for k in ("tp", "etp") if flat is not None and world > 1 and dst == ALL_RANKS and _rank_size(k)[1] == world
+        k
+        for k in ("tp", "etp")
+        if sink.bucket_gather and sink.local_assembly and world > 1 and dst == ALL_RANKS and _rank_size(k)[1] == world
     }
-    routing = _routing(dst)
     for bucket in _buckets(items, bucket_bytes):
         targets = [_destination(dst, it.owner) for it in bucket]
-        shards = _gather_bucket(bucket, mine) if flat is not None else {}
+        shards = _gather_bucket(bucket, mine) if sink.bucket_gather else {}
         local = {g for g in shards if mine[g][0].parallel in whole}
-        held = _held(routing, bucket, local, flat)
-        layout = _buffer_layout(bucket, targets, local, flat, held) if flat is not None else None
-        if layout is None:
+        into = sink.open(bucket, targets, local, mine)
+        if not into.buffered:
             local = set()  # no buffer: only the owner assembles, and sends or broadcasts per tensor
-        out: list[tuple[str, torch.Tensor]] = FlatBucket() if layout is not None or routing is not None else []
-        if routing is not None:
-            cast(FlatBucket, out).routes = held
-        for it, target, holders in zip(bucket, targets, held):
+        for it, target in zip(bucket, targets):
             g = it.global_name
             if g in shards:
                 tensors = mine[g][0].from_shards(shards[g]) if me == it.owner or g in local else None
             else:
                 tensors = gather_full(it, mine) if g in mine else None
-            if holders is not None:  # routed: only its holders get it (``_routed``)
-                _routed(it, holders, tensors, g in local, mine, layout, cast(FlatBucket, out))
+            if into.place(it, target, tensors, g in local):
                 continue
             if target is not None and me != target:
                 if me == it.owner:
-                    _send(it, tensors, target)
-                continue
-            if layout is not None:
-                views = [view(layout.buf, layout.where[g, k], s, it.dtype) for k, s in enumerate(it.hf_shapes)]
-                if tensors is not None:  # the owner (or, a ``local`` item, every rank)
-                    for v, t in zip(views, tensors):
-                        v.copy_(t)
-                elif target is not None:  # the destination, from the owner
-                    for v in views:
-                        dist.recv(v, src=it.owner)
-                out.extend(zip(it.hf_names, views))  # ALL_RANKS: filled by the segment broadcasts below
+                    send_full(it, tensors, target)
                 continue
             tensors = _delivered(it, tensors, target)
             if it.stack is not None:
-                out.extend(_stack_rows(pending, it, tensors))
+                into.out.extend(_stack_rows(pending, it, tensors))
             else:
-                out.extend((n, t.clone() if _aliases_param(t, mine, it) else t) for n, t in zip(it.hf_names, tensors))
-        if layout is not None:
-            if world > 1 and targets[0] is None:  # ALL_RANKS: every rank, segment by segment
-                for owner, start, end in layout.segments:
-                    if owner != -1:  # -1: the ``local`` items (assembled on every rank) and routed ones
-                        dist.broadcast(layout.buf[start:end], src=owner)
-            cast(FlatBucket, out).flat = layout.buf
-        yield out if receives else None
+                into.out.extend(
+                    (n, t.clone() if _aliases_param(t, mine, it) else t) for n, t in zip(it.hf_names, tensors)
+                )
+        into.close()
+        yield into.out if receives else None
 
 
-class _BufferLayout(NamedTuple):
-    """A flat bucket's buffer and where its tensors go in it."""
-
-    buf: torch.Tensor  # 1-D uint8, from the ``flat`` allocator
-    where: dict[tuple[str, int], int]  # (global name, HF index) -> byte offset in ``buf``
-    segments: list[tuple[int, int, int]]  # (owner, start, end) in ``buf``; owner -1: the ``local`` items
-
-
-def _routed(
-    it: _Item,
-    holders: dict[int, tuple],
-    tensors: list[torch.Tensor] | None,
-    local: bool,
-    mine: dict,
-    layout: _BufferLayout | None,
-    out: FlatBucket,
-) -> None:
-    """A routed item (``ItemRouting``): each holder puts its full tensors into its bucket buffer. The
-    ranks with a full copy (its owner and ``it.copies``; every rank when ``local``) copy their own;
-    the other holders, in ascending order, receive them from the copies in turn (the i-th from
-    ``senders[i % len(senders)]``, ``senders = (owner, *copies)``: the sends spread over the copies,
-    not all from the owner). Every rank calls this for every routed item, in plan order (only senders
-    send, only holders without a copy receive)."""
-    me = rdist.rank()
-    senders = () if local else (it.owner, *it.copies)
-    receivers = [r for r in sorted(holders) if r not in senders] if senders else []
-    sender_of = {r: senders[i % len(senders)] for i, r in enumerate(receivers)}
-    if tensors is None and me in it.copies and (me in holders or me in sender_of.values()):
-        rule, param = mine[it.global_name]  # an expert-DP replica: its own full copy
-        tensors = rule.from_shards([weight_data(param)])
-    for r in receivers:
-        if sender_of[r] == me:
-            _send(it, tensors, r)
-    if me not in holders or layout is None:
-        return
-    views = [view(layout.buf, layout.where[it.global_name, k], s, it.dtype) for k, s in enumerate(it.hf_shapes)]
-    for k, v in enumerate(views):
-        if tensors is not None:
-            v.copy_(tensors[k])
-        else:
-            dist.recv(v, src=sender_of[me])
-    out.extend(zip(it.hf_names, views))
-    out.slots.update((n, holders[me]) for n in it.hf_names)
-
-
-def _held(routing: ItemRouting | None, bucket: list[_Item], local: set[str], flat) -> list[dict[int, tuple] | None]:
-    """Each item's holders (``ItemRouting.holders``); all None without a routing, without a buffer
-    (``flat``) or in a bucket of stacked-expert rows (those travel as plain tensors to every rank)."""
-    if routing is None or flat is None or any(it.stack is not None for it in bucket):
-        return [None] * len(bucket)
-    return [routing.holders(it, it.global_name in local) for it in bucket]
-
-
-def _buffer_layout(
-    bucket: list[_Item], targets: list[int | None], local: set[str], alloc, held: list[dict[int, tuple] | None]
-) -> _BufferLayout | None:
-    """The buffer of a bucket that this rank receives into; None when it receives nothing of the
-    bucket or the bucket holds stacked-expert rows (those travel as plain tensors). With
-    ``ALL_RANKS`` (``targets`` all None) one segment per owner (one broadcast each) and one (owner
-    -1) of the ``local`` items and of the routed items this rank holds (``held``); else one
-    gapless run."""
-    me = rdist.rank()
-    entries = [
-        (it, k)
-        for it, tg, h in zip(bucket, targets, held)
-        if (me in h if h is not None else tg is None or tg == me)
-        for k in range(len(it.hf_names))
-    ]
-    if not entries or any(it.stack is not None for it in bucket):
-        return None
-    every = targets[0] is None
-    routed = {it.global_name for it, h in zip(bucket, held) if h is not None}
-    pieces = [
-        (
-            (-1 if it.global_name in local or it.global_name in routed else it.owner) if every else 0,
-            it.dtype.itemsize,
-            tensor_bytes(it.hf_shapes[k], it.dtype),
-        )
-        for it, k in entries
-    ]
-    offsets, segments, total = flat_layout(pieces)
-    where = {(it.global_name, k): o for (it, k), o in zip(entries, offsets)}
-    return _BufferLayout(alloc(total, _device()), where, segments)
-
-
-def _send(it: _Item, tensors: list[torch.Tensor] | None, target: int) -> None:
-    """The owner's full tensors of ``it`` to rank ``target`` (``dist.send``, one per tensor)."""
+def send_full(it: _Item, tensors: list[torch.Tensor] | None, target: int) -> None:
+    """The owner's full tensors of ``it`` (HF shapes ``it.hf_shapes``) to rank ``target``
+    (``dist.send``, one per tensor); ``target`` receives them with ``dist.recv`` in the same order."""
     if tensors is None:
         raise RuntimeError(f"rank {rdist.rank()} owns {it.global_name} in the export plan but holds no shard of it")
     for t in tensors:

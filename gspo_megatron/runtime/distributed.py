@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from gspo_megatron.runtime import cpu_compat
 from gspo_megatron.runtime.ports import free_port
+from gspo_megatron.runtime.world_layout import world_layout_errors
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,10 @@ class ParallelLayout:
 
     def check(self, world_size: int) -> None:
         """Raise ValueError naming the field when the layout cannot be built on ``world_size`` ranks
-        (``parallel_layout.layout_errors``)."""
-        from gspo_megatron.parallel_layout import layout_errors
-
-        errors = layout_errors(self.tp, self.pp, self.ep, self.etp, self.cp, world_size=world_size)
+        (:func:`world_layout_errors`; the model's own rules are ``parallel_layout.layout_errors``'s, which
+        the callers ran before)."""
+        etp = self.tp if self.etp is None else self.etp
+        errors = world_layout_errors(self.tp, self.pp, self.ep, etp, self.cp, world_size=world_size)
         if errors:
             raise ValueError("; ".join(errors))
 

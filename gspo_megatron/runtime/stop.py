@@ -4,7 +4,7 @@ its own SIGTERM) sets a flag, read where the run can stop without losing work.
 - At the end of a training step (``train.run_step``, every rank agrees by ``any_rank``): checkpoint
   (``checkpoint.save_on_signal``), then exit.
 - While the trainer waits on something with no end of its own but a timeout: an SGLang engine
-  starting or restarting (``rollout.sglang_engine.wait_until_healthy``, up to
+  starting or restarting (``engines.sglang_engine.wait_until_healthy``, up to
   ``rollout.engine_launch_timeout_s``; minutes for a real server loading a large checkpoint). There the
   wait raises :class:`Stopped`; the engine fleet kills the engines it launched, every rank learns of
   it through the fleet's collective, and ``gspo-train`` closes what it started and exits with one

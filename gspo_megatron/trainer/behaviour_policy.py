@@ -20,7 +20,7 @@ starts at the checkpoint's step). The engines name weights by the weight sync's 
 maps one to the other.
 
 Every rank builds one :class:`WeightHistory` and calls ``synced`` after each weight sync,
-``attach_old_logprobs`` and ``trained`` from ``trainer.step.train_on_batch`` (collectively: the
+``attach_old_logprobs`` and ``trained`` from ``trainer.step.train_on_batch`` (through ``step_passes.GeneratingPolicy``) (collectively: the
 forward passes are Megatron schedules).
 """
 
@@ -35,7 +35,7 @@ from gspo_megatron.sample import Sample
 
 def behaviour_versions(record: Sample) -> list[int]:
     """The policy version of each of ``record``'s response tokens (an off-policy run's Samples carry
-    them: ``rollout.async_producer.AsyncProducer.take``)."""
+    them: ``orchestration.async_producer.AsyncProducer.take``)."""
     assert record.behaviour_version is not None, "an off-policy Sample carries behaviour_version"
     return record.behaviour_version
 

@@ -1,7 +1,7 @@
 """Training state off the accelerator while colocated engines generate (``rollout.offload_train``).
 
 ``TrainStateOffloader(ddp_models, optimizer)`` with ``offload()`` / ``reload()``. Every training rank
-calls both, at the same points of the loop (``rollout.colocation.Colocation``, which the rollout
+calls both, at the same points of the loop (``orchestration.colocation.Colocation``, which the rollout
 session calls: ``offload()`` before the rollout, ``reload()`` after the engines released their memory
 and before the train step; its sync hook runs a sync through ``loaded_call`` so that a re-sync (and
 its check) inside the rollout, after an engine restart, finds the weights). No collective is

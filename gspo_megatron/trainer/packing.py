@@ -39,11 +39,11 @@ import numpy as np
 import torch
 
 from gspo_megatron.sample import PER_TOKEN_FIELDS, Sample
+from gspo_megatron.wire_format import NO_ROUTE
 
 PAD_LABEL = -100
 #: the engine's routed experts laid on a micro-batch: int32 [b, s, L, K] (``lay_routes``)
 ROUTES_KEY = "routed_experts"
-NO_ROUTE = -1  # = rollout.routing.NO_ROUTE
 #: DSA models: the engine's indexer selection laid the same way: int32 [b, s, L, index_topk] of key
 #: positions within each sequence (``lay_routes(..., attr="indexer_topk")``)
 INDEXER_KEY = "indexer_topk"
@@ -89,7 +89,7 @@ def lay_routes(
     seqs: Sequence[Sample], rows: int, width: int, starts: Sequence[tuple[int, int]], attr: str = ROUTES_KEY
 ) -> torch.Tensor | None:
     """The Samples' ``routed_experts`` (int32 [n - 1, L, K] for a sequence of n tokens: the engine's
-    route of token t in row t, ``rollout/routing.py``) laid on a micro-batch: int32 [rows, width, L, K],
+    route of token t in row t, ``engines/routing.py``) laid on a micro-batch: int32 [rows, width, L, K],
     sequence i's token t at row ``starts[i][0]``, position ``starts[i][1] + t``; NO_ROUTE (-1) on the
     last token of each sequence and on every padding position, so padding is never replayed. None
     when the first Sample has no routes; ValueError naming the sequence when another has none or a

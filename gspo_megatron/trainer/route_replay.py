@@ -15,7 +15,7 @@ a sequence, which the engine never routed, would be sent to whatever the target 
 :class:`MaskedRouteReplay` (``router.router_replay`` of each ``TopKRouter``, set by
 :func:`install_route_replay`): ``targets`` int64 [num_tokens, K] in the router's token order
 (``[s, b]`` flattened s-major: row ``s * b_size + b``; with sequence parallelism this TP rank's
-sequence chunk), :data:`~gspo_megatron.rollout.routing.NO_ROUTE` (-1) on rows without a route.
+sequence chunk), :data:`~gspo_megatron.wire_format.NO_ROUTE` (-1) on rows without a route.
 Each call computes the router's own top-k (``own``: kept for ``rollout/route_agreement``), then takes
 the target's ids on rows whose target is a route, its own elsewhere; probabilities are
 ``scores.gather(1, ids)`` as Megatron's replay computes them.
@@ -26,15 +26,17 @@ In training (``rollout.routing_replay``), :class:`RouteReplay` (one per policy m
 
 - the batch key ``routed_experts`` (int32 [b, s, L, K], every decoder layer, NO_ROUTE on padding and
   the last token of each sequence; ``trainer.packing.lay_routes``) holds the engine's routes;
-- ``phase`` ``"old"`` (the old-policy forward): r3 replays the batch's routes and counts where the
-  router's own top-k set equals the engine's (``agree`` / ``compared``: ``rollout/route_agreement``);
-  r2 replays nothing and keeps each layer's own routes (NO_ROUTE where the label is padding) in the
-  batch (``R2_KEY``); ``"policy"`` (the training forwards): r3 replays the batch's routes, r2 the
-  recorded ones; ``None``: no replay (evaluation, the scorer). The KL reference model gets its own
-  RouteReplay in phase "policy" (:func:`replay_phase`: r3 the batch's engine routes, r2 the policy's
-  record, same layout); the post-sync probe runs the policy's in phase "policy" on rows carrying the
-  engines' routes (r3). The state lives on the innermost module (:func:`_owner`), so the DDP wrapper
-  and the bare model share it.
+- phases, entered only as a ``with`` block that restores the previous phase after it:
+  :meth:`RouteReplay.recording` (phase ``"old"``, the old-policy forward): r3 replays the batch's
+  routes and counts where the router's own top-k set equals the engine's (``agree`` / ``compared``:
+  ``rollout/route_agreement``); r2 replays nothing and keeps each layer's own routes (NO_ROUTE where
+  the label is padding) in the batch (``R2_KEY``). :meth:`RouteReplay.replaying` (phase
+  ``"policy"``, the training forwards): r3 replays the batch's routes, r2 the recorded ones; so a
+  step records before it replays. Outside both (phase ``None``): no replay (evaluation, the scorer).
+  The KL reference model gets its own RouteReplay, replaying (:func:`replay_phase`: r3 the batch's
+  engine routes, r2 the policy's record, same layout); the post-sync probe runs the policy's
+  replaying on rows carrying the engines' routes (r3). The state lives on the innermost module
+  (:func:`_owner`), so the DDP wrapper and the bare model share it.
 - layout: a PP stage has only its own layers' routers (``layer_number`` is global, so layer ``l``
   reads ``routed_experts[:, :, l]``); with sequence parallelism a TP rank's router sees positions
   ``[r * s/tp, (r + 1) * s/tp)`` of the [s, b] sequence, so the targets are cut the same way
@@ -43,7 +45,7 @@ In training (``rollout.routing_replay``), :class:`RouteReplay` (one per policy m
   replayed.
 - DSA models (DeepSeek-V3.2, GLM-5): r3 also replays the engine's indexer selection (batch key
   ``indexer_topk`` int32 [b, s, L, index_topk], key positions within each sequence, NO_ROUTE filler;
-  sglang's ``meta_info["indexer_topk"]``, ``rollout/routing.py``): before each forward of phase
+  sglang's ``meta_info["indexer_topk"]``, ``engines/routing.py``): before each forward of phase
   ``"old"`` / ``"policy"`` every DSA core attention of this PP stage (``layer_number`` global) gets
   ``indexer_replay = indexer_topk[:, :, layer]``; the indexer is replicated over TP and runs on the
   sequence-parallel-gathered input, so every TP rank takes the full [b, s] selection. Without it a
@@ -66,13 +68,13 @@ In training (``rollout.routing_replay``), :class:`RouteReplay` (one per policy m
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Callable, Iterator
 
 import torch
 
-from gspo_megatron.rollout.routing import NO_ROUTE
 from gspo_megatron.trainer.packing import INDEXER_KEY, PAD_LABEL, ROUTES_KEY
+from gspo_megatron.wire_format import NO_ROUTE
 
 
 class MaskedRouteReplay:
@@ -141,6 +143,7 @@ def dsa_attentions(model: torch.nn.Module) -> list:
     return sorted(found, key=lambda m: m.layer_number)
 
 
+PHASES = ("old", "policy", None)  # RouteReplay.recording, RouteReplay.replaying, no replay
 R2_KEY = "_r2_routes"  # r2: {layer: this rank's recorded own top-k [tokens, K] (router order)}
 _ATTR = "_gspo_route_replay"
 
@@ -172,7 +175,7 @@ class RouteReplay:
         except ValueError as e:
             raise ValueError(f"rollout.routing_replay={mode}: {e}") from None
         self.indexers = dsa_attentions(model)  # DSA: r3 replays the engine's indexer selection too
-        self.phase: str | None = None
+        self.phase: str | None = None  # one of PHASES; set only by in_phase (recording / replaying)
         self.agree = 0
         self.compared = 0
         self.indexer_agree = 0  # DSA, r3: queries (token, layer) whose own indexer selection equals the engine's
@@ -183,6 +186,30 @@ class RouteReplay:
             from megatron.core import parallel_state as ps
 
             self.sp_rank, self.sp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+    @contextmanager
+    def in_phase(self, phase: str | None) -> Iterator[RouteReplay]:
+        """The forwards inside run in ``phase`` (one of :data:`PHASES`); the previous phase is
+        restored after the block, also when it raises."""
+        if phase not in PHASES:
+            raise ValueError(f"routing replay phase must be one of {PHASES}, got {phase!r}")
+        prev, self.phase = self.phase, phase
+        try:
+            yield self
+        finally:
+            self.phase = prev
+
+    def recording(self) -> AbstractContextManager[RouteReplay]:
+        """The old-policy forward (phase ``"old"``): r3 replays the batch's engine routes
+        (``routed_experts`` [b, s, L, K]) and counts the router's agreement with them
+        (:meth:`take_agreement`); r2 routes by itself and records each layer's own top-k
+        [tokens, K] in the batch (``R2_KEY``) for :meth:`replaying`."""
+        return self.in_phase("old")
+
+    def replaying(self) -> AbstractContextManager[RouteReplay]:
+        """The training forwards (phase ``"policy"``): r3 replays the batch's engine routes, r2 what
+        :meth:`recording` put in the batch (``R2_KEY``); nothing is counted or recorded."""
+        return self.in_phase("policy")
 
     def _targets(self, batch: dict, layer: int) -> torch.Tensor | None:
         if self.phase is None:
@@ -298,18 +325,16 @@ def route_replay_for(model: torch.nn.Module, mode: str) -> RouteReplay | None:
 @contextmanager
 def replay_phase(model: torch.nn.Module, mode: str, phase: str | None) -> Iterator[RouteReplay | None]:
     """Run the forwards inside in ``phase`` (``"old"``, ``"policy"``, None) of the model's replay
-    (built on first use; ``mode`` ``"off"``: nothing), the previous phase restored after. Used for
-    the KL reference model (``"policy"``: r3 replays the batch's engine routes, r2 the policy's
-    recorded ``R2_KEY``) and the post-sync probe (r3, ``"policy"``: the probe's engine routes)."""
+    (built on first use; ``mode`` ``"off"``: nothing), the previous phase restored after
+    (:meth:`RouteReplay.in_phase`). Used for the KL reference model (``"policy"``: r3 replays the
+    batch's engine routes, r2 the policy's recorded ``R2_KEY``) and the post-sync probe (r3,
+    ``"policy"``: the probe's engine routes)."""
     state = route_replay_for(model, mode)
     if state is None:
         yield None
         return
-    prev, state.phase = state.phase, phase
-    try:
+    with state.in_phase(phase):
         yield state
-    finally:
-        state.phase = prev
 
 
 def before_forward(model: torch.nn.Module, batch: dict) -> None:

@@ -11,35 +11,33 @@ so the reduced gradient is exactly that of the mini-batch mean whatever the grou
 (packed rows' totals) are rounded up to ``row_multiple``: the TP / CP splits, and with ``model.fp8``
 Transformer Engine's FP8 GEMM alignment on every rank (``trainer.micro_batches.sequence_multiple``).
 
-Routing replay (``rollout.routing_replay``, ``trainer.route_replay``): the Samples' routes travel with
-their tokens into every micro-batch (``routed_experts`` [b, s, L, K]); the old-policy forward runs in
-phase "old", the training forwards in phase "policy"; ``rollout/route_agreement`` is the share of
-(token, layer) top-k sets where the trainer's own routing (before replay, old-policy forward) equals
-the engine's, over every rank's routers (r3 only); ``rollout/indexer_agreement`` the same for the DSA
-indexer's key selections. The KL reference model (``gspo.kl_coef`` > 0)
-replays the same routes as the old-policy forward (r3: the engine's; r2: the old forward's record),
-so that its KL term compares the two policies on one routing.
+The step is a fixed sequence of passes whose components (routing replay, behaviour policy, KL
+reference model) are composed when it is built (``trainer.step_passes``): the old log-probs inside
+the routing replay's recording, the reference's log-probs replaying those routes, then the training
+forwards replaying them too. Routing replay (``rollout.routing_replay``, ``trainer.route_replay``):
+the Samples' routes travel with their tokens into every micro-batch (``routed_experts`` [b, s, L,
+K]); ``rollout/route_agreement`` is the share of (token, layer) top-k sets where the trainer's own
+routing (before replay, old-policy forward) equals the engine's, over every rank's routers (r3 only);
+``rollout/indexer_agreement`` the same for the DSA indexer's key selections. The KL reference model
+(``gspo.kl_coef`` > 0) replays the same routes as the old-policy forward (r3: the engine's; r2: the
+old forward's record), so that its KL term compares the two policies on one routing. Metrics are
+reduced by name (``trainer.step_metrics``).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from functools import partial
 
-import torch
 import torch.distributed as dist
 
 from gspo_megatron.config import Config, values_for
 from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
 from gspo_megatron.losses.policy_loss import PolicyLossConfig
-from gspo_megatron.runtime.distributed import device
 from gspo_megatron.sample import Sample
-from gspo_megatron.trainer.behaviour_policy import behaviour_versions
 from gspo_megatron.trainer.micro_batches import (
     collate,
-    compute_logprobs,
     run_schedule,
     sequence_multiple,
     split_for_context_parallel,
@@ -47,18 +45,9 @@ from gspo_megatron.trainer.micro_batches import (
 )
 from gspo_megatron.trainer.optimizer import optimizer_step, zero_grads
 from gspo_megatron.trainer.packing import collate_packed, plan_micro_batches
-from gspo_megatron.trainer.route_replay import replay_phase, route_replay_for
-
-_MEAN_KEYS = (
-    "ratio_mean",
-    "approx_kl_old",
-    "clip_fraction",
-    "entropy",
-    "kl_ref",
-    "engine_logprob_absdiff",
-    "tis_weight_mean",
-    "tis_capped_fraction",
-)
+from gspo_megatron.trainer.step_metrics import mean_finite, old_pass_sums, reduce_loss_metrics, step_sum_metrics
+from gspo_megatron.trainer.step_passes import StepPasses
+from gspo_megatron.trainer.step_passes import attach_logprobs as _attach_logprobs  # noqa: F401 (tests, bench)
 
 
 @dataclass
@@ -152,173 +141,80 @@ def split_batch(
     return out
 
 
-def _attach_logprobs(model, batches, key, temperature, fused: bool = True) -> None:
-    """batch[key] = the model's log-probs of the labels (last stage; zeros elsewhere, unused)."""
-    out = compute_logprobs(model, batches, temperature=temperature, fused_logprobs=fused)
-    for i, b in enumerate(batches):
-        b[key] = out[i]["logprobs"].float() if out is not None else torch.zeros_like(b["loss_mask"])
-
-
 def train_on_batch(
     cfg: Config, ddp, optimizer, scheduler, records: list[Sample], pad_id: int, ref_model=None, behaviour=None
 ) -> StepResult:
     """Every rank: recompute old log-probs, then ``gspo.mini_batches`` optimizer steps. Returns the
     step's metrics and whether an update was skipped (:class:`StepResult`), identical on every rank.
 
-    behaviour: off-policy runs (rollout.max_staleness >= 1), a ``behaviour_policy.WeightHistory``:
-    the old log-probs are then the trainer's with the weights that generated each token (records
-    carry ``behaviour_version``), and the history learns that the weights moved on."""
+    ref_model: the KL reference model (``gspo.kl_coef`` > 0), else None. behaviour: off-policy runs
+    (rollout.max_staleness >= 1), a ``behaviour_policy.WeightHistory``: the old log-probs are then
+    the trainer's with the weights that generated each token (records carry ``behaviour_version``),
+    and the history learns that the weights moved on. Passes: ``trainer.step_passes``."""
     from megatron.core import parallel_state as ps
 
     t0 = time.perf_counter()
+    passes = StepPasses.build(
+        ddp,
+        routing_replay=cfg.rollout.routing_replay,
+        temperature=cfg.rollout.temperature,
+        fused_logprobs=cfg.model.fused_logprobs,
+        ref_model=ref_model,
+        behaviour=behaviour,
+    )
+    passes.check(records)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
     minis = split_batch(cfg, records, dp, dp_rank, pad_id, multiple=row_multiple(cfg, tp, cp), cp_group=cp_group)
     flat = [b for mb in minis for b in mb]
-    temp = cfg.rollout.temperature
-    fused = cfg.model.fused_logprobs
-    replay = route_replay_for(ddp, cfg.rollout.routing_replay)  # None: off
-    if replay is not None:
-        if replay.mode == "r3":
-            missing = [i for i, r in enumerate(records) if r.routed_experts is None]
-            if missing:
-                raise ValueError(
-                    f"rollout.routing_replay=r3: sample {missing[0]} (of {len(records)}) has no "
-                    "routed_experts; the engines must be asked for them (rollout.engine=sglang)"
-                )
-            missing = [i for i, r in enumerate(records) if replay.indexers and r.indexer_topk is None]
-            if missing:  # DSA: the indexer's selection is replayed too (trainer/route_replay.py)
-                raise ValueError(
-                    f"rollout.routing_replay=r3: sample {missing[0]} (of {len(records)}) has no "
-                    "indexer_topk; a DSA model's engines must return it (return_indexer_topk)"
-                )
-        replay.phase = "old"  # r3: replay the engine's routes; r2: record the trainer's own
-    if behaviour is not None and any(int(v) != behaviour.current for r in records for v in behaviour_versions(r)):
-        behaviour.attach_old_logprobs(ddp, flat, records, temp, fused)
-    else:
-        _attach_logprobs(ddp, flat, "old_logprobs", temp, fused)
-    if replay is not None:
-        replay.phase = "policy"  # the training forwards replay (r3: the engine's routes, r2: the recorded ones)
-    if ref_model is not None:  # the old forward's routes (r3: the engine's; r2: the record of the old forward)
-        with replay_phase(ref_model, cfg.rollout.routing_replay, "policy"):
-            _attach_logprobs(ref_model, flat, "ref_logprobs", temp, fused)
+    passes.logprobs(ddp, flat, records)  # old log-probs (recording the routes), then the reference's
     # the engine gap is summed over every CP rank's tokens; the loss metrics are exact over CP
     gap_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     reporter = gap_reporter and ps.get_context_parallel_rank() == 0
-    # [engine gap sum, its token count, computed tokens, real tokens, agreeing and compared (token,
-    # layer) routes of this rank's routers (disjoint over ranks: summed), agreeing and compared
-    # (token, layer) DSA indexer selections (r3)]; one collective for all
-    gap = torch.zeros(8, dtype=torch.float64, device=device())  # collectives need NCCL's device
-    if replay is not None:
-        gap[4], gap[5] = replay.take_agreement()
-        gap[6], gap[7] = replay.take_indexer_agreement()
-    if gap_reporter:
-        for b in flat:
-            gap[0] += ((b["old_logprobs"] - b["engine_logprobs"]).abs() * b["loss_mask"]).sum().double()
-            gap[1] += b["loss_mask"].sum().double()
-    if reporter:  # one rank per DP replica counts its rows (whole rows, before the CP split)
-        gap[2] += float(sum(b["num_computed_tokens"] for b in flat))
-        gap[3] += float(sum(b["num_real_tokens"] for b in flat))
+    sums = old_pass_sums(flat, passes.replay.take_counts(), gap_reporter=gap_reporter, reporter=reporter)
     t_old = time.perf_counter() - t0
 
-    lcfg = loss_config(cfg)
-    tp_group = ps.get_tensor_model_parallel_group()
-    mb_metrics, applied, grad_norms = [], [], []
-    for micro in minis:
-        zero_grads(ddp, optimizer)
-        out = run_schedule(
-            ddp,
-            micro,
-            partial(
-                make_megatron_loss_func,
-                cfg=lcfg,
-                tp_group=tp_group,
-                cp_group=cp_group,
-                num_microbatches=len(micro),
-                data_parallel_size=dp,
-                temperature=temp,
-                compute_entropy=True,
-                check_finite=False,
-            ),
-            forward_only=False,
-            fused_logprobs=fused,
-        )
-        ok, gn = optimizer_step(optimizer, scheduler)
-        applied.append(ok)
-        grad_norms.append(gn)
-        mb_metrics.append(out if reporter else [])
-    metrics = _reduce_metrics(mb_metrics, len(minis))
-    torch_gap = gap.clone()
-    dist.all_reduce(torch_gap)
+    loss_func = partial(
+        make_megatron_loss_func,
+        cfg=loss_config(cfg),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        cp_group=cp_group,
+        data_parallel_size=dp,
+        temperature=cfg.rollout.temperature,
+        compute_entropy=True,
+        check_finite=False,
+    )
+    with passes.training():  # the training forwards replay the recorded routes
+        steps = [_train_mini_batch(ddp, optimizer, scheduler, micro, loss_func, cfg) for micro in minis]
+    metrics = reduce_loss_metrics([out if reporter else [] for out, _, _ in steps], len(minis))
+    metrics.update(step_sum_metrics(sums.all_reduce()))
+    applied = [ok for _, ok, _ in steps]
     metrics.update(
         {
-            "rollout/logprob_abs_diff": float(torch_gap[0] / max(float(torch_gap[1]), 1.0)),
-            # fraction of the tokens the model computes (per pass) that are padding
-            "perf/padding_frac": float(1.0 - torch_gap[3] / max(float(torch_gap[2]), 1.0)),
-            **({"rollout/route_agreement": float(torch_gap[4] / torch_gap[5])} if torch_gap[5] > 0 else {}),
-            **({"rollout/indexer_agreement": float(torch_gap[6] / torch_gap[7])} if torch_gap[7] > 0 else {}),
             "train/skipped_updates": float(sum(not a for a in applied)),
-            "train/grad_norm": _mean_finite(grad_norms),
+            "train/grad_norm": mean_finite([gn for _, _, gn in steps]),
             "train/lr": float(optimizer.param_groups[0]["lr"]),
             "perf/old_logprob_s": t_old,
             "perf/train_s": time.perf_counter() - t0 - t_old,
         }
     )
-    if replay is not None:
-        replay.phase = None
-    if behaviour is not None:
-        behaviour.trained()
+    passes.trained()
     return StepResult(metrics=metrics, nonfinite=not all(applied))
 
 
-def _mean_finite(values) -> float:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    return float(sum(vals) / len(vals)) if vals else float("nan")
-
-
-def _reduce_metrics(per_minibatch: list[list[dict]], num_minibatches: int) -> dict:
-    """Global step metrics from the loss functions' micro-batch metrics (reported on the last stage,
-    TP rank 0 only): loss summed per mini-batch then averaged over mini-batches; sequence-weighted
-    means; min / max ratio over everything."""
-    keys = list(_MEAN_KEYS)
-    dev = device()  # collectives need NCCL's device on GPU
-    sums = torch.zeros(len(keys) + 3, dtype=torch.float64, device=dev)
-    seen = torch.zeros(len(keys), dtype=torch.float64, device=dev)  # which metrics the loss reported at all
-    lo = torch.tensor([math.inf], dtype=torch.float64, device=dev)
-    hi = torch.tensor([-math.inf], dtype=torch.float64, device=dev)
-    for micro in per_minibatch:
-        for m in micro:
-            w = m.get("num_seqs", 0.0)
-            for i, k in enumerate(keys):
-                if k in m:
-                    sums[i] += w * m[k]
-                    seen[i] = 1.0
-            sums[len(keys)] += w
-            sums[len(keys) + 1] += m["loss"]
-            sums[len(keys) + 2] += m.get("pg_loss", 0.0)
-            if w > 0:
-                lo[0] = min(lo[0].item(), m["ratio_min"])
-                hi[0] = max(hi[0].item(), m["ratio_max"])
-    dist.all_reduce(sums)
-    dist.all_reduce(seen)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    w = max(sums[len(keys)].item(), 1.0)
-    names = {
-        "ratio_mean": "gspo/ratio_mean",
-        "clip_fraction": "gspo/clip_frac",
-        "approx_kl_old": "gspo/approx_kl",
-        "entropy": "policy/entropy",
-        "kl_ref": "loss/kl_ref",
-        "engine_logprob_absdiff": "rollout/engine_gap_seq",
-        "tis_weight_mean": "tis/weight_mean",
-        "tis_capped_fraction": "tis/capped_frac",
-    }
-    out = {names[k]: sums[i].item() / w for i, k in enumerate(keys) if seen[i] > 0}
-    out["loss/total"] = sums[len(keys) + 1].item() / num_minibatches
-    out["loss/policy"] = sums[len(keys) + 2].item() / num_minibatches
-    out["gspo/ratio_min"] = lo.item() if math.isfinite(lo.item()) else 1.0
-    out["gspo/ratio_max"] = hi.item() if math.isfinite(hi.item()) else 1.0
-    out["train/num_seqs"] = sums[len(keys)].item()
-    return out
+def _train_mini_batch(ddp, optimizer, scheduler, micro: list[dict], loss_func, cfg: Config):
+    """One optimizer step on one mini-batch's micro-batches (this rank's) through Megatron's
+    forward-backward schedule; ``loss_func``: ``make_megatron_loss_func`` with every option but the
+    micro-batch count. Returns (the loss function's metrics per micro-batch, whether the update was
+    applied, the gradient norm or None)."""
+    zero_grads(ddp, optimizer)
+    out = run_schedule(
+        ddp,
+        micro,
+        partial(loss_func, num_microbatches=len(micro)),
+        forward_only=False,
+        fused_logprobs=cfg.model.fused_logprobs,
+    )
+    ok, gn = optimizer_step(optimizer, scheduler)
+    return out, ok, gn

@@ -3,7 +3,7 @@
 Layout (as slime does it): an engine with TP size k runs on the GPUs of k consecutive training
 ranks ``[src, src + k)``. Every one of those ranks holds the same full bucket on its own GPU; each
 flattens it (sglang's ``FlattenedTensorBucket``: all tensors viewed as uint8 and concatenated, plus
-name/shape/dtype/offset metadata; a ``models.weights.FlatBucket`` from the sync's export stream is
+name/shape/dtype/offset metadata; a ``weight_sync.buckets.FlatBucket`` from the sync's export stream is
 already one reused buffer and is described, not copied) and serializes the CUDA IPC handle with sglang's
 ``MultiprocessingSerializer`` (base64 string). A gloo ``gather_object`` brings the k payloads to
 ``src``, which calls ``update_weights_from_tensor(serialized_named_tensors=[payload of rank 0..k-1],
@@ -31,8 +31,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.rollout.sglang_client import close_weight_update, open_weight_update
-from gspo_megatron.rollout.sglang_compat import (
+from gspo_megatron.engines.sglang_client import close_weight_update, open_weight_update
+from gspo_megatron.engines.sglang_compat import (
     flattened_bucket_class,
     flattened_metadata_class,
     multiprocessing_serializer,
@@ -64,7 +64,7 @@ def group_for_flattening(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[lis
 
 def view_metadata(name: str, t: torch.Tensor, flat: torch.Tensor) -> Any:
     """sglang's ``FlattenedTensorMetadata`` of ``t``, a view into the uint8 buffer ``flat`` (a
-    ``models.weights.FlatBucket``'s tensor): the buffer is described, not copied."""
+    ``weight_sync.buckets.FlatBucket``'s tensor): the buffer is described, not copied."""
     cls = flattened_metadata_class()
     if cls is None:
         raise ImportError("describing a flat bucket needs sglang's FlattenedTensorMetadata")
@@ -83,7 +83,7 @@ def serialize_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     ser = multiprocessing_serializer()
     patch_torch_reductions([t for _, t in bucket])
     cls = flattened_bucket_class()
-    flat = getattr(bucket, "flat", None)  # models.weights.FlatBucket: already one buffer
+    flat = getattr(bucket, "flat", None)  # weight_sync.buckets.FlatBucket: already one buffer
     meta_cls = flattened_metadata_class()
     if flat is not None and bucket and meta_cls is not None and getattr(cls, "supports_multi_dtypes", False):
         metadata = [view_metadata(name, t, flat) for name, t in bucket]
@@ -118,7 +118,7 @@ def deserialize_payload(payload: str) -> list[tuple[str, torch.Tensor]]:
 class CudaIpcTransport(WeightTransport):
     """Colocated CUDA-IPC transport; see the module docstring for the rank layout.
 
-    client: the engine client (``rollout.sglang_client``); required on ``gather_src`` only.
+    client: the engine client (``engines.sglang_client``); required on ``gather_src`` only.
     gather_group: gloo group of the k training ranks on this engine's GPUs (None when k == 1).
     gather_src: global rank of the group member that owns ``client`` (the group's first rank).
     fp8: quantize the big projections blockwise (``fp8_quant``) before sending.

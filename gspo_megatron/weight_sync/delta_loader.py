@@ -38,11 +38,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from gspo_megatron.features.delta_sync import (
+    LOADER_NAME,  # noqa: F401 (the name sglang imports: this module's apply_deltas)
+)
 from gspo_megatron.models.registry import expert_weight
 from gspo_megatron.weight_sync.delta import decode_entries
 
 #: the dotted name the engines are started with (``--custom-weight-loader``) and the load_format sent
-LOADER_NAME = "gspo_megatron.weight_sync.delta_loader.apply_deltas"
 COPY_ATTR = "_gspo_delta_copy"
 EXPERTS_ATTR = "_gspo_delta_loads_expert"
 

@@ -11,7 +11,7 @@ family's rule (``ModelFamily.fp8_modules`` / ``fp8_excluded`` in ``gspo_megatron
 and MLP / expert projections are, norms, embeddings, routers, gates and lm_head are not. Pure torch:
 runs on CPU (float8_e4m3fn casts work there). The engine must be launched from an FP8 checkpoint
 config so that its loader has parameters for these names:
-``rollout.engine_model.prepare_engine_model_dir`` writes it (``quant_method: fp8``,
+``engines.engine_model.prepare_engine_model_dir`` writes it (``quant_method: fp8``,
 ``weight_block_size: [128, 128]``, ``activation_scheme: dynamic``). The names and scale shapes are
 those sglang 0.5.23 creates for block FP8 (``Fp8LinearMethod`` / ``Fp8MoEMethod``; checked in
 tests/rollout/test_engine_model.py).
@@ -24,9 +24,11 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from gspo_megatron.wire_format import FP8_BLOCK
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-BLOCK = 128
+BLOCK = FP8_BLOCK
 SCALE_SUFFIX = "_scale_inv"
 
 

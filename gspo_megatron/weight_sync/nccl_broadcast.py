@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.dtypes import dtype_name
-from gspo_megatron.rollout.sglang_compat import flattened_bucket_class
+from gspo_megatron.engines.sglang_compat import flattened_bucket_class
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 from gspo_megatron.weight_sync.transport import StageSourceSessions, WeightTransport
@@ -70,7 +70,7 @@ def flatten_bucket(
 ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
     """(one uint8 tensor on ``device`` holding the bucket's bytes, the bucket in that byte order):
     the layout sglang's ``FlattenedTensorBucket.empty(names, dtypes, shapes)`` rebuilds (back to
-    back, widest elements first so each offset is element-aligned). A ``models.weights.FlatBucket``
+    back, widest elements first so each offset is element-aligned). A ``weight_sync.buckets.FlatBucket``
     already laid out so on ``device`` is used as it is (no copy)."""
     device = torch.device(device)
     flat = getattr(bucket, "flat", None)
@@ -219,7 +219,7 @@ class StoreLock:
 class NcclBroadcastTransport(StageSourceSessions, WeightTransport):
     """Disaggregated transport for one pipeline stage's source rank (see module docstring).
 
-    clients: one client per engine (``rollout.sglang_client``). engine_world_sizes: GPUs per engine
+    clients: one client per engine (``engines.sglang_client``). engine_world_sizes: GPUs per engine
     (tp * pp * ... of that engine). master_address/master_port: where the group's TCP store listens
     (this host; port 0: the OS picks a free one at each connect, see :meth:`connect`). device: where
     tensors are broadcast from (cuda for nccl).

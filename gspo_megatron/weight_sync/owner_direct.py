@@ -8,11 +8,11 @@ MoE model most bytes are routed experts, and an engine TP rank needs only some o
 sglang's expert parallelism (``rollout.engine_ep`` = ``--ep-size``) engine TP rank i holds experts
 ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``, ``ep_rank = i // (engine_tp / engine_ep)`` (sglang 0.5.23
 ``layers/moe/fused_moe_triton/layer.py``: ``_map_global_expert_id_to_local_expert_id`` skips any other
-expert on load; ``rollout/cpu_server/sharding.py`` restates it). With ``engine_ep = 1`` every engine
+expert on load; ``cpu_server/sharding.py`` restates it). With ``engine_ep = 1`` every engine
 TP rank needs every expert (it keeps its slice of each), but it can read it from any process on its
 node.
 
-Routing (:class:`OwnerDirectRouting`, the export stream's ``dst``; ``models.weights.ItemRouting``):
+Routing (:class:`OwnerDirectRouting`, the export stream's sink's routing; ``weight_sync.buckets.ItemRouting``):
 a routed expert tensor (HF name ``...experts.<e>....``, not stacked rows) is held, on each node that
 has a training rank whose engine TP rank (its "slot": engine, TP rank) needs it, by one rank: its
 export owner when the owner is on that node, else an expert-DP replica on that node that holds it
@@ -20,7 +20,7 @@ whole (``_Item.copies``: expert tensor parallel size 1; it copies from its own p
 of the node's ranks that need it (``needers[expert % len(needers)]``: the copies a node receives
 spread over its ranks and their NICs), which receives it by ``dist.send`` / ``dist.recv`` (the
 only network bytes, one copy per node that has neither) from one of the ranks with a full copy,
-the i-th receiving holder (ascending) from ``(owner, *copies)[i % count]`` (``models.weights._routed``:
+the i-th receiving holder (ascending) from ``(owner, *copies)[i % count]`` (``weight_sync.buckets._routed``:
 the sends spread over the replicas instead of all leaving the owner). Every other tensor (attention, norms, embeddings, shared experts, routers) goes to
 every rank as before. Items every rank assembles itself from the bucket's TP gather are held by each
 rank that needs them (no transfer).
@@ -59,13 +59,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.models.registry import expert_weight
-from gspo_megatron.rollout.sglang_compat import (
+from gspo_megatron.engines.sglang_compat import (
     flattened_bucket_class,
     flattened_metadata_class,
     multiprocessing_serializer,
     patch_torch_reductions,
 )
+from gspo_megatron.models.registry import expert_weight
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport, view_metadata
 from gspo_megatron.weight_sync.delta import DeltaEncoder, DeltaStats
@@ -77,7 +77,7 @@ Slot = tuple[int, int]  # (engine index, engine TP rank)
 class OwnerDirectRouting:
     """Which ranks hold each routed expert tensor and which slots they serve with it (module docstring).
 
-    specs: the colocated engines (``rollout.placement.EngineSpec``: ``index``, ``train_ranks``);
+    specs: the colocated engines (``engines.placement.EngineSpec``: ``index``, ``train_ranks``);
     nodes: the node of every global rank; engine_ep: sglang's ``--ep-size``; num_experts: routed
     experts per MoE layer (the HF config's). The same object on every rank."""
 
@@ -119,7 +119,7 @@ class OwnerDirectRouting:
         return None if found is None else found[0]
 
     def holders(self, item, local: bool) -> dict[int, tuple[Slot, ...]] | None:
-        """``models.weights.ItemRouting.holders``: None (every rank) for all but routed experts;
+        """``weight_sync.buckets.ItemRouting.holders``: None (every rank) for all but routed experts;
         for those {holder rank: the slots it serves}. Worked out once per item of the (fixed) plan."""
         key = (item.global_name, local)
         if key not in self._holders:
@@ -218,7 +218,7 @@ class OwnerDirectIpcTransport(CudaIpcTransport):
         routes = getattr(bucket, "routes", None)
         if routes is None:
             raise TypeError(
-                "OwnerDirectIpcTransport needs the export stream's routed buckets (models.weights.FlatBucket)"
+                "OwnerDirectIpcTransport needs the export stream's routed buckets (weight_sync.buckets.FlatBucket)"
             )
         engine = self.slot[0]
         served: dict[Slot, set[int]] = {s: set() for s in self.routing.slot_of.values() if s[0] == engine}

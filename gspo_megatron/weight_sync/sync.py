@@ -2,14 +2,15 @@
 
 Every rank calls :meth:`WeightSyncer.sync`: the export stream (``models.weights.export_hf_weights``)
 gathers TP / EP / PP shards and renames them to the HF layout, routed by the run's
-``weight_sync.topology`` (rank 0, every rank, or each pipeline stage's source); every rank that holds
-a transport sends the buckets it receives. The same stream writes HF checkpoints, so what the
-engines get is exactly what an export would contain.
+``weight_sync.topology`` (rank 0, every rank, or each pipeline stage's source) and assembled by this
+module's sink (``weight_sync.buckets.FlatBucketSink``: the SGLang modes' reused flat buffer, the
+owner-direct routing); every rank that holds a transport sends the buckets it receives. The same
+stream writes HF checkpoints, so what the engines get is exactly what an export would contain.
 
 A transport failure (a dead engine) never leaves the other ranks stuck in the export collectives:
 the failing rank keeps iterating the stream without sending, and after the stream every rank learns
 whether any rank failed (one all-gather, which also carries the byte counts); the error texts are
-gathered on rank 0, which decides (``rollout.session``).
+gathered on rank 0, which decides (``orchestration.session``).
 
 Delta sync (``rollout.sync_delta``): before encoding, the ranks that talk to engines ask each engine
 the version of the weights it serves (``/model_info``'s ``weight_version``, set by every update call);
@@ -26,10 +27,11 @@ import time
 
 import torch.distributed as dist
 
+from gspo_megatron.features.sync_modes import sync_mode
 from gspo_megatron.models.lora import adapter_nbytes
-from gspo_megatron.models.weights import BucketBuffer, build_export_plan, export_hf_weights
+from gspo_megatron.models.weights import build_export_plan, export_hf_weights
 from gspo_megatron.runtime import distributed as rdist
-from gspo_megatron.weight_sync.modes import sync_mode
+from gspo_megatron.weight_sync.buckets import BucketBuffer, FlatBucketSink
 
 
 class WeightSyncer:
@@ -77,7 +79,7 @@ class WeightSyncer:
         keeps_step = getattr(transport, "keeps_step", False)
         # (and, its ranks' buckets differing under an owner-direct routing, even with an empty one)
         for bucket in export_hf_weights(
-            self.model, self.bucket_bytes, plan=self.plan, dst=self.topology.dst, flat=self.bucket_buffer
+            self.model, self.bucket_bytes, plan=self.plan, dst=self.topology.dst, sink=self._sink()
         ):
             if bucket is None or transport is None or ((not bucket or error is not None) and not keeps_step):
                 continue
@@ -109,6 +111,14 @@ class WeightSyncer:
             **(delta() if delta is not None else {}),
             **({"sync/delta_engines_rebased": float(rebased)} if rebased is not None else {}),
         }
+
+    def _sink(self) -> FlatBucketSink | None:
+        """The export stream's sink for one sync (the same on every rank): the bucket buffer (SGLang
+        modes) and the topology's routing (owner-direct); None (plain lists) without either."""
+        routing = getattr(self.topology, "routing", None)
+        if self.bucket_buffer is None and routing is None:
+            return None
+        return FlatBucketSink(self.bucket_buffer, routing)
 
     def _forget_restarted_engines(self, transport) -> bool:
         """Collective (delta sync, before ``begin``): whether some engine reports a weight version other

@@ -1,6 +1,6 @@
 """Which training ranks send which weights to which engines, per sync mode (built once per run).
 
-Each mode's :class:`~gspo_megatron.weight_sync.modes.SyncMode` names its builder here
+Each mode's :class:`~gspo_megatron.features.sync_modes.SyncMode` names its builder here
 (``function(cfg, rank, engine=None, fleet=None) -> SyncTopology``); :func:`build_sync_topology` calls it.
 
 - ``inprocess`` (the CPU transformers engine on global rank 0): the export stream assembles every
@@ -19,8 +19,8 @@ Each mode's :class:`~gspo_megatron.weight_sync.modes.SyncMode` names its builder
   engines load one update at a time.
 
 Every rank calls :func:`build_sync_topology` (it creates process groups) and gets its
-:class:`SyncTopology`: ``dst`` for ``export_hf_weights`` and this rank's transport (None on ranks
-that send nothing).
+:class:`SyncTopology`: ``dst`` for ``export_hf_weights``, the owner-direct ``routing`` (its sink's,
+``weight_sync.buckets``) and this rank's transport (None on ranks that send nothing).
 """
 
 from __future__ import annotations
@@ -32,16 +32,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.features.sync_modes import sync_mode
 from gspo_megatron.models.weights import ALL_RANKS
 from gspo_megatron.runtime import distributed as rdist
-from gspo_megatron.weight_sync.modes import sync_mode
+from gspo_megatron.weight_sync.buckets import ItemRouting
 
 
 @dataclass
 class SyncTopology:
     """mode: the sync mode; dst: export_hf_weights' destination (int, ALL_RANKS or owner -> rank);
     transport: this rank's transport or None; sources: the ranks that send (ascending);
-    reconnect_all: collective, after engines were restarted (rebuilds weight-update groups)."""
+    reconnect_all: collective, after engines were restarted (rebuilds weight-update groups);
+    routing: with ``dst`` ALL_RANKS, the items some ranks only receive (``weight_sync.buckets.ItemRouting``:
+    owner-direct colocated sync), or None."""
 
     mode: str
     dst: Any
@@ -51,6 +54,7 @@ class SyncTopology:
     engine_urls: list[str] = field(default_factory=list)
     #: ``rollout.sync_delta`` (the same on every rank): the syncer checks the engines' weight versions first
     delta: bool = False
+    routing: ItemRouting | None = None
 
 
 def build_sync_topology(cfg, engine=None, fleet=None) -> SyncTopology:
@@ -88,20 +92,21 @@ def colocated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopology:
                 transport = CudaIpcTransport(client, delta=cfg.rollout.sync_delta, **kw)
     return SyncTopology(
         cfg.rollout.sync_mode,
-        routing if routing is not None else ALL_RANKS,
+        ALL_RANKS,
         transport,
         sources=[s.src_rank for s in fleet.specs],
         engine_urls=list(fleet.urls),
         delta=cfg.rollout.sync_delta,
+        routing=routing,
     )
 
 
 def owner_direct_routing(cfg, fleet):
     """``rollout.sync_owner_direct``: the routing of routed experts to the engine ranks that load them
     (``weight_sync.owner_direct``). Collective (every rank's node: one all_gather_object)."""
+    from gspo_megatron.engines.placement import gather_rank_infos
     from gspo_megatron.models.arch import model_hf_config
     from gspo_megatron.models.hf_config import num_experts
-    from gspo_megatron.rollout.placement import gather_rank_infos
     from gspo_megatron.weight_sync.owner_direct import OwnerDirectRouting
 
     nodes = [info.node for info in gather_rank_infos()]
@@ -129,7 +134,7 @@ def stage_sources() -> tuple[dict[int, int], list[int]]:
 
 
 def disaggregated_topology(cfg, rank: int, engine=None, fleet=None) -> SyncTopology:
-    from gspo_megatron.rollout.placement import node_address
+    from gspo_megatron.engines.placement import node_address
     from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport, StoreLock, pp_group_name
 
     stage_of, sources = stage_sources()

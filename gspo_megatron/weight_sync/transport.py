@@ -57,7 +57,7 @@ class StageSourceSessions:
                 self.failed = e
 
     def _open_sessions(self) -> None:
-        from gspo_megatron.rollout.sglang_client import open_weight_update
+        from gspo_megatron.engines.sglang_client import open_weight_update
 
         if self.manage_session:
             for c in self.clients:
@@ -67,7 +67,7 @@ class StageSourceSessions:
 
     def _close_sessions(self) -> None:
         """After the barrier: close the sessions, then raise the first failure of this sync."""
-        from gspo_megatron.rollout.sglang_client import close_weight_update
+        from gspo_megatron.engines.sglang_client import close_weight_update
 
         if self.barrier is not None:
             self.barrier()

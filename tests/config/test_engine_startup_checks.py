@@ -1,4 +1,4 @@
-"""sglang 0.5.23's start-up refusals of the flags a config derives (``rollout/engine_startup_checks.py``),
+"""sglang 0.5.23's start-up refusals of the flags a config derives (``fleet/engine_startup_checks.py``),
 checked at ``--check`` time (issue 32 defect 2): ``rollout.routing_replay=r3`` on a DSA model asks the
 engines for ``--enable-return-indexer-topk``, whose ``IndexerTopkCapturer`` asserts ``attn_tp_size == 1``
 (``state_capturer/indexer_topk.py``: DP attention only) in every engine process; the trainer's engines
@@ -16,8 +16,7 @@ import pytest
 
 from gspo_megatron.config import load_config, validate_model_layout
 from gspo_megatron.errors import ConfigError
-from gspo_megatron.models.arch import KNOWN_ARCHS
-from gspo_megatron.rollout.engine_startup_checks import (
+from gspo_megatron.fleet.engine_startup_checks import (
     INDEXER_CAPTURER_ASSERT,
     attn_tp_size,
     launch_args,
@@ -26,6 +25,7 @@ from gspo_megatron.rollout.engine_startup_checks import (
     startup_errors,
     startup_refusals,
 )
+from gspo_megatron.models.arch import KNOWN_ARCHS
 from tiny_models import tiny_hf_config
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -7,7 +7,8 @@ import pytest
 
 from gspo_megatron.config import load_config
 from gspo_megatron.errors import ConfigError
-from gspo_megatron.weight_sync.lora_adapter import engine_lora_args, fuse_shared_a
+from gspo_megatron.features.adapter_sync import engine_lora_args
+from gspo_megatron.weight_sync.lora_adapter import fuse_shared_a
 
 OK = [
     "model.lora.rank=8",
@@ -143,8 +144,8 @@ def test_bare_linear_fc1_refused_on_an_moe_model_only():
     """``linear_fc1`` alone reaches the routed experts of an MoE model (dense MLPs of a dense one): the
     model-layout check, which knows the model, refuses it for an MoE model only."""
     from gspo_megatron.config import validate_model_layout
+    from gspo_megatron.features.adapter_sync import moe_lora_refusal
     from gspo_megatron.models.arch import KNOWN_ARCHS
-    from gspo_megatron.weight_sync.lora_adapter import moe_lora_refusal
 
     cfg = load_config(None, [*OK, "model.lora.target_modules=[linear_qkv,linear_fc1]"])  # statically fine
     with pytest.raises(ConfigError, match=r"target_modules=\[linear_qkv,linear_fc1,experts.linear_fc2\]"):
@@ -162,7 +163,7 @@ def test_by_value_payload_decodes_with_sglangs_deserializer_bitwise():
 
     import torch
 
-    from gspo_megatron.rollout.sglang_compat import multiprocessing_serializer
+    from gspo_megatron.engines.sglang_compat import multiprocessing_serializer
     from gspo_megatron.weight_sync.lora_adapter import by_value_payload
 
     big = torch.randn(600, 8, dtype=torch.bfloat16)  # the view below is 2 of its 600 rows

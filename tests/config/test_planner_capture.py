@@ -7,9 +7,10 @@ a hand computation."""
 import pytest
 
 from gspo_megatron.config import load_config
+from gspo_megatron.features.routing_replay import capture_buffer_bytes
 from gspo_megatron.models.arch import KNOWN_ARCHS
 from gspo_megatron.plan_report import format_plan
-from gspo_megatron.planner import GIB, ModelDims, capture_buffer_bytes, make_plan
+from gspo_megatron.planner import GIB, ModelDims, make_plan
 from test_planner_indexer import BASE, DSA  # the colocated sglang DeepSeek-V3.2 plan those tests use
 
 ROW = "routing replay r3: sglang capture buffers"
@@ -70,7 +71,7 @@ def test_the_plan_counts_them_on_every_engine_gpu():
 def test_owner_direct_counts_the_foreign_cuda_contexts_in_both_phases():
     """``rollout.sync_owner_direct``: up to one CUDA context per other GPU of the node on every GPU
     (engine processes opening this GPU's holder buffers), in the rollout and the training phase."""
-    from gspo_megatron.planner import FOREIGN_CONTEXT_GIB
+    from gspo_megatron.features.owner_direct import FOREIGN_CONTEXT_GIB
 
     base = [
         "model.arch=tiny-qwen3-moe",

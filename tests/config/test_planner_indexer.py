@@ -6,8 +6,9 @@ nothing with replay off or r2, nothing for a model without an indexer."""
 import pytest
 
 from gspo_megatron.config import load_config
+from gspo_megatron.features.routing_replay import indexer_bytes_per_sample
 from gspo_megatron.models.arch import KNOWN_ARCHS
-from gspo_megatron.planner import GIB, ModelDims, indexer_bytes_per_sample, make_plan
+from gspo_megatron.planner import GIB, ModelDims, make_plan
 
 BASE = [
     "rollout.prompts_per_step=16",

@@ -5,8 +5,9 @@ stage's layers (int64); nothing with replay off."""
 import pytest
 
 from gspo_megatron.config import load_config
+from gspo_megatron.features.routing_replay import route_bytes_per_sample
 from gspo_megatron.models.arch import KNOWN_ARCHS
-from gspo_megatron.planner import GIB, ModelDims, make_plan, route_bytes_per_sample
+from gspo_megatron.planner import GIB, ModelDims, make_plan
 
 TINY = KNOWN_ARCHS["tiny-qwen3-moe"]
 BASE = [

@@ -18,7 +18,7 @@ def test_values_and_yaml_off(tmp_path):
     assert load_config(str(path), []).rollout.routing_replay == "off"
     assert load_config(None, ["rollout.routing_replay=r2"]).rollout.routing_replay == "r2"
     assert load_config(None, [*SGLANG_CPU, "rollout.routing_replay=r3"]).rollout.routing_replay == "r3"
-    # multi-turn custom rollouts carry each call's routes (rollout.routing.compose_routes)
+    # multi-turn custom rollouts carry each call's routes (engines.routing.compose_routes)
     cfg = load_config(
         None, [*SGLANG_CPU, "rollout.routing_replay=r3", "rollout.custom_function=x.py:f"], check_files=False
     )

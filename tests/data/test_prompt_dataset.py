@@ -7,7 +7,7 @@ import pytest
 from gspo_megatron.data.dataset import DatasetError, PromptDataset, PromptSampler, decode_response
 from gspo_megatron.data.tasks import get_task
 from gspo_megatron.data.tokenizer import build_demo_tokenizer
-from gspo_megatron.rollout.base import RolloutSample
+from gspo_megatron.engines.base import RolloutSample
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 
 from gspo_megatron.config import load_config
 from gspo_megatron.data.dataset import PromptDataset
+from gspo_megatron.engines.base import RolloutSample
 from gspo_megatron.evaluation import EvalSet, Evaluator, is_due, pass_at_k
 from gspo_megatron.rewards.runner import InlineRewardScorer
-from gspo_megatron.rollout.base import RolloutSample
 
 
 def brute_force_pass_at_k(correct: list[bool], k: int) -> Fraction:

@@ -28,7 +28,8 @@ def _open_handle(q_in, q_out) -> None:
 
 
 def test_opening_an_ipc_handle_costs_one_context_within_the_planners_figure():
-    from gspo_megatron.planner import FOREIGN_CONTEXT_GIB, GIB
+    from gspo_megatron.features.owner_direct import FOREIGN_CONTEXT_GIB
+    from gspo_megatron.planner import GIB
 
     buf = torch.ones(16 << 20, device="cuda")  # 64 MiB, mapped (not copied) by the child
     torch.cuda.synchronize()

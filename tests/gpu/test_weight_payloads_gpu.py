@@ -215,7 +215,7 @@ def test_cuda_ipc_per_dtype_payloads_when_flattening_is_single_dtype(engine, mon
 
 
 class _EngineClient:
-    """The engine client as CudaIpcTransport sees it (rollout.sglang_client's methods): session calls
+    """The engine client as CudaIpcTransport sees it (engines.sglang_client's methods): session calls
     are recorded, ``update_weights_from_tensor`` hands the payloads to the engine process and returns
     once it has loaded them, as sglang's HTTP endpoint does."""
 
@@ -426,7 +426,7 @@ def _flat_bucket(tensors: list[tuple[str, torch.Tensor]], slots: dict, dev: torc
     """``tensors`` copied into one buffer on ``dev`` as the export stream's ``FlatBucket`` of a routed
     bucket (views into the buffer, ``slots`` as a holder's)."""
     from gspo_megatron.models.flat_layout import flat_layout, view
-    from gspo_megatron.models.weights import FlatBucket
+    from gspo_megatron.weight_sync.buckets import FlatBucket
 
     offsets, _, total = flat_layout([(0, t.element_size(), t.numel() * t.element_size()) for _, t in tensors])
     flat = torch.empty(total, dtype=torch.uint8, device=dev)

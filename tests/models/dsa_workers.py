@@ -122,9 +122,9 @@ def shared_layer_selections(rank: int, world: int, hf_dir: str, ckpt: str, rows:
     import torch
 
     from gspo_megatron import convert
+    from gspo_megatron.cpu_server.sglang_models import SglangModel
     from gspo_megatron.models.deepseek_v32 import indexer as dsa
     from gspo_megatron.models.weights import export_hf_weights
-    from gspo_megatron.rollout.cpu_server.sglang_models import SglangModel
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.score import score_rows
 

@@ -183,7 +183,7 @@ def test_expert_tensor_parallel_above_one_is_refused_before_building():
 def test_cpu_stand_in_server_shards_engine_tp_as_sglang_does():
     """sglang 0.5.23 serves gpt-oss at engine TP > 1 (stacked experts cut by FusedMoE, sinks by
     head); the CPU stand-in no longer refuses it (tests/rollout/test_sglang_loaders.py serves TP 2)."""
-    from gspo_megatron.rollout.cpu_server.sharding import Layout, kind_of
+    from gspo_megatron.cpu_server.sharding import Layout, kind_of
 
     for tp, ep in ((1, 1), (2, 1), (2, 2), (4, 2)):
         Layout.from_config(_cfg(), tp_size=tp, ep_size=ep).check()

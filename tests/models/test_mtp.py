@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distributed_harness import run_ranks
-from gspo_megatron.rollout.cpu_server.weights import iter_checkpoint
+from gspo_megatron.cpu_server.weights import iter_checkpoint
 
 CASES = {
     "deepseek_v3": dict(num_nextn_predict_layers=1),

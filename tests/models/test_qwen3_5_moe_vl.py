@@ -19,9 +19,9 @@ The stream's load into sglang's own ``Qwen3_5MoeForConditionalGeneration`` is in
 tests/rollout/test_sglang_loaders.py (``qwen3_5_moe_vl``).
 
 The engines serve the same directory (issue 22; the run is tests/train/test_qwen3_5_vl_run.py): the
-transformers engine (``rollout/hf_engine.py``) builds the language model alone and its greedy log-probs
+transformers engine (``engines/hf_engine.py``) builds the language model alone and its greedy log-probs
 equal transformers' vision-language forward; it and the CPU server's store
-(``rollout/cpu_server/weights.py``) hold the checkpoint's ``model.language_model.*`` names, take the bare
+(``cpu_server/weights.py``) hold the checkpoint's ``model.language_model.*`` names, take the bare
 ``model.*`` spelling sglang's ``load_weights`` also takes as the same tensor, skip the vision tower and
 ``mtp.*``, and refuse a wrong shape.
 """
@@ -43,7 +43,7 @@ MTP = "mtp.fc.weight"
 
 
 def _tensors(d: str) -> dict[str, torch.Tensor]:
-    from gspo_megatron.rollout.cpu_server.weights import iter_checkpoint
+    from gspo_megatron.cpu_server.weights import iter_checkpoint
 
     return dict(iter_checkpoint(d))
 
@@ -167,8 +167,8 @@ def _language_model(d: str) -> dict[str, torch.Tensor]:
 def test_hf_engine_serves_the_language_model(vl_dir):
     import transformers
 
-    from gspo_megatron.rollout.base import SamplingParams
-    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+    from gspo_megatron.engines.base import SamplingParams
+    from gspo_megatron.engines.hf_engine import HFRolloutEngine
 
     engine = HFRolloutEngine(vl_dir, vl_dir)  # the directory's every tensor: vision tower and mtp.* skipped
     assert type(engine.model).__name__ == "Qwen3_5MoeForCausalLM"
@@ -192,9 +192,9 @@ def test_hf_engine_serves_the_language_model(vl_dir):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_cpu_server_store_holds_the_checkpoint_names(vl_dir, tp):
-    from gspo_megatron.rollout.cpu_server import expected_shard
-    from gspo_megatron.rollout.cpu_server.sharding import Layout
-    from gspo_megatron.rollout.cpu_server.weights import ShardStore, iter_checkpoint, load_config
+    from gspo_megatron.cpu_server import expected_shard
+    from gspo_megatron.cpu_server.sharding import Layout
+    from gspo_megatron.cpu_server.weights import ShardStore, iter_checkpoint, load_config
 
     config = load_config(vl_dir)
     lm = _language_model(vl_dir)

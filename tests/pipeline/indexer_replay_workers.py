@@ -23,9 +23,9 @@ def make_dsa_records(hf_dir: str, max_new_tokens: int = 12, seed: int = 3) -> li
     """Samples (engine log-probs, routed experts, indexer selection) from one left-padded batch."""
     import torch
 
-    from gspo_megatron.rollout.base import SamplingParams
-    from gspo_megatron.rollout.cpu_server.routes import IndexerRecorder, RouteRecorder
-    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+    from gspo_megatron.cpu_server.routes import IndexerRecorder, RouteRecorder
+    from gspo_megatron.engines.base import SamplingParams
+    from gspo_megatron.engines.hf_engine import HFRolloutEngine
     from gspo_megatron.sample import Sample
 
     engine = HFRolloutEngine(hf_dir, hf_dir, seed=seed)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-from gspo_megatron.rollout.routing import NO_ROUTE, route_agreement
+from gspo_megatron.engines.routing import NO_ROUTE, route_agreement
 from gspo_megatron.trainer.route_replay import MaskedRouteReplay, router_targets
 
 B, S, L, K, E = 2, 5, 3, 2, 6

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
-from gspo_megatron.rollout.routing import NO_ROUTE
+from gspo_megatron.engines.routing import NO_ROUTE
 from route_replay_workers import make_engine_records, r2_and_reference
 
 

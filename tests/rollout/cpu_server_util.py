@@ -1,4 +1,4 @@
-"""Start / stop CPU rollout servers (``python -m gspo_megatron.rollout.cpu_server``) for tests."""
+"""Start / stop CPU rollout servers (``python -m gspo_megatron.cpu_server``) for tests."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-from gspo_megatron.rollout.sglang_client import SGLangHttpClient
-from gspo_megatron.rollout.sglang_engine import wait_until_healthy
+from gspo_megatron.engines.sglang_client import SGLangHttpClient
+from gspo_megatron.engines.sglang_engine import wait_until_healthy
 from gspo_megatron.runtime import children
 from gspo_megatron.runtime.ports import free_port
 
@@ -38,7 +38,7 @@ class CpuServer:
             cmd = [
                 sys.executable,
                 "-m",
-                "gspo_megatron.rollout.cpu_server",
+                "gspo_megatron.cpu_server",
                 "--model-path",
                 model_path,
                 "--host",

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from gspo_megatron.data.dataset import PromptSampler
-from gspo_megatron.rollout.async_producer import AsyncProducer, Overlap
-from gspo_megatron.rollout.batch import RolloutBatch
-from gspo_megatron.rollout.sglang_client import SGLangError
-from gspo_megatron.rollout.sglang_engine import parse_output, token_versions
+from gspo_megatron.engines.sglang_client import SGLangError
+from gspo_megatron.engines.sglang_engine import parse_output, token_versions
+from gspo_megatron.orchestration.async_producer import AsyncProducer, Overlap
+from gspo_megatron.orchestration.batch import RolloutBatch
 from gspo_megatron.sample import Sample
 from gspo_megatron.trainer.behaviour_policy import WeightHistory
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gspo_megatron.rollout.routing import NO_ROUTE, RoutedExpertsError, compose_routes
+from gspo_megatron.engines.routing import NO_ROUTE, RoutedExpertsError, compose_routes
 
 L, K = 2, 2
 

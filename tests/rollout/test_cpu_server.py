@@ -16,10 +16,10 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cpu_server_util import CpuServer, alive, free_port
-from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.rollout.cpu_server import expected_shard, read_weight_shards
-from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
-from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
+from gspo_megatron.cpu_server import expected_shard, read_weight_shards
+from gspo_megatron.engines.base import SamplingParams
+from gspo_megatron.engines.sglang_client import SGLangError, SGLangHttpClient
+from gspo_megatron.engines.sglang_engine import SGLangRolloutEngine
 from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport, serialize_bucket
 from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport
 
@@ -48,7 +48,7 @@ def reference_model(model_dir, state):
     """transformers' own model from the checkpoint (fp32), with ``state`` (checkpoint names) loaded."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if state is not None:
-        from gspo_megatron.rollout.hf_engine import HFCheckpointLayout
+        from gspo_megatron.engines.hf_engine import HFCheckpointLayout
 
         layout = HFCheckpointLayout(model)
         for n, t in state.items():

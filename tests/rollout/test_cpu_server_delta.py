@@ -14,9 +14,9 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from cpu_server_util import CpuServer, free_port
-from gspo_megatron.rollout.cpu_server import expected_shard, read_weight_shards
-from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
-from gspo_megatron.rollout.sglang_compat import multiprocessing_serializer, use_cpu_shared_memory
+from gspo_megatron.cpu_server import expected_shard, read_weight_shards
+from gspo_megatron.engines.sglang_client import SGLangError, SGLangHttpClient
+from gspo_megatron.engines.sglang_compat import multiprocessing_serializer, use_cpu_shared_memory
 from gspo_megatron.weight_sync.cuda_ipc import CudaIpcTransport
 from gspo_megatron.weight_sync.delta import DeltaEncoder
 from gspo_megatron.weight_sync.delta_loader import LOADER_NAME

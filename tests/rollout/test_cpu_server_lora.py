@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cpu_server_util import CpuServer
-from gspo_megatron.rollout.sglang_compat import multiprocessing_serializer, use_cpu_shared_memory
+from gspo_megatron.engines.sglang_compat import multiprocessing_serializer, use_cpu_shared_memory
 
 TP = 2
 RANK, ALPHA = 4, 8.0
@@ -165,8 +165,8 @@ def test_load_serve_unload(server, model_dir, saved):
 
 
 def test_front_refusals_without_lora_and_with_dp():
-    from gspo_megatron.rollout.cpu_server.args import parse_args
-    from gspo_megatron.rollout.cpu_server.lora import FrontLoras
+    from gspo_megatron.cpu_server.args import parse_args
+    from gspo_megatron.cpu_server.lora import FrontLoras
 
     front = FrontLoras(parse_args(["--model-path", "x"]))
     status, out = front.load({"lora_name": "a", "config_dict": {}, "serialized_named_tensors": []}, None)
@@ -214,7 +214,7 @@ def test_front_refusals_without_lora_and_with_dp():
     ],
 )
 def test_lora_server_args_refused(argv, msg, capsys):
-    from gspo_megatron.rollout.cpu_server.args import parse_args
+    from gspo_megatron.cpu_server.args import parse_args
 
     with pytest.raises(SystemExit) as e:
         parse_args(["--model-path", "x", *argv])
@@ -295,8 +295,8 @@ def _worker_loras(model_dir: str, server_targets: list[str]):
     """One TP rank's LoRA state of a CPU server started with ``--lora-target-modules server_targets``."""
     from transformers import AutoConfig
 
-    from gspo_megatron.rollout.cpu_server.args import parse_args
-    from gspo_megatron.rollout.cpu_server.lora import WorkerLoras
+    from gspo_megatron.cpu_server.args import parse_args
+    from gspo_megatron.cpu_server.lora import WorkerLoras
 
     args = parse_args(
         ["--model-path", model_dir, "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", *server_targets]

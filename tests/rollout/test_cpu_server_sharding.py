@@ -5,11 +5,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+from gspo_megatron.cpu_server import expected_shard
+from gspo_megatron.cpu_server.args import parse_args
+from gspo_megatron.cpu_server.sharding import Layout, assemble, kind_of, owner_ranks, shard_for_rank
+from gspo_megatron.cpu_server.weights import checkpoint_shapes
 from gspo_megatron.models.tiny import save_tiny_hf_model
-from gspo_megatron.rollout.cpu_server import expected_shard
-from gspo_megatron.rollout.cpu_server.args import parse_args
-from gspo_megatron.rollout.cpu_server.sharding import Layout, assemble, kind_of, owner_ranks, shard_for_rank
-from gspo_megatron.rollout.cpu_server.weights import checkpoint_shapes
 
 CFG = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64, vocab_size=100, num_experts=4)
 

@@ -16,11 +16,11 @@ from gspo_megatron.config import Config
 from gspo_megatron.data.dataset import PromptDataset, PromptSampler
 from gspo_megatron.data.tasks import get_task
 from gspo_megatron.data.tokenizer import build_demo_tokenizer
+from gspo_megatron.engines.custom import load_hook
+from gspo_megatron.engines.hf_engine import HFRolloutEngine
 from gspo_megatron.errors import ConfigError, UserInputError
+from gspo_megatron.orchestration.batch import collect_rollouts
 from gspo_megatron.rewards.runner import InlineRewardScorer
-from gspo_megatron.rollout.batch import collect_rollouts
-from gspo_megatron.rollout.custom import load_hook
-from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOOL_HOOK = "gspo_megatron.data.tool_calc:tool_calc_rollout"
@@ -79,7 +79,7 @@ class ScriptedEngine:
         self.tok, self.n = tokenizer, 0
 
     def generate(self, prompts, n, params):
-        from gspo_megatron.rollout.base import RolloutSample
+        from gspo_megatron.engines.base import RolloutSample
 
         out = []
         for p in prompts:
@@ -120,7 +120,7 @@ def _forced_calls_hook(tmp_path, tokenizer):
     path = tmp_path / "three_turns.py"
     path.write_text(
         textwrap.dedent("""
-        from gspo_megatron.rollout.custom import Trajectory
+        from gspo_megatron.engines.custom import Trajectory
 
         def rollout(generate, sample):
             traj = Trajectory()
@@ -322,7 +322,7 @@ def test_gspo_train_check_one_line_for_bad_hook_return(tmp_path):
 
 def test_check_accepts_the_tool_example(tmp_path, tokenizer):
     from gspo_megatron.data.dataset import PromptDataset
-    from gspo_megatron.rollout.custom import dry_run
+    from gspo_megatron.engines.custom import dry_run
 
     ds = PromptDataset.from_records(get_task("tool_calc").rows(2, 0), tokenizer, source="t")
     dry_run(TOOL_HOOK, ds[0], tokenizer, 64, tokenizer.eos_token_id)  # no error

@@ -13,9 +13,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from cpu_server_util import CpuServer
 from gspo_megatron.data.tokenizer import build_demo_tokenizer
-from gspo_megatron.rollout.hf_engine import HFRolloutEngine
-from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
-from gspo_megatron.rollout.subprocess_engine import SubprocessRolloutEngine
+from gspo_megatron.engines.hf_engine import HFRolloutEngine
+from gspo_megatron.engines.sglang_engine import SGLangRolloutEngine
+from gspo_megatron.engines.subprocess_engine import SubprocessRolloutEngine
 from test_custom_rollout import (
     ENGINE_CONFIG,
     RecordingEngine,

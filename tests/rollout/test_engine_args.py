@@ -1,4 +1,4 @@
-"""The SGLang flags a config needs (``gspo_megatron/rollout/engine_args.py``), checked against sglang
+"""The SGLang flags a config needs (``gspo_megatron/fleet/engine_args.py``), checked against sglang
 0.5.23's own argument parser and its ``/server_info`` report (``ServerArgs.resolved_dict``, what
 ``build_server_info`` returns), and against the CPU stand-in's parser; the command line the launch
 scripts call; the refusal of an attached engine that lacks a flag."""
@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from gspo_megatron.config.loader import load_config
-from gspo_megatron.rollout.engine_args import attached_engine_errors, config_server_args, config_server_env
-from gspo_megatron.rollout.sglang_engine import server_args_to_cli
+from gspo_megatron.engines.sglang_engine import server_args_to_cli
+from gspo_megatron.fleet.engine_args import attached_engine_errors, config_server_args, config_server_env
 from tiny_models import tiny_hf_config
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -50,7 +50,7 @@ def test_flags_parse_in_sglang_and_satisfy_the_check(case):
     info = _sglang_info(server_args_to_cli(args))
     assert attached_engine_errors(cfg, hf, "http://e0", info) == []
     # the CPU stand-in parses the same flags into the same fields
-    from gspo_megatron.rollout.cpu_server.args import parse_args
+    from gspo_megatron.cpu_server.args import parse_args
 
     cpu = vars(parse_args(["--model-path", "/nonexistent", "--tp-size", "2", *server_args_to_cli(args)]))
     assert attached_engine_errors(cfg, hf, "http://e0", cpu) == []
@@ -114,7 +114,7 @@ def test_lora_capacity_may_be_larger_and_all_targets_cover_every_module():
 
 
 def test_every_flag_the_config_can_ask_for_has_a_check_row():
-    from gspo_megatron.rollout.engine_args import _CHECKS
+    from gspo_megatron.fleet.engine_args import _CHECKS
 
     asked = set()
     for name in CASES:
@@ -125,7 +125,7 @@ def test_every_flag_the_config_can_ask_for_has_a_check_row():
 def test_a_given_route_spec_decides_the_indexer_flag_instead_of_the_config_json():
     from dataclasses import replace
 
-    from gspo_megatron.rollout.routing import route_spec_of
+    from gspo_megatron.engines.routing import route_spec_of
 
     cfg, dsa = _case("r3_dsa")
     moe = tiny_hf_config("qwen3_moe")
@@ -142,7 +142,7 @@ def test_a_given_route_spec_decides_the_indexer_flag_instead_of_the_config_json(
 def _cli(*argv):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run(
-        [sys.executable, "-m", "gspo_megatron.rollout.engine_args", *argv],
+        [sys.executable, "-m", "gspo_megatron.fleet.engine_args", *argv],
         cwd=REPO,
         env=env,
         capture_output=True,

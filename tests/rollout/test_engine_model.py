@@ -1,4 +1,4 @@
-"""The SGLang engine's model dir and server args (rollout/engine_model.py), checked against sglang
+"""The SGLang engine's model dir and server args (engines/engine_model.py), checked against sglang
 0.5.23's own code.
 
 sglang's server modules do not import on CPU (its quantization package pulls CUDA kernels), so the
@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from gspo_megatron.config import load_config, validate_model_layout
+from gspo_megatron.engines.engine_model import FP8_QUANTIZATION_CONFIG, engine_layout_errors, prepare_engine_model_dir
 from gspo_megatron.errors import ConfigError
 from gspo_megatron.models.arch import KNOWN_ARCHS
 from gspo_megatron.planner import ModelDims
-from gspo_megatron.rollout.engine_model import FP8_QUANTIZATION_CONFIG, engine_layout_errors, prepare_engine_model_dir
 from gspo_megatron.weight_sync.fp8_quant import quantize_bucket_fp8
 
 _SPEC = importlib.util.find_spec("sglang")
@@ -173,7 +173,7 @@ def test_fp8_engine_dir_is_what_sglang_loads_as_block_fp8(hf_dir, tmp_path, sgla
     cfg = _cfg("rollout.sync_fp8=true", "rollout.engine_tp=2", "rollout.engine_ep=2", "rollout.num_engines=1")
     path, args = prepare_engine_model_dir(cfg, hf_dir, str(tmp_path / "engine"))
     assert path == str(tmp_path / "engine")
-    assert args == ["--load-format", "dummy"]  # --ep-size: rollout/engine_args.py (tests/rollout/test_engine_args.py)
+    assert args == ["--load-format", "dummy"]  # --ep-size: fleet/engine_args.py (tests/rollout/test_engine_args.py)
     assert sorted(os.listdir(path)) == [
         "config.json",
         "generation_config.json",

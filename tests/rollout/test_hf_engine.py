@@ -11,8 +11,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+from gspo_megatron.engines.base import SamplingParams
+from gspo_megatron.engines.hf_engine import HFRolloutEngine
 
 V = 96
 COMMON = dict(

@@ -1,12 +1,12 @@
 """sglang's ``meta_info["indexer_topk"]`` (DSA): decoded and validated in one place
-(``rollout.routing.decode_indexer_topk``): a malformed payload is one error naming engine and request."""
+(``engines.routing.decode_indexer_topk``): a malformed payload is one error naming engine and request."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gspo_megatron.rollout.routing import RoutedExpertsError, decode_indexer_topk, encode_routed_experts
+from gspo_megatron.engines.routing import RoutedExpertsError, decode_indexer_topk, encode_routed_experts
 
 
 def _selection(n: int, layers: int, k: int) -> np.ndarray:

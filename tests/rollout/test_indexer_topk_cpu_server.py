@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from cpu_server_util import CpuServer
-from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.rollout.cpu_server.routes import IndexerRecorder, RouteRecorder
-from gspo_megatron.rollout.hf_engine import HFRolloutEngine
-from gspo_megatron.rollout.routing import (
+from gspo_megatron.cpu_server.routes import IndexerRecorder, RouteRecorder
+from gspo_megatron.engines.base import SamplingParams
+from gspo_megatron.engines.hf_engine import HFRolloutEngine
+from gspo_megatron.engines.routing import (
     INDEXER_META_KEY,
     RoutedExpertsError,
     decode_indexer_topk,
     route_spec_of,
     route_tokens,
 )
-from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
+from gspo_megatron.engines.sglang_engine import SGLangRolloutEngine
 
 # one indexer head and a small top-k: many exact-zero ties, sequences longer than index_topk
 TIES = dict(index_n_heads=1, index_topk=4)
@@ -118,7 +118,7 @@ def test_engine_client_decodes_indexer_topk(server, dsa_dir, spec):
 def test_indexer_capture_at_tp_above_one_aborts_the_start_as_sglangs_capturer(dsa_dir, tmp_path):
     """sglang's IndexerTopkCapturer asserts attn_tp_size == 1 when it is built (the model runner's
     start): an engine at --tp-size 2 without attention DP never comes up; nor does the CPU server."""
-    from gspo_megatron.rollout.engine_startup_checks import INDEXER_CAPTURER_ASSERT
+    from gspo_megatron.fleet.engine_startup_checks import INDEXER_CAPTURER_ASSERT
 
     with pytest.raises(Exception):  # noqa: B017 - the start fails; the log names sglang's assert
         CpuServer(dsa_dir, str(tmp_path), tp=2, extra=("--enable-return-indexer-topk",))

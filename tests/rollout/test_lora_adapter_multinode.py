@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from cpu_server_util import CpuServer
-from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
-from gspo_megatron.rollout.sglang_compat import multiprocessing_serializer, use_cpu_shared_memory
+from gspo_megatron.engines.sglang_client import SGLangError, SGLangHttpClient
+from gspo_megatron.engines.sglang_compat import multiprocessing_serializer, use_cpu_shared_memory
 from test_cpu_server_lora import ALPHA, RANK, adapter, generate, merged_logprobs, post
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -11,11 +11,11 @@ import pytest
 from gspo_megatron.config import Config, load_config
 from gspo_megatron.data.dataset import PromptDataset, PromptSampler
 from gspo_megatron.data.tokenizer import build_demo_tokenizer
+from gspo_megatron.engines.base import RolloutEngine, RolloutSample, SamplingParams
+from gspo_megatron.engines.sglang_engine import SGLangRolloutEngine
 from gspo_megatron.errors import ConfigError
+from gspo_megatron.orchestration.batch import collect_rollouts
 from gspo_megatron.rewards.runner import InlineRewardScorer
-from gspo_megatron.rollout.base import RolloutEngine, RolloutSample, SamplingParams
-from gspo_megatron.rollout.batch import collect_rollouts
-from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cpu_server_util import CpuServer
-from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.rollout.cpu_server.routes import RouteRecorder
-from gspo_megatron.rollout.hf_engine import HFRolloutEngine
-from gspo_megatron.rollout.routing import RoutedExpertsError, RouteSpec, decode_routed_experts, route_tokens
-from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
+from gspo_megatron.cpu_server.routes import RouteRecorder
+from gspo_megatron.engines.base import SamplingParams
+from gspo_megatron.engines.hf_engine import HFRolloutEngine
+from gspo_megatron.engines.routing import RoutedExpertsError, RouteSpec, decode_routed_experts, route_tokens
+from gspo_megatron.engines.sglang_engine import SGLangRolloutEngine
 
 PROMPTS = [[5, 17, 42, 9], [100, 3]]
 PERTURB = 3.0

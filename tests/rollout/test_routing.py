@@ -1,4 +1,4 @@
-"""rollout/routing.py: sglang's routed-experts payload decoded, validated and laid on token positions."""
+"""engines/routing.py: sglang's routed-experts payload decoded, validated and laid on token positions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import base64
 import numpy as np
 import pytest
 
-from gspo_megatron.rollout.routing import (
+from gspo_megatron.engines.routing import (
     NO_ROUTE,
     RoutedExpertsError,
     decode_routed_experts,

@@ -19,13 +19,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cpu_server_util import CpuServer
-from gspo_megatron.rollout.colocation import Colocation
-from gspo_megatron.rollout.engine_fleet import dead_engines
-from gspo_megatron.rollout.session import RolloutSession
-from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
-from gspo_megatron.rollout.sglang_engine import SGLangRolloutEngine
+from gspo_megatron.engines.sglang_client import SGLangError, SGLangHttpClient
+from gspo_megatron.engines.sglang_engine import SGLangRolloutEngine
+from gspo_megatron.fleet.engine_fleet import dead_engines
+from gspo_megatron.orchestration.colocation import Colocation
+from gspo_megatron.orchestration.probe import SyncVerifier
+from gspo_megatron.orchestration.session import RolloutSession
 from gspo_megatron.weight_sync.cuda_ipc import serialize_bucket
-from gspo_megatron.weight_sync.probe import SyncVerifier
 
 PROMPTS = [[5, 17, 42, 9], [100, 3]]
 

@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.rollout.sglang_client import SGLangError, SGLangHttpClient
-from gspo_megatron.rollout.sglang_engine import (
+from gspo_megatron.engines.base import SamplingParams
+from gspo_megatron.engines.sglang_client import SGLangError, SGLangHttpClient
+from gspo_megatron.engines.sglang_engine import (
     SGLangRolloutEngine,
     parse_output,
     server_args_to_cli,

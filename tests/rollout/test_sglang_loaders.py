@@ -57,13 +57,13 @@ SPLIT_LAYER = 2  # the DeepSeek layer whose q_a / kv_a pair the negative case sp
 
 
 def _hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
-    from gspo_megatron.rollout.cpu_server.weights import iter_checkpoint
+    from gspo_megatron.cpu_server.weights import iter_checkpoint
 
     return dict(iter_checkpoint(hf_dir))
 
 
 def _load_into_sglang(hf_dir, tp, rank, buckets):
-    from gspo_megatron.rollout.cpu_server.sglang_models import SglangModel
+    from gspo_megatron.cpu_server.sglang_models import SglangModel
 
     m = SglangModel(hf_dir, tp, rank, dtype=torch.float32)
     m.poison()
@@ -113,7 +113,7 @@ def _tp1_run(rank, world, dirs: dict, negative: dict):
 
 def _vl_spellings(hf_dir, buckets) -> dict:
     """What sglang's ``Qwen3_5MoeForConditionalGeneration.load_weights`` does with the other names the CPU
-    server's store takes or skips (``rollout/cpu_server/weights.py``): the stream with ``model.*`` for
+    server's store takes or skips (``cpu_server/weights.py``): the stream with ``model.*`` for
     ``model.language_model.*``; a vision-tower tensor (loaded into ``visual.*``); an ``mtp.*`` tensor; a
     wrong shape (the exception's type)."""
     bare = [[(n.replace("model.language_model.", "model.", 1), t) for n, t in b] for b in buckets]
@@ -398,7 +398,7 @@ def test_cpu_server_gpt_oss_shards_are_sglangs_layout(dirs):
     parameters hold on the same TP rank (the reference above), for engine TP 2."""
     import json
 
-    from gspo_megatron.rollout.cpu_server import expected_shard
+    from gspo_megatron.cpu_server import expected_shard
 
     hf = _hf_tensors(dirs["gpt_oss"])
     with open(f"{dirs['gpt_oss']}/config.json") as f:
@@ -423,7 +423,7 @@ def test_cpu_server_gpt_oss_shards_are_sglangs_layout(dirs):
 
 
 def _broadcast_sync(url, buckets, version):
-    from gspo_megatron.rollout.sglang_client import SGLangHttpClient
+    from gspo_megatron.engines.sglang_client import SGLangHttpClient
     from gspo_megatron.runtime.ports import free_port
     from gspo_megatron.weight_sync.nccl_broadcast import NcclBroadcastTransport
 
@@ -448,7 +448,7 @@ def _broadcast_sync(url, buckets, version):
 
 def test_cpu_server_deepseek_split_sync_fails_naming_the_fused_param(dirs, tmp_path):
     from cpu_server_util import CpuServer
-    from gspo_megatron.rollout.sglang_client import SGLangError
+    from gspo_megatron.engines.sglang_client import SGLangError
 
     hf = _hf_tensors(dirs["deepseek_v3"])
     server = CpuServer(dirs["deepseek_v3"], str(tmp_path), tp=1)
@@ -468,8 +468,8 @@ def test_cpu_server_serves_gpt_oss_at_engine_tp2(dirs, tmp_path):
     import json
 
     from cpu_server_util import CpuServer
-    from gspo_megatron.rollout.cpu_server import expected_shard, read_weight_shards
-    from gspo_megatron.rollout.sglang_client import SGLangHttpClient
+    from gspo_megatron.cpu_server import expected_shard, read_weight_shards
+    from gspo_megatron.engines.sglang_client import SGLangHttpClient
 
     hf = _hf_tensors(dirs["gpt_oss"])
     with open(f"{dirs['gpt_oss']}/config.json") as f:

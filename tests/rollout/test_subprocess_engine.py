@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig
 
-from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.rollout.hf_engine import HFRolloutEngine
-from gspo_megatron.rollout.subprocess_engine import EngineCallError, EngineDiedError, SubprocessRolloutEngine
+from gspo_megatron.engines.base import SamplingParams
+from gspo_megatron.engines.hf_engine import HFRolloutEngine
+from gspo_megatron.engines.subprocess_engine import EngineCallError, EngineDiedError, SubprocessRolloutEngine
 
 CONFIG = Qwen3MoeConfig(
     vocab_size=64,

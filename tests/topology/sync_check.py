@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 
 def check(syncer) -> None:
+    from gspo_megatron.cpu_server import expected_shard, read_weight_shards
+    from gspo_megatron.engines.sglang_client import SGLangHttpClient
     from gspo_megatron.models.weights import export_hf_weights
-    from gspo_megatron.rollout.cpu_server import expected_shard, read_weight_shards
-    from gspo_megatron.rollout.sglang_client import SGLangHttpClient
 
     full: dict[str, torch.Tensor] = {}
     for bucket in export_hf_weights(syncer.model, syncer.bucket_bytes, plan=syncer.plan, dst=0):

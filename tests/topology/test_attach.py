@@ -86,7 +86,7 @@ def test_trainer_waits_for_an_attached_engine_then_syncs_and_trains(tmp_path):
 def test_an_attached_engine_without_the_flags_the_config_needs_is_refused_in_one_line(tmp_path):
     """rollout.routing_replay=r3 with an engine started without --enable-return-routed-experts: the
     trainer reads the engine's /server_info and stops before the first sync, naming engine, flag and
-    field (rollout/engine_args.py), instead of failing at the first rollout."""
+    field (fleet/engine_args.py), instead of failing at the first rollout."""
     from gspo_megatron import factory
     from gspo_megatron.config import load_config
 

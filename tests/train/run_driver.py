@@ -40,7 +40,7 @@ def _observe(report: dict) -> callable:
     import torch
 
     from gspo_megatron import factory
-    from gspo_megatron.rollout import session as session_mod
+    from gspo_megatron.engines import session as session_mod
 
     models, snaps = [], []
     build = factory.build_model
@@ -106,7 +106,7 @@ def _nan_loss_from(n: int, report: dict) -> callable:
 
 
 def _engine_raises_at(n: int, report: dict) -> callable:
-    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+    from gspo_megatron.engines.hf_engine import HFRolloutEngine
 
     calls = {"generate": 0}
     generate = HFRolloutEngine.generate
@@ -122,7 +122,7 @@ def _engine_raises_at(n: int, report: dict) -> callable:
 
 
 def _sync_raises_at(k: int, report: dict) -> callable:
-    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+    from gspo_megatron.engines.hf_engine import HFRolloutEngine
 
     calls = {"syncs": 0, "raised": 0}
     begin, update = HFRolloutEngine.begin_weight_update, HFRolloutEngine.update_weights
@@ -144,7 +144,7 @@ def _sync_raises_at(k: int, report: dict) -> callable:
 
 
 def _engine_corrupts_from(k: int, report: dict) -> callable:
-    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+    from gspo_megatron.engines.hf_engine import HFRolloutEngine
 
     calls = {"syncs": 0, "corrupted": []}
     begin, update = HFRolloutEngine.begin_weight_update, HFRolloutEngine.update_weights
@@ -172,7 +172,7 @@ def _engine_corrupts_from(k: int, report: dict) -> callable:
 
 
 def _session_composed(report: dict) -> callable:
-    from gspo_megatron.rollout import session as session_mod
+    from gspo_megatron.engines import session as session_mod
 
     seen: list = []
 

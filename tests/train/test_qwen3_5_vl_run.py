@@ -4,7 +4,7 @@
 SGLang stand-in started from that same directory (``--model-path``) and fed the weight sync.
 
 The engine serves the language model (transformers' ``Qwen3_5MoeForCausalLM`` on the text config; the
-store keeps the checkpoint's ``model.language_model.*`` names, ``rollout/hf_engine.language_model_of``)
+store keeps the checkpoint's ``model.language_model.*`` names, ``engines/hf_engine.language_model_of``)
 and loads every bucket into sglang 0.5.23's own ``Qwen3_5MoeForConditionalGeneration`` too (the CPU
 server's ``--sglang-loader-check``, on where sglang imports: a parameter of its language model left
 unwritten by a sync fails ``end_weight_update``). Two steps in fp32:

@@ -22,7 +22,7 @@ NO_PROBE = ["rollout.sync_verify=false"]  # without r3 the probe compares each s
 
 @pytest.fixture
 def perturbed(monkeypatch):
-    from gspo_megatron.rollout.cpu_server.args import PERTURBATION_ENV
+    from gspo_megatron.cpu_server.args import PERTURBATION_ENV
 
     monkeypatch.setenv(PERTURBATION_ENV, "3.0")
 
@@ -40,7 +40,7 @@ R3 = [
 @pytest.fixture(scope="module")
 def r3_rows(tmp_path_factory) -> list[dict]:
     """The metrics of the r3 run (perturbed engines); shared by the tests below."""
-    from gspo_megatron.rollout.cpu_server.args import PERTURBATION_ENV
+    from gspo_megatron.cpu_server.args import PERTURBATION_ENV
 
     out = str(tmp_path_factory.mktemp("r3"))
     with pytest.MonkeyPatch.context() as mp:
@@ -92,7 +92,7 @@ def test_r2_run(tmp_path):
 
 
 HOOK = """
-from gspo_megatron.rollout.custom import Trajectory
+from gspo_megatron.engines.custom import Trajectory
 
 
 def two_turns(generate, sample):

@@ -90,8 +90,8 @@ def _buckets(state: dict[str, torch.Tensor]) -> list[list[str]]:
 
 
 def _run(rank, world, dirs: dict):
-    from gspo_megatron.rollout.cpu_server.sglang_models import SglangModel
-    from gspo_megatron.rollout.cpu_server.weights import iter_checkpoint
+    from gspo_megatron.cpu_server.sglang_models import SglangModel
+    from gspo_megatron.cpu_server.weights import iter_checkpoint
     from gspo_megatron.weight_sync.delta import DeltaEncoder
     from gspo_megatron.weight_sync.delta_loader import apply_deltas, host_copy
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gspo_megatron.models.export_plan import _Item
-from gspo_megatron.models.weights import FlatBucket
+from gspo_megatron.weight_sync.buckets import FlatBucket
 from gspo_megatron.weight_sync.owner_direct import OwnerDirectIpcTransport, OwnerDirectRouting
 
 

@@ -1,4 +1,4 @@
-"""The export stream under an owner-direct routing (``models.weights._routed``), on 4 gloo ranks that
+"""The export stream under an owner-direct routing (``weight_sync.buckets._routed``), on 4 gloo ranks that
 the routing places on 4 nodes: the training layout is EP2 with expert-DP 2 (ranks 0 / 1 own the two
 expert halves, ranks 2 / 3 hold replicas), two engines of TP 2 load every expert. Each node lacks
 one half and receives it; of the two nodes that lack a half, one gets it from the owner and the
@@ -34,7 +34,7 @@ def _worker(rank, world, hf_dir):
 
     from gspo_megatron.models.build import build_model
     from gspo_megatron.models.hf_config import load_hf_config, num_experts
-    from gspo_megatron.models.weights import load_hf_weights
+    from gspo_megatron.models.weights import ALL_RANKS, load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.weight_sync.owner_direct import OwnerDirectRouting
     from gspo_megatron.weight_sync.sync import WeightSyncer
@@ -46,7 +46,8 @@ def _worker(rank, world, hf_dir):
     load_hf_weights(model, hf_dir)
     specs = [SimpleNamespace(index=e, train_ranks=(2 * e, 2 * e + 1)) for e in range(2)]
     routing = OwnerDirectRouting(specs, NODES, engine_ep=1, num_experts=num_experts(hf))
-    syncer = WeightSyncer(model, SyncTopology("colocated", routing, _Recorder()), bucket_mb=BUCKET / (1 << 20))
+    topology = SyncTopology("colocated", ALL_RANKS, _Recorder(), routing=routing)
+    syncer = WeightSyncer(model, topology, bucket_mb=BUCKET / (1 << 20))
     syncer.sync()
     held, from_replica = {}, 0
     for it in syncer.plan[0]:

@@ -3,7 +3,7 @@ export plan: on gloo worlds (pp2, pp2 x ep2) with a tiny Qwen3-MoE, the bytes ea
 ``build_export_plan`` and the bytes each stage source receives under the disaggregated routing
 (``topology.stage_sources``) equal the model's formula (planner parameter counts, Megatron's rank
 order); the built owner-direct routing's holders equal ``OwnerDirectRouting``'s and its senders
-``models.weights._routed``'s rule; plus the ring, link and owner-direct accounting by hand."""
+``weight_sync.buckets._routed``'s rule; plus the ring, link and owner-direct accounting by hand."""
 
 import importlib.util
 import os
@@ -45,7 +45,7 @@ def _plan_worker(rank, world, hf_dir, layout):
         owned[it.owner] = owned.get(it.owner, 0) + it.nbytes
         src = sources[stage_of[it.owner]]
         to_source[src] = to_source.get(src, 0) + it.nbytes
-    senders = {(it.owner, *it.copies) for it in items if it.copies}  # as ``models.weights._routed`` forms them
+    senders = {(it.owner, *it.copies) for it in items if it.copies}  # as ``weight_sync.buckets._routed`` forms them
     return owned, to_source, {it.dtype.itemsize for it in items}, senders
 
 
@@ -325,7 +325,7 @@ def test_owner_direct_built_replicas_send():
     and its replica k + 4: shards 0, 1 on nodes 0 and 2, shards 2, 3 on nodes 1 and 3. Four colocated
     engines of TP2 (one per node), engine_ep 1: every node loads every shard, and a node lacking shard k
     takes it on ranks[k % 2], so a shard's two receivers share a residue mod 2 (shard 0: ranks 2, 6;
-    1: 3, 7; 2: 0, 4; 3: 1, 5). ``models.weights._routed`` gives the first receiver (ascending) the
+    1: 3, 7; 2: 0, 4; 3: 1, 5). ``weight_sync.buckets._routed`` gives the first receiver (ascending) the
     owner's copy and the second the replica's: every rank sends one shard over InfiniBand and takes in
     one (``copies[holder % 2]`` would send both from one copy: ranks 0, 5, 2, 7 twice, the others
     never). One stage of 64 dense + 1200 expert bytes (300 per shard)."""
@@ -428,7 +428,7 @@ def test_built_routes_equal_owner_direct_routing(engine_ep, ep):
     of expert x is ranks[x % len(ranks)] of the node's needing ranks (two per node with engine_ep 1 or 2,
     one with engine_ep 4), so a rule that ignored the expert index would fail here. Each such holder's
     sender is the model's ``BuiltRoute.sender`` (of the holder's node); the code's rule
-    (``models.weights._routed``, private and collective, so restated here for the comparison only):
+    (``weight_sync.buckets._routed``, private and collective, so restated here for the comparison only):
     senders = (item.owner, *item.copies), over the item's fields, whose order
     test_owner_and_source_bytes_equal_the_export_plan checks against ``build_export_plan``; the i-th
     holder not among them (ascending) takes senders[i % count]. With ep2 that differs from

@@ -1,4 +1,4 @@
-"""The SyncMode registry (weight_sync/modes.py): one spec per mode drives the config's checks, the
+"""The SyncMode registry (features/sync_modes.py): one spec per mode drives the config's checks, the
 planner and the topology builder; a mode registered by a test is checked by its properties alone."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from gspo_megatron.config import engine_count, load_config, validate
 from gspo_megatron.errors import ConfigError
-from gspo_megatron.weight_sync import modes
-from gspo_megatron.weight_sync.modes import SyncMode, sync_mode, sync_mode_names
+from gspo_megatron.features import sync_modes as modes
+from gspo_megatron.features.sync_modes import SyncMode, sync_mode, sync_mode_names
 
 DELTA = ["rollout.engine=sglang", "rollout.sync_mode=delta_test", "rollout.num_engines=1"]
 

@@ -4,7 +4,15 @@ as shipped. ``MLALocalDotProductAttention`` accepts them: the local kernel alrea
 width (nope + rope) different from the value width, given that ``config.kv_channels`` is the value
 head dim (it sizes the output) and the softmax scale comes from MLA (``softmax_scale``, with YaRN's
 mscale; the generic Attention constructor first builds one without it, which MLA then replaces).
-Without Transformer Engine the MLA module also misreads TE as present (``HAVE_TE``); corrected here. ``use_local_mla_attention(block_spec)`` puts it into every MLA layer of a decoder block spec.
+``use_local_mla_attention(block_spec)`` puts it, and ``LocalMLASelfAttention``, into every MLA layer
+of a decoder block spec. Megatron-Core's modules are left as they are (no module attribute is
+reassigned for the process).
+
+Without Transformer Engine the MLA module misreads TE as present: Megatron's TE extension hands out
+mock classes, so ``multi_latent_attention.HAVE_TE`` is True and ``MultiLatentAttention.__init__``
+calls ``isinstance(linear_proj, TELinear)`` on a mock (TypeError). ``LocalMLASelfAttention`` clears
+the flag for its own constructor only (``runtime.scoped_attrs.module_attrs``: restored when the
+constructor returns; the flag is read nowhere else in that module).
 
 Megatron-Core 0.16.1 fix (its bug, any TP > 1 on the local spec): with ``linear_kv_down_proj`` a
 ``ColumnParallelLinear`` (the local spec), MLA all-gathers its output over TP along the last dim,
@@ -15,21 +23,35 @@ heads' share and the shares of the other ranks' heads are dropped: the key RoPE 
 ``linear_kv_down_proj`` (and everything below them: the input layernorm, earlier layers, the
 embedding) get a partial gradient (measured: every gradient 0.2-0.7% off, grad norm rel 1e-3 at TP2).
 (The ``kv_compressed`` columns are right: ``linear_kv_up_proj``'s backward sums its input gradient
-over TP.) ``LocalMLASelfAttention`` tags ``linear_kv_down_proj``'s output, and MLA's gather of a tagged
-tensor sums the ``k_pos_emb`` columns' gradient over TP before keeping this rank's slice
-(:class:`_GatherSumRopeKeyGrad`). Transformer Engine's spec (``TELinear`` "duplicated" down
-projections, gathered over the sequence with a reduce-scatter backward) does not have the bug.
+over TP.) Transformer Engine's spec (``TELinear`` "duplicated" down projections, gathered over the
+sequence with a reduce-scatter backward) does not have the bug.
+
+``LocalMLASelfAttention`` gathers ``linear_kv_down_proj``'s output itself (a forward hook on its own
+submodule, :func:`_gather_kv_down_output`) into the layout of TE's duplicated projection, whose full
+last dim (``kv_lora_rank + qk_rope_head_dim``) MLA takes as it is (no gather of its own):
+- sequence parallel: Megatron's TP all-gather along the last dim, then this rank's sequence shard
+  [s / tp, b, kv_lora_rank + qk_rope_head_dim]. MLA then gathers ``k_pos_emb`` over the sequence
+  (``gather_from_sequence_parallel_region``), whose backward reduce-scatters, i.e. sums the RoPE
+  key's gradient over TP: the missing sum. ``kv_compressed`` stays this rank's sequence shard, as
+  MLA's own gather-then-scatter leaves it.
+- no sequence parallel: :class:`_GatherSumRopeKeyGrad` [s, b, kv_lora_rank + qk_rope_head_dim],
+  whose backward sums the ``k_pos_emb`` columns' gradient over TP before keeping this rank's slice.
+Forward values are Megatron's (the same gathered elements); the q down projection's gather is
+Megatron's own.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import mappings
+from megatron.core.transformer import multi_latent_attention as mla
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-_ROPE_TAIL = "_gspo_rope_key_columns"  # attribute on linear_kv_down_proj's output: qk_rope_head_dim
+from gspo_megatron.runtime.scoped_attrs import module_attrs
 
 
 class _GatherSumRopeKeyGrad(torch.autograd.Function):
@@ -51,30 +73,42 @@ class _GatherSumRopeKeyGrad(torch.autograd.Function):
         return mappings._split_along_last_dim(grad, ctx.group), None, None
 
 
-def _gather_last_dim(input_, group=None):
-    """MLA's ``gather_from_tensor_model_parallel_region``: the fixed gather for the tagged
-    ``linear_kv_down_proj`` output, Megatron's own for everything else (the q down projection)."""
-    rope = getattr(input_, _ROPE_TAIL, 0)
-    if not rope:
-        return mappings.gather_from_tensor_model_parallel_region(input_, group)
-    group = mappings.get_tensor_model_parallel_group_if_none(group)
-    if group.size() == 1:
-        return input_
-    return _GatherSumRopeKeyGrad.apply(input_, group, rope)
+def _gather_kv_down_output(module, args, output):
+    """Forward hook of ``linear_kv_down_proj`` (a ``ColumnParallelLinear``; output, bias): its output
+    [s, b, (kv_lora_rank + qk_rope_head_dim) / tp] gathered over ``module.tp_group`` along the last dim,
+    as [s / tp, b, kv_lora_rank + qk_rope_head_dim] with sequence parallelism (this rank's sequence
+    shard), else [s, b, kv_lora_rank + qk_rope_head_dim] with the RoPE key gradient summed over TP
+    (module docstring; THD: t in place of s, b = 1). Already whole (TP 1): left as it is."""
+    out, bias = output
+    if out.size(-1) == module._gspo_kv_width:
+        return None
+    group = module.tp_group
+    if module.sequence_parallel:
+        whole = mappings.gather_from_tensor_model_parallel_region(out, group)
+        return mappings.scatter_to_sequence_parallel_region(whole, group), bias
+    return _GatherSumRopeKeyGrad.apply(out, group, module._gspo_rope_dim), bias
 
 
-def _tag_kv_down_output(module, args, output):
-    setattr(output[0], _ROPE_TAIL, module._gspo_rope_dim)
+def _mla_constructor_scope():
+    """Around MLA's constructor: without Transformer Engine (``TELinear`` a mock, not a class),
+    ``multi_latent_attention.HAVE_TE`` False for the block (module docstring); else nothing."""
+    if isinstance(mla.TELinear, type):
+        return contextlib.nullcontext()
+    return module_attrs(mla, HAVE_TE=False)
 
 
 class LocalMLASelfAttention(MLASelfAttention):
-    """MLASelfAttention whose ``linear_kv_down_proj`` output is tagged for :func:`_gather_last_dim`
-    (module docstring: the RoPE key gradient under TP). Same parameters, same forward values."""
+    """MLASelfAttention of the local spec: built with Megatron's TE flag corrected for it, and with
+    ``linear_kv_down_proj``'s output gathered by :func:`_gather_kv_down_output` (module docstring:
+    the RoPE key gradient under TP). Same parameters, same forward values."""
 
     def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        self.linear_kv_down_proj._gspo_rope_dim = config.qk_pos_emb_head_dim
-        self.linear_kv_down_proj.register_forward_hook(_tag_kv_down_output)
+        with _mla_constructor_scope():
+            super().__init__(config, *args, **kwargs)
+        down = self.linear_kv_down_proj
+        down._gspo_rope_dim = config.qk_pos_emb_head_dim
+        down._gspo_kv_width = config.kv_lora_rank + config.qk_pos_emb_head_dim
+        down.register_forward_hook(_gather_kv_down_output)
 
 
 class MLALocalDotProductAttention(DotProductAttention):
@@ -108,15 +142,8 @@ class MLALocalDotProductAttention(DotProductAttention):
 
 
 def use_local_mla_attention(block_spec) -> None:
-    """Every MLA layer of ``block_spec`` (in place): ``LocalMLASelfAttention`` with the local core attention."""
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    if not isinstance(mla.TELinear, type):
-        # Without Transformer Engine Megatron's TE extension hands out mock classes, yet the module
-        # believes it has TE and calls isinstance(linear_proj, TELinear): correct the flag.
-        mla.HAVE_TE = False
-    # MLA's module-level name only (the module docstring: the RoPE key gradient under TP)
-    mla.gather_from_tensor_model_parallel_region = _gather_last_dim
+    """Every MLA layer of ``block_spec`` (in place): ``LocalMLASelfAttention`` with the local core
+    attention. Only the spec changes (no library module attribute)."""
     for layer in block_spec.layer_specs:
         attn = layer.submodules.self_attention
         if attn.module in (MLASelfAttention, LocalMLASelfAttention):

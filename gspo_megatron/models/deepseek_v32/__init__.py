@@ -52,6 +52,10 @@ def indexer_rules() -> list:
 class DeepseekV32(DeepseekV3):
     name = "deepseek_v32"
     architectures = ("DeepseekV32ForCausalLM",)
+    sglang_modules = {"DeepseekV32ForCausalLM": "deepseek_v2"}
+    hf_router_classes = ("DeepseekV32TopkRouter",)
+    hf_router_perturbable = False  # sigmoid router with a bias and group-limited choice
+    hf_indexer_classes = ("DeepseekV32Indexer",)
     tiny = dict(
         {k: v for k, v in DeepseekV3.tiny.items() if k not in ("rope_interleave",)},
         architectures=["DeepseekV32ForCausalLM"],

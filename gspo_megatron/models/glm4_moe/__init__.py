@@ -18,6 +18,7 @@ from gspo_megatron.models.rules import ExpertNaming, router_bias_rule
 class Glm4Moe(GQAFamily):
     name = "glm4_moe"
     architectures = ("Glm4MoeForCausalLM",)
+    sglang_modules = {"Glm4MoeForCausalLM": "glm4_moe"}
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
     shared_expert_block = "mlp.shared_experts"
     attention_bias_on_o_proj = False

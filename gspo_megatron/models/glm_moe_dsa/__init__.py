@@ -46,6 +46,9 @@ def indexer_types(hf: dict) -> list[str]:
 class GlmMoeDsa(DeepseekV32):
     name = "glm_moe_dsa"
     architectures = ("GlmMoeDsaForCausalLM",)
+    sglang_modules = {"GlmMoeDsaForCausalLM": "glm4_moe"}  # sglang's class: glm4_moe.py
+    hf_router_classes = ("GlmMoeDsaTopkRouter",)  # (not perturbable: DeepseekV32's sigmoid router)
+    hf_indexer_classes = ("GlmMoeDsaIndexer",)
     tiny = dict(DeepseekV32.tiny, architectures=["GlmMoeDsaForCausalLM"])
     # zai-org/GLM-5's config.json. The hub file is not reachable from here; each value names the public copies it
     # was checked against:

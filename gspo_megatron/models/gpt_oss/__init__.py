@@ -65,6 +65,7 @@ def sigmoid_gated(x: torch.Tensor, alpha: float) -> torch.Tensor:
 class GptOss(GQAFamily):
     name = "gpt_oss"
     architectures = ("GptOssForCausalLM",)
+    sglang_modules = {"GptOssForCausalLM": "gpt_oss"}
     expert_naming = None  # experts are stacked in the checkpoint, as in memory (no per-expert names)
     stacked_expert_naming = StackedExpertNaming("mlp", "gate_up_proj", "down_proj")
     fp8_modules = ("q_proj", "k_proj", "v_proj", "o_proj")  # 2-D weights; stacked experts stay as they are

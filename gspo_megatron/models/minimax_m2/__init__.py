@@ -85,6 +85,7 @@ MINIMAX_M2 = {
 class MiniMaxM2(GQAFamily):
     name = "minimax_m2"
     architectures = ("MiniMaxM2ForCausalLM",)
+    sglang_modules = {"MiniMaxM2ForCausalLM": "minimax_m2"}
     expert_naming = ExpertNaming("block_sparse_moe", "w1", "w3", "w2")
     fp8_modules = GQAFamily.fp8_modules + ("w1", "w2", "w3")
     qk_norm = False  # not Megatron's per-head qk_layernorm: the full-width norm of qk_norm.py

@@ -11,6 +11,8 @@ from gspo_megatron.models.rules import ExpertNaming
 class Mixtral(GQAFamily):
     name = "mixtral"
     architectures = ("MixtralForCausalLM",)
+    sglang_modules = {"MixtralForCausalLM": "mixtral"}
+    hf_router_classes = ("MixtralTopKRouter",)
     expert_naming = ExpertNaming("block_sparse_moe", "w1", "w3", "w2")
     fp8_modules = GQAFamily.fp8_modules + ("w1", "w2", "w3")
     tiny = dict(

@@ -8,6 +8,7 @@ from gspo_megatron.models.registry import register_family
 class Qwen2(GQAFamily):
     name = "qwen2"
     architectures = ("Qwen2ForCausalLM",)
+    sglang_modules = {"Qwen2ForCausalLM": "qwen2"}
     sglang_ties_lm_head = True  # sglang's qwen2.py: lm_head = embed_tokens when tied
     qkv_bias = True
     tiny = dict(

@@ -13,6 +13,8 @@ from gspo_megatron.models.rules import ExpertNaming
 class Qwen2Moe(GQAFamily):
     name = "qwen2_moe"
     architectures = ("Qwen2MoeForCausalLM",)
+    sglang_modules = {"Qwen2MoeForCausalLM": "qwen2_moe"}
+    hf_router_classes = ("Qwen2MoeTopKRouter",)
     sglang_every_layer_sparse = True  # sglang's qwen2_moe.py ignores mlp_only_layers / decoder_sparse_step
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
     shared_expert_block = "mlp.shared_expert"

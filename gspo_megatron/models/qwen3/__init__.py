@@ -8,6 +8,7 @@ from gspo_megatron.models.registry import register_family
 class Qwen3(GQAFamily):
     name = "qwen3"
     architectures = ("Qwen3ForCausalLM",)
+    sglang_modules = {"Qwen3ForCausalLM": "qwen3"}
     sglang_ties_lm_head = True  # sglang's qwen3.py: lm_head = embed_tokens when tied
     qk_norm = True
     tiny = dict(

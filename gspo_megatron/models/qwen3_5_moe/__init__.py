@@ -163,6 +163,12 @@ class Qwen3_5Moe(Qwen3Next):
     name = "qwen3_5_moe"
     model_types = ("qwen3_5_moe_text", "qwen3_5_moe")
     architectures = ("Qwen3_5MoeForCausalLM", VL_ARCH)
+    sglang_modules = {"Qwen3_5MoeForCausalLM": "qwen3_5_text", VL_ARCH: "qwen3_5"}
+    # the vision-language checkpoint: its language model under model.language_model.; the vision tower
+    # (model.visual. in the checkpoint, visual. in sglang's class) is carried, never synced
+    sglang_kept_from_start = {VL_ARCH: ("visual.",)}
+    language_model_prefix = LM_PREFIX
+    language_model_excluded = ("model.visual.", "visual.")
     in_proj_names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
     fp8_modules = Qwen3Next.fp8_modules[:-2] + ("in_proj_qkv", "in_proj_z", "out_proj")
     fp8_excluded = Qwen3Next.fp8_excluded + ("in_proj_b", "in_proj_a")

@@ -51,6 +51,8 @@ def _published(hidden: int, ffn: int, moe_ffn: int, heads: int, layers: int) -> 
 class Qwen3Moe(GQAFamily):
     name = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
+    sglang_modules = {"Qwen3MoeForCausalLM": "qwen3_moe"}
+    hf_router_classes = ("Qwen3MoeTopKRouter",)
     sglang_every_layer_sparse = True  # sglang's qwen3_moe.py ignores mlp_only_layers / decoder_sparse_step
     qk_norm = True
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")

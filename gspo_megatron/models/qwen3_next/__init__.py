@@ -147,6 +147,8 @@ def hybrid_attention_rules(
 class Qwen3Next(GQAFamily):
     name = "qwen3_next"
     architectures: tuple[str, ...] = ("Qwen3NextForCausalLM",)
+    sglang_modules = {"Qwen3NextForCausalLM": "qwen3_next"}
+    sglang_mamba_cache = True  # Gated DeltaNet layers: sglang's class keeps a Mamba-style state cache
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
     shared_expert_block = "mlp.shared_expert"
     shared_expert_gate = "mlp.shared_expert_gate.weight"

@@ -28,6 +28,7 @@ from torch import nn
 
 from gspo_megatron.models.packed_attention import packed_cu_seqlens
 from gspo_megatron.models.qwen3_next.kernels import causal_conv1d, chunk_gated_delta_rule, l2norm
+from gspo_megatron.runtime.scoped_attrs import module_attrs
 
 
 class _RMSNorm(nn.Module):
@@ -88,9 +89,9 @@ def _gated_delta_net_class():
         """
 
         def __init__(self, config, submodules, layer_number=None, pg_collection=None, **_):
-            have = mgdn.HAVE_FLA
-            mgdn.HAVE_FLA = True  # the constructor refuses without fla; the forward below does not need it
-            try:
+            # the constructor refuses without fla; the forward below does not need it (the flag is set
+            # for the constructor only, runtime/scoped_attrs.py)
+            with module_attrs(mgdn, HAVE_FLA=True):
                 super().__init__(
                     config,
                     submodules,
@@ -100,8 +101,6 @@ def _gated_delta_net_class():
                     use_qk_l2norm=True,
                     pg_collection=pg_collection,
                 )
-            finally:
-                mgdn.HAVE_FLA = have
             # Megatron marks these with ``tensor_model_parallel`` only; the optimizer's grad-norm and
             # checkpoint code also read ``partition_dim`` / ``partition_stride`` (split along dim 0)
             for p in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log):

@@ -1,0 +1,577 @@
+"""One engine TP rank of the CPU server (a process; the engine's ranks form a gloo world).
+
+Ranks: TP rank 0 receives each command from the HTTP front (a pipe), broadcasts it to every TP rank
+(``broadcast_object_list`` over the engine's gloo world, which spans nodes with ``--nnodes``), every
+rank runs it on its own shards, and ``gather_object`` brings the per-rank answers back to rank 0,
+which merges them (all must succeed, as sglang's ``FanOutCommunicator.merge_results``). Commands
+run one at a time, like sglang's scheduler loop.
+
+Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` and
+``model_executor/model_runner_components/weight_updater.py``):
+- ``update_tensor``: refused outside a begin/end session; TP rank i deserializes
+  ``serialized_named_tensors[i]`` (sglang's serializer, CPU tensors by file_system shared memory)
+  and loads it (``flattened_bucket`` or a plain list; a load_format named by ``--custom-weight-loader``
+  is imported by name and called as ``loader(model, named_tensors)`` with :class:`LoaderModel`, whose
+  ``load_weights`` is the store + sglang's model; any other load_format raises sglang's
+  ``NotImplementedError("Unknown load_format=...")``); barrier. Any exception on that path ends
+  the server, as it ends sglang's scheduler (``sglang_runtime.SchedulerDeath``).
+- ``init_group`` / ``destroy_group``: join / leave a custom process group at rank
+  ``rank_offset + tp_rank`` (sglang's ``init_custom_process_group``).
+- ``update_distributed``: refused outside a session; receive each tensor (or one flattened bucket)
+  by broadcast from group rank 0 in the given order, then load.
+- ``generate``: when the shards changed since the last generation, every rank sends its shards
+  to rank 0 (gather), which assembles the full tensors into its transformers model; rank 0 samples.
+- sglang's own loader (``--sglang-loader-check``, on when sglang imports; ``sglang_models.py``):
+  each rank also holds sglang 0.5.23's model class for the checkpoint and hands it every bucket
+  (one ``load_weights`` call per bucket, as sglang's weight updater); ``begin`` fills its parameters
+  with NaN and ``end`` of a session that loaded anything fails, naming them, when a parameter was
+  left (partly) unwritten (e.g. DeepSeek's ``fused_qkv_a_proj_with_mqa`` when ``q_a_proj`` and
+  ``kv_a_proj_with_mqa`` came in different buckets). Generation still runs the transformers model.
+- ``release`` / ``resume``: memory tags; with ``--enable-memory-saver`` the ``weights`` tag frees
+  and restores the shards' storage (contents lost, as without CPU backup) and rank 0's assembled
+  model; without it only the tags are recorded (sglang's no-op memory saver).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.cpu_server.args import ServerArgs
+from gspo_megatron.cpu_server.generation import Sampler, eos_token_ids, normalize
+from gspo_megatron.cpu_server.routes import IndexerRecorder, RouteRecorder
+from gspo_megatron.cpu_server.sglang_runtime import (
+    SchedulerDeath,
+    capturer_assert,
+    custom_loader,
+    deserialize_own_rank,
+    weight_updater,
+)
+from gspo_megatron.cpu_server.sharding import Layout, assemble, owner_ranks
+from gspo_megatron.cpu_server.weights import ShardStore, iter_checkpoint, load_config, resolve_dtype
+from gspo_megatron.dtypes import torch_dtype
+from gspo_megatron.engines.hf_engine import HFRolloutEngine
+from gspo_megatron.engines.sglang_compat import (
+    multiprocessing_serializer,
+    require_flattened_bucket_class,
+    use_cpu_shared_memory,
+)
+from gspo_megatron.runtime import children
+
+ALL_TAGS = ("kv_cache", "weights", "cuda_graph")  # sglang GPU_MEMORY_ALL_TYPES
+IDLE_TIMEOUT = timedelta(days=30)  # ranks > 0 wait in a broadcast between commands
+
+
+def log(rank: int, msg: str) -> None:
+    print(f"[cpu_server TP{rank}] {msg}", flush=True)
+
+
+class TPWorker:
+    """State of one TP rank; ``handle`` runs one command on it and returns this rank's answer."""
+
+    def __init__(self, args: ServerArgs, tp_rank: int):
+        self.args, self.tp_rank = args, tp_rank
+        self.config = load_config(args.model_path)
+        capturer_assert(args, self.config)
+        self.layout = Layout.from_config(self.config, args.tp_size, args.ep_size)
+        self.layout.check()
+        self.dtype = resolve_dtype(args.dtype, self.config)
+        self.store = ShardStore(self.config, self.layout, tp_rank, self.dtype)
+        self.sglang = self._sglang_model()
+        if args.load_format == "dummy":  # sglang's model: random init, written by the first sync
+            self.store.load_dummy(args.random_seed)
+        elif self.sglang is None:
+            self.store.load(iter_checkpoint(args.model_path))
+        else:  # one read of the checkpoint for both, in one load_weights call as sglang's DefaultModelLoader
+            self.sglang.poison()
+            self._load_both(iter_checkpoint(args.model_path))
+            self.sglang.check_written()
+        self.groups: dict[str, Any] = {}
+        self.session: dict | None = None
+        self.offload_tags: set[str] = set()
+        self.dirty = True  # rank 0's assembled model is out of date
+        self.sampler: Sampler | None = None
+        # seeded once, as sglang seeds its sampling RNG once at start (``set_random_seed`` in
+        # managers/tp_worker.py and scheduler.py); release / resume and weight updates never reseed it
+        self.generator = torch.Generator(device="cpu").manual_seed(args.random_seed)
+        self.eos_ids = eos_token_ids(args.model_path, self.config)
+        self.loader_model = LoaderModel(self)  # what a custom weight loader is handed as ``model``
+        self.updater = None  # sglang's own WeightUpdater when sglang's model is held (sglang_runtime.py)
+        if self.sglang is not None:
+            self.updater = weight_updater(self.sglang, self.loader_model, tp_rank)
+        from gspo_megatron.cpu_server.lora import WorkerLoras
+
+        self.loras = WorkerLoras(args, self.config)  # --enable-lora's adapters (cpu_server/lora.py)
+
+    def _sglang_model(self):
+        """sglang's own model class for this rank (``--sglang-loader-check``; the caller loads the
+        checkpoint into it), or None when the check is off (``auto`` and sglang does not import here)."""
+        mode = self.args.sglang_loader_check
+        if mode == "off":
+            return None
+        from gspo_megatron.cpu_server import sglang_models
+
+        why = sglang_models.import_error()
+        if why is not None:
+            if mode == "on":
+                raise RuntimeError(f"--sglang-loader-check on: {why}")
+            log(self.tp_rank, f"sglang loader check off: {why}")
+            return None
+        model = sglang_models.SglangModel(
+            self.args.model_path,
+            self.args.tp_size,
+            self.tp_rank,
+            self.args.ep_size,
+            self.dtype,
+            custom_weight_loader=self.args.custom_weight_loader,
+        )
+        log(
+            self.tp_rank,
+            f"sglang {sglang_models.SGLANG_VERSION}'s {type(model.model).__name__} holds this rank's "
+            f"weights too (every bucket goes to its load_weights)",
+        )
+        return model
+
+    # -- the full model on rank 0 ----------------------------------------------------------------
+    def _refresh_full_model(self) -> None:
+        """Collective: rank 0 rebuilds its transformers model from every rank's shards."""
+        # every rank's shards, filled in on rank 0
+        gathered: list[dict[str, torch.Tensor]] | None = (
+            [{} for _ in range(self.args.tp_size)] if self.tp_rank == 0 else None
+        )
+        dist.gather_object(self.store.shards, gathered, dst=0)
+        if gathered is not None:  # rank 0
+            if self.sampler is None:
+                engine = HFRolloutEngine(self.config, None, dtype=self.dtype, seed=self.args.random_seed)
+                recorder = None
+                if self.args.enable_return_routed_experts or self.args.router_logit_perturbation:
+                    recorder = RouteRecorder(engine.model, self.args.router_logit_perturbation)
+                indexer = IndexerRecorder(engine.model) if self.args.enable_return_indexer_topk else None
+                self.sampler = Sampler(engine, self.generator, recorder, indexer)
+            bucket = []
+            for name, shape in self.store.full_shapes.items():
+                parts = [gathered[r][name] for r in owner_ranks(name, self.layout)]
+                bucket.append((name, assemble(name, parts, self.layout, shape)))
+            self.sampler.engine.update_weights(bucket)
+        self.dirty = False
+
+    # -- commands --------------------------------------------------------------------------------
+    def handle(self, op: str, kw: dict) -> dict:
+        fn = getattr(self, f"op_{op}", None)
+        if fn is None:
+            return {"success": False, "message": f"unknown command {op!r}"}
+        return fn(**kw)
+
+    def op_ready(self) -> dict:
+        return {"success": True, "message": "ready"}
+
+    def op_generate(self, requests: list[dict]) -> dict:
+        released = sorted(self.offload_tags) if self.args.enable_memory_saver else []
+        if released:  # sglang would run the batch on unmapped memory (see ``released_refusal``)
+            return {"success": False, "message": released_refusal(released), "released": released}
+        if self.dirty:
+            self._refresh_full_model()
+        if self.tp_rank != 0:
+            return {"success": True}
+        sampler = self.sampler
+        if sampler is None:  # rank 0 assembled its model at start-up (run_worker: _refresh_full_model)
+            raise RuntimeError("TP rank 0 has no assembled model")
+        try:
+            reqs = [
+                normalize(r["input_ids"], r["sampling_params"], self.eos_ids, self.args.enable_deterministic_inference)
+                for r in requests
+            ]
+            reqs = [
+                dataclasses.replace(q, routed_start=_routed_start(r)) if self.args.enable_return_routed_experts else q
+                for q, r in zip(reqs, requests)
+            ]
+            if self.args.enable_return_indexer_topk:
+                reqs = [
+                    dataclasses.replace(q, indexer=bool(r.get("return_indexer_topk"))) for q, r in zip(reqs, requests)
+                ]
+        except ValueError as e:
+            return {"success": False, "message": str(e), "bad_request": True}
+        paths = [r.get("lora_path") for r in requests]
+        if not any(paths):
+            return {"success": True, "outputs": sampler.run(reqs)}
+        outputs: list = [None] * len(reqs)  # one run per adapter (None: the base), request order kept
+        for name in dict.fromkeys(paths):
+            idx = [i for i, p in enumerate(paths) if p == name]
+            with self.loras.applied(name, sampler.engine.model):
+                for i, out in zip(idx, sampler.run([reqs[i] for i in idx])):
+                    outputs[i] = out
+        return {"success": True, "outputs": outputs}
+
+    def op_lora_load(self, **kw) -> dict:
+        result = self.loras.load(self.tp_rank, **kw)
+        dist.barrier()
+        return result
+
+    def op_lora_load_path(self, **kw) -> dict:
+        result = self.loras.load_from_path(self.tp_rank, **kw)
+        dist.barrier()
+        return result
+
+    def op_lora_unload(self, lora_name: str) -> dict:
+        return self.loras.unload(lora_name)
+
+    def op_begin(self) -> dict:
+        if self.session is not None:
+            return {
+                "success": False,
+                "message": "a weight-update session is already open; call end_weight_update() first",
+            }
+        self.session = {"loaded": False, "stored": 0}
+        if self.sglang is not None and not self.sglang.released:
+            self.sglang.poison()  # a full sync writes every parameter: NaN left at end = unwritten
+        dist.barrier()
+        return {"success": True, "message": "Success"}
+
+    def op_end(self) -> dict:
+        if self.session is None:
+            return {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"}
+        result = {"success": True, "message": "Success"}
+        if self.sglang is not None and self.session["stored"]:  # a session that wrote nothing: no sync
+            try:
+                self.sglang.check_written()
+            except RuntimeError as e:
+                result = {"success": False, "message": f"end_weight_update: {e}"}
+        self.session = None
+        dist.barrier()
+        return result
+
+    def _load_both(self, named) -> int:
+        """One bucket into the shard store, then (when held) one ``load_weights`` call of sglang's
+        model; returns how many tensors the store kept on this rank."""
+        named = list(named)
+        stored = self.store.load(named)
+        if self.sglang is not None:  # after the store: sglang's loaders may write into the tensors
+            self.sglang.load(named)
+        return stored
+
+    def _load(self, named) -> None:
+        stored = self._load_both(named)
+        self.dirty = True
+        if self.session is None:  # the update ops load only inside a begin/end session
+            raise RuntimeError("weights loaded outside a weight-update session (begin_weight_update() first)")
+        self.session["loaded"] = True
+        self.session["stored"] += stored
+
+    def op_update_tensor(self, serialized_named_tensors: list, load_format: str | None) -> dict:
+        if self.session is None:
+            return {
+                "success": False,
+                "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            }
+        try:  # sglang catches nothing from here on: an exception ends the engine (``SchedulerDeath``)
+            if self.updater is not None:  # sglang's own deserialization and dispatch
+                return self._sglang_update_tensor(self.updater, serialized_named_tensors, load_format)
+            if self.tp_rank >= len(serialized_named_tensors):
+                raise IndexError(
+                    f"serialized_named_tensors has {len(serialized_named_tensors)} payload(s); "
+                    f"TP rank {self.tp_rank} reads item {self.tp_rank} (one per TP rank)"
+                )
+            use_cpu_shared_memory()
+            obj = multiprocessing_serializer().deserialize(serialized_named_tensors[self.tp_rank])
+            if load_format == "flattened_bucket":
+                named = require_flattened_bucket_class()(
+                    flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]
+                ).reconstruct_tensors()
+            elif load_format is None:
+                named = list(obj)
+            elif load_format in (self.args.custom_weight_loader or []):
+                # sglang: ``dynamic_import(load_format)(model, named_tensors)`` for a name in its
+                # --custom-weight-loader list (weight_updater.py update_weights_from_tensor); the
+                # loader ends in load_weights, which here is the store and sglang's model (_load)
+                named = None
+                custom_loader(load_format)(self.loader_model, list(obj))
+            else:
+                raise NotImplementedError(f"Unknown load_format={load_format}")
+            if named is not None:
+                self._load(named)
+            del obj, named
+        except Exception as e:  # re-raised as what it is in sglang: the end of the engine
+            raise SchedulerDeath(f"update_weights_from_tensor: {type(e).__name__}: {e}") from e
+        dist.barrier()
+        return {"success": True, "message": "Success"}
+
+    def _sglang_update_tensor(self, updater: Any, serialized_named_tensors: list, load_format: str | None) -> dict:
+        """sglang's scheduler path of ``update_weights_from_tensor`` (``sglang_runtime.py``): its
+        deserializer, then its ``WeightUpdater.update_weights_from_tensor`` (which loads through
+        :class:`LoaderModel` into the store and sglang's model); a ``(False, reason)`` it returns is
+        the answer; barrier."""
+        use_cpu_shared_memory()
+        named = deserialize_own_rank(serialized_named_tensors)
+        success, message = updater.update_weights_from_tensor(named_tensors=named, load_format=load_format)
+        del named
+        dist.barrier()
+        return {"success": bool(success), "message": message}
+
+    def op_init_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> dict:
+        from gspo_megatron.weight_sync.nccl_broadcast import init_external_process_group
+
+        rank = rank_offset + self.tp_rank
+        log(
+            self.tp_rank,
+            f"init custom process group: master_address={master_address}, master_port={master_port}, "
+            f"rank_offset={rank_offset}, rank={rank}, world_size={world_size}, "
+            f"group_name={group_name}, backend={backend}",
+        )
+        try:
+            self.groups[group_name] = init_external_process_group(
+                backend, f"tcp://{master_address}:{master_port}", world_size, rank, group_name, prefer_sglang=True
+            )
+            return {"success": True, "message": "Succeeded to initialize custom process group."}
+        except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
+            return {"success": False, "message": f"Failed to initialize custom process group: {e}."}
+
+    def op_destroy_group(self, group_name: str) -> dict:
+        if group_name not in self.groups:
+            return {"success": False, "message": "The group to be destroyed does not exist."}
+        try:
+            dist.destroy_process_group(self.groups.pop(group_name))
+            return {"success": True, "message": "Succeeded to destroy custom process group."}
+        except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
+            return {"success": False, "message": f"Failed to destroy custom process group: {e}."}
+
+    def op_update_distributed(
+        self, names: list, dtypes: list, shapes: list, group_name: str, load_format: str | None = None
+    ) -> dict:
+        if self.session is None:
+            return {
+                "success": False,
+                "message": "update_weights_from_distributed must run between "
+                "begin_weight_update() and end_weight_update()",
+            }
+        try:
+            if group_name not in self.groups:
+                raise AssertionError(
+                    f"Group {group_name} not in {list(self.groups)}. Please call `init_weights_update_group` first."
+                )
+            group = self.groups[group_name]
+            if load_format == "flattened_bucket":
+                bucket = require_flattened_bucket_class().empty(names, dtypes, shapes, "cpu")
+                dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+                weights = bucket.reconstruct_tensors()
+            else:
+                weights, handles = [], []
+                for name, dtype, shape in zip(names, dtypes, shapes):
+                    t = torch.empty(shape, dtype=torch_dtype(dtype))
+                    handles.append(dist.broadcast(t, src=0, group=group, async_op=True))
+                    weights.append((name, t))
+                for h in handles:
+                    h.wait()
+        except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
+            return {"success": False, "message": f"Failed to receive weights: {e}"}
+        try:
+            self._load(weights)
+        except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
+            return {
+                "success": False,
+                "message": f"Failed to update parameter online: {e}. The full weights of "
+                "the ModelRunner are partially updated. Please discard the whole weights.",
+            }
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def op_get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
+        # sglang: model.get_weights_by_name exists for Llama-style models only; for qwen2, qwen3,
+        # qwen3_moe and mixtral the AttributeError is logged and the route answers an error.
+        return {"success": False, "message": "Get parameter by name failed"}
+
+    def op_flush_cache(self) -> dict:
+        return {"success": True, "message": ""}
+
+    def op_release(self, tags: list | None) -> dict:
+        tags = list(tags) if tags else list(ALL_TAGS)
+        self.offload_tags.update(tags)
+        if "weights" in tags and self.args.enable_memory_saver and not self.store.released:
+            self.store.release()
+            if self.sglang is not None:
+                self.sglang.release()
+            if self.sampler is not None:  # rank 0's assembled copy goes too
+                self.sampler = None
+            self.dirty = True
+        dist.barrier()
+        return {"success": True}
+
+    def op_resume(self, tags: list | None) -> dict:
+        tags = list(tags) if tags else list(ALL_TAGS)
+        try:
+            for tag in tags:
+                self.offload_tags.remove(tag)
+        except KeyError as e:
+            return {"success": False, "message": str(e)}
+        if "weights" in tags and self.args.enable_memory_saver and self.store.released:
+            self.store.resume()
+            if self.sglang is not None:
+                self.sglang.resume()
+            self.dirty = True
+        dist.barrier()
+        return {"success": True}
+
+    def op_shards(self, names: list) -> dict:
+        """The named shards, encoded here: no tensor crosses the pipe to the front (sglang's
+        ``monkey_patch_torch_reductions``, which its weight updater applies in this process, breaks
+        the multiprocessing pickling of CPU tensors). Encoded from clones: ``Tensor.numpy()`` makes a
+        storage non-resizable, and the memory saver resizes the shards."""
+        from gspo_megatron.cpu_server.http_front import encode_tensor
+
+        shards = self.store.shards
+        return {"success": True, "shards": {n: encode_tensor(shards[n].clone()) for n in names if n in shards}}
+
+    def op_memory(self) -> dict:
+        assembled = 0
+        if self.sampler is not None:
+            assembled = sum(p.untyped_storage().nbytes() for p in self.sampler.engine.model.parameters())
+        return {
+            "success": True,
+            "weights_bytes": self.store.resident_bytes(),
+            "assembled_model_bytes": assembled,
+            "sglang_model_bytes": self.sglang.resident_bytes() if self.sglang is not None else 0,
+            "offload_tags": sorted(self.offload_tags),
+        }
+
+    def op_shutdown(self) -> dict:
+        return {"success": True}
+
+
+class LoaderModel:
+    """The ``model`` argument of a custom weight loader (``--custom-weight-loader``): sglang hands
+    its model object, whose ``load_weights`` a loader calls; here ``load_weights`` is this rank's
+    store-then-sglang-model load (``TPWorker._load``). One object per worker, kept for its lifetime
+    (a loader may keep state on it, as on sglang's model; a restarted server starts without it)."""
+
+    def __init__(self, worker: TPWorker):
+        self._worker = worker
+
+    def load_weights(self, weights) -> None:
+        self._worker._load(weights)
+
+    def modules(self):
+        """``nn.Module.modules`` of sglang's model class when this rank holds it (``--sglang-loader-check``:
+        a loader asks its ``FusedMoE`` layers which experts the rank loads), else none."""
+        sglang = self._worker.sglang
+        return sglang.model.modules() if sglang is not None else iter(())
+
+
+def _routed_start(request: dict) -> int | None:
+    """sglang's scheduler check of ``routed_experts_start_len`` (None: routes not asked for)."""
+    if not request.get("return_routed_experts"):
+        return None
+    start = int(request.get("routed_experts_start_len") or 0)
+    if start < 0:
+        raise ValueError(
+            f"recv_req.routed_experts_start_len={start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    if start > len(request["input_ids"]):
+        raise ValueError(
+            f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={len(request['input_ids'])}. Please use a smaller "
+            "routed_experts_start_len."
+        )
+    return start
+
+
+def released_refusal(tags: list[str]) -> str:
+    """Why a generation is refused while memory is released. sglang 0.5.23 itself does not refuse:
+    its scheduler runs the request (``/generate``, and the one-token request of ``/health_generate``)
+    on whatever its KV pool and weights map, and after ``release_memory_occupation`` with the
+    memory saver that memory is unmapped (``scheduler_components/weight_updater.py``: torch_memory_saver
+    ``pause``), which on a GPU is an illegal memory access that ends the server."""
+    return (
+        f"{', '.join(repr(t) for t in tags)} released (release_memory_occupation): sglang 0.5.23 would "
+        "run this generation on unmapped memory (an illegal memory access on a GPU); "
+        "resume_memory_occupation first"
+    )
+
+
+def merge(results: list[dict]) -> dict:
+    """All ranks' answers -> one: success only if every rank succeeded (messages of failures)."""
+    ok = all(r.get("success", True) for r in results)
+    out = dict(results[0])
+    out["success"] = ok
+    if not ok:
+        msgs = [r.get("message", "") for r in results if not r.get("success", True)]
+        out["message"] = msgs[0] if len(set(msgs)) == 1 else "; ".join(f"{m}" for m in msgs)
+        out["bad_request"] = any(r.get("bad_request") for r in results)
+    out["ranks"] = results
+    return out
+
+
+def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent_pid: int) -> None:
+    """Process entry: join the engine's gloo world, load the shards, serve commands until shutdown.
+    ``conn`` (rank 0 only) is the pipe to the HTTP front."""
+    children.die_with_parent(parent_pid)  # the kernel kills this rank when the server process dies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    torch.set_num_threads(1)
+    try:
+        host, port = init_addr.rsplit(":", 1)  # node 0's server process hosts the store
+        store = dist.TCPStore(host, int(port), args.tp_size, False, IDLE_TIMEOUT)
+        dist.init_process_group("gloo", store=store, world_size=args.tp_size, rank=tp_rank, timeout=IDLE_TIMEOUT)
+        t0 = time.monotonic()
+        worker = TPWorker(args, tp_rank)
+        worker._refresh_full_model()  # rank 0's model ready before the first health check
+        dist.barrier()
+        log(
+            tp_rank, f"weights loaded ({worker.store.resident_bytes()} bytes of shards) in {time.monotonic() - t0:.1f}s"
+        )
+    except Exception as e:  # noqa: BLE001 - reported to the parent through the pipe; the rank exits 1
+        log(tp_rank, f"start-up failed: {type(e).__name__}: {e}")
+        if conn is not None:
+            conn.send({"success": False, "message": f"{type(e).__name__}: {e}"})
+        sys.exit(1)
+    if conn is not None:
+        conn.send({"success": True, "message": "ready"})
+    while True:
+        box: list[Any] = [None]  # rank 0's command (op, kw), broadcast to the other ranks
+        if tp_rank == 0:
+            try:
+                box = [conn.recv()]
+            except EOFError:
+                box = [("shutdown", {})]
+        dist.broadcast_object_list(box, src=0)
+        op, kw = box[0]
+        try:
+            result = worker.handle(op, kw)
+        except SchedulerDeath as e:  # sglang's scheduler exits; so does this rank, and the server with it
+            traceback.print_exc()
+            log(tp_rank, f"Scheduler hit an exception: {e}; exiting (sglang sends SIGQUIT to the server)")
+            sys.stdout.flush()
+            os._exit(1)  # no clean-up: the server process kills the other ranks
+        except Exception as e:  # noqa: BLE001 - one failed request is answered, the server stays up
+            traceback.print_exc()
+            result = {"success": False, "message": f"{type(e).__name__}: {e}"}
+        # every rank's answer, filled in on rank 0
+        gathered: list[dict] | None = [{} for _ in range(args.tp_size)] if tp_rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        if gathered is not None:  # rank 0
+            try:
+                conn.send(merge(gathered))
+            except (BrokenPipeError, OSError):
+                op = "shutdown"
+        if op == "shutdown":
+            break
+    for g in list(worker.groups.values()):
+        try:
+            dist.destroy_process_group(g)
+        except Exception:  # noqa: BLE001 - tearing down: a group already broken by a dead peer
+            pass
+    dist.destroy_process_group()

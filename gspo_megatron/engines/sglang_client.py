@@ -1,0 +1,308 @@
+"""The thin client of one SGLang HTTP server (``sglang.launch_server``, or the CPU stand-in
+``cpu_server`` that speaks the same API), and the one pause / flush / session sequence that
+brackets every weight update.
+
+Written against sglang 0.5.23's routes (``srt/entrypoints/http_server.py``) and request fields
+(``srt/managers/io_struct.py``). Weight-update calls return SGLang's ``{success, message}``; a
+failure raises :class:`SGLangError` naming the engine and the call. Called on the trainer ranks that
+talk to an engine (rank 0 for generation; colocated and disaggregated sync sources). No sglang import.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+
+
+class SGLangError(RuntimeError):
+    """An SGLang call failed; the message names the engine and the call."""
+
+
+def _check(result: Any, where: str) -> Any:
+    """SGLang weight calls return (success, message) or an object/dict with .success."""
+    if isinstance(result, tuple) and len(result) >= 2 and isinstance(result[0], bool):
+        ok, msg = result[0], result[1]
+    elif isinstance(result, dict) and "success" in result:
+        ok, msg = result["success"], result.get("message", "")
+    elif hasattr(result, "success"):
+        ok, msg = result.success, getattr(result, "message", "")
+    else:
+        return result
+    if not ok:
+        raise SGLangError(f"{where} failed: {msg}")
+    return result
+
+
+class SGLangHttpClient:
+    """One SGLang HTTP server (``python -m sglang.launch_server``) at ``base_url``."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 3600.0):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._has_sessions: bool | None = None  # begin/end_weight_update routes (newer SGLang)
+        self._tp_size: int | None = None
+
+    def __repr__(self) -> str:
+        return f"SGLangHttpClient({self.base_url!r})"
+
+    # -- transport -------------------------------------------------------------------------------
+    def request(self, method: str, route: str, payload: Any = None, timeout_s: float | None = None):
+        """One HTTP call; returns the decoded JSON (or text); raises SGLangError on HTTP errors."""
+        url = f"{self.base_url}/{route.lstrip('/')}"
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(url, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            raise SGLangError(f"{method} {url} -> HTTP {e.code}: {detail}") from e
+        except (urllib.error.URLError, OSError) as e:
+            raise SGLangError(f"{method} {url} unreachable: {e}") from e
+        if not body:
+            return None
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:
+            return body.decode(errors="replace")
+
+    def post(self, route: str, payload: Any = None, **kw):
+        return self.request("POST", route, {} if payload is None else payload, **kw)
+
+    # -- serving ---------------------------------------------------------------------------------
+    def health(self, timeout_s: float = 10.0) -> bool:
+        """True when ``/health_generate`` answers 200 (runs a one-token generation)."""
+        try:
+            self.request("GET", "health_generate", timeout_s=timeout_s)
+            return True
+        except SGLangError:
+            return False
+
+    def alive(self, timeout_s: float = 10.0) -> bool:
+        """True when ``/server_info`` answers: a round trip to the scheduler (its internal state)
+        that generates nothing, for an engine whose memory is released. sglang 0.5.23's
+        ``/health_generate`` and ``/health`` (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` defaults
+        on) both run a one-token request, which on a released KV cache is an illegal memory access."""
+        try:
+            self.request("GET", "server_info", timeout_s=timeout_s)
+            return True
+        except SGLangError:
+            return False
+
+    def server_info(self) -> dict:
+        """``/server_info`` (sglang 0.5.23; ``/get_server_info`` is its deprecated alias, kept for
+        older servers)."""
+        try:
+            return self.request("GET", "server_info")
+        except SGLangError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            return self.request("GET", "get_server_info")
+
+    @property
+    def tp_size(self) -> int:
+        """The engine's tensor-parallel size: CUDA IPC sends one payload per TP rank."""
+        if self._tp_size is None:
+            self._tp_size = int(self.server_info().get("tp_size", 1))
+        return self._tp_size
+
+    @property
+    def world_size(self) -> int:
+        """GPUs (processes) of this engine as it reports them: tp_size * pp_size. The weight-update
+        group's size is built from this, never from the trainer's config: a mismatch hangs
+        ``init_weights_update_group``."""
+        info = self.server_info()
+        return int(info.get("tp_size", 1)) * int(info.get("pp_size", 1) or 1)
+
+    def weight_version(self) -> str | None:
+        """The version string of the weights the engine serves (``/model_info``'s weight_version,
+        set by the ``weight_version`` field of each update)."""
+        try:
+            info = self.request("GET", "model_info")
+        except SGLangError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            info = self.request("GET", "get_model_info")
+        return info.get("weight_version") if isinstance(info, dict) else None
+
+    def generate(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        sampling_params: Sequence[dict],
+        return_logprob: bool = True,
+        batch: bool = True,
+        return_routed_experts: bool = False,
+        return_indexer_topk: bool = False,
+        lora_path: str | None = None,
+    ) -> list[dict]:
+        """``/generate`` from token ids; one output dict per input, in order. ``batch``: one request
+        with lists of ``input_ids`` and ``sampling_params`` (the SGLang server's batch form);
+        otherwise one request per input with a single ``input_ids`` list and ``sampling_params``
+        object (the form the SGLang router's ``/generate`` accepts: its request type takes one
+        sampling-params object). ``return_routed_experts``: ask for ``meta_info["routed_experts"]``
+        over the whole sequence (``routed_experts_start_len`` 0; ``engines/routing.py``);
+        ``return_indexer_topk`` (DSA models): ``meta_info["indexer_topk"]``, always ``[0, seqlen - 1)``;
+        ``lora_path``: the loaded LoRA adapter to serve with (None: the base)."""
+        extra: dict[str, Any] = (
+            {"return_routed_experts": True, "routed_experts_start_len": 0} if return_routed_experts else {}
+        )
+        if return_indexer_topk:
+            extra["return_indexer_topk"] = True
+        if lora_path is not None:  # sglang's GenerateReqInput.lora_path: the adapter name (one for the batch)
+            extra["lora_path"] = lora_path
+        if batch:
+            out = self.post(
+                "generate",
+                {
+                    "input_ids": [list(map(int, ids)) for ids in input_ids],
+                    "sampling_params": list(sampling_params),
+                    "return_logprob": return_logprob,
+                    **extra,
+                },
+            )
+            return out if isinstance(out, list) else [out]
+        outs = []
+        for ids, sp in zip(input_ids, sampling_params):
+            out = self.post(
+                "generate",
+                {
+                    "input_ids": list(map(int, ids)),
+                    "sampling_params": dict(sp),
+                    "return_logprob": return_logprob,
+                    **extra,
+                },
+            )
+            outs.append(out[0] if isinstance(out, list) else out)
+        return outs
+
+    def pause_generation(self) -> None:
+        self.post("pause_generation")
+
+    def continue_generation(self) -> None:
+        self.post("continue_generation")
+
+    def flush_cache(self) -> None:
+        self.post("flush_cache")
+
+    # -- weight sync -----------------------------------------------------------------------------
+    def begin_weight_update(self) -> bool:
+        """Open SGLang's weight-update session (required by newer versions before any
+        update_weights_from_*); False when this server predates sessions (route missing)."""
+        if self._has_sessions is False:
+            return False
+        try:
+            _check(self.post("begin_weight_update", {}), f"{self}.begin_weight_update")
+        except SGLangError as e:
+            if "HTTP 404" in str(e) or "HTTP 405" in str(e):
+                self._has_sessions = False
+                return False
+            raise
+        self._has_sessions = True
+        return True
+
+    def end_weight_update(self) -> None:
+        if self._has_sessions:
+            _check(self.post("end_weight_update", {}), f"{self}.end_weight_update")
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        load_format: str | None = None,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> None:
+        """``serialized_named_tensors``: one base64 payload per engine TP rank (rank i reads item i)."""
+        payload = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        _check(self.post("update_weights_from_tensor", payload), f"{self}.update_weights_from_tensor")
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> None:
+        payload = dict(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+        _check(self.post("init_weights_update_group", payload), f"{self}.init_weights_update_group")
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        _check(
+            self.post("destroy_weights_update_group", {"group_name": group_name}),
+            f"{self}.destroy_weights_update_group",
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+    ) -> None:
+        payload: dict[str, Any] = dict(
+            names=list(names),
+            dtypes=list(dtypes),
+            shapes=[list(s) for s in shapes],
+            group_name=group_name,
+            flush_cache=flush_cache,
+        )
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        if load_format is not None:
+            payload["load_format"] = load_format
+        _check(self.post("update_weights_from_distributed", payload), f"{self}.update_weights_from_distributed")
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang returns the leading ``truncate_size`` rows of TP rank 0's shard (as nested lists)."""
+        out = self.post("get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        if out is None or (isinstance(out, dict) and "error" in out):
+            raise SGLangError(f"{self}.get_weights_by_name({name!r}) failed: {out}")
+        return out
+
+    # -- colocation ------------------------------------------------------------------------------
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        self.post("release_memory_occupation", {"tags": None if tags is None else list(tags)})
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        self.post("resume_memory_occupation", {"tags": None if tags is None else list(tags)})
+
+    def shutdown(self) -> None:
+        """Nothing to close for HTTP (the launcher owns the server process)."""
+
+
+def open_weight_update(client) -> None:
+    """Before the first bucket of a sync: pause generation, flush the KV / radix cache (entries of
+    the old weights) and open SGLang's weight-update session (0.5.23 refuses updates outside one)."""
+    client.pause_generation()
+    client.flush_cache()
+    client.begin_weight_update()
+
+
+def close_weight_update(client) -> None:
+    """After the last bucket: close the session, flush again, continue generation."""
+    client.end_weight_update()
+    client.flush_cache()
+    client.continue_generation()

@@ -1,0 +1,34 @@
+"""``rollout.offload_train``: with engines on the training GPUs, the training state (weights, gradients,
+optimizer) leaves the GPUs while the engines generate and comes back for the step
+(``trainer/offload.py``, driven by ``orchestration/colocation.py``)."""
+
+from __future__ import annotations
+
+from gspo_megatron.features.base import Feature
+from gspo_megatron.features.sync_modes import SYNC_MODES, modes_where
+
+
+class Offload(Feature):
+    name = "offload"
+    field = "rollout.offload_train"
+    metrics = ("offload/bytes", "offload/offload_s", "offload/reload_s")
+
+    def enabled(self, cfg) -> bool:
+        return bool(cfg.rollout.offload_train)
+
+    def config_errors(self, cfg) -> list[str]:
+        r = cfg.rollout
+        sm = SYNC_MODES.get(r.sync_mode)
+        if not r.offload_train or sm is None or not sm.separate_gpus:
+            return []
+        return [
+            "rollout.offload_train needs engines on the training devices "
+            f"(rollout.sync_mode {' or '.join(sorted(modes_where(separate_gpus=False)))}), got {r.sync_mode}"
+        ]
+
+    def resident_label(self, cfg) -> str:
+        """The planner's label of the training state during rollout on a colocated GPU."""
+        return "training states" + (" (offloaded)" if self.enabled(cfg) else "")
+
+
+OFFLOAD = Offload()
