@@ -13,12 +13,7 @@ import os
 from gspo_megatron.config.schema import Config
 from gspo_megatron.errors import ConfigError
 from gspo_megatron.features import enabled_features, feature_config_errors
-from gspo_megatron.features.sync_modes import SYNC_MODES, modes_where
-
-
-def _modes(**props: object) -> str:
-    """The sync modes with ``props`` (features/sync_modes.py), for a message: 'a or b'."""
-    return " or ".join(sorted(modes_where(**props)))
+from gspo_megatron.features.sync_modes import SYNC_MODES
 
 
 def _builtin_rewards() -> list[str]:
@@ -158,25 +153,6 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
 
     if r.custom_function is not None:
         callable_spec("rollout.custom_function", r.custom_function)
-    sm = SYNC_MODES.get(r.sync_mode)  # None: unknown (only in a Config built in Python; the loader refuses it)
-    need(
-        sm is not None and sm.engine == r.engine,
-        f"rollout.sync_mode must be {_modes(engine=r.engine)} with rollout.engine={r.engine}, got {r.sync_mode}",
-    )
-    if r.engine == "hf":
-        need(r.num_engines in (0, 1), f"rollout.num_engines must be 0 or 1 with rollout.engine=hf, got {r.num_engines}")
-    need(
-        not r.engine_urls or (sm is not None and sm.attaches),
-        f"rollout.engine_urls needs rollout.sync_mode={_modes(attaches=True)}",
-    )
-    need(
-        not r.engine_urls or r.num_engines in (0, len(r.engine_urls)),
-        f"rollout.num_engines={r.num_engines} but rollout.engine_urls lists {len(r.engine_urls)} engines",
-    )
-    need(
-        sm is None or not sm.separate_gpus or r.num_engines >= 1 or r.engine_urls,
-        f"rollout.num_engines must be >= 1 (or rollout.engine_urls set) with rollout.sync_mode={r.sync_mode}",
-    )
     non_negative("rollout.max_staleness", r.max_staleness)
     non_negative("rollout.sync_verify_every", r.sync_verify_every)
     non_negative("rollout.sync_verify_tol", r.sync_verify_tol)

@@ -1,7 +1,8 @@
 """The sync and rollout features as components (``features/base.py``: what each owns), registered here
 in the one order every caller sees them (the planner's rows and the engine flags follow it).
 
-- ``sync_modes``: the placement registry (``rollout.sync_mode``), a table the others consult;
+- ``sync_modes``: the placement registry (``rollout.sync_mode``), a table the others consult, and its
+  component ``PLACEMENT`` (the mode's checks; always on);
 - ``delta_sync``, ``fp8_sync``, ``owner_direct``, ``adapter_sync``: how a sync sends the weights;
 - ``routing_replay``, ``offload``, ``staleness``: how a step rolls out and trains.
 
@@ -19,6 +20,7 @@ from gspo_megatron.features.offload import OFFLOAD
 from gspo_megatron.features.owner_direct import OWNER_DIRECT
 from gspo_megatron.features.routing_replay import ROUTING_REPLAY
 from gspo_megatron.features.staleness import STALENESS
+from gspo_megatron.features.sync_modes import PLACEMENT
 
 FEATURES: tuple[Feature, ...] = (
     ROUTING_REPLAY,
@@ -37,8 +39,9 @@ def enabled_features(cfg) -> list[Feature]:
 
 
 def feature_config_errors(cfg) -> list[str]:
-    """Every component's checks of ``cfg`` (each names its fields), in registration order."""
-    return [e for f in FEATURES for e in f.config_errors(cfg)]
+    """Every component's checks of ``cfg`` (each names its fields): the placement's
+    (``features/sync_modes.PLACEMENT``, always on), then each feature's in registration order."""
+    return PLACEMENT.config_errors(cfg) + [e for f in FEATURES for e in f.config_errors(cfg)]
 
 
 def engine_flags() -> dict[str, EngineFlag]:

@@ -24,7 +24,8 @@ comparing mode names:
 - ``topology``: ``"module:function"`` building this rank's ``weight_sync.topology.SyncTopology`` (and
   its transport), called as ``function(cfg, rank, engine=..., fleet=...)``; imported when called.
 
-Adding a mode (e.g. delta sync): one :func:`register_sync_mode` call below and its topology builder.
+Adding a mode: one :func:`register_sync_mode` call below and its topology builder. :data:`PLACEMENT` is
+the component (``features/base.py``) that checks a config's mode against its engines.
 """
 
 from __future__ import annotations
@@ -145,3 +146,40 @@ register_sync_mode(
         "named to the engines by HTTP (DeltaHttpTransport)",
     )
 )
+
+
+def _modes(**props: Any) -> str:
+    """The sync modes with ``props``, for a message: 'a or b'."""
+    return " or ".join(sorted(modes_where(**props)))
+
+
+class Placement:
+    """The component of ``rollout.sync_mode`` (always on: every run has a placement): the mode must
+    serve ``rollout.engine``, attached engines need a mode that attaches, launched engines on their own
+    GPUs need a count (``features/base.Feature``'s interface; only its config checks)."""
+
+    name = "placement"
+    field = "rollout.sync_mode"
+
+    def config_errors(self, cfg) -> list[str]:
+        r = cfg.rollout
+        sm = SYNC_MODES.get(r.sync_mode)  # None: unknown (only in a Config built in Python; the loader refuses it)
+        e = []
+        if sm is None or sm.engine != r.engine:
+            e.append(
+                f"rollout.sync_mode must be {_modes(engine=r.engine)} with rollout.engine={r.engine}, got {r.sync_mode}"
+            )
+        if r.engine == "hf" and r.num_engines not in (0, 1):
+            e.append(f"rollout.num_engines must be 0 or 1 with rollout.engine=hf, got {r.num_engines}")
+        if r.engine_urls and not (sm is not None and sm.attaches):
+            e.append(f"rollout.engine_urls needs rollout.sync_mode={_modes(attaches=True)}")
+        if r.engine_urls and r.num_engines not in (0, len(r.engine_urls)):
+            e.append(f"rollout.num_engines={r.num_engines} but rollout.engine_urls lists {len(r.engine_urls)} engines")
+        if sm is not None and sm.separate_gpus and r.num_engines < 1 and not r.engine_urls:
+            e.append(
+                f"rollout.num_engines must be >= 1 (or rollout.engine_urls set) with rollout.sync_mode={r.sync_mode}"
+            )
+        return e
+
+
+PLACEMENT = Placement()

@@ -6,7 +6,7 @@ overlap, offload's state offloader, the sync probe), and nothing of it is replac
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from gspo_megatron.features.adapter_sync import ADAPTER_SYNC
 from gspo_megatron.features.offload import OFFLOAD
@@ -22,10 +22,28 @@ from gspo_megatron.weight_sync.sync import WeightSyncer
 
 if TYPE_CHECKING:
     from gspo_megatron.config import Config
-    from gspo_megatron.train import Run
 
 
-def build_session(cfg: Config, run: Run, after_sync: Callable[[Any], None] | None = None) -> RolloutSession:
+class SessionParts(Protocol):
+    """What :func:`build_session` reads of the run being built (``train.Run`` has these; rank 0 alone
+    holds the dataset, sampler, tokenizer and rewards, None elsewhere) and the two fields it sets."""
+
+    rank: int
+    model: Any
+    ddp: Any
+    optimizer: Any
+    rollout: Any  # factory.RolloutSide: engine, topology, dead_engines, restart
+    dataset: Any
+    sampler: Any
+    tokenizer: Any
+    rewards: Any
+    start_step: int
+    pad_id: int
+    overlap: Any
+    offloader: Any
+
+
+def build_session(cfg: Config, run: SessionParts, after_sync: Callable[[Any], None] | None = None) -> RolloutSession:
     """Every rank: the ``RolloutSession`` composed once from what the config asks (nothing of it is
     replaced later); sets ``run.overlap`` and ``run.offloader``.
 

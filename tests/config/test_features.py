@@ -120,3 +120,24 @@ def test_each_component_refuses_in_one_line_naming_its_field(overrides, field):
     errors = owner.config_errors(cfg)
     assert errors and all(field in line and "\n" not in line for line in errors), errors
     assert set(errors) <= set(feature_config_errors(cfg))
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["rollout.engine=sglang", "rollout.sync_mode=inprocess"],
+            "rollout.sync_mode must be colocated or disaggregated",
+        ),
+        (["rollout.engine_urls=[http://a:1]"], "rollout.engine_urls needs rollout.sync_mode=disaggregated"),
+        ([*SGLANG, "rollout.sync_mode=disaggregated"], "rollout.num_engines must be >= 1"),
+    ],
+)
+def test_placement_component_checks_the_sync_mode(overrides, expected):
+    """The sync-mode registry's own component (always on) refuses a mode that does not serve the engines."""
+    from gspo_megatron.features.sync_modes import PLACEMENT
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert expected in str(e.value)
+    assert PLACEMENT.config_errors(load_config(None, [])) == []

@@ -40,7 +40,7 @@ def _observe(report: dict) -> callable:
     import torch
 
     from gspo_megatron import factory
-    from gspo_megatron.engines import session as session_mod
+    from gspo_megatron.orchestration import session as session_mod
 
     models, snaps = [], []
     build = factory.build_model
@@ -172,7 +172,7 @@ def _engine_corrupts_from(k: int, report: dict) -> callable:
 
 
 def _session_composed(report: dict) -> callable:
-    from gspo_megatron.engines import session as session_mod
+    from gspo_megatron.orchestration import session as session_mod
 
     seen: list = []
 
