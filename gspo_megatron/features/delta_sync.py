@@ -9,7 +9,7 @@ from typing import Any
 
 from gspo_megatron.features.base import EngineFlag, Feature, PlanContext
 from gspo_megatron.features.fp8_sync import engine_param_bytes
-from gspo_megatron.features.sync_modes import SYNC_MODES, modes_where
+from gspo_megatron.features.sync_modes import SYNC_MODES, modes_text
 
 #: the loader sglang imports by name (``ModelRunner``'s ``custom_weight_loader`` list); defined in
 #: weight_sync/delta_loader.py, which the engines import
@@ -37,7 +37,7 @@ class DeltaSync(Feature):
         if not r.sync_delta or sm is None or sm.delta:
             return []
         return [
-            f"rollout.sync_delta=true needs rollout.sync_mode={' or '.join(sorted(modes_where(delta=True)))}, got "
+            f"rollout.sync_delta=true needs rollout.sync_mode={modes_text(delta=True)}, got "
             f"{r.sync_mode}: the engines apply deltas with sglang's custom weight loader "
             "(update_weights_from_tensor); set rollout.sync_delta=false"
         ]

@@ -5,7 +5,7 @@ optimizer) leaves the GPUs while the engines generate and comes back for the ste
 from __future__ import annotations
 
 from gspo_megatron.features.base import Feature
-from gspo_megatron.features.sync_modes import SYNC_MODES, modes_where
+from gspo_megatron.features.sync_modes import SYNC_MODES, modes_text
 
 
 class Offload(Feature):
@@ -23,7 +23,7 @@ class Offload(Feature):
             return []
         return [
             "rollout.offload_train needs engines on the training devices "
-            f"(rollout.sync_mode {' or '.join(sorted(modes_where(separate_gpus=False)))}), got {r.sync_mode}"
+            f"(rollout.sync_mode {modes_text(separate_gpus=False)}), got {r.sync_mode}"
         ]
 
     def resident_label(self, cfg) -> str:

@@ -5,7 +5,7 @@ instead of a gather to one rank per engine."""
 from __future__ import annotations
 
 from gspo_megatron.features.base import GIB, Feature, PlanContext, Row
-from gspo_megatron.features.sync_modes import SYNC_MODES, modes_where
+from gspo_megatron.features.sync_modes import SYNC_MODES, modes_text
 
 #: one CUDA context that a process creates on a GPU not its own when it opens a CUDA IPC handle of
 #: memory there (an engine TP process opening a holder's buffer on another GPU of the node). 0.3-0.5 GiB
@@ -27,7 +27,7 @@ class OwnerDirect(Feature):
         if not r.sync_owner_direct or sm is None or sm.colocated:
             return []
         return [
-            f"rollout.sync_owner_direct=true needs rollout.sync_mode={' or '.join(sorted(modes_where(placement='colocated')))}, "
+            f"rollout.sync_owner_direct=true needs rollout.sync_mode={modes_text(placement='colocated')}, "
             f"got {r.sync_mode}: the expert owners hand their weights to the engine ranks on their node; set "
             "rollout.sync_owner_direct=false"
         ]

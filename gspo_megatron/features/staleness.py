@@ -5,7 +5,7 @@ version that sampled it (``trainer/behaviour_policy.py``)."""
 from __future__ import annotations
 
 from gspo_megatron.features.base import Feature
-from gspo_megatron.features.sync_modes import SYNC_MODES, modes_where
+from gspo_megatron.features.sync_modes import SYNC_MODES, modes_text
 
 
 class Staleness(Feature):
@@ -31,7 +31,7 @@ class Staleness(Feature):
         if sm is None or not sm.allows_staleness:
             e.append(
                 f"rollout.max_staleness={r.max_staleness} needs rollout.sync_mode="
-                f"{' or '.join(sorted(modes_where(allows_staleness=True)))} (got {r.sync_mode}): "
+                f"{modes_text(allows_staleness=True)} (got {r.sync_mode}): "
                 "overlapping generation with training needs engines on their own GPUs; colocated or in-process "
                 "engines share the training devices and cannot generate while the trainer trains"
             )

@@ -148,7 +148,7 @@ register_sync_mode(
 )
 
 
-def _modes(**props: Any) -> str:
+def modes_text(**props: Any) -> str:
     """The sync modes with ``props``, for a message: 'a or b'."""
     return " or ".join(sorted(modes_where(**props)))
 
@@ -167,12 +167,12 @@ class Placement:
         e = []
         if sm is None or sm.engine != r.engine:
             e.append(
-                f"rollout.sync_mode must be {_modes(engine=r.engine)} with rollout.engine={r.engine}, got {r.sync_mode}"
+                f"rollout.sync_mode must be {modes_text(engine=r.engine)} with rollout.engine={r.engine}, got {r.sync_mode}"
             )
         if r.engine == "hf" and r.num_engines not in (0, 1):
             e.append(f"rollout.num_engines must be 0 or 1 with rollout.engine=hf, got {r.num_engines}")
         if r.engine_urls and not (sm is not None and sm.attaches):
-            e.append(f"rollout.engine_urls needs rollout.sync_mode={_modes(attaches=True)}")
+            e.append(f"rollout.engine_urls needs rollout.sync_mode={modes_text(attaches=True)}")
         if r.engine_urls and r.num_engines not in (0, len(r.engine_urls)):
             e.append(f"rollout.num_engines={r.num_engines} but rollout.engine_urls lists {len(r.engine_urls)} engines")
         if sm is not None and sm.separate_gpus and r.num_engines < 1 and not r.engine_urls:
