@@ -222,10 +222,19 @@ def gc_paused():
 
 
 def build_empty_model(
-    hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp: int, dtype: str, lora: dict | None = None
+    hf: dict,
+    tp: int,
+    pp: int,
+    ep: int,
+    etp: int | None,
+    cp: int,
+    dtype: str,
+    lora: dict | None = None,
+    mtp: bool = False,
 ):
     """This rank's model with uninitialized weights (no random init; filled right after). ``lora``: a
-    LoRA checkpoint's ``model.lora`` (its metadata): the adapters are built, loaded and merged on export."""
+    LoRA checkpoint's ``model.lora`` (its metadata): the adapters are built, loaded and merged on export.
+    ``mtp``: a checkpoint of a model holding its MTP layer (``model.mtp``; its metadata's ``mtp``)."""
     from gspo_megatron.models.build import ModelOptions, build_model
     from gspo_megatron.models.lora import LoraOptions
 
@@ -236,7 +245,9 @@ def build_empty_model(
         ep,
         etp,
         cp,
-        opts=ModelOptions(dtype=dtype, perform_initialization=False, lora=LoraOptions(**lora) if lora else None),
+        opts=ModelOptions(
+            dtype=dtype, perform_initialization=False, lora=LoraOptions(**lora) if lora else None, mtp=mtp
+        ),
     )
 
 
@@ -277,7 +288,9 @@ def load_model(
         return model, hf
     _, meta = checkpoint_meta(path)
     hf = meta["hf_config"]
-    model = build_empty_model(hf, tp, pp, ep, etp, cp, dtype or meta.get("dtype") or hf_dtype(hf), meta.get("lora"))
+    model = build_empty_model(
+        hf, tp, pp, ep, etp, cp, dtype or meta.get("dtype") or hf_dtype(hf), meta.get("lora"), bool(meta.get("mtp"))
+    )
     load_checkpoint(path, model, restore_rng=False)  # a root falls back past a corrupt newest step
     return model, hf
 
@@ -342,7 +355,9 @@ def export_to_hf_dir(
 
     me = rdist.rank()
     items, mine = build_export_plan(model)
-    carried = CarriedTensors(assets_dir, hf)  # the MTP layers, unchanged (models/carried.py); rank 0 writes them
+    # the MTP layers, unchanged (models/carried.py), less what the model exports itself (its trained MTP
+    # layer, model.mtp: models/mtp.py); rank 0 writes them
+    carried = CarriedTensors(assets_dir, hf, exclude={n for it in items for n in it.hf_names})
     shards = st.plan_shards(hf_tensor_list(items) + carried.entries(), max_shard_size)
     if me == 0:
         os.makedirs(out_dir, exist_ok=True)

@@ -240,7 +240,13 @@ def build_model(cfg: Config, hf: dict):
         )
     opts = ModelOptions(
         **values_for(
-            ModelOptions, cfg.model, cfg.parallel, fp8_fields=fp8_fields, perform_initialization=True, lora=lora_opts
+            ModelOptions,
+            cfg.model,
+            cfg.parallel,
+            fp8_fields=fp8_fields,
+            perform_initialization=True,
+            lora=lora_opts,
+            mtp=cfg.mtp_in_model,  # model.mtp (null: with rollout.speculative)
         )
     )
     return _build(hf, p.tp, p.pp, p.ep, p.etp, p.cp, opts)

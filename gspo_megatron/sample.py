@@ -64,6 +64,11 @@ class Sample:
     indexer_topk: DSA models, int32 numpy [P + R - 1, num_layers, index_topk], the key positions
         the engine's indexer selected for query t in row t (-1 where fewer keys exist; sglang's
         ``meta_info["indexer_topk"]``, ``engines/routing.py``); None when not asked for.
+    spec_verify_ct / spec_num_correct_drafts / spec_num_proposed_drafts: a speculatively decoding engine's
+        counts for this response (``engines.base.RolloutSample``: target verify forwards, accepted draft
+        tokens, ``verify_ct * (num_draft_tokens - 1)`` proposed draft tokens); 0 without speculation.
+        ``engines.sglang_engine.engine_spec_metrics`` sums them over a step into ``spec/engine_accept_length``
+        (sum R / sum verify_ct) and ``spec/engine_accept_rate`` (sum correct / sum proposed).
     """
 
     prompt_ids: list[int]
@@ -81,6 +86,9 @@ class Sample:
     ref_logprobs: list[float] | None = None
     routed_experts: Any = None
     indexer_topk: Any = None
+    spec_verify_ct: int = 0
+    spec_num_correct_drafts: int = 0
+    spec_num_proposed_drafts: int = 0
 
     @classmethod
     def from_tokens(cls, tokens, prompt_len: int, **fields) -> "Sample":

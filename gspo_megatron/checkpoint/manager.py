@@ -322,7 +322,8 @@ def write_checkpoint_dir(
             hf_assets=copied,
             sharding_metadata=_SHARDING_METADATA,
             lora=getattr(unwrap(model), "lora", None),
-        )  # model.lora (models/lora.py), or None
+            mtp=bool(getattr(unwrap(model).config, "mtp_num_layers", None)),
+        )  # model.lora (models/lora.py), or None; mtp: the model holds its MTP layer (models/mtp.py)
         with open(os.path.join(tmp_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
         _fsync_tree(tmp_dir)

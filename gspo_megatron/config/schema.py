@@ -105,6 +105,10 @@ class ModelConfig:
         64,
         "max prompt + response tokens of one sequence: must cover data.max_prompt_len + rollout.max_new_tokens and fit the model's max_position_embeddings; the memory planner sizes activations and KV cache with it",
     )
+    mtp: bool | None = _f(
+        None,
+        "the checkpoint's multi-token-prediction (MTP) layers in the trained Megatron model (models/mtp.py): trained with gspo.mtp_loss_coef and sent by every weight sync to the engines' draft (rollout.speculative); false: carried unchanged through conversion and export, the engines keep the published draft; null: on with rollout.speculative",
+    )
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -204,6 +208,11 @@ class RolloutConfig:
     )
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal and resample to refill the batch")
     max_resample_rounds: int = _f(3, "resampling rounds per step for dynamic_sampling")
+    speculative: bool = _f(
+        False,
+        "speculative decoding with the checkpoint's MTP layers as the draft (sglang --speculative-algorithm EAGLE, top-k 1, speculative_steps draft tokens per verify; features/speculative.py); with model.mtp (the default) the draft is the trained model's MTP layers, synced every step",
+    )
+    speculative_steps: int = _f(3, "with speculative: draft steps per target verify (sglang --speculative-num-steps; --speculative-num-draft-tokens = steps + 1)")
     # off-policy overlap (gspo_megatron/orchestration/async_producer.py, docs/training.md)
     max_staleness: int = _f(
         0,
@@ -255,6 +264,10 @@ class GSPOConfig:
     tis_mode: Literal["truncate", "mask"] = _f(
         "truncate",
         "with tis_cap: truncate (w = min(ratio, tis_cap)) or mask (w = ratio where ratio <= tis_cap, else 0: the sequence or token is dropped from the loss)",
+    )
+    mtp_loss_coef: float = _f(
+        0.0,
+        "coefficient of the MTP draft's loss (cross entropy of each MTP layer's prediction of the rollout's next-next tokens, the main model's hidden states, embeddings and output weight detached: only the MTP layers learn from it; needs model.mtp); 0 = the MTP layers are not trained",
     )
     mini_batches: int = _f(2, "optimizer steps per rollout batch (>= 1)")
     loss_agg: Literal["seq-mean-token-mean", "token-mean"] = _f(
@@ -383,6 +396,12 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def mtp_in_model(self) -> bool:
+        """Whether the trained model holds the checkpoint's MTP layers (``model.mtp``; null: on with
+        ``rollout.speculative``): built, trained with ``gspo.mtp_loss_coef`` and synced."""
+        return self.rollout.speculative if self.model.mtp is None else bool(self.model.mtp)
 
     @property
     def step_batch_size(self) -> int:

@@ -51,6 +51,13 @@ class ServerArgs:
     max_loaded_loras: int | None = None
     max_loras_per_batch: int = 8
     dp_size: int = 1
+    # speculative decoding with the checkpoint's MTP layer (sglang's flags, resolved as sglang resolves them:
+    # cpu_server/speculative.py)
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
 
     @property
     def tp_per_node(self) -> int:
@@ -142,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         "unwritten (cpu_server/sglang_models.py); auto: on when sglang imports",
     )
     from gspo_megatron.cpu_server.lora import add_lora_args
+    from gspo_megatron.cpu_server.speculative import add_speculative_args
 
     add_lora_args(p)
+    add_speculative_args(p)
     return p
 
 
@@ -168,4 +177,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     from gspo_megatron.cpu_server.lora import check_lora_args
 
     check_lora_args(p, ns)
+    from gspo_megatron.cpu_server.speculative import resolve_args
+
+    resolve_args(ns, p.error)
     return ServerArgs(**vars(ns))

@@ -23,7 +23,10 @@ SGLang rules mirrored (``sampling/sampling_params.py``, ``sampling/sampling_batc
   a start outside ``[0, prompt_tokens]`` is refused with sglang's message;
 - indexer top-k of DSA models (``--enable-return-indexer-topk``, request ``return_indexer_topk``): the
   indexer selection of this forward (``cpu_server/routes.IndexerRecorder``) over ``[0, seqlen - 1)``,
-  int32 [tokens, num_hidden_layers, index_topk] of key positions, -1 where fewer keys exist.
+  int32 [tokens, num_hidden_layers, index_topk] of key positions, -1 where fewer keys exist;
+- with ``--speculative-algorithm`` each request decodes alone through ``cpu_server/speculative.py``
+  (the checkpoint's MTP layer drafts, the target verifies with sglang's acceptance rule): the same
+  sampling parameters, log-probs and stop rules, plus the request's speculative counts.
 """
 
 from __future__ import annotations
@@ -166,9 +169,15 @@ class Sampler:
     """Rank 0's generation: groups requests with equal params and runs HFRolloutEngine batches."""
 
     def __init__(
-        self, engine: HFRolloutEngine, generator: torch.Generator, recorder: Any = None, indexer_recorder: Any = None
+        self,
+        engine: HFRolloutEngine,
+        generator: torch.Generator,
+        recorder: Any = None,
+        indexer_recorder: Any = None,
+        speculative: Any = None,
     ):
         self.engine = engine
+        self.speculative = speculative  # cpu_server.speculative.SpeculativeDecoder, or None
         self.recorder = recorder  # cpu_server.routes.RouteRecorder on engine.model, or None
         self.indexer_recorder = indexer_recorder  # cpu_server.routes.IndexerRecorder (DSA), or None
         # the server's generator (seeded once at start by --random-seed, kept through release /
@@ -198,6 +207,10 @@ class Sampler:
                 stop_token_ids=sorted(r.stop_ids),
             )
             gen = self.generator if r.seed is None else torch.Generator(device="cpu").manual_seed(r.seed)
+            if self.speculative is not None:
+                for i in idx:
+                    results[i] = self._speculative(requests[i], params, gen)
+                continue
             prompts = [list(requests[i].input_ids) for i in idx]
             for start in range(0, len(prompts), self.engine.max_batch_size):
                 chunk = prompts[start : start + self.engine.max_batch_size]
@@ -219,3 +232,17 @@ class Sampler:
         if len(done) != len(requests):  # the engine returns one sample per prompt
             raise RuntimeError(f"generation returned {len(done)} results for {len(requests)} requests")
         return done
+
+    def _speculative(self, request: Request, params: SamplingParams, gen: torch.Generator) -> dict:
+        """One request through the speculative decoder: the result of :meth:`run` plus ``spec`` (its counts)."""
+        if request.indexer and self.indexer_recorder is not None:
+            raise ValueError("return_indexer_topk with speculative decoding: not served by the CPU server")
+        s = self.speculative.generate(request.input_ids, params, gen, request.stop_ids)
+        ids = s["output_ids"]
+        finish = {"type": "stop", "matched": ids[-1]} if s["stopped"] else {"type": "length", "length": request.max_new_tokens}
+        out: dict = {"output_ids": ids, "logprobs": s["logprobs"], "finish": finish, "spec": s["spec"]}
+        start_len = request.routed_start
+        if start_len is not None and s.get("routes") is not None:
+            routes = s["routes"].to(torch.int32).numpy()
+            out["routed_experts"] = routes[min(start_len, len(routes)) :]
+        return out

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import torch
 
 from gspo_megatron.cpu_server.args import ServerArgs
+from gspo_megatron.cpu_server.speculative import selector_refusal, spec_meta_info
 from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.engines.routing import INDEXER_META_KEY, INDEXER_REQUEST_FLAG, encode_routed_experts
 from gspo_megatron.engines.sglang_compat import SGLANG_VERSION_TESTED
@@ -60,7 +61,7 @@ class Front:
             "/flush_cache": (("GET", "POST"), self.flush_cache),
             "/pause_generation": (("POST",), self.pause_generation),
             "/continue_generation": (("POST",), self.continue_generation),
-            "/begin_weight_update": (("POST",), lambda b: self.weight_call("begin", {}, b)),
+            "/begin_weight_update": (("POST",), self.begin_weight_update),
             "/end_weight_update": (("POST",), lambda b: self.weight_call("end", {}, b)),
             "/init_weights_update_group": (("POST",), self.init_group),
             "/destroy_weights_update_group": (("POST",), self.destroy_group),
@@ -190,6 +191,8 @@ class Front:
                 meta["routed_experts"] = encode_routed_experts(r["routed_experts"])
             if r.get(INDEXER_META_KEY) is not None:  # the same encoding (sglang's detokenizer)
                 meta[INDEXER_META_KEY] = encode_routed_experts(r[INDEXER_META_KEY])
+            # speculative decoding: sglang's _calculate_spec_decoding_metrics (cpu_server/speculative.py)
+            meta.update(spec_meta_info(r.get("spec"), len(r["output_ids"]), self.args.speculative_num_draft_tokens or 1))
             outs.append({"text": "", "output_ids": list(r["output_ids"]), "meta_info": meta})
         return 200, (outs[0] if single else outs)
 
@@ -280,6 +283,14 @@ class Front:
     def weight_call(self, op: str, kw: dict, body: dict) -> tuple[int, dict]:
         return self._ok(self.command(op, **kw))
 
+    def begin_weight_update(self, body: dict) -> tuple[int, dict]:
+        """``selector`` (sglang 0.5.23 ``BeginWeightUpdateReqInput``): the runners the session opens
+        (``cpu_server/speculative.py``); a value outside the Literal is FastAPI's 422."""
+        refusal = selector_refusal(body)
+        if refusal is not None:
+            return refusal
+        return self._ok(self.command("begin", selector=body.get("selector", "all")))
+
     def init_group(self, body: dict) -> tuple[int, dict]:
         kw = _fields(body, "master_address", "master_port", "rank_offset", "world_size", "group_name")
         kw["backend"] = body.get("backend") or "nccl"
@@ -290,11 +301,18 @@ class Front:
 
     def update_distributed(self, body: dict) -> tuple[int, dict]:
         kw = _fields(body, "names", "dtypes", "shapes", "group_name")
+        refusal = selector_refusal(body)
+        if refusal is not None:
+            return refusal
         kw["load_format"] = body.get("load_format")
+        kw["selector"] = body.get("selector", "all")
         return self._version(self.command("update_distributed", _new_version=body.get("weight_version"), **kw), body)
 
     def update_tensor(self, body: dict) -> tuple[int, dict]:
         kw = _fields(body, "serialized_named_tensors")
+        refusal = selector_refusal(body)
+        if refusal is not None:
+            return refusal
         payloads = kw["serialized_named_tensors"]
         if isinstance(payloads, (str, bytes)):
             payloads = [payloads]
@@ -304,6 +322,7 @@ class Front:
                 _new_version=body.get("weight_version"),
                 serialized_named_tensors=list(payloads),
                 load_format=body.get("load_format"),
+                selector=body.get("selector", "all"),
             ),
             body,
         )

@@ -65,6 +65,11 @@ STUBBED = ("sgl_kernel", "torchvision")
 # architecture -> sglang module (srt/models/<module>.py defines it in EntryClass): each registered family's
 # ``sglang_modules`` (``models/family.py``); an architecture of no family goes through sglang's registry
 MODULES: dict[str, str] = {arch: module for f in families() for arch, module in f.sglang_modules.items()}
+# the same for the speculative draft classes sglang builds for an MTP checkpoint (``ModelConfig(is_draft_model=
+# True)`` renames the architecture, e.g. to ``...ForCausalLMNextN``): each family's ``sglang_draft_modules``
+DRAFT_MODULES: dict[str, str] = {
+    arch: module for f in families() for arch, module in f.sglang_draft_modules.items()
+}
 
 
 class _AnyMeta(type):
@@ -288,9 +293,10 @@ def init_parallel(args, tp_rank: int) -> None:
 
 
 def model_class(model_config):
-    """The sglang class for the config's architecture (its own module, else sglang's registry)."""
+    """The sglang class for the config's architecture (its own module, :data:`MODULES` or
+    :data:`DRAFT_MODULES`, else sglang's registry)."""
     arch = (getattr(model_config.hf_config, "architectures", None) or [None])[0]
-    module = MODULES.get(arch)
+    module = MODULES.get(arch) or DRAFT_MODULES.get(arch)
     if module is not None:
         entry = importlib.import_module(f"sglang.srt.models.{module}").EntryClass
         for cls in entry if isinstance(entry, list) else [entry]:
@@ -338,11 +344,35 @@ def install_expert_location(model_config) -> Any:
     return meta
 
 
+@contextlib.contextmanager
+def no_cuda_sync():
+    """While active and only without a CUDA device: ``torch.cuda.synchronize()`` does nothing instead of
+    raising (sglang's ``set_embed_and_head`` calls it after sharing the target's tensors, ``models/glm4_moe.py``,
+    ``models/deepseek_v2.py``)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    real = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = real
+
+
 class SglangModel:
     """sglang's model class for ``model_path`` at engine TP rank ``tp_rank`` of ``tp_size`` (on CPU).
 
     ``load(named_tensors)``: one ``load_weights`` call, as sglang's weight updater per bucket.
-    ``poison()`` / ``unwritten()``: the written check of a full sync (module docstring)."""
+    ``poison()`` / ``unwritten()``: the written check of a full sync (module docstring).
+
+    ``draft_of``: the target :class:`SglangModel` of a speculative engine: this one is then its draft, built
+    as sglang's draft worker builds it (``ModelConfig.from_server_args(..., model_path=draft_path,
+    is_draft_model=True)``: ``configs/model_config.py`` renames the architecture to the draft class, e.g.
+    ``Glm4MoeForCausalLM`` -> ``Glm4MoeForCausalLMNextN``), in the target's parallel groups and expert
+    location, sharing the target's embedding and head (``speculative/eagle_worker_v2.py`` ``init_lm_head``:
+    ``set_embed_and_head(*target.get_embed_and_head())``). Those shared tensors are the target's: the
+    draft neither poisons, checks, releases nor counts them (:meth:`own_params`)."""
 
     def __init__(
         self,
@@ -353,6 +383,8 @@ class SglangModel:
         dtype: torch.dtype | str | None = None,
         init_expert_location: str = "trivial",
         custom_weight_loader: list[str] | None = None,
+        draft_of: "SglangModel | None" = None,
+        draft_path: str | None = None,
     ):
         install_import_stubs()
         from sglang.srt.configs.load_config import LoadConfig
@@ -363,12 +395,19 @@ class SglangModel:
 
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
-        self.args = server_args(
-            model_path, tp_size, ep_size, dtype or "auto", init_expert_location, custom_weight_loader
-        )
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        init_parallel(self.args, tp_rank)
-        self.model_config = ModelConfig.from_server_args(self.args)
+        self.is_draft = draft_of is not None
+        if draft_of is None:
+            self.args = server_args(
+                model_path, tp_size, ep_size, dtype or "auto", init_expert_location, custom_weight_loader
+            )
+            init_parallel(self.args, tp_rank)
+            self.model_config = ModelConfig.from_server_args(self.args)
+        else:  # the draft worker's model config (eagle_worker_v2.py: TpModelWorker(is_draft_worker=True))
+            self.args = draft_of.args
+            self.model_config = ModelConfig.from_server_args(
+                self.args, model_path=draft_path or model_path, is_draft_model=True
+            )
         load_config = LoadConfig(load_format="dummy")
         from sglang.srt.configs.update_config import adjust_tp_num_heads_if_necessary
 
@@ -381,7 +420,8 @@ class SglangModel:
         cls = model_class(self.model_config)
         with known_architecture(cls):
             quant_config = _get_quantization_config(self.model_config, load_config)
-            self.expert_location = install_expert_location(self.model_config)
+            # the draft runs in the target's expert location (installed once per engine process)
+            self.expert_location = draft_of.expert_location if draft_of else install_expert_location(self.model_config)
         # loader.py DefaultModelLoader.load_model + _initialize_model, device "cpu"
         with set_default_torch_dtype(self.model_config.dtype), torch.device("cpu"):
             shared = resolve_shared_experts_config(cls, self.model_config.hf_config, quant_config)
@@ -392,10 +432,20 @@ class SglangModel:
         self.released = False
         arch = (getattr(self.model_config.hf_config, "architectures", None) or [None])[0]
         self.kept = KEPT_FROM_START.get(arch, ())  # parameter prefixes the sync never writes
+        self.shared: set[int] = set()  # ids of the target's tensors a draft holds (set_embed_and_head)
+        if draft_of is not None:
+            embed, head = draft_of.model.get_embed_and_head()
+            with no_cuda_sync():
+                self.model.set_embed_and_head(embed, head)
+            self.shared = {id(embed), id(head)}
+
+    def own_params(self) -> dict[str, torch.Tensor]:
+        """This model's own parameters (a draft's shared embedding and head are the target's)."""
+        return {n: p for n, p in self.model.named_parameters() if id(p) not in self.shared}
 
     def synced_params(self) -> dict[str, torch.Tensor]:
-        """The parameters a full weight sync writes (all but the :attr:`kept` prefixes)."""
-        return {n: p for n, p in self.model.named_parameters() if not (self.kept and n.startswith(self.kept))}
+        """The parameters a full weight sync writes (its own, but the :attr:`kept` prefixes)."""
+        return {n: p for n, p in self.own_params().items() if not (self.kept and n.startswith(self.kept))}
 
     def params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
@@ -427,23 +477,23 @@ class SglangModel:
         if bad:
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise RuntimeError(
-                f"sglang {SGLANG_VERSION}'s {type(self.model).__name__}.load_weights left "
+                f"sglang {SGLANG_VERSION}'s {'draft ' if self.is_draft else ''}{type(self.model).__name__}.load_weights left "
                 f"{len(bad)} parameter(s) of engine TP rank {self.tp_rank} unwritten by this "
                 f"weight update: {', '.join(bad[:3])}{more}"
             )
 
     def resident_bytes(self) -> int:
-        return sum(p.untyped_storage().nbytes() for p in self.model.parameters())
+        return sum(p.untyped_storage().nbytes() for p in self.own_params().values())
 
     def release(self) -> None:
         """The memory saver's pause: the parameters' storage goes (contents lost)."""
-        for p in self.model.parameters():
+        for p in self.own_params().values():
             p.data.untyped_storage().resize_(0)
         self.released = True
 
     def resume(self) -> None:
         """Storage back, zero-filled (no CPU backup, as sglang's memory saver)."""
-        for p in self.model.parameters():
+        for p in self.own_params().values():
             p.data.untyped_storage().resize_(p.numel() * p.element_size())
             p.data.zero_()
         self.released = False

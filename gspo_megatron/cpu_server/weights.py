@@ -97,11 +97,21 @@ class ShardStore:
     """The shards one engine TP rank holds, by HF checkpoint name.
 
     shards[name]: this rank's part (see ``sharding``); absent for experts of other EP ranks.
+    full_shapes: the names held and their full shapes (default: the model's, :func:`checkpoint_shapes`; a
+    speculative draft's store holds its MTP layer's, ``engines.mtp_draft.mtp_shapes``); any other name is
+    skipped on load.
     """
 
-    def __init__(self, config: PretrainedConfig, layout: Layout, tp_rank: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layout: Layout,
+        tp_rank: int,
+        dtype: torch.dtype,
+        full_shapes: dict[str, tuple[int, ...]] | None = None,
+    ):
         self.config, self.layout, self.tp_rank, self.dtype = config, layout, tp_rank, dtype
-        self.full_shapes = checkpoint_shapes(config)
+        self.full_shapes = checkpoint_shapes(config) if full_shapes is None else dict(full_shapes)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.prefix = language_model_of(config)[1]  # a vision-language checkpoint's language-model prefix
         self.shards: dict[str, torch.Tensor] = {}

@@ -30,6 +30,14 @@ Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` a
 - ``release`` / ``resume``: memory tags; with ``--enable-memory-saver`` the ``weights`` tag frees
   and restores the shards' storage (contents lost, as without CPU backup) and rank 0's assembled
   model; without it only the tags are recorded (sglang's no-op memory saver).
+- speculative decoding (``--speculative-algorithm``, ``cpu_server/speculative.py``): two runners, the
+  target and the draft (the MTP layer ``model.layers.{N}.*``: its own shard store and, with the loader
+  check, sglang's draft class sharing the target's embedding and head). ``begin`` / ``update_tensor`` /
+  ``update_distributed`` take sglang's ``selector`` (``target`` | ``draft`` | ``all``, default ``all``):
+  each selected runner loads the whole bucket (its loader keeps its own names), ``begin`` poisons the
+  selected runners' sglang models and ``end`` checks those of the session's runners that stored
+  anything (a sync that sends no MTP tensor leaves the draft as it was, as in sglang). At start-up the
+  draft reads the MTP layer from ``--speculative-draft-model-path`` (default ``--model-path``).
 """
 
 from __future__ import annotations
@@ -57,9 +65,11 @@ from gspo_megatron.cpu_server.sglang_runtime import (
     weight_updater,
 )
 from gspo_megatron.cpu_server.sharding import Layout, assemble, owner_ranks
+from gspo_megatron.cpu_server.speculative import SpeculativeDecoder, parse_selector
 from gspo_megatron.cpu_server.weights import ShardStore, iter_checkpoint, load_config, resolve_dtype
 from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.engines.hf_engine import HFRolloutEngine
+from gspo_megatron.engines.mtp_draft import MTPDraft, mtp_shapes
 from gspo_megatron.engines.sglang_compat import (
     multiprocessing_serializer,
     require_flattened_bucket_class,
@@ -87,14 +97,30 @@ class TPWorker:
         self.dtype = resolve_dtype(args.dtype, self.config)
         self.store = ShardStore(self.config, self.layout, tp_rank, self.dtype)
         self.sglang = self._sglang_model()
+        # speculative decoding: the draft runner (the MTP layer), its shard store and sglang's draft class
+        self.draft_store: ShardStore | None = None
+        self.draft_sglang = None
+        if args.speculative_algorithm:
+            self._check_draft_model()
+            shapes = mtp_shapes(self.config)
+            self.draft_store = ShardStore(self.config, self.layout, tp_rank, self.dtype, full_shapes=shapes)
+            self.draft_sglang = self._sglang_draft_model() if self.sglang is not None else None
+        roles = self.roles("all")
         if args.load_format == "dummy":  # sglang's model: random init, written by the first sync
             self.store.load_dummy(args.random_seed)
-        elif self.sglang is None:
-            self.store.load(iter_checkpoint(args.model_path))
-        else:  # one read of the checkpoint for both, in one load_weights call as sglang's DefaultModelLoader
-            self.sglang.poison()
-            self._load_both(iter_checkpoint(args.model_path))
-            self.sglang.check_written()
+            if self.draft_store is not None:
+                self.draft_store.load_dummy(args.random_seed)
+        else:  # one read of each checkpoint, in one load_weights call as sglang's DefaultModelLoader
+            for model in self._sglang_models(roles).values():
+                model.poison()
+            draft_path = args.speculative_draft_model_path or args.model_path
+            if self.draft_store is None or draft_path == args.model_path:
+                self._read_checkpoint(args.model_path, roles)
+            else:
+                self._read_checkpoint(args.model_path, {"target"})
+                self._read_checkpoint(draft_path, {"draft"})
+            for model in self._sglang_models(roles).values():
+                model.check_written()
         self.groups: dict[str, Any] = {}
         self.session: dict | None = None
         self.offload_tags: set[str] = set()
@@ -104,10 +130,15 @@ class TPWorker:
         # managers/tp_worker.py and scheduler.py); release / resume and weight updates never reseed it
         self.generator = torch.Generator(device="cpu").manual_seed(args.random_seed)
         self.eos_ids = eos_token_ids(args.model_path, self.config)
-        self.loader_model = LoaderModel(self)  # what a custom weight loader is handed as ``model``
-        self.updater = None  # sglang's own WeightUpdater when sglang's model is held (sglang_runtime.py)
-        if self.sglang is not None:
-            self.updater = weight_updater(self.sglang, self.loader_model, tp_rank)
+        # what a custom weight loader is handed as ``model``, per runner (sglang: each runner's get_model())
+        self.loader_models = {role: LoaderModel(self, role) for role in roles}
+        self.loader_model = self.loader_models["target"]
+        # sglang's own WeightUpdater per runner when sglang's model is held (sglang_runtime.py)
+        self.updaters: dict[str, Any] = {
+            role: weight_updater(model, self.loader_models[role], tp_rank)
+            for role, model in self._sglang_models(roles).items()
+        }
+        self.updater = self.updaters.get("target")
         from gspo_megatron.cpu_server.lora import WorkerLoras
 
         self.loras = WorkerLoras(args, self.config)  # --enable-lora's adapters (cpu_server/lora.py)
@@ -141,6 +172,60 @@ class TPWorker:
         )
         return model
 
+    # -- speculative decoding: the runners ------------------------------------------------------------
+    def roles(self, selector: Any) -> set[str]:
+        """The runners a weight update's ``selector`` names that this engine has (sglang's
+        ``_select_runners``: the draft only when there is a draft worker); a bad selector raises sglang's
+        ``ValueError`` (``speculative.parse_selector``)."""
+        roles = parse_selector(selector, use_sglang=self.sglang is not None)
+        return roles if self.draft_store is not None else roles - {"draft"}
+
+    def _stores(self, roles) -> dict[str, ShardStore]:
+        stores = {"target": self.store, "draft": self.draft_store}
+        return {r: stores[r] for r in ("target", "draft") if r in roles and stores[r] is not None}
+
+    def _sglang_models(self, roles) -> dict[str, Any]:
+        models = {"target": self.sglang, "draft": self.draft_sglang}
+        return {r: models[r] for r in ("target", "draft") if r in roles and models[r] is not None}
+
+    def _check_draft_model(self) -> None:
+        """Refuse (one line) a checkpoint whose MTP layer cannot be the draft (``models.mtp.mtp_errors``)."""
+        from gspo_megatron.models.hf_config import load_hf_config
+        from gspo_megatron.models.mtp import mtp_errors
+
+        errors = mtp_errors(load_hf_config(self.args.speculative_draft_model_path or self.args.model_path))
+        if errors:
+            raise RuntimeError(f"--speculative-algorithm {self.args.speculative_algorithm}: {'; '.join(errors)}")
+
+    def _sglang_draft_model(self):
+        """sglang's draft class for this rank (``sglang_models.SglangModel(draft_of=...)``)."""
+        from gspo_megatron.cpu_server import sglang_models
+
+        model = sglang_models.SglangModel(
+            self.args.model_path,
+            self.args.tp_size,
+            self.tp_rank,
+            self.args.ep_size,
+            self.dtype,
+            draft_of=self.sglang,
+            draft_path=self.args.speculative_draft_model_path,
+        )
+        log(self.tp_rank, f"sglang's draft {type(model.model).__name__} loads the MTP layer too")
+        return model
+
+    def _read_checkpoint(self, path: str, roles: set[str]) -> None:
+        """Start-up: every tensor of the checkpoint at ``path`` to the runners ``roles``; a draft that finds
+        no complete MTP layer there fails start-up (one line), as sglang's draft loader would."""
+        named = list(iter_checkpoint(path))
+        self._load_both(named, roles)
+        if "draft" in roles and self.draft_store is not None:
+            missing = sorted(set(self.draft_store.full_shapes) - {n for n, _ in named})
+            if missing:
+                raise RuntimeError(
+                    f"--speculative-algorithm {self.args.speculative_algorithm}: the draft checkpoint {path} lacks "
+                    f"{len(missing)} tensors of the MTP layer, e.g. {missing[0]} (--speculative-draft-model-path)"
+                )
+
     # -- the full model on rank 0 ----------------------------------------------------------------
     def _refresh_full_model(self) -> None:
         """Collective: rank 0 rebuilds its transformers model from every rank's shards."""
@@ -149,6 +234,10 @@ class TPWorker:
             [{} for _ in range(self.args.tp_size)] if self.tp_rank == 0 else None
         )
         dist.gather_object(self.store.shards, gathered, dst=0)
+        draft: list[dict[str, torch.Tensor]] | None = None
+        if self.draft_store is not None:  # the draft's shards too
+            draft = [{} for _ in range(self.args.tp_size)] if self.tp_rank == 0 else None
+            dist.gather_object(self.draft_store.shards, draft, dst=0)
         if gathered is not None:  # rank 0
             if self.sampler is None:
                 engine = HFRolloutEngine(self.config, None, dtype=self.dtype, seed=self.args.random_seed)
@@ -162,6 +251,20 @@ class TPWorker:
                 parts = [gathered[r][name] for r in owner_ranks(name, self.layout)]
                 bucket.append((name, assemble(name, parts, self.layout, shape)))
             self.sampler.engine.update_weights(bucket)
+            if draft is not None and self.draft_store is not None:
+                mtp = {}
+                for name, shape in self.draft_store.full_shapes.items():
+                    parts = [draft[r][name] for r in owner_ranks(name, self.layout)]
+                    mtp[name] = assemble(name, parts, self.layout, shape)
+                model = self.sampler.engine.model
+                embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+                if self.sampler.speculative is None:  # the target's live embedding and head, shared
+                    mtp_draft = MTPDraft(self.config, mtp, embed, head, dtype=self.dtype)
+                    self.sampler.speculative = SpeculativeDecoder(
+                        self.sampler.engine, mtp_draft, self.args.speculative_num_steps, self.sampler.recorder
+                    )
+                else:
+                    self.sampler.speculative.draft.load(mtp.items())
         self.dirty = False
 
     # -- commands --------------------------------------------------------------------------------
@@ -224,15 +327,17 @@ class TPWorker:
     def op_lora_unload(self, lora_name: str) -> dict:
         return self.loras.unload(lora_name)
 
-    def op_begin(self) -> dict:
+    def op_begin(self, selector: str = "all") -> dict:
         if self.session is not None:
             return {
                 "success": False,
                 "message": "a weight-update session is already open; call end_weight_update() first",
             }
-        self.session = {"loaded": False, "stored": 0}
-        if self.sglang is not None and not self.sglang.released:
-            self.sglang.poison()  # a full sync writes every parameter: NaN left at end = unwritten
+        roles = self.roles(selector)  # sglang: _select_runners(recv_req.selector), recorded for end
+        self.session = {"loaded": False, "stored": {r: 0 for r in roles}, "roles": roles}
+        for model in self._sglang_models(roles).values():
+            if not model.released:
+                model.poison()  # a full sync writes every parameter: NaN left at end = unwritten
         dist.barrier()
         return {"success": True, "message": "Success"}
 
@@ -240,41 +345,47 @@ class TPWorker:
         if self.session is None:
             return {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"}
         result = {"success": True, "message": "Success"}
-        if self.sglang is not None and self.session["stored"]:  # a session that wrote nothing: no sync
+        for role, model in self._sglang_models(self.session["roles"]).items():
+            if not self.session["stored"].get(role):  # a runner this session wrote nothing to: no sync
+                continue
             try:
-                self.sglang.check_written()
+                model.check_written()
             except RuntimeError as e:
                 result = {"success": False, "message": f"end_weight_update: {e}"}
+                break
         self.session = None
         dist.barrier()
         return result
 
-    def _load_both(self, named) -> int:
-        """One bucket into the shard store, then (when held) one ``load_weights`` call of sglang's
-        model; returns how many tensors the store kept on this rank."""
+    def _load_both(self, named, roles=("target",)) -> dict[str, int]:
+        """One bucket into the shard stores of the runners ``roles``, then (when held) one ``load_weights``
+        call of each one's sglang model (each keeps its own names: the target skips the MTP layer, the draft
+        everything else); returns how many tensors each store kept on this rank."""
         named = list(named)
-        stored = self.store.load(named)
-        if self.sglang is not None:  # after the store: sglang's loaders may write into the tensors
-            self.sglang.load(named)
+        stored = {role: store.load(named) for role, store in self._stores(roles).items()}
+        for model in self._sglang_models(roles).values():  # after the stores: sglang's loaders may write into the tensors
+            model.load(named)
         return stored
 
-    def _load(self, named) -> None:
-        stored = self._load_both(named)
-        self.dirty = True
+    def _load(self, named, roles=("target",)) -> None:
         if self.session is None:  # the update ops load only inside a begin/end session
             raise RuntimeError("weights loaded outside a weight-update session (begin_weight_update() first)")
+        stored = self._load_both(named, roles)
+        self.dirty = True
         self.session["loaded"] = True
-        self.session["stored"] += stored
+        for role, n in stored.items():
+            self.session["stored"][role] = self.session["stored"].get(role, 0) + n
 
-    def op_update_tensor(self, serialized_named_tensors: list, load_format: str | None) -> dict:
+    def op_update_tensor(self, serialized_named_tensors: list, load_format: str | None, selector: str = "all") -> dict:
         if self.session is None:
             return {
                 "success": False,
                 "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
             }
         try:  # sglang catches nothing from here on: an exception ends the engine (``SchedulerDeath``)
-            if self.updater is not None:  # sglang's own deserialization and dispatch
-                return self._sglang_update_tensor(self.updater, serialized_named_tensors, load_format)
+            roles = self.roles(selector)
+            if self.updaters:  # sglang's own deserialization and dispatch, runner by runner
+                return self._sglang_update_tensor(roles, serialized_named_tensors, load_format)
             if self.tp_rank >= len(serialized_named_tensors):
                 raise IndexError(
                     f"serialized_named_tensors has {len(serialized_named_tensors)} payload(s); "
@@ -290,28 +401,35 @@ class TPWorker:
                 named = list(obj)
             elif load_format in (self.args.custom_weight_loader or []):
                 # sglang: ``dynamic_import(load_format)(model, named_tensors)`` for a name in its
-                # --custom-weight-loader list (weight_updater.py update_weights_from_tensor); the
-                # loader ends in load_weights, which here is the store and sglang's model (_load)
+                # --custom-weight-loader list (weight_updater.py update_weights_from_tensor), once per
+                # selected runner with its model; the loader ends in load_weights, which here is that
+                # runner's store and sglang model (_load)
                 named = None
-                custom_loader(load_format)(self.loader_model, list(obj))
+                for role in sorted(roles, key=("target", "draft").index):
+                    custom_loader(load_format)(self.loader_models[role], list(obj))
             else:
                 raise NotImplementedError(f"Unknown load_format={load_format}")
             if named is not None:
-                self._load(named)
+                self._load(named, roles)
             del obj, named
         except Exception as e:  # re-raised as what it is in sglang: the end of the engine
             raise SchedulerDeath(f"update_weights_from_tensor: {type(e).__name__}: {e}") from e
         dist.barrier()
         return {"success": True, "message": "Success"}
 
-    def _sglang_update_tensor(self, updater: Any, serialized_named_tensors: list, load_format: str | None) -> dict:
-        """sglang's scheduler path of ``update_weights_from_tensor`` (``sglang_runtime.py``): its
-        deserializer, then its ``WeightUpdater.update_weights_from_tensor`` (which loads through
-        :class:`LoaderModel` into the store and sglang's model); a ``(False, reason)`` it returns is
-        the answer; barrier."""
+    def _sglang_update_tensor(self, roles: set[str], serialized_named_tensors: list, load_format: str | None) -> dict:
+        """sglang's scheduler path of ``update_weights_from_tensor`` (``sglang_runtime.py``;
+        ``managers/scheduler_components/weight_updater.py``): its deserializer once, then for each selected
+        runner (target first) its ``WeightUpdater.update_weights_from_tensor`` (which loads through that
+        runner's :class:`LoaderModel` into its store and sglang model), stopping at the first
+        ``(False, reason)``, which is the answer; barrier."""
         use_cpu_shared_memory()
         named = deserialize_own_rank(serialized_named_tensors)
-        success, message = updater.update_weights_from_tensor(named_tensors=named, load_format=load_format)
+        success, message = True, "Success"
+        for role in sorted(roles, key=("target", "draft").index):
+            success, message = self.updaters[role].update_weights_from_tensor(named_tensors=named, load_format=load_format)
+            if not success:
+                break
         del named
         dist.barrier()
         return {"success": bool(success), "message": message}
@@ -352,7 +470,13 @@ class TPWorker:
             return {"success": False, "message": f"Failed to destroy custom process group: {e}."}
 
     def op_update_distributed(
-        self, names: list, dtypes: list, shapes: list, group_name: str, load_format: str | None = None
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        group_name: str,
+        load_format: str | None = None,
+        selector: str = "all",
     ) -> dict:
         if self.session is None:
             return {
@@ -380,8 +504,8 @@ class TPWorker:
                     h.wait()
         except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
             return {"success": False, "message": f"Failed to receive weights: {e}"}
-        try:
-            self._load(weights)
+        try:  # only the target joined the group; every selected runner loads what it received (sglang)
+            self._load(weights, self.roles(selector))
         except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
             return {
                 "success": False,
@@ -402,9 +526,10 @@ class TPWorker:
         tags = list(tags) if tags else list(ALL_TAGS)
         self.offload_tags.update(tags)
         if "weights" in tags and self.args.enable_memory_saver and not self.store.released:
-            self.store.release()
-            if self.sglang is not None:
-                self.sglang.release()
+            for store in self._stores({"target", "draft"}).values():
+                store.release()
+            for model in self._sglang_models({"target", "draft"}).values():
+                model.release()
             if self.sampler is not None:  # rank 0's assembled copy goes too
                 self.sampler = None
             self.dirty = True
@@ -419,9 +544,10 @@ class TPWorker:
         except KeyError as e:
             return {"success": False, "message": str(e)}
         if "weights" in tags and self.args.enable_memory_saver and self.store.released:
-            self.store.resume()
-            if self.sglang is not None:
-                self.sglang.resume()
+            for store in self._stores({"target", "draft"}).values():
+                store.resume()
+            for model in self._sglang_models({"target", "draft"}).values():
+                model.resume()
             self.dirty = True
         dist.barrier()
         return {"success": True}
@@ -433,7 +559,9 @@ class TPWorker:
         storage non-resizable, and the memory saver resizes the shards."""
         from gspo_megatron.cpu_server.http_front import encode_tensor
 
-        shards = self.store.shards
+        shards = dict(self.store.shards)
+        if self.draft_store is not None:  # the draft's MTP layer (model.layers.{N}.*)
+            shards.update(self.draft_store.shards)
         return {"success": True, "shards": {n: encode_tensor(shards[n].clone()) for n in names if n in shards}}
 
     def op_memory(self) -> dict:
@@ -443,6 +571,7 @@ class TPWorker:
         return {
             "success": True,
             "weights_bytes": self.store.resident_bytes(),
+            "draft_weights_bytes": self.draft_store.resident_bytes() if self.draft_store is not None else 0,
             "assembled_model_bytes": assembled,
             "sglang_model_bytes": self.sglang.resident_bytes() if self.sglang is not None else 0,
             "offload_tags": sorted(self.offload_tags),
@@ -454,20 +583,23 @@ class TPWorker:
 
 class LoaderModel:
     """The ``model`` argument of a custom weight loader (``--custom-weight-loader``): sglang hands
-    its model object, whose ``load_weights`` a loader calls; here ``load_weights`` is this rank's
-    store-then-sglang-model load (``TPWorker._load``). One object per worker, kept for its lifetime
-    (a loader may keep state on it, as on sglang's model; a restarted server starts without it)."""
+    its runner's model object, whose ``load_weights`` a loader calls; here ``load_weights`` is this rank's
+    store-then-sglang-model load of the runner ``role`` (``"target"`` or, speculative, ``"draft"``;
+    ``TPWorker._load``). One object per worker and runner, kept for its lifetime (a loader may keep state on
+    it, as on sglang's model; a restarted server starts without it)."""
 
-    def __init__(self, worker: TPWorker):
+    def __init__(self, worker: TPWorker, role: str = "target"):
         self._worker = worker
+        self.role = role
 
     def load_weights(self, weights) -> None:
-        self._worker._load(weights)
+        self._worker._load(weights, (self.role,))
 
     def modules(self):
-        """``nn.Module.modules`` of sglang's model class when this rank holds it (``--sglang-loader-check``:
-        a loader asks its ``FusedMoE`` layers which experts the rank loads), else none."""
-        sglang = self._worker.sglang
+        """``nn.Module.modules`` of the runner's sglang model class when this rank holds it
+        (``--sglang-loader-check``: a loader asks its ``FusedMoE`` layers which experts the rank loads),
+        else none."""
+        sglang = self._worker._sglang_models((self.role,)).get(self.role)
         return sglang.model.modules() if sglang is not None else iter(())
 
 

@@ -41,7 +41,12 @@ class RolloutSample:
     engine does not report it; routed_experts: the engine's MoE routes, int32 numpy
     [P + R - 1, num_layers, topk] (``engines/routing.py``), None unless asked for; indexer_topk:
     DSA models, the engine's indexer selection, int32 numpy [P + R - 1, num_layers, index_topk] (key
-    positions, -1 where fewer keys exist), None unless asked for.
+    positions, -1 where fewer keys exist), None unless asked for; spec_verify_ct /
+    spec_num_correct_drafts / spec_num_proposed_drafts: a speculatively decoding engine's counts for
+    this response (sglang 0.5.23 ``meta_info``, ``managers/tokenizer_manager.py``
+    ``_calculate_spec_decoding_metrics``: target verify forwards, accepted draft tokens, and
+    ``verify_ct * (num_draft_tokens - 1)`` proposed draft tokens; the bonus token of each verify is in
+    none of them), 0 when the engine reports none (no speculation, or a response from the prefill alone).
     """
 
     prompt_ids: list[int]
@@ -51,6 +56,9 @@ class RolloutSample:
     token_versions: list[str] | None = None
     routed_experts: Any = None
     indexer_topk: Any = None
+    spec_verify_ct: int = 0
+    spec_num_correct_drafts: int = 0
+    spec_num_proposed_drafts: int = 0
 
 
 class RolloutEngine(abc.ABC):

@@ -33,12 +33,14 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
 from gspo_megatron.engines.base import RolloutEngine, RolloutSample, SamplingParams
+from gspo_megatron.models.carried import COUNT_FIELDS as MTP_COUNT_FIELDS
 from gspo_megatron.models.registry import expert_naming, experts_stacked, families, supported_model_types
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 _FUSED_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 # model_type -> the name prefix a vision-language checkpoint of it (a config with ``text_config``) keeps the
 # language model's ``model.`` under (transformers 5.23's ``Qwen3_5MoeModel.language_model``): the family's
 # ``language_model_prefix``
@@ -101,6 +103,11 @@ class HFCheckpointLayout:
                 f"model_type {self.model_type!r} keeps fused experts in memory but has no checkpoint "
                 f"naming rule; supported model_types: {', '.join(supported_model_types())}"
             )
+        # the MTP layers the config declares, ``model.layers.{i}`` for N <= i < N + M, and the decoder layers
+        # this model holds (:meth:`skipped`)
+        self.num_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+        self.mtp_layers = max(int(getattr(model.config, f, 0) or 0) for f in MTP_COUNT_FIELDS)
+        self._held_layers = {int(m.group(1)) for n in self.params if (m := _LAYER_INDEX.match(self.memory_name(n)))}
         self._expert_re = None
         if self.naming is not None:
             n = self.naming
@@ -116,8 +123,22 @@ class HFCheckpointLayout:
         return name
 
     def skipped(self, name: str) -> bool:
-        """A checkpoint name loads nowhere here, without error (:func:`outside_language_model`)."""
-        return outside_language_model(name, self.prefix)
+        """A checkpoint name loads nowhere here, without error: outside a vision-language checkpoint's
+        language model (:func:`outside_language_model`), or of a decoder layer at or past
+        ``num_hidden_layers`` that the model does not hold: the multi-token-prediction layers
+        ``model.layers.{i}.*``, N <= i < N + M, of a config declaring M > 0 of them
+        (``num_nextn_predict_layers``...), which a weight sync sends with ``model.mtp``, as sglang 0.5.23's
+        target loader skips them (``srt/models/glm4_moe.py`` ``load_weights`` and
+        ``srt/models/deepseek_common/deepseek_weight_loader.py`` ``NextNDisabledConfig``: with
+        ``num_nextn_predict_layers > 0`` a name of layer >= ``num_hidden_layers`` is ``continue``d; the
+        draft loads them). Any other unknown name is an error (:meth:`target`)."""
+        if outside_language_model(name, self.prefix):
+            return True
+        m = _LAYER_INDEX.match(self.memory_name(name))
+        if m is None or not self.mtp_layers:
+            return False
+        i = int(m.group(1))
+        return self.num_layers <= i < self.num_layers + self.mtp_layers and i not in self._held_layers
 
     def target(self, name: str) -> torch.Tensor:
         """The in-memory view that checkpoint tensor ``name`` occupies (same shape as on disk)."""

@@ -191,13 +191,16 @@ class SGLangHttpClient:
         self.post("flush_cache")
 
     # -- weight sync -----------------------------------------------------------------------------
-    def begin_weight_update(self) -> bool:
+    def begin_weight_update(self, selector: str | None = None) -> bool:
         """Open SGLang's weight-update session (required by newer versions before any
-        update_weights_from_*); False when this server predates sessions (route missing)."""
+        update_weights_from_*); False when this server predates sessions (route missing).
+        ``selector``: sglang 0.5.23's ``target`` | ``draft`` | ``all`` (the runners of a speculative engine
+        the session opens; None: the server's default, ``all``)."""
         if self._has_sessions is False:
             return False
+        body = {} if selector is None else {"selector": selector}
         try:
-            _check(self.post("begin_weight_update", {}), f"{self}.begin_weight_update")
+            _check(self.post("begin_weight_update", body), f"{self}.begin_weight_update")
         except SGLangError as e:
             if "HTTP 404" in str(e) or "HTTP 405" in str(e):
                 self._has_sessions = False
@@ -216,8 +219,10 @@ class SGLangHttpClient:
         load_format: str | None = None,
         flush_cache: bool = False,
         weight_version: str | None = None,
+        selector: str | None = None,
     ) -> None:
-        """``serialized_named_tensors``: one base64 payload per engine TP rank (rank i reads item i)."""
+        """``serialized_named_tensors``: one base64 payload per engine TP rank (rank i reads item i).
+        ``selector``: the runners that load it (sglang 0.5.23: ``target`` | ``draft`` | ``all``; None: ``all``)."""
         payload = {
             "serialized_named_tensors": list(serialized_named_tensors),
             "load_format": load_format,
@@ -225,6 +230,8 @@ class SGLangHttpClient:
         }
         if weight_version is not None:
             payload["weight_version"] = weight_version
+        if selector is not None:
+            payload["selector"] = selector
         _check(self.post("update_weights_from_tensor", payload), f"{self}.update_weights_from_tensor")
 
     def init_weights_update_group(
@@ -261,7 +268,10 @@ class SGLangHttpClient:
         flush_cache: bool = False,
         weight_version: str | None = None,
         load_format: str | None = None,
+        selector: str | None = None,
     ) -> None:
+        """``selector``: the runners that load what the target receives (sglang 0.5.23: ``target`` |
+        ``draft`` | ``all``; None: ``all``)."""
         payload: dict[str, Any] = dict(
             names=list(names),
             dtypes=list(dtypes),
@@ -273,6 +283,8 @@ class SGLangHttpClient:
             payload["weight_version"] = weight_version
         if load_format is not None:
             payload["load_format"] = load_format
+        if selector is not None:
+            payload["selector"] = selector
         _check(self.post("update_weights_from_distributed", payload), f"{self}.update_weights_from_distributed")
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:

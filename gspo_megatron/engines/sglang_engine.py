@@ -199,7 +199,36 @@ def parse_output(prompt_ids: Sequence[int], out: dict) -> RolloutSample:
         token_versions=token_versions(meta, len(ids)),
         routed_experts=out.get(ROUTES_KEY),
         indexer_topk=out.get(INDEXER_KEY),
+        **spec_counts(meta),
     )
+
+
+def spec_counts(meta: dict) -> dict[str, int]:
+    """A speculatively decoding engine's counts of one response from sglang 0.5.23's ``meta_info``
+    (``managers/tokenizer_manager.py`` ``_calculate_spec_decoding_metrics``, written only when the request
+    had a verify forward): ``spec_verify_ct``, ``spec_num_correct_drafts``, ``spec_num_proposed_drafts``
+    (RolloutSample's fields; 0 when absent)."""
+    keys = ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts")
+    return {k: int(meta.get(k) or 0) for k in keys}
+
+
+def engine_spec_metrics(samples) -> dict[str, float]:
+    """A step's engine-side speculative metrics from its samples (``RolloutSample`` or ``sample.Sample``,
+    which carry :func:`spec_counts`' fields): ``spec/engine_accept_length`` = sum of response tokens / sum
+    of ``spec_verify_ct`` (sglang's ``spec_accept_length``, the bonus token included) and
+    ``spec/engine_accept_rate`` = sum of ``spec_num_correct_drafts`` / sum of ``spec_num_proposed_drafts``
+    (``spec_accept_rate``), over the samples that had a verify forward (``spec_verify_ct > 0``; a response
+    of the prefill's token alone has none, as in sglang's ``_calculate_spec_decoding_metrics``). Empty
+    when no sample did (no speculation)."""
+    rows = [s for s in samples if int(getattr(s, "spec_verify_ct", 0) or 0) > 0]
+    if not rows:
+        return {}
+    verify = sum(int(s.spec_verify_ct) for s in rows)
+    out = {"spec/engine_accept_length": sum(len(s.response_ids) for s in rows) / verify}
+    proposed = sum(int(s.spec_num_proposed_drafts or 0) for s in rows)
+    if proposed:
+        out["spec/engine_accept_rate"] = sum(int(s.spec_num_correct_drafts or 0) for s in rows) / proposed
+    return out
 
 
 def token_versions(meta: dict, n: int) -> list[str] | None:

@@ -4,7 +4,9 @@ in the one order every caller sees them (the planner's rows and the engine flags
 - ``sync_modes``: the placement registry (``rollout.sync_mode``), a table the others consult, and its
   component ``PLACEMENT`` (the mode's checks; always on);
 - ``delta_sync``, ``fp8_sync``, ``owner_direct``, ``adapter_sync``: how a sync sends the weights;
-- ``routing_replay``, ``offload``, ``staleness``: how a step rolls out and trains.
+- ``routing_replay``, ``offload``, ``staleness``: how a step rolls out and trains;
+- ``speculative``: the engines decode speculatively with the checkpoint's MTP layer as the draft, and
+  ``model.mtp`` (the MTP layer trained and synced).
 
 ``config/validation.py``, ``planner.py``, ``plan_report.py`` and ``fleet/engine_args.py`` ask
 :data:`FEATURES` (or :func:`enabled_features`) instead of naming a feature.
@@ -19,6 +21,7 @@ from gspo_megatron.features.fp8_sync import FP8_SYNC
 from gspo_megatron.features.offload import OFFLOAD
 from gspo_megatron.features.owner_direct import OWNER_DIRECT
 from gspo_megatron.features.routing_replay import ROUTING_REPLAY
+from gspo_megatron.features.speculative import SPECULATIVE
 from gspo_megatron.features.staleness import STALENESS
 from gspo_megatron.features.sync_modes import PLACEMENT
 
@@ -30,6 +33,7 @@ FEATURES: tuple[Feature, ...] = (
     FP8_SYNC,
     OFFLOAD,
     STALENESS,
+    SPECULATIVE,
 )
 
 

@@ -37,6 +37,8 @@ class ModelOptions:
     perform_initialization: bool = True
     # model.lora: adapters on the local spec's linears, every other parameter frozen (models/lora.py)
     lora: LoraOptions | None = None
+    # model.mtp: the checkpoint's MTP layer as megatron's MTP block (models/mtp.py), the engines' draft
+    mtp: bool = False
 
 
 def use_transformer_engine(impl: str) -> bool:
@@ -107,6 +109,10 @@ def transformer_config(hf: dict, tp: int, pp: int, ep: int, etp: int | None, cp:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if opts.fp8_fields:
         fields.update(opts.fp8_fields)
+    if opts.mtp:  # megatron's own MTP loss is never computed (models/mtp.py): its scale is unused
+        from gspo_megatron.models.carried import mtp_layers
+
+        fields.update(mtp_num_layers=mtp_layers(hf), mtp_loss_scaling_factor=0.0)
     config_class = family.megatron_config_class()
     if getattr(config_class, "cuda_graph_scope", None) == "full":
         # Megatron 0.16's default, which it warns is deprecated on every config and converts to []
@@ -131,6 +137,12 @@ def build_model(
 
     opts = opts or ModelOptions()
     check_layout(hf, tp, pp, ep, etp)
+    if opts.mtp:
+        from gspo_megatron.models.mtp import mtp_errors, mtp_layout_errors
+
+        errors = mtp_errors(hf) + mtp_layout_errors(pp, cp)
+        if errors:
+            raise ValueError("model.mtp: " + "; ".join(errors))
     config = transformer_config(hf, tp, pp, ep, etp, cp, opts)
     te = use_transformer_engine(opts.transformer_impl)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
@@ -140,7 +152,15 @@ def build_model(
         from gspo_megatron.models.packed_attention import use_packed_local_attention
 
         use_packed_local_attention(spec)
-    model = GPTModel(
+    model_class, extra = GPTModel, {}
+    if opts.mtp:  # the MTP block of the decoder layer's spec, on the last stage (models/mtp.py)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        from gspo_megatron.models.mtp import mtp_gpt_model_class
+
+        model_class = mtp_gpt_model_class()
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te)
+    model = model_class(
         config,
         spec,
         vocab_size=hf_config.get_int(hf, "vocab_size"),
@@ -150,6 +170,7 @@ def build_model(
         parallel_output=True,
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         **family.rotary_kwargs(hf),
+        **extra,
     )
     model.hf_config = hf  # the mapping and export read it back
     model.lora = None

@@ -12,8 +12,11 @@ checkpoint directory at start-up, and its target model's ``load_weights`` skips 
 (``models/deepseek_common/deepseek_weight_loader.py``: layers >= ``num_hidden_layers`` ``continue`` when
 not ``is_nextn``; ``models/minimax_m2.py`` ``get_spec_layer_idx_from_weight_name``). So:
 
-- they are not trained and the weight sync never sends them (the export stream holds the Megatron
-  model's tensors only: ``models/weights.py``); the engines keep the published ones;
+- without ``model.mtp`` they are not trained and the weight sync never sends them (the export stream
+  holds the Megatron model's tensors only: ``models/weights.py``); the engines keep the published ones.
+  With ``model.mtp`` the Megatron model holds the MTP layer (``models/mtp.py``): it is trained, synced
+  to the engines' draft and exported from the model; only its ``embed_tokens`` / ``shared_head.head``
+  (which sglang's draft skips, sharing the target's) stay carried;
 - conversion and every checkpoint keep them beside the Megatron checkpoint, unchanged (same bytes,
   same dtype): ``<checkpoint>/hf_assets/carried.safetensors``, written where the tokenizer files are
   copied (``checkpoint.manager._copy_hf_assets``). Stored rather than re-read from the source HF
@@ -80,9 +83,11 @@ class CarriedTensors:
     """The carried tensors (:func:`carried_names`: MTP layers, a vision tower) a directory holds:
     ``carried.safetensors`` (a checkpoint's ``hf_assets``: the MTP layers and the family's carried prefixes) or,
     for an HF model directory, its own shards. ``entries()``: (name, shape, dtype) sorted by name;
-    ``get(name)``: the tensor as stored."""
+    ``get(name)``: the tensor as stored. ``exclude``: names left out (the export's own: a model holding its
+    MTP layer, ``model.mtp``, exports it trained; only that layer's ``embed_tokens`` / ``shared_head.head``
+    stay carried)."""
 
-    def __init__(self, directory: str | None, hf: dict):
+    def __init__(self, directory: str | None, hf: dict, exclude: set[str] | frozenset[str] = frozenset()):
         from safetensors import safe_open
 
         from gspo_megatron.models.safetensors_reader import SafetensorsReader
@@ -94,12 +99,12 @@ class CarriedTensors:
         path = os.path.join(directory, CARRIED_FILE)
         if os.path.isfile(path):
             self._file = safe_open(path, "pt")
-            self.names = sorted(self._file.keys())
+            self.names = sorted(n for n in self._file.keys() if n not in exclude)
         elif any(
             os.path.isfile(os.path.join(directory, f)) for f in ("model.safetensors", "model.safetensors.index.json")
         ):
             self._reader = SafetensorsReader(directory)
-            self.names = carried_names(hf, self._reader.names())
+            self.names = [n for n in carried_names(hf, self._reader.names()) if n not in exclude]
 
     def get(self, name: str) -> torch.Tensor:
         if self._file is not None:

@@ -84,6 +84,13 @@ class ModelFamily:
     # ``EntryClass`` lists the class), one entry per ``architectures``: the CPU server imports the class
     # from it (``cpu_server/sglang_models.py``: ``MODULES``), not through sglang's registry
     sglang_modules: dict[str, str] = {}
+    # HF architecture -> the sglang 0.5.23 module of the draft class that serves the checkpoint's MTP layer
+    # for speculative decoding (``ModelConfig(is_draft_model=True)`` renames the architecture to
+    # ``<arch>NextN``, ``srt/configs/model_config.py``): the CPU server builds its draft from it. Empty: the
+    # family has no MTP draft here. ``mtp_trainable``: the Megatron model can hold the MTP layer
+    # (``model.mtp``, ``models/mtp.py``: its mapping derived from the decoder layer's rules)
+    sglang_draft_modules: dict[str, str] = {}
+    mtp_trainable: bool = False
     # HF architecture -> prefixes of parameters of sglang's class that the weight sync never writes (a
     # vision tower the engine keeps from start-up; ``carried_prefixes``): the CPU server neither poisons
     # nor checks them (``KEPT_FROM_START``)

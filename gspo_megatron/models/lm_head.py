@@ -21,8 +21,9 @@ own machinery for tied weights across pipeline stages (the embedding-group gradi
 ``finalize_model_grads``) is unchanged: the gradient lands on the same parameter.
 
 Every rank calls :func:`lm_forward` (it is the model's forward); only the last pipeline stage
-(``model.post_process``) gets a weight back. Refused (ValueError) for multi-token prediction (its loss
-runs the output layer on extra hidden states inside ``_postprocess``) and
+(``model.post_process``) gets a weight back. Refused (ValueError) for megatron's own multi-token
+prediction (its loss runs the output layer on extra hidden states inside ``_postprocess``; the draft of
+``models/mtp.py`` does not) and
 ``defer_embedding_wgrad_compute`` (its wgrad buffers belong to the real output layer).
 """
 
@@ -53,10 +54,10 @@ def output_weight(gpt) -> torch.Tensor:
 
 def check_fused_supported(gpt) -> None:
     cfg = gpt.config
-    if getattr(cfg, "mtp_num_layers", None):
+    if getattr(cfg, "mtp_num_layers", None) and not hasattr(gpt, "_draft_sink"):
         raise ValueError(
-            "model.fused_logprobs needs a model without multi-token prediction "
-            "(mtp_num_layers); set model.fused_logprobs=false"
+            "model.fused_logprobs needs a model without megatron's own multi-token-prediction loss "
+            "(mtp_num_layers outside models/mtp.MTPGPTModel); set model.fused_logprobs=false"
         )
     if getattr(cfg, "defer_embedding_wgrad_compute", False):
         raise ValueError(
@@ -89,7 +90,9 @@ def _hidden_output(gpt):
         del layer.forward  # back to the class's forward
 
 
-def lm_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor, *, fused: bool, **kwargs):
+def lm_forward(
+    model, tokens: torch.Tensor, position_ids: torch.Tensor, *, fused: bool, drafts: list | None = None, **kwargs
+):
     """One forward of ``model`` (a GPTModel, possibly wrapped) on [b, s] tokens.
 
     Returns ``(output, weight)``:
@@ -97,9 +100,14 @@ def lm_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor, *, fused
     - ``fused=True`` on the last stage: hidden states [b, s, H] (full sequence, in the TP region) and
       the output weight shard [V/tp, H];
     - on other stages: the stage's output (hidden states for the next stage) and None.
-    ``kwargs`` go to GPTModel.forward (attention_mask, packed_seq_params, ...).
+    ``kwargs`` go to GPTModel.forward (attention_mask, packed_seq_params, ...). ``drafts`` (a list, for a
+    model built with its MTP layer, ``models/mtp.py``): the MTP layers' states [b, s, H] are appended to
+    it on the stage holding them, computed from detached inputs; None (or a model without MTP): the MTP
+    block does not run.
     """
     gpt = unwrap_gpt(model)
+    if drafts is not None and getattr(gpt, "mtp_process", False):
+        kwargs["drafts"] = drafts
     if not fused or not gpt.post_process:
         return model(tokens, position_ids, **kwargs), None
     check_fused_supported(gpt)

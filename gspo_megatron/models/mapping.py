@@ -84,7 +84,13 @@ class Rule:
         m = self._regex.match(megatron_name)
         return None if m is None else m.groups()
 
+    #: added to the layer index (the first ``*``) in the HF names: the MTP layer's rules map megatron's
+    #: ``mtp.layers.{k}`` to HF ``model.layers.{N + k}`` (``models/mtp.py``)
+    hf_layer_offset = 0
+
     def hf_names(self, indices: Sequence[str]) -> tuple[str, ...]:
+        if self.hf_layer_offset and indices:
+            indices = (str(int(indices[0]) + self.hf_layer_offset), *indices[1:])
         return tuple(_fill(p, indices) for p in self.hf)
 
     #: True when the HF tensors hold every expert of a layer stacked along dim 0 (gpt-oss's fused

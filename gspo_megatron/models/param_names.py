@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.")  # models/mtp.py: its global index is k
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 
@@ -22,6 +23,13 @@ def global_names(model) -> dict[str, str]:
         if m:
             layer = layers[int(m.group(1))]
             g = f"decoder.layers.{layer.layer_number - 1}." + name[m.end() :]
+            experts = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
+            if experts is not None:
+                g = _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.local_experts.{experts[int(e.group(1))]}.", g)
+                g = _GROUPED_EXPERT.sub(lambda e: f"{e.group(1)}{experts[int(e.group(2))]}", g)
+        m = MTP_LAYER.match(name)
+        if m:  # the MTP layer's experts: global expert indices, as the decoder's
+            layer = model.mtp.layers[int(m.group(1))].transformer_layer
             experts = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
             if experts is not None:
                 g = _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.local_experts.{experts[int(e.group(1))]}.", g)

@@ -37,8 +37,8 @@ from gspo_megatron.models import hf_config
 from gspo_megatron.models.export_plan import _buckets, _Item, group_fused, sort_key
 from gspo_megatron.models.flat_layout import pack_aligned, tensor_bytes, view
 from gspo_megatron.models.mapping import Rule
+from gspo_megatron.models.mtp import model_mapping
 from gspo_megatron.models.param_names import global_names, named_tensors
-from gspo_megatron.models.registry import get_family
 from gspo_megatron.models.safetensors_reader import SafetensorsReader
 from gspo_megatron.runtime import distributed as rdist
 
@@ -86,7 +86,7 @@ def load_hf_weights(model, hf_dir: str, progress: Callable[[int], object] | None
     """Fill this rank's parameters from the HF checkpoint in ``hf_dir``. Every rank calls it (no
     communication). Returns the number of parameters set; raises KeyError naming a missing tensor.
     ``progress(1)`` is called after each parameter (a progress bar's update)."""
-    mapping = get_family(model.hf_config).mapping(model.hf_config)
+    mapping = model_mapping(model)  # the family's rules (+ the MTP layer's, models/mtp.py)
     reader = SafetensorsReader(hf_dir)
     n = 0
     try:
@@ -128,7 +128,7 @@ def build_export_plan(model) -> tuple[list[_Item], dict[str, tuple[Rule, torch.n
     0), and the routed experts whose full copy it holds as another expert-DP replica (expert tensor
     parallel size 1): those are the item's ``copies`` (a caller's sink may read them in place of a
     transfer from the owner; the stream itself does not use them)."""
-    mapping = get_family(model.hf_config).mapping(model.hf_config)
+    mapping = model_mapping(model)  # the family's rules (+ the MTP layer's, models/mtp.py)
     mine: dict[str, tuple[Rule, torch.nn.Parameter]] = {}
     declared: list[_Declared] = []
     copies: list[str] = []

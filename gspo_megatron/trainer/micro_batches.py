@@ -201,13 +201,17 @@ def row_padding_mask(model, batch: dict) -> torch.Tensor | None:
     return (torch.arange(s, device=lens.device).view(1, s) >= lens).view(b, 1, 1, s)
 
 
-def _forward_step(loss_func_factory: Callable[[dict], Callable], fused_logprobs: bool, data_iterator, model):
-    from gspo_megatron.models.lm_head import lm_forward
+def _forward_step(
+    loss_func_factory: Callable[[dict], Callable], fused_logprobs: bool, with_drafts: bool, data_iterator, model
+):
+    from gspo_megatron.models.lm_head import lm_forward, output_weight, unwrap_gpt
     from gspo_megatron.trainer.packing import packed_seq_params
 
     raw = next(data_iterator)
     batch = to_device(raw)  # a new dict: r2's record is kept in ``raw`` too (after_forward)
     route_replay.before_forward(model, batch)  # routing replay (rollout.routing_replay): this batch's targets
+    psp = packed_seq_params(batch)
+    drafts: list | None = [] if with_drafts else None  # the MTP layers' states (models/mtp.py), last stage
     # fused: hidden states [b, s, H] + the output weight shard, bound to the loss function
     output, weight = lm_forward(
         model,
@@ -215,11 +219,15 @@ def _forward_step(loss_func_factory: Callable[[dict], Callable], fused_logprobs:
         batch["position_ids"],
         fused=fused_logprobs,
         attention_mask=row_padding_mask(model, batch),
-        packed_seq_params=packed_seq_params(batch),
+        packed_seq_params=psp,
+        drafts=drafts,
     )
     route_replay.after_forward(model, batch, keep_in=raw, output=output)  # recompute in backward replays too
+    bound: dict = {} if weight is None else {"output_weight": weight}
+    if drafts:  # detached: the draft's loss and acceptance never move the output layer (losses/mtp_loss.py)
+        bound.update(drafts=drafts, draft_weight=output_weight(unwrap_gpt(model)).detach(), packed_seq_params=psp)
     loss_func = loss_func_factory(batch)
-    return output, (loss_func if weight is None else partial(loss_func, output_weight=weight))
+    return output, (partial(loss_func, **bound) if bound else loss_func)
 
 
 def run_schedule(
@@ -228,12 +236,15 @@ def run_schedule(
     loss_func_factory: Callable[[dict], Callable],
     forward_only: bool,
     fused_logprobs: bool = True,
+    with_drafts: bool = False,
 ) -> list:
     """Run Megatron's forward-backward schedule (1F1B with PP>1) over ``batches``. Every rank of the
     model-parallel group calls it with the same batches. Returns what the loss functions reported
     (non-empty on the last pipeline stage only). ``fused_logprobs`` (config ``model.fused_logprobs``):
     the last stage hands the loss function hidden states and the output weight instead of logits
-    (``gspo_megatron.models.lm_head``); the loss functions of ``losses.megatron_loss`` take either."""
+    (``gspo_megatron.models.lm_head``); the loss functions of ``losses.megatron_loss`` take either.
+    ``with_drafts``: the model also runs its MTP layers (``model.mtp``) and binds their states
+    (``drafts``, ``draft_weight``, ``packed_seq_params``) to the loss function."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not batches:
@@ -242,7 +253,7 @@ def run_schedule(
     mbs = max(b["tokens"].shape[0] for b in batches)
     fb = get_forward_backward_func()
     return fb(
-        forward_step_func=partial(_forward_step, loss_func_factory, fused_logprobs),
+        forward_step_func=partial(_forward_step, loss_func_factory, fused_logprobs, with_drafts),
         data_iterator=iter(batches),
         model=[model],
         num_microbatches=len(batches),
@@ -254,11 +265,17 @@ def run_schedule(
 
 @torch.no_grad()
 def compute_logprobs(
-    model, batches: list[dict], temperature: float = 1.0, with_entropy: bool = False, fused_logprobs: bool = True
+    model,
+    batches: list[dict],
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    fused_logprobs: bool = True,
+    with_drafts: bool = False,
 ) -> list[dict] | None:
     """Per-token log-probs [b, s] of each batch's labels (vocab-parallel, no vocab gather; with
     ``fused_logprobs`` no logits either). Returns the list of {"logprobs", ("entropy")} per batch on
-    the last pipeline stage, None elsewhere."""
+    the last pipeline stage, None elsewhere; ``with_drafts`` (a model with MTP layers): each also
+    holds the draft's ``draft_accept`` / ``draft_positions`` (``losses/mtp_loss.draft_acceptance``)."""
     from megatron.core import parallel_state as ps
 
     from gspo_megatron.losses.megatron_loss import make_megatron_logprob_func
@@ -274,6 +291,7 @@ def compute_logprobs(
             ),
             forward_only=True,
             fused_logprobs=fused_logprobs,
+            with_drafts=with_drafts,
         )
     finally:
         model.train(was_training)

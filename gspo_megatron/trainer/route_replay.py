@@ -110,10 +110,15 @@ class MaskedRouteReplay:
 
 
 def moe_routers(model: torch.nn.Module) -> list:
-    """Every Megatron ``TopKRouter`` of ``model`` (this PP stage's), ordered by global layer."""
+    """Every Megatron ``TopKRouter`` of ``model``'s decoder layers (this PP stage's), ordered by global
+    layer. The MTP layers' routers (``model.mtp``: layer numbers after the decoder's ``num_layers``) are
+    not among them: the MTP layer is the engines' draft, whose routes no engine returns and which the
+    policy's loss never sees, so it routes freely."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    routers = [
+        m for m in model.modules() if isinstance(m, TopKRouter) and int(m.layer_number) <= int(m.config.num_layers)
+    ]
     return sorted(routers, key=lambda r: r.layer_number)
 
 

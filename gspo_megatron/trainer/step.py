@@ -107,6 +107,7 @@ def split_batch(
         lo = m * n // M
         mb = records[lo : (m + 1) * n // M]
         norm = sum(r.trained_tokens if token_mean else int(r.trained_tokens > 0) for r in mb)
+        tokens = sum(r.trained_tokens for r in mb)  # the MTP loss's denominator (losses/megatron_loss.py)
         if budget:
             plan = plan_micro_batches([r.length for r in mb], dp, budget, seg_multiple=2 * cp if cp > 1 else 1)[dp_rank]
             micro = [
@@ -134,6 +135,7 @@ def split_batch(
         micro = [to_device(b) for b in micro]
         for b in micro:
             b["normalizer"] = float(max(norm, 1))
+            b["draft_normalizer"] = float(max(tokens, 1))
             b["num_computed_tokens"] = int(b["tokens"].numel())  # the whole row, before any CP split
         if cp_group is not None:
             micro = [split_for_context_parallel(b, cp_group) for b in micro]
@@ -161,6 +163,7 @@ def train_on_batch(
         fused_logprobs=cfg.model.fused_logprobs,
         ref_model=ref_model,
         behaviour=behaviour,
+        drafts=cfg.mtp_in_model,
     )
     passes.check(records)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -184,10 +187,13 @@ def train_on_batch(
         temperature=cfg.rollout.temperature,
         compute_entropy=True,
         check_finite=False,
+        mtp_coef=cfg.gspo.mtp_loss_coef,
     )
     with passes.training():  # the training forwards replay the recorded routes
         steps = [_train_mini_batch(ddp, optimizer, scheduler, micro, loss_func, cfg) for micro in minis]
-    metrics = reduce_loss_metrics([out if reporter else [] for out, _, _ in steps], len(minis))
+    metrics = reduce_loss_metrics(
+        [out if reporter else [] for out, _, _ in steps], len(minis), mtp_loss=cfg.gspo.mtp_loss_coef > 0
+    )
     metrics.update(step_sum_metrics(sums.all_reduce()))
     applied = [ok for _, ok, _ in steps]
     metrics.update(
@@ -215,6 +221,7 @@ def _train_mini_batch(ddp, optimizer, scheduler, micro: list[dict], loss_func, c
         partial(loss_func, num_microbatches=len(micro)),
         forward_only=False,
         fused_logprobs=cfg.model.fused_logprobs,
+        with_drafts=cfg.gspo.mtp_loss_coef > 0,  # the MTP layers run (and learn) only when their loss is on
     )
     ok, gn = optimizer_step(optimizer, scheduler)
     return out, ok, gn

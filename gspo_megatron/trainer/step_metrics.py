@@ -9,12 +9,14 @@ Two kinds of numbers leave a rank:
   compared (token, layer) counts (r3; disjoint over ranks). :func:`step_sum_metrics` turns them into
   ``rollout/logprob_abs_diff`` = gap / max(tokens, 1), ``perf/padding_frac`` = 1 - real / max(computed,
   1), ``rollout/route_agreement`` = agree / compared and ``rollout/indexer_agreement`` (only where
-  something was compared);
+  something was compared); with MTP layers in the model, the draft's first-token acceptance counts
+  (``draft_accept`` / ``draft_positions``, last stage, TP rank 0) give ``spec/draft_accept_rate``;
 - the loss function's micro-batch metrics (reported on the last stage, TP rank 0 only),
   :func:`reduce_loss_metrics`: ``loss/total`` and ``loss/policy`` summed per mini-batch then averaged
   over mini-batches; the :data:`LOSS_MEANS` weighted by each micro-batch's ``num_seqs`` (only those the
   loss reported at all); ``gspo/ratio_min`` / ``gspo/ratio_max`` over everything (1.0 when nothing was
-  seen); ``train/num_seqs``.
+  seen); ``train/num_seqs``; with the MTP loss (``mtp_loss``), ``loss/mtp`` (the draft's cross entropy,
+  without its coefficient, per mini-batch, averaged).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ STEP_SUMS = (
     "route_compared",
     "indexer_agree",  # r3, DSA: (token, layer) indexer selections equal to the engine's
     "indexer_compared",
+    "draft_accept",  # model.mtp: response positions where the MTP draft's top-1 is the emitted token
+    "draft_positions",  # the positions counted (losses/mtp_loss.draft_acceptance)
 )
 
 # (the loss function's metric, its name in metrics.jsonl): sequence-weighted means over the step
@@ -52,7 +56,7 @@ LOSS_MEANS = (
     ("tis_capped_fraction", "tis/capped_frac"),
 )
 _MEAN_KEYS = tuple(key for key, _ in LOSS_MEANS)
-_LOSS_TOTALS = ("num_seqs", "loss", "pg_loss")  # sum of num_seqs weights, of losses, of policy losses
+_LOSS_TOTALS = ("num_seqs", "loss", "pg_loss", "mtp_loss")  # sum of num_seqs weights, losses, policy / MTP losses
 
 
 class NamedSums:
@@ -101,6 +105,9 @@ def old_pass_sums(flat: list[dict], counts: dict[str, int], *, gap_reporter: boo
         for b in flat:
             sums.add("engine_gap", ((b["old_logprobs"] - b["engine_logprobs"]).abs() * b["loss_mask"]).sum().double())
             sums.add("engine_gap_tokens", b["loss_mask"].sum().double())
+            if "draft_positions" in b:
+                sums.add("draft_accept", b["draft_accept"])
+                sums.add("draft_positions", b["draft_positions"])
     if reporter:
         sums.add("computed_tokens", float(sum(b["num_computed_tokens"] for b in flat)))
         sums.add("real_tokens", float(sum(b["num_real_tokens"] for b in flat)))
@@ -118,10 +125,12 @@ def step_sum_metrics(total: dict[str, Tensor]) -> dict[str, float]:
         out["rollout/route_agreement"] = float(total["route_agree"] / total["route_compared"])
     if total["indexer_compared"] > 0:
         out["rollout/indexer_agreement"] = float(total["indexer_agree"] / total["indexer_compared"])
+    if total["draft_positions"] > 0:
+        out["spec/draft_accept_rate"] = float(total["draft_accept"] / total["draft_positions"])
     return out
 
 
-def reduce_loss_metrics(per_minibatch: list[list[dict]], num_minibatches: int) -> dict[str, float]:
+def reduce_loss_metrics(per_minibatch: list[list[dict]], num_minibatches: int, mtp_loss: bool = False) -> dict[str, float]:
     """Global step metrics from the loss functions' micro-batch metrics (``per_minibatch``: per
     mini-batch, this rank's micro-batch dicts; empty off the reporting ranks); four all-reduces
     (sums, which means were seen, min, max). Rules: module docstring."""
@@ -140,6 +149,7 @@ def reduce_loss_metrics(per_minibatch: list[list[dict]], num_minibatches: int) -
             sums.add("num_seqs", w)
             sums.add("loss", m["loss"])
             sums.add("pg_loss", m.get("pg_loss", 0.0))
+            sums.add("mtp_loss", m.get("mtp_loss", 0.0))
             if w > 0:
                 lo[0] = min(lo[0].item(), m["ratio_min"])
                 hi[0] = max(hi[0].item(), m["ratio_max"])
@@ -151,6 +161,8 @@ def reduce_loss_metrics(per_minibatch: list[list[dict]], num_minibatches: int) -
     out = {name: total[key].item() / w for key, name in LOSS_MEANS if saw[key] > 0}
     out["loss/total"] = total["loss"].item() / num_minibatches
     out["loss/policy"] = total["pg_loss"].item() / num_minibatches
+    if mtp_loss:
+        out["loss/mtp"] = total["mtp_loss"].item() / num_minibatches
     out["gspo/ratio_min"] = lo.item() if math.isfinite(lo.item()) else 1.0
     out["gspo/ratio_max"] = hi.item() if math.isfinite(hi.item()) else 1.0
     out["train/num_seqs"] = total["num_seqs"].item()

@@ -32,12 +32,18 @@ from gspo_megatron.trainer.micro_batches import compute_logprobs
 from gspo_megatron.trainer.route_replay import RouteReplay, replay_phase, route_replay_for
 
 
-def attach_logprobs(model, batches: list[dict], key: str, temperature: float, fused: bool = True) -> None:
+def attach_logprobs(
+    model, batches: list[dict], key: str, temperature: float, fused: bool = True, drafts: bool = False
+) -> None:
     """batch[key] = the model's log-probs of the labels, float32 [b, s] (last stage; zeros of the
-    ``loss_mask``'s shape elsewhere, unused)."""
-    out = compute_logprobs(model, batches, temperature=temperature, fused_logprobs=fused)
+    ``loss_mask``'s shape elsewhere, unused). ``drafts`` (a model with MTP layers): the same forward
+    also counts the draft's first-token acceptance into batch["draft_accept"] / ["draft_positions"]
+    (last stage; ``losses/mtp_loss.draft_acceptance``)."""
+    out = compute_logprobs(model, batches, temperature=temperature, fused_logprobs=fused, with_drafts=drafts)
     for i, b in enumerate(batches):
         b[key] = out[i]["logprobs"].float() if out is not None else torch.zeros_like(b["loss_mask"])
+        if out is not None and "draft_positions" in out[i]:
+            b["draft_accept"], b["draft_positions"] = out[i]["draft_accept"], out[i]["draft_positions"]
 
 
 @dataclass(frozen=True)
@@ -93,14 +99,16 @@ class RoutingReplayPasses:
 
 @dataclass(frozen=True)
 class CurrentPolicy:
-    """On-policy: the old log-probs are the trainer's forward with its current weights."""
+    """On-policy: the old log-probs are the trainer's forward with its current weights (the weights that
+    generated the batch, draft included: ``drafts`` counts the MTP draft's acceptance in that forward)."""
 
     temperature: float
     fused_logprobs: bool
+    drafts: bool = False
 
     def attach_old(self, model, batches: list[dict], records: list[Sample]) -> None:
         """batch["old_logprobs"] [b, s] for every batch."""
-        attach_logprobs(model, batches, "old_logprobs", self.temperature, self.fused_logprobs)
+        attach_logprobs(model, batches, "old_logprobs", self.temperature, self.fused_logprobs, self.drafts)
 
     def trained(self) -> None:
         """Nothing to track."""
@@ -114,6 +122,7 @@ class GeneratingPolicy:
     history: WeightHistory
     temperature: float
     fused_logprobs: bool
+    drafts: bool = False
 
     def attach_old(self, model, batches: list[dict], records: list[Sample]) -> None:
         """batch["old_logprobs"] [b, s]: one forward per generating version
@@ -122,8 +131,8 @@ class GeneratingPolicy:
         current = self.history.current
         if any(int(v) != current for r in records for v in behaviour_versions(r)):
             self.history.attach_old_logprobs(model, batches, records, self.temperature, self.fused_logprobs)
-        else:
-            attach_logprobs(model, batches, "old_logprobs", self.temperature, self.fused_logprobs)
+        else:  # the draft's acceptance is counted only here, where one version generated every token
+            attach_logprobs(model, batches, "old_logprobs", self.temperature, self.fused_logprobs, self.drafts)
 
     def trained(self) -> None:
         """The step's updates are done: the weights are the next policy version."""
@@ -171,16 +180,18 @@ class StepPasses:
         fused_logprobs: bool,
         ref_model: torch.nn.Module | None = None,
         behaviour: WeightHistory | None = None,
+        drafts: bool = False,
     ) -> StepPasses:
         """The passes of the policy ``model`` (its :class:`RouteReplay` is built on first use and kept
         on the model): ``routing_replay`` is ``rollout.routing_replay`` ("off", "r2", "r3"),
         ``temperature`` ``rollout.temperature``, ``fused_logprobs`` ``model.fused_logprobs``,
         ``ref_model`` the KL reference (None: none), ``behaviour`` the off-policy weight history (None:
-        on-policy)."""
+        on-policy), ``drafts`` the model holds MTP layers (``model.mtp``: the old pass counts the
+        draft's acceptance)."""
         old_policy: CurrentPolicy | GeneratingPolicy = (
-            CurrentPolicy(temperature, fused_logprobs)
+            CurrentPolicy(temperature, fused_logprobs, drafts)
             if behaviour is None
-            else GeneratingPolicy(behaviour, temperature, fused_logprobs)
+            else GeneratingPolicy(behaviour, temperature, fused_logprobs, drafts)
         )
         reference: ReferenceModel | NoReference = (
             NoReference()

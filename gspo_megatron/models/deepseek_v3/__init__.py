@@ -51,6 +51,8 @@ class DeepseekV3(ModelFamily):
     name = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
     sglang_modules = {"DeepseekV3ForCausalLM": "deepseek_v2"}
+    sglang_draft_modules = {"DeepseekV3ForCausalLMNextN": "deepseek_nextn"}
+    mtp_trainable = True
     sglang_ties_lm_head = True  # sglang's deepseek_v2.py: lm_head = embed_tokens when tied (engine pp 1)
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
     fp8_modules = (

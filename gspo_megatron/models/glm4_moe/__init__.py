@@ -19,6 +19,8 @@ class Glm4Moe(GQAFamily):
     name = "glm4_moe"
     architectures = ("Glm4MoeForCausalLM",)
     sglang_modules = {"Glm4MoeForCausalLM": "glm4_moe"}
+    sglang_draft_modules = {"Glm4MoeForCausalLMNextN": "glm4_moe_nextn"}
+    mtp_trainable = True
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
     shared_expert_block = "mlp.shared_experts"
     attention_bias_on_o_proj = False

@@ -1,0 +1,343 @@
+"""Speculative decoding in the CPU server: sglang 0.5.23's EAGLE with the checkpoint's MTP layer as the draft
+(``--speculative-algorithm EAGLE`` / ``NEXTN``, top-1 chains), its flags, its two runners and its
+acceptance rule.
+
+Flags (:func:`resolve_args`, sglang's ``arg_groups/speculative_hook.py``): ``NEXTN`` and ``EAGLE`` resolve to
+``EAGLE`` (``_resolve_speculative_algorithm_alias``); a name sglang does not know is its ``ValueError("Unknown
+speculative algorithm name: ...")`` (``srt/speculative/spec_info.py`` ``SpeculativeAlgorithm.from_string``);
+without ``--speculative-num-steps`` the three are auto-chosen (3, 1, 4) (``_auto_choose_speculative_params``,
+after sglang's bare ``assert`` that ``--speculative-eagle-topk`` and ``--speculative-num-draft-tokens`` are
+unset too); with top-k 1, ``num_draft_tokens`` becomes ``steps + 1`` (``_handle_eagle_family``); the draft path
+defaults to ``--model-path`` (``_handle_eagle_family``, the DeepSeek-V3 / GLM-4.5 MTP architectures). Stand-in
+limits, refused in one line: another algorithm (EAGLE3, STANDALONE, NGRAM, DFLASH...), ``--speculative-eagle-topk
+> 1`` (trees), ``--speculative-num-steps < 1``.
+
+Runners (``worker.TPWorker``): the target and the draft, each with its shard store and, with
+``--sglang-loader-check``, sglang's own class: the draft's is the family's ``sglang_draft_modules`` class
+(``Glm4MoeForCausalLMNextN`` / ``DeepseekV3ForCausalLMNextN``) built from ``ModelConfig(is_draft_model=True)``
+(``configs/model_config.py`` renames the architecture), sharing the target's embedding and head
+(``speculative/eagle_worker_v2.py`` ``init_lm_head`` -> ``set_embed_and_head``). Every weight update goes to
+the runners its ``selector`` names (:func:`parse_selector`; ``managers/io_struct.py``
+``BeginWeightUpdateReqInput`` / ``UpdateWeightsFromTensorReqInput`` / ``UpdateWeightsFromDistributedReqInput``
+``selector: Literal["target", "draft", "all"] = "all"``; ``managers/scheduler_components/weight_updater.py``
+``_select_runners``), each runner's loader taking the whole bucket and keeping its own names (the target skips
+the MTP layer, the draft everything else: ``srt/models/glm4_moe.py`` ``load_weights(is_nextn=...)``).
+
+Generation (:class:`SpeculativeDecoder`, one request at a time on rank 0, full recompute of the draft, the
+target with a KV cache): the target's prefill samples the first token (as without speculation) and gives the
+final hidden states h_j (after the final norm: what sglang's ``LogitsProcessor`` hands the draft). Then per
+cycle, with L committed tokens t_0..t_{L-1} and h_0..h_{L-2}:
+
+1. draft (``engines/mtp_draft.MTPDraft``, the synced MTP layer with the target's current embedding and head):
+   inputs (h_j, t_{j+1}) at positions j = 0..L-2 (sglang's draft extend: "The draft runs at absolute target
+   positions", ``eagle_worker_v2.py``); d_1 = argmax of its last logits; each further step feeds its own
+   g and proposal one position on (``eagle_worker_v2.py`` ``draft_forward``: top-1 ``argmax``,
+   ``positions.add_(1)``), ``steps`` proposals in all;
+2. verify: one target forward of (t_{L-1}, d_1..d_s) at positions L-1..L-1+s; row i is the target's
+   distribution of the token after d_i;
+3. accept (:func:`accept_greedy` / :func:`accept_sampled`, ``speculative/eagle_utils.py`` ``eagle_sample``):
+   a batch of greedy requests (sglang's ``is_all_greedy``) accepts while d_{i+1} is the target's argmax of row
+   i and adds the argmax of the first row not matched (``verify_tree_greedy_func``); otherwise sglang's
+   ``tree_speculative_sampling_target_only`` (``kernels/jit/include/sgl_kernel/speculative/sampling.cuh``,
+   ``TreeSpeculativeSamplingTargetOnly``) with ``draft_probs = 0`` and the default thresholds
+   (``--speculative-accept-threshold-single`` / ``-acc`` 1.0): target probabilities q_i = softmax(logits_i /
+   T) renormalized to top-k then top-p; d_{i+1} is accepted when q_i(d) > 0 and a fresh uniform u < q_i(d)
+   (or q_i(d) >= 1); at the first rejection the token is drawn from q_i with d removed, renormalized
+   (``relu(q - p)`` where the kernel wrote p(d) = q(d)); after s acceptances the bonus token is drawn from
+   q_s. The emitted tokens are distributed exactly as plain sampling's (P(x) = q(d)[x = d] + (1 - q(d))
+   q(x)[x != d] / (1 - q(d)) = q(x)). (sglang's own CPU platform verifies greedily whatever the
+   temperature, ``_verify_uses_greedy``: ``is_cpu``; this stand-in follows the CUDA path the GPU engines run);
+4. the accepted tokens and the bonus are committed (stop tokens and ``max_new_tokens`` cut the output as
+   without speculation), their target hidden states appended, the KV cache cropped.
+
+Log-probs are the target's, from the rows each token was emitted at, as without speculation
+(``log_softmax(logits / T)`` of the unfiltered distribution; ``log_softmax(logits)`` for a greedy batch).
+Counts per request (``managers/scheduler_components/batch_result_processor.py``: every verify adds 1 to
+``spec_verify_ct`` and its accepted drafts to ``spec_num_correct_drafts``, whatever the finish cuts
+afterwards; the histogram of accepted drafts per verify, ``schedule_batch.py``), turned into meta_info by
+:func:`spec_meta_info` (``managers/tokenizer_manager.py`` ``_calculate_spec_decoding_metrics``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+ALGORITHM = "EAGLE"
+ALIASES = ("NEXTN", "EAGLE")  # -> EAGLE (_resolve_speculative_algorithm_alias)
+# sglang 0.5.23's builtin algorithms (spec_info.py SpeculativeAlgorithm) besides NONE
+BUILTIN = ("DFLASH", "UNO", "DSPARK", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "STANDALONE", "NGRAM")
+AUTO_PARAMS = (3, 1, 4)  # _auto_choose_speculative_params for the MTP architectures
+SELECTORS = ("target", "draft", "all")
+THRESHOLD = 1.0  # --speculative-accept-threshold-single / -acc defaults (arg_groups/fields/spec.py)
+
+
+# -- flags -------------------------------------------------------------------------------------------
+def add_speculative_args(p) -> None:
+    """sglang's speculative flags (``arg_groups/fields/spec.py``), the subset the CPU server serves."""
+    p.add_argument("--speculative-algorithm", default=None, help="EAGLE or NEXTN (-> EAGLE): the checkpoint's MTP layer drafts")
+    p.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None)
+    p.add_argument("--speculative-num-steps", type=int, default=None)
+    p.add_argument("--speculative-eagle-topk", type=int, default=None)
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+
+
+def resolve_args(ns, error: Callable[[str], Any]) -> None:
+    """sglang's resolution of the speculative flags on the parsed ``ns`` (module docstring); ``error``:
+    argparse's (one line, exit 2)."""
+    algo = ns.speculative_algorithm
+    if algo is None:
+        return
+    upper = algo.upper()
+    if upper not in BUILTIN and upper not in ALIASES:
+        error(f"Unknown speculative algorithm name: {algo} (srt/speculative/spec_info.py)")
+    if upper not in ALIASES:
+        error(
+            f"--speculative-algorithm {algo}: the CPU server serves EAGLE / NEXTN (the checkpoint's MTP layer as "
+            "the draft) only"
+        )
+    ns.speculative_algorithm = ALGORITHM
+    if ns.speculative_draft_model_path is None:
+        ns.speculative_draft_model_path = ns.model_path
+    if ns.speculative_num_steps is None:
+        if ns.speculative_eagle_topk is not None or ns.speculative_num_draft_tokens is not None:
+            error(
+                "--speculative-eagle-topk / --speculative-num-draft-tokens without --speculative-num-steps: sglang "
+                "asserts both unset before choosing all three (arg_groups/speculative_hook.py _handle_eagle_family)"
+            )
+        ns.speculative_num_steps, ns.speculative_eagle_topk, ns.speculative_num_draft_tokens = AUTO_PARAMS
+    if ns.speculative_num_steps < 1:
+        error(f"--speculative-num-steps {ns.speculative_num_steps}: the CPU server drafts at least 1 token per verify")
+    if ns.speculative_eagle_topk is None:
+        ns.speculative_eagle_topk = 1
+    if ns.speculative_eagle_topk != 1:
+        error(f"--speculative-eagle-topk {ns.speculative_eagle_topk}: the CPU server drafts top-1 chains only (no trees)")
+    # sglang: "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1"
+    ns.speculative_num_draft_tokens = ns.speculative_num_steps + 1
+
+
+def parse_selector(selector: Any, use_sglang: bool = True) -> set[str]:
+    """The runners a weight update's ``selector`` names: sglang's ``_parse_runner_selector``
+    (``managers/scheduler_components/weight_updater.py``): ``all`` -> both, ``target`` / ``draft`` -> that
+    one, anything else its ``ValueError`` ("invalid selector ...; expected 'target', 'draft', or 'all'").
+    ``use_sglang``: call sglang's own function (the server holds sglang's models); else its three lines."""
+    if not use_sglang:
+        return _restated_selector(selector)
+    try:
+        from sglang.srt.managers.scheduler_components.weight_updater import _parse_runner_selector
+    except Exception:  # noqa: BLE001 - sglang not importable here: the same three lines
+        return _restated_selector(selector)
+    return set(_parse_runner_selector(selector))
+
+
+def _restated_selector(selector: Any) -> set[str]:
+    if selector == "all":
+        return {"target", "draft"}
+    if selector in ("target", "draft"):
+        return {selector}
+    raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
+
+
+def selector_refusal(body: dict) -> tuple[int, dict] | None:
+    """What sglang's HTTP server answers for a body whose ``selector`` is not one of the Literal's values:
+    FastAPI validates the msgspec struct through pydantic (``utils/msgspec_utils.py``
+    ``msgspec_struct_pydantic_core_schema``) and answers 422 with pydantic's ``literal_error`` before the
+    scheduler sees it. None for a valid (or absent: ``all``) selector."""
+    if "selector" not in body or body["selector"] in SELECTORS:
+        return None
+    return 422, {
+        "detail": [
+            {
+                "type": "literal_error",
+                "loc": ["body", "selector"],
+                "msg": "Input should be 'target', 'draft' or 'all'",
+                "input": body["selector"],
+                "ctx": {"expected": "'target', 'draft' or 'all'"},
+            }
+        ]
+    }
+
+
+# -- acceptance --------------------------------------------------------------------------------------
+def accept_greedy(logits: torch.Tensor, drafts: Sequence[int]) -> tuple[int, int]:
+    """sglang's greedy verify of a top-1 chain (``verify_tree_greedy_func``): logits [s + 1, V] of the verify
+    rows, drafts [s]. Returns (n accepted drafts, the target's argmax of row n: the bonus token)."""
+    target = logits.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(drafts) and int(drafts[n]) == int(target[n]):
+        n += 1
+    return n, int(target[n])
+
+
+def accept_sampled(
+    probs: torch.Tensor,
+    drafts: Sequence[int],
+    coins: Sequence[float],
+    final_coin: float,
+    threshold_single: float = THRESHOLD,
+    threshold_acc: float = THRESHOLD,
+) -> tuple[int, int]:
+    """sglang's ``TreeSpeculativeSamplingTargetOnly`` on a top-1 chain with ``draft_probs = 0`` (module
+    docstring). probs [s + 1, V]: the target's (temperature, top-k, top-p renormalized) probabilities of the
+    verify rows; drafts [s]; coins [s]: the uniform of each row (the kernel's ``uniform_samples`` at the last
+    accepted node); final_coin: the uniform of the final draw. Returns (n accepted drafts, the token drawn
+    after them: from row n with the rejected draft removed, or the bonus from row s)."""
+    n, removed = 0, None
+    for j, d in enumerate(drafts):
+        p = float(probs[n, int(d)])
+        if p > 0 and (float(coins[n]) < p / max(threshold_acc, 1e-9) or p >= threshold_single):
+            n = j + 1
+            continue
+        removed = int(d)
+        break
+    q = probs[n].double().clone()
+    if removed is not None:
+        q[removed] = 0.0  # relu(q - draft_probs), draft_probs[d] = q[d]
+    cums = torch.cumsum(q, 0)
+    u = float(final_coin) * float(cums[-1])
+    above = torch.nonzero(cums > u)
+    valid = torch.nonzero(q > 0)
+    if len(above):
+        token = int(above[0])
+    else:  # u at the very top of the mass: the kernel's last valid id
+        token = int(valid[-1]) if len(valid) else q.numel() - 1
+    return n, token
+
+
+# -- generation --------------------------------------------------------------------------------------
+@dataclass
+class SpecCounts:
+    """One request's speculative counts (sglang's ``Req`` fields)."""
+
+    verify_ct: int = 0
+    num_correct_drafts: int = 0
+    histogram: list | None = None
+
+    def add(self, n: int) -> None:
+        self.verify_ct += 1
+        self.num_correct_drafts += n
+        h = self.histogram if self.histogram is not None else []
+        h.extend([0] * (n + 1 - len(h)))
+        h[n] += 1
+        self.histogram = h
+
+
+def spec_meta_info(counts: dict | None, completion_tokens: int, num_draft_tokens: int) -> dict:
+    """sglang's ``_calculate_spec_decoding_metrics`` (``managers/tokenizer_manager.py``): nothing unless the
+    request had a verify forward; else ``spec_accept_rate`` = correct / proposed (proposed = verify_ct *
+    (num_draft_tokens - 1)), ``spec_accept_length`` = completion_tokens / verify_ct (the bonus included),
+    ``spec_num_correct_drafts``, ``spec_num_proposed_drafts``, ``spec_verify_ct`` and the histogram."""
+    if not counts or int(counts.get("verify_ct", 0)) <= 0:
+        return {}
+    verify = int(counts["verify_ct"])
+    proposed = verify * (int(num_draft_tokens) - 1)
+    out: dict = {}
+    if proposed > 0:
+        correct = int(counts["num_correct_drafts"])
+        out = {
+            "spec_accept_rate": correct / proposed,
+            "spec_accept_length": completion_tokens / verify,
+            "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": proposed,
+            "spec_verify_ct": verify,
+        }
+        if counts.get("histogram"):
+            out["spec_correct_drafts_histogram"] = list(counts["histogram"])
+    return out
+
+
+class SpeculativeDecoder:
+    """Rank 0's speculative generation (module docstring) on the transformers model of ``engine``
+    (``engines.hf_engine.HFRolloutEngine``) with ``draft`` (``engines.mtp_draft.MTPDraft`` sharing that
+    model's embedding and head) and ``steps`` draft tokens per verify. ``recorder``: a
+    ``cpu_server.routes.RouteRecorder`` on the model, or None."""
+
+    def __init__(self, engine: Any, draft: Any, steps: int, recorder: Any = None):
+        self.engine, self.draft, self.steps, self.recorder = engine, draft, int(steps), recorder
+
+    def _forward(self, ids: list[int], start: int, cache) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """One target forward of ``ids`` at positions ``start..``: (final hidden [n, H], logits [n, V] fp32,
+        the routes [n, layers, topk] or None)."""
+        dev = self.engine.device
+        out = self.engine.model(
+            input_ids=torch.tensor([ids], device=dev),
+            position_ids=torch.arange(start, start + len(ids), device=dev)[None],
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        routes = self.recorder.take(1, len(ids))[0] if self.recorder is not None else None
+        return out.hidden_states[-1][0], out.logits[0].float(), routes
+
+    def _propose(self, hidden: torch.Tensor, seq: list[int]) -> list[int]:
+        """``steps`` top-1 draft tokens after ``seq`` (L tokens), from the target's h_0..h_{L-2} ``hidden``."""
+        dev = hidden.device
+        h, x = hidden, torch.tensor(seq[1:], device=dev)
+        drafts = []
+        for _ in range(self.steps):
+            g, logits = self.draft(h, x, torch.arange(len(x), device=dev))
+            d = int(logits[-1].float().argmax())
+            drafts.append(d)
+            h = torch.cat([h, g[-1:].to(h.dtype)])
+            x = torch.cat([x, torch.tensor([d], device=dev)])
+        return drafts
+
+    @torch.no_grad()
+    def generate(self, prompt: Sequence[int], params: Any, generator: torch.Generator, stop_ids) -> dict:
+        """One request. params: ``engines.base.SamplingParams`` (temperature 0: a greedy batch); stop_ids: the
+        request's stop tokens. Returns ``{"output_ids", "logprobs", "stopped", "spec": {...}, "routes"}``
+        (routes int64 [P + R - 1, layers, topk] or None)."""
+        from transformers import DynamicCache
+
+        from gspo_megatron.engines.hf_engine import HFRolloutEngine, _top_k_top_p_filter
+
+        greedy = params.temperature == 0
+        model = self.engine.model
+        cache = DynamicCache(config=model.config)
+        prompt = [int(t) for t in prompt]
+        hidden, logits, routes = self._forward(prompt, 0, cache)
+        route_rows = [routes] if routes is not None else None
+        tok, lp = HFRolloutEngine._sample(logits[-1:], params, generator)
+        out_ids, logps = [int(tok[0])], [float(lp[0])]
+        counts = SpecCounts()
+        stopped = out_ids[-1] in stop_ids
+        seq = prompt + out_ids
+        while not stopped and len(out_ids) < params.max_new_tokens:
+            drafts = self._propose(hidden, seq)
+            L = len(seq)
+            v_hidden, v_logits, v_routes = self._forward([seq[-1]] + drafts, L - 1, cache)
+            if greedy:
+                n, last = accept_greedy(v_logits, drafts)
+            else:
+                scaled = v_logits / params.temperature
+                probs = torch.softmax(_top_k_top_p_filter(scaled, params.top_k, params.top_p), dim=-1)
+                coins = torch.rand(len(drafts), generator=generator).tolist()
+                final = float(torch.rand(1, generator=generator))
+                n, last = accept_sampled(probs, drafts, coins, final)
+            counts.add(n)
+            emitted = drafts[:n] + [last]
+            logp = torch.log_softmax(v_logits if greedy else v_logits / params.temperature, dim=-1)
+            for i, t in enumerate(emitted):
+                out_ids.append(int(t))
+                logps.append(float(logp[i, t]))
+                if t in stop_ids:
+                    stopped = True
+                if stopped or len(out_ids) >= params.max_new_tokens:
+                    break
+            hidden = torch.cat([hidden, v_hidden[: n + 1]])
+            if route_rows is not None:
+                route_rows.append(v_routes[: n + 1])
+            seq = prompt + out_ids
+            # keep positions 0..L+n-1 (the committed tokens but the last): drop the s - n rejected rows
+            cache.crop(-(len(drafts) - n))
+        result = {"output_ids": out_ids, "logprobs": logps, "stopped": stopped}
+        result["spec"] = {
+            "verify_ct": counts.verify_ct,
+            "num_correct_drafts": counts.num_correct_drafts,
+            "histogram": counts.histogram,
+        }
+        if route_rows is not None:  # sglang's [0, seqlen - 1)
+            result["routes"] = torch.cat(route_rows)[: len(prompt) + len(out_ids) - 1]
+        return result

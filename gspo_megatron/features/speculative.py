@@ -1,0 +1,160 @@
+"""``rollout.speculative``: the engines decode speculatively with the checkpoint's own multi-token-prediction
+(MTP) layer as the draft (sglang 0.5.23 EAGLE with a top-1 chain, ``rollout.speculative_steps`` draft
+tokens per target verify), and ``model.mtp``: that MTP layer is part of the trained model, trained with
+``gspo.mtp_loss_coef`` and sent by every weight sync to the engines' draft (the sync stream carries it
+under its HF names ``model.layers.{N}.*``, N = num_hidden_layers).
+
+Engine flags (:meth:`Speculative.engine_args`), as sglang 0.5.23 resolves them:
+
+- ``--speculative-algorithm EAGLE``: ``NEXTN`` is an alias that ``arg_groups/speculative_hook.py``
+  ``_resolve_speculative_algorithm_alias`` turns into ``EAGLE`` (``srt/speculative/spec_registry.py``
+  ``_RESERVED_ALIASES = {"NEXTN"}``, ``spec_info.py`` ``SpeculativeAlgorithm.from_string``), so
+  ``/server_info`` reports ``EAGLE`` either way; the trainer asks for ``EAGLE`` so that an attached engine's
+  value compares equal.
+- ``--speculative-num-steps rollout.speculative_steps``, ``--speculative-eagle-topk 1`` and
+  ``--speculative-num-draft-tokens steps + 1``: with top-k 1 sglang sets ``num_draft_tokens = steps + 1``
+  whatever was given (``_handle_eagle_family``, "speculative_num_draft_tokens is adjusted to
+  speculative_num_steps + 1 when speculative_eagle_topk == 1"); with none of the three set it picks (3, 1, 4)
+  for these architectures (``_auto_choose_speculative_params``).
+- no ``--speculative-draft-model-path``: for the DeepSeek-V3 / GLM-4.5 architectures sglang defaults it to
+  ``--model-path`` (``_handle_eagle_family``: "DeepSeek MTP does not require setting
+  speculative_draft_model_path"); the draft is the MTP layer of the checkpoint directory, built with
+  ``ModelConfig(is_draft_model=True)`` (``configs/model_config.py``: ``Glm4MoeForCausalLM`` ->
+  ``Glm4MoeForCausalLMNextN``, ``DeepseekV3ForCausalLM`` -> ``DeepseekV3ForCausalLMNextN``), sharing the
+  target's embedding and head (``speculative/eagle_worker_v2.py`` ``init_lm_head``: ``set_embed_and_head``).
+
+What sglang 0.5.23 refuses or changes next to the flags this trainer sets (read in
+``arg_groups/speculative_hook.py``, ``lora_hook.py``, ``attention_hook.py``, ``kv_cache_hook.py``,
+``parallel_hook.py``): nothing the trainer derives is refused. ``--enable-return-routed-experts`` is
+kept (the draft's capture is switched off: ``model_executor/model_runner.py``
+``disable_routed_experts_capture_for_draft``); LoRA is allowed with EAGLE (``lora_hook.py``
+``check_lora_speculative_compatibility`` refuses only ``--speculative-adaptive``, the
+``experimental_sgl_trtllm`` MoE runner and ``SGLANG_ENABLE_OVERLAP_PLAN_STREAM``; the adapters apply to the
+target, the draft runs unadapted); ``--enable-deterministic-inference`` is refused only with rejection
+sampling off CUDA (not set here); DP attention is refused for STANDALONE only and page size > 1 only with
+top-k > 1 (the trainer sets neither). sglang does reset ``max_running_requests`` to 48 when unset
+(``_handle_eagle_family``): :meth:`Speculative.notes` says so.
+
+Refused here (one line each, :meth:`Speculative.config_errors` / :meth:`Speculative.model_errors`):
+speculative without ``rollout.engine=sglang``; ``rollout.speculative_steps < 1``; ``gspo.mtp_loss_coef > 0``
+without the MTP layer in the model; ``model.mtp`` with ``rollout.lora_sync=adapter`` (an adapter sync sends
+only the adapters: the engines' draft would never get the trained MTP layer); a checkpoint whose family or
+MTP layer count the draft cannot serve (``models.mtp.mtp_errors``) when the model holds the MTP layer or the
+engines draft with it (``model.mtp=false`` with speculative keeps the published draft of the checkpoint
+directory, which must have it).
+
+Metrics: ``spec/engine_accept_length`` (sum of completion tokens / sum of verify forwards over a step, the
+bonus token included: sglang's ``spec_accept_length``), ``spec/engine_accept_rate`` (sum of accepted draft
+tokens / sum of proposed ones: ``spec_accept_rate``), both from the engines' ``meta_info``
+(``engines/sglang_engine.py`` ``spec_counts`` keeps ``spec_verify_ct`` / ``spec_num_correct_drafts`` /
+``spec_num_proposed_drafts`` on each RolloutSample, and ``engine_spec_metrics`` sums them over a step's
+samples), and ``spec/draft_accept_rate`` (the trainer's own).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gspo_megatron.features.base import EngineFlag, Feature, PlanContext
+
+ALGORITHM = "EAGLE"  # what sglang resolves NEXTN to (module docstring)
+_SPEC = "rollout.speculative"
+
+
+def draft_tokens(steps: int) -> int:
+    """``--speculative-num-draft-tokens`` for a top-1 chain of ``steps`` draft tokens: ``steps + 1`` (the
+    verified token plus the drafts; sglang's ``_handle_eagle_family`` forces it for top-k 1)."""
+    return int(steps) + 1
+
+
+def speculative_server_args(steps: int) -> dict[str, Any]:
+    """The sglang ``ServerArgs`` fields of MTP speculative decoding with ``steps`` draft tokens per verify."""
+    return {
+        "speculative_algorithm": ALGORITHM,
+        "speculative_num_steps": int(steps),
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": draft_tokens(steps),
+    }
+
+
+class Speculative(Feature):
+    name = "speculative"
+    field = _SPEC
+    metrics = ("spec/engine_accept_length", "spec/engine_accept_rate", "spec/draft_accept_rate")
+    flags = {
+        "speculative_algorithm": EngineFlag(_SPEC),
+        "speculative_num_steps": EngineFlag("rollout.speculative_steps"),
+        "speculative_eagle_topk": EngineFlag(_SPEC),
+        "speculative_num_draft_tokens": EngineFlag("rollout.speculative_steps (+ 1)"),
+    }
+
+    def enabled(self, cfg) -> bool:
+        return bool(cfg.rollout.speculative) or cfg.mtp_in_model
+
+    def config_errors(self, cfg) -> list[str]:
+        r, e = cfg.rollout, []
+        if r.speculative and r.engine != "sglang":
+            e.append(
+                f"rollout.speculative=true needs rollout.engine=sglang (sglang's EAGLE decoding with the MTP draft; "
+                f"rollout.engine_server=cpu on CPU), got {r.engine}; set rollout.speculative=false"
+            )
+        if r.speculative and int(r.speculative_steps) < 1:
+            e.append(f"rollout.speculative_steps={r.speculative_steps} must be >= 1 (draft tokens per verify, e.g. 3)")
+        coef = float(cfg.gspo.mtp_loss_coef)
+        if coef > 0 and not cfg.mtp_in_model:
+            e.append(
+                f"gspo.mtp_loss_coef={coef} needs the MTP layer in the trained model: set model.mtp=true "
+                "(or leave it null with rollout.speculative=true), or gspo.mtp_loss_coef=0"
+            )
+        if cfg.mtp_in_model and cfg.model.lora.rank > 0 and r.lora_sync == "adapter":
+            e.append(
+                "model.mtp=true with rollout.lora_sync=adapter: an adapter sync sends only the LoRA adapters, so the "
+                "engines' draft would never get the trained MTP layer; set model.mtp=false (the engines keep the "
+                "checkpoint's draft) or rollout.lora_sync=merged"
+            )
+        return e
+
+    def model_errors(self, cfg, dims: Any) -> list[str]:
+        """``models.mtp.mtp_errors`` of the model's config.json (read as ``validate_model_layout``'s callers
+        read it, ``models.arch.model_hf_config``), each line prefixed with the setting that needs the MTP
+        layer."""
+        hf = _model_hf_config(cfg)
+        if hf is None:
+            return []
+        from gspo_megatron.models.mtp import mtp_errors
+
+        if cfg.model.mtp:
+            who = "model.mtp=true"
+        elif cfg.model.mtp is None:
+            who = "rollout.speculative=true (model.mtp null: the MTP layer trained and synced)"
+        else:
+            who = "rollout.speculative=true with model.mtp=false (the engines draft with the checkpoint's MTP layer)"
+        return [f"{who}: {why}" for why in mtp_errors(hf)]
+
+    def engine_args(self, cfg, hf: dict | None, route_spec: Any) -> dict[str, Any]:
+        if not cfg.rollout.speculative:
+            return {}
+        return speculative_server_args(cfg.rollout.speculative_steps)
+
+    def notes(self, ctx: PlanContext) -> list[str]:
+        if not ctx.cfg.rollout.speculative:
+            return []
+        return [
+            "speculative decoding: sglang 0.5.23 sets max_running_requests to 48 when it is not given "
+            "(arg_groups/speculative_hook.py _handle_eagle_family); the draft's MTP layer (one decoder layer) and "
+            "its KV cache come out of the engines' memory budget (not counted here)"
+        ]
+
+
+def _model_hf_config(cfg) -> dict | None:
+    """The model's config.json as the config checks' callers read it (None when it cannot be read: the
+    caller has refused that already)."""
+    from gspo_megatron.models.arch import model_hf_config
+
+    try:
+        return model_hf_config(cfg)[0]
+    except Exception:  # noqa: BLE001 - ConfigError / OSError: reported by the caller's own read
+        return None
+
+
+SPECULATIVE = Speculative()

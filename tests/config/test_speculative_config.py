@@ -1,0 +1,101 @@
+"""``rollout.speculative`` / ``model.mtp`` (features/speculative.py): the config refusals, one line each naming
+the field and what works; the model refusals (``models.mtp.mtp_errors``) on the checkpoint's config.json;
+``model.mtp=false`` with speculative decoding allowed (the engines keep the checkpoint's own draft)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from gspo_megatron.config import load_config, validate_model_layout
+from gspo_megatron.errors import ConfigError
+from gspo_megatron.features import enabled_features
+from gspo_megatron.features.speculative import SPECULATIVE, speculative_server_args
+
+SGLANG = ["rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=colocated"]
+SPEC = [*SGLANG, "rollout.speculative=true"]
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rollout.speculative=true"], r"rollout.speculative=true needs rollout.engine=sglang .*got hf"),
+        ([*SPEC, "rollout.speculative_steps=0"], r"rollout.speculative_steps=0 must be >= 1"),
+        (["gspo.mtp_loss_coef=0.3"], r"gspo.mtp_loss_coef=0.3 needs the MTP layer in the trained model: set model.mtp=true"),
+        ([*SPEC, "model.mtp=false", "gspo.mtp_loss_coef=0.1"], r"gspo.mtp_loss_coef=0.1 needs the MTP layer"),
+        (
+            [*SPEC, "model.lora.rank=4", "model.lora.alpha=8", "rollout.lora_sync=adapter"],
+            r"model.mtp=true with rollout.lora_sync=adapter: .*set model.mtp=false .*or rollout.lora_sync=merged",
+        ),
+    ],
+)
+def test_refusals_name_the_field_in_one_line(overrides, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config(None, overrides, check_files=False)
+    line = next(x for x in str(e.value).splitlines() if "speculative" in x or "mtp" in x)
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        SPEC,  # model.mtp null: on with speculative
+        [*SPEC, "model.mtp=false"],  # the engines draft with the published MTP layer
+        [*SPEC, "gspo.mtp_loss_coef=0.5", "rollout.speculative_steps=1"],
+        [*SGLANG, "model.mtp=true", "gspo.mtp_loss_coef=0.1"],  # trained and synced, no speculation
+        [*SPEC, "rollout.routing_replay=r3", "rollout.engine_deterministic=true"],  # sglang refuses neither
+        [*SPEC, "model.mtp=false", "model.lora.rank=4", "model.lora.alpha=8", "rollout.lora_sync=adapter"],
+    ],
+)
+def test_accepted(overrides):
+    cfg = load_config(None, overrides, check_files=False)
+    assert SPECULATIVE in enabled_features(cfg)
+
+
+def test_flags_and_enabled():
+    cfg = load_config(None, [*SPEC, "rollout.speculative_steps=2"], check_files=False)
+    assert cfg.mtp_in_model
+    assert SPECULATIVE.engine_args(cfg, None, None) == speculative_server_args(2) == {
+        "speculative_algorithm": "EAGLE",
+        "speculative_num_steps": 2,
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": 3,
+    }
+    trained = load_config(None, [*SGLANG, "model.mtp=true"], check_files=False)
+    assert SPECULATIVE.enabled(trained) and SPECULATIVE.engine_args(trained, None, None) == {}
+    assert not SPECULATIVE.enabled(load_config(None, SGLANG, check_files=False))
+
+
+def _tiny_dir(tmp_path, family, **overrides):
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    d = str(tmp_path / family)
+    save_tiny_hf_model(family, d, seed=0, **overrides)
+    with open(os.path.join(d, "config.json")) as f:
+        return d, json.load(f)
+
+
+@pytest.mark.parametrize(
+    "family, extra, mtp, ok",
+    [
+        ("glm4_moe", {"num_nextn_predict_layers": 1}, None, True),
+        ("deepseek_v3", {"num_nextn_predict_layers": 1}, "false", True),
+        ("glm4_moe", {"num_nextn_predict_layers": 0}, None, False),  # no MTP layer: nothing to draft with
+        ("glm4_moe", {"num_nextn_predict_layers": 0}, "false", False),  # the published draft must exist too
+        ("qwen3_moe", {}, None, False),  # a family without MTP support
+    ],
+)
+def test_model_refusals_come_from_models_mtp(tmp_path, family, extra, mtp, ok):
+    pytest.importorskip("gspo_megatron.models.mtp")
+    d, hf = _tiny_dir(tmp_path, family, **extra)
+    overrides = [*SPEC, f"model.hf_path={d}"] + ([f"model.mtp={mtp}"] if mtp else [])
+    cfg = load_config(None, overrides, check_files=False)
+    if ok:
+        validate_model_layout(cfg, hf)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate_model_layout(cfg, hf)
+    lines = [x for x in str(e.value).splitlines() if "rollout.speculative=true" in x or "model.mtp" in x]
+    assert lines, str(e.value)

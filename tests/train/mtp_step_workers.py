@@ -1,0 +1,138 @@
+"""Rank functions of tests/train/test_mtp_step.py (module level: spawned ranks import them).
+
+``step_grads`` runs the trainer's own step pieces (``trainer.step.split_batch``, the old-log-prob pass of
+``trainer.step_passes.CurrentPolicy`` with the draft's acceptance, one forward-backward through
+``trainer.micro_batches.run_schedule`` with ``losses.megatron_loss.make_megatron_loss_func``) on the same
+records for a model built without MTP layers and one built with them (``ModelOptions.mtp``), and returns
+per model the old log-probs, every parameter's gradient by name, the loss metrics and the acceptance
+counts."""
+
+from __future__ import annotations
+
+
+def make_records(vocab: int, seed: int = 0) -> list:
+    """Mixed-length Samples (prompt 2-6 tokens, response 3-9) with advantages of both signs."""
+    import torch
+
+    from gspo_megatron.sample import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(8):
+        p = int(torch.randint(2, 7, (1,), generator=g))
+        r = int(torch.randint(3, 10, (1,), generator=g))
+        ids = torch.randint(1, vocab, (p + r,), generator=g).tolist()
+        out.append(
+            Sample(
+                prompt_ids=ids[:p],
+                response_ids=ids[p:],
+                engine_logprobs=[-1.0] * r,
+                advantage=float(i % 3) - 1.0,
+            )
+        )
+    return out
+
+
+def _config(budget: int):
+    """The batch settings (the model is built here, not from the config; the MTP coefficient goes to the
+    loss function directly)."""
+    from gspo_megatron.config import load_config
+
+    return load_config(
+        None,
+        [
+            "parallel.micro_batch_size=2",
+            f"parallel.max_tokens_per_micro_batch={budget}",
+            "gspo.mini_batches=1",
+            "model.max_seq_len=16",
+            "data.max_prompt_len=8",
+            "rollout.max_new_tokens=8",
+        ],
+    )
+
+
+def _one_model(hf_dir: str, layout: dict, mtp: bool, records: list, budget: int, coef: float) -> dict:
+    from functools import partial
+
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
+    from gspo_megatron.runtime.distributed import destroy_distributed
+    from gspo_megatron.trainer.micro_batches import run_schedule, sequence_multiple
+    from gspo_megatron.trainer.optimizer import zero_grads
+    from gspo_megatron.trainer.step import loss_config, split_batch
+    from gspo_megatron.trainer.step_passes import CurrentPolicy
+    from tiny_models import tiny_megatron_model
+
+    ddp, opt, _sched = tiny_megatron_model(hf_dir, layout, mtp=mtp)
+    cfg = _config(budget)
+    dp, tp = ps.get_data_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    (micro,) = split_batch(cfg, records, dp, ps.get_data_parallel_rank(), pad_id=0, multiple=sequence_multiple(tp, 1))
+    CurrentPolicy(1.0, True, drafts=mtp).attach_old(ddp, micro, records)
+    zero_grads(ddp, opt)
+    out = run_schedule(
+        ddp,
+        micro,
+        partial(
+            make_megatron_loss_func,
+            cfg=loss_config(cfg),
+            tp_group=ps.get_tensor_model_parallel_group(),
+            cp_group=None,
+            data_parallel_size=dp,
+            num_microbatches=len(micro),
+            check_finite=False,
+            mtp_coef=coef,
+        ),
+        forward_only=False,
+        with_drafts=mtp and coef > 0,
+    )
+    grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+    result = {
+        "old": [b["old_logprobs"].clone() for b in micro],
+        "grads": grads,
+        "loss": [float(m["loss"]) for m in out],
+        "mtp_loss": [float(m["mtp_loss"]) for m in out if "mtp_loss" in m],
+        "accept": sum(float(b.get("draft_accept", 0.0)) for b in micro),
+        "positions": sum(float(b.get("draft_positions", 0.0)) for b in micro),
+    }
+    destroy_distributed()
+    return result
+
+
+def step_grads(rank: int, world: int, hf_dir: str, layout: dict, records: list, budget: int, coef: float, mtp: bool):
+    """:func:`_one_model` for the model built without (``mtp`` False) or with its MTP layers."""
+    return _one_model(hf_dir, layout, mtp, records, budget, coef)
+
+
+def reference_acceptance(hf_dir: str, records: list) -> tuple[int, int]:
+    """The draft's first-token acceptance counted independently: transformers' target forward (its
+    post-norm last hidden states) and the published MTP math (``engines.mtp_draft.MTPDraft`` on the
+    checkpoint's MTP tensors): position i of a sequence counts when tokens i+1 and i+2 are response
+    tokens, and is accepted when argmax of the draft's logits at (h_i, t_{i+1}) is t_{i+2}."""
+    import torch
+
+    from gspo_megatron.cpu_server.weights import iter_checkpoint
+    from gspo_megatron.engines.hf_engine import HFRolloutEngine
+    from gspo_megatron.engines.mtp_draft import MTPDraft
+
+    engine = HFRolloutEngine(hf_dir, hf_dir)
+    model = engine.model
+    hf = model.config.to_dict()
+    n = hf["num_hidden_layers"]
+    mtp = {k: v for k, v in iter_checkpoint(hf_dir) if k.startswith(f"model.layers.{n}.")}
+    draft = MTPDraft(model.config, mtp, model.model.embed_tokens.weight, model.lm_head.weight)
+    acc = pos = 0
+    with torch.no_grad():
+        for r in records:
+            ids = torch.tensor(r.prompt_ids + r.response_ids)
+            t = len(ids)
+            h = model(ids[None], output_hidden_states=True).hidden_states[-1][0]  # [T, H], post-norm
+            # MTP inputs j = 0..T-2: (h_j, t_{j+1}) at position j (sglang's pairing; Megatron rolls the
+            # positions to j + 1: RoPE sees the same relative positions), predicting t_{j+2}
+            _g, logits = draft(h[: t - 1], ids[1:], torch.arange(t - 1))
+            p = len(r.prompt_ids)
+            for j in range(t - 2):
+                if j + 1 >= p:  # t_{j+1} and t_{j+2} are response tokens
+                    pos += 1
+                    acc += int(int(logits[j].argmax()) == int(ids[j + 2]))
+    return acc, pos

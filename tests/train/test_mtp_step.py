@@ -1,0 +1,88 @@
+"""The training step with the checkpoint's MTP layers in the model (``model.mtp``, ``gspo.mtp_loss_coef``):
+
+- the policy is untouched by the draft: old log-probs and the gradient of every non-MTP parameter are
+  bitwise those of the same checkpoint built without MTP layers, with the MTP loss off (coefficient 0:
+  the MTP layers get no gradient at all) and on (they get one; the policy's gradients still equal);
+- the draft's first-token acceptance counted in the old-log-prob pass
+  (``losses/mtp_loss.draft_acceptance``) equals an independent count: transformers' target forward and
+  the published MTP math on the checkpoint's tensors (``engines.mtp_draft.MTPDraft``);
+padded and packed micro-batches, one rank and TP 2 / EP 2 on two gloo ranks, GLM-4.5's tiny config (MoE
+MTP layer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed_harness import run_ranks
+from mtp_step_workers import make_records, reference_acceptance, step_grads
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+    from mtp_util import write_mtp_checkpoint
+
+    path = str(tmp_path_factory.mktemp("glm4_moe_mtp"))
+    hf, _model, _mtp = write_mtp_checkpoint(path, "glm4_moe", seed=3)
+    return path, hf
+
+
+def _both(world: int, *args) -> list[dict]:
+    """Per rank {"plain": ..., "mtp": ...}: the step pieces on the model built without and with its MTP
+    layers (two launches: one process group per launch)."""
+    plain = run_ranks(step_grads, world, *args, False)
+    mtp = run_ranks(step_grads, world, *args, True)
+    return [{"plain": a, "mtp": b} for a, b in zip(plain, mtp)]
+
+
+def _is_mtp(name: str) -> bool:
+    return ".mtp." in f".{name}"
+
+
+def _check(res: dict, coef: float) -> None:
+    plain, mtp = res["plain"], res["mtp"]
+    for a, b in zip(plain["old"], mtp["old"]):
+        assert torch.equal(a, b)
+    assert set(plain["grads"]) == {n for n in mtp["grads"] if not _is_mtp(n)}
+    for name, g in plain["grads"].items():
+        assert torch.equal(g, mtp["grads"][name]), name
+    drafts = {n: g for n, g in mtp["grads"].items() if _is_mtp(n)}
+    assert drafts, "the MTP model has no mtp.* parameters"
+    if coef == 0:
+        assert all(float(g.abs().sum()) == 0.0 for g in drafts.values())
+        assert not mtp["mtp_loss"]
+    else:
+        assert sum(float(g.abs().sum()) for g in drafts.values()) > 0
+        assert mtp["mtp_loss"] and all(x > 0 for x in mtp["mtp_loss"])
+
+
+@pytest.mark.parametrize("budget", [0, 32], ids=["padded", "packed"])
+@pytest.mark.parametrize("coef", [0.0, 0.5])
+def test_policy_untouched_and_acceptance_exact_one_rank(checkpoint, budget, coef):
+    path, hf = checkpoint
+    records = make_records(hf["vocab_size"])
+    res = _both(1, path, {}, records, budget, coef)[0]
+    _check(res, coef)
+    acc, pos = reference_acceptance(path, records)
+    assert res["mtp"]["positions"] == pos > 0
+    assert res["mtp"]["accept"] == acc
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}], ids=["tp2", "ep2"])
+def test_policy_untouched_and_acceptance_exact_two_ranks(checkpoint, layout):
+    path, hf = checkpoint
+    records = make_records(hf["vocab_size"])
+    results = _both(2, path, layout, records, 32, 0.5)
+    acc, pos = reference_acceptance(path, records)
+    for res in results:
+        _check(res, 0.5)
+    # TP 2: both ranks hold every sequence and count the same (the argmax is reduced over TP);
+    # EP 2: two data-parallel replicas, each counting its own sequences
+    if layout.get("tp"):
+        assert all(r["mtp"]["positions"] == pos and r["mtp"]["accept"] == acc for r in results)
+    else:
+        assert sum(r["mtp"]["positions"] for r in results) == pos
+        assert sum(r["mtp"]["accept"] for r in results) == acc
