@@ -32,11 +32,20 @@ def hf_model_from_config(cfg: dict, dtype: torch.dtype = torch.float32):
 
 
 def save_tiny_hf_model(
-    kind: str, out_dir: str, seed: int = 0, dtype=torch.float32, max_shard_size: str | int | None = None, **overrides
+    kind: str,
+    out_dir: str,
+    seed: int = 0,
+    dtype=torch.float32,
+    max_shard_size: str | int | None = None,
+    with_mtp: bool = False,
+    **overrides,
 ):
     """Build a tiny random ``kind`` model (a family name) and ``save_pretrained`` it. Router, gate
         norm weights and expert-score correction biases are randomized too, so routing, gates and norms are
-    exercised."""
+    exercised. ``with_mtp``: ``num_nextn_predict_layers: 1`` and the MTP layer written next to the model
+    (:func:`mtp_layer_tensors`; one unsharded file)."""
+    if with_mtp:
+        overrides = {**overrides, "num_nextn_predict_layers": 1}
     family = next((f for f in families() if f.name == kind), None) or family_for_model_type(kind)
     if family is None or not family.tiny:
         raise ValueError(f"no tiny config for {kind!r}; known: {', '.join(TINY_CONFIGS)}")
@@ -55,4 +64,35 @@ def save_tiny_hf_model(
         family.randomize_tiny(model)
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
     model.save_pretrained(out_dir, **kwargs)
+    if with_mtp:
+        import os
+
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(out_dir, "model.safetensors")
+        saved = load_file(path)
+        save_file({**saved, **mtp_layer_tensors(saved, cfg, seed + 5)}, path, metadata={"format": "pt"})
     return model
+
+
+def mtp_layer_tensors(saved: dict, hf: dict, seed: int = 5, scale: float = 0.3) -> dict[str, torch.Tensor]:
+    """The MTP layer ``model.layers.{N}.*`` (N = num_hidden_layers) of a tiny checkpoint whose tensors
+    ``saved`` (as ``save_pretrained`` wrote them) has config ``hf``, in the published layout: a copy of
+    layer N-1 perturbed (a MoE layer, as GLM-4.5's and DeepSeek-V3's), random ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm``, and the published copies of the embedding and head
+    (``embed_tokens``, ``shared_head.head``: the target's own)."""
+    n, h = int(hf["num_hidden_layers"]), int(hf["hidden_size"])
+    g = torch.Generator().manual_seed(seed)
+    src, dst = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    out = {}
+    for name in sorted(saved):
+        if name.startswith(src):
+            t = saved[name].float()
+            out[dst + name[len(src) :]] = (t + scale * t.std() * torch.randn(t.shape, generator=g)).contiguous()
+    out[dst + "enorm.weight"] = 1 + 0.3 * torch.randn(h, generator=g)
+    out[dst + "hnorm.weight"] = 1 + 0.3 * torch.randn(h, generator=g)
+    out[dst + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5
+    out[dst + "shared_head.norm.weight"] = 1 + 0.3 * torch.randn(h, generator=g)
+    out[dst + "embed_tokens.weight"] = saved["model.embed_tokens.weight"].clone()
+    out[dst + "shared_head.head.weight"] = saved.get("lm_head.weight", saved["model.embed_tokens.weight"]).clone()
+    return out

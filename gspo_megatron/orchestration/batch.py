@@ -28,6 +28,7 @@ import torch
 from gspo_megatron.config import Config
 from gspo_megatron.data.dataset import decode_response
 from gspo_megatron.engines.base import SamplingParams
+from gspo_megatron.engines.sglang_engine import engine_spec_metrics
 from gspo_megatron.errors import UserInputError
 from gspo_megatron.losses.advantages import group_advantages
 from gspo_megatron.sample import Sample
@@ -79,6 +80,9 @@ def _records(samples, scores, k0) -> list[Sample]:
                 token_versions=list(s.token_versions) if s.token_versions is not None else None,
                 routed_experts=getattr(s, "routed_experts", None),
                 indexer_topk=getattr(s, "indexer_topk", None),
+                spec_verify_ct=int(getattr(s, "spec_verify_ct", 0) or 0),  # speculative decoding's counts
+                spec_num_correct_drafts=int(getattr(s, "spec_num_correct_drafts", 0) or 0),
+                spec_num_proposed_drafts=int(getattr(s, "spec_num_proposed_drafts", 0) or 0),
             )
         )
     return recs
@@ -222,6 +226,7 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
         **{k if k.startswith("reward/") else f"reward/{k}": v for k, v in stats_sum.items()},
     }
     metrics.update(_custom_metrics(records))
+    metrics.update(engine_spec_metrics(records))  # rollout.speculative: the engines' acceptance
     return RolloutBatch(records=records, metrics=metrics)
 
 

@@ -1,0 +1,95 @@
+"""The assembled path of speculative rollouts with the MTP draft trained and synced (issue 34), as a user
+runs it: GLM-4.5's tiny checkpoint with its MTP layer (``model.layers.<N>.*``, written by transformers'
+``save_pretrained`` plus the published MTP layout) -> ``gspo-train`` under ``torchrun`` on 2 ranks (EP 2),
+``rollout.speculative=true`` (``model.mtp`` null: on) with ``gspo.mtp_loss_coef=1`` and a disaggregated
+CPU-server engine that decodes speculatively (sglang's acceptance rule) and loads every sync into sglang's
+own target and draft classes (the written check on both) -> the final HF export.
+
+Checked:
+- every step reports the engine's acceptance (``spec/engine_accept_length`` in [1, steps + 1],
+  ``spec/engine_accept_rate`` in [0, 1]), the trainer's exact first-token acceptance on the same rollouts
+  (``spec/draft_accept_rate``), the MTP loss (``loss/mtp``), and the engine still agrees with the trainer
+  (``rollout/logprob_abs_diff``, the post-sync probe);
+- ``hf_final`` holds the MTP layer, trained (its tensors moved; the layer's ``embed_tokens`` /
+  ``shared_head.head`` carried unchanged), loads in transformers (which ignores it) and scores as the
+  run's final checkpoint does (read back through ``tools/score.py`` with its MTP layer);
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from train_utils import read_metrics, run_train, score_checkpoint, write_demo_tokenized_checkpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models"))
+from hf_reference import hf_logprobs, max_abs_diff
+
+STEPS = 3
+SPEC_STEPS = 2
+ROWS = [list(range(40, 40 + n)) for n in (9, 17)]
+
+
+def _tensors(d: str) -> dict:
+    from gspo_megatron.cpu_server.weights import iter_checkpoint
+
+    return dict(iter_checkpoint(d))
+
+
+def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path):
+    import transformers
+
+    hf_dir = write_demo_tokenized_checkpoint(str(tmp_path / "tiny-glm4_moe"), "glm4_moe", seed=0, with_mtp=True)
+    hf = json.load(open(os.path.join(hf_dir, "config.json")))
+    n = hf["num_hidden_layers"]
+    out = str(tmp_path / "run")
+    run_train(
+        out,
+        [
+            "rollout.engine=sglang",
+            "rollout.engine_server=cpu",
+            "rollout.sync_mode=disaggregated",
+            "rollout.num_engines=1",
+            "rollout.sync_verify=true",
+            "rollout.sync_verify_every=1",
+            "rollout.speculative=true",
+            f"rollout.speculative_steps={SPEC_STEPS}",
+            "rollout.max_new_tokens=8",
+            "gspo.mtp_loss_coef=1.0",
+            f"train.steps={STEPS}",
+            f"model.hf_path={hf_dir}",
+            "model.init=pretrained",
+            "model.arch=null",
+            "parallel.ep=2",
+        ],
+        nproc=2,
+        timeout=900,
+    )
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert 1.0 <= r["spec/engine_accept_length"] <= SPEC_STEPS + 1, r
+        assert 0.0 <= r["spec/engine_accept_rate"] <= 1.0, r
+        assert 0.0 <= r["spec/draft_accept_rate"] <= 1.0, r
+        assert r["loss/mtp"] > 0, r
+        assert r["rollout/logprob_abs_diff"] < 1e-4, r
+        assert r["sync/verify_max_abs_diff"] < 1e-4, r
+
+    export = os.path.join(out, "hf_final")
+    source, exported = _tensors(hf_dir), _tensors(export)
+    assert sorted(source) == sorted(exported)
+    mtp = [k for k in source if k.startswith(f"model.layers.{n}.")]
+    carried = {f"model.layers.{n}.embed_tokens.weight", f"model.layers.{n}.shared_head.head.weight"}
+    assert carried < set(mtp)
+    for k in carried:
+        assert torch.equal(source[k], exported[k]), k  # carried unchanged (sglang's draft shares the target's)
+    moved = [k for k in set(mtp) - carried if not torch.equal(source[k], exported[k])]
+    assert f"model.layers.{n}.eh_proj.weight" in moved and len(moved) > 10  # the draft trained
+
+    lm = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # ignores the MTP layer
+    assert type(lm).__name__ == hf["architectures"][0]
+    trainer = score_checkpoint(os.path.join(out, "checkpoints"), ROWS, str(tmp_path / "score"))
+    assert max_abs_diff(hf_logprobs(lm, ROWS), trainer) < 1e-4
