@@ -52,6 +52,7 @@ ENGINE = [
     "rollout.speculative=true",
     "rollout.max_new_tokens=12",
     "rollout.prompts_per_step=8",
+    "parallel.micro_batch_size=32",
     "rollout.dynamic_sampling=false",
     "model.max_seq_len=64",
     "model.arch=null",
@@ -134,7 +135,9 @@ def main() -> None:
 
     w = args.window
     print()
-    print("| steps | run | reward | engine accept rate | engine accept length | trainer accept rate | speed-up (model) |")
+    print(
+        "| steps | run | reward | engine accept rate | engine accept length | trainer accept rate | speed-up (model) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for lo in range(0, args.steps, w):
         for name, r in results.items():

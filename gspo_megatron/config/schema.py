@@ -212,7 +212,10 @@ class RolloutConfig:
         False,
         "speculative decoding with the checkpoint's MTP layers as the draft (sglang --speculative-algorithm EAGLE, top-k 1, speculative_steps draft tokens per verify; features/speculative.py); with model.mtp (the default) the draft is the trained model's MTP layers, synced every step",
     )
-    speculative_steps: int = _f(3, "with speculative: draft steps per target verify (sglang --speculative-num-steps; --speculative-num-draft-tokens = steps + 1)")
+    speculative_steps: int = _f(
+        3,
+        "with speculative: draft steps per target verify (sglang --speculative-num-steps; --speculative-num-draft-tokens = steps + 1)",
+    )
     # off-policy overlap (gspo_megatron/orchestration/async_producer.py, docs/training.md)
     max_staleness: int = _f(
         0,

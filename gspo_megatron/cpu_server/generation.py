@@ -239,7 +239,11 @@ class Sampler:
             raise ValueError("return_indexer_topk with speculative decoding: not served by the CPU server")
         s = self.speculative.generate(request.input_ids, params, gen, request.stop_ids)
         ids = s["output_ids"]
-        finish = {"type": "stop", "matched": ids[-1]} if s["stopped"] else {"type": "length", "length": request.max_new_tokens}
+        finish = (
+            {"type": "stop", "matched": ids[-1]}
+            if s["stopped"]
+            else {"type": "length", "length": request.max_new_tokens}
+        )
         out: dict = {"output_ids": ids, "logprobs": s["logprobs"], "finish": finish, "spec": s["spec"]}
         start_len = request.routed_start
         if start_len is not None and s.get("routes") is not None:

@@ -192,7 +192,9 @@ class Front:
             if r.get(INDEXER_META_KEY) is not None:  # the same encoding (sglang's detokenizer)
                 meta[INDEXER_META_KEY] = encode_routed_experts(r[INDEXER_META_KEY])
             # speculative decoding: sglang's _calculate_spec_decoding_metrics (cpu_server/speculative.py)
-            meta.update(spec_meta_info(r.get("spec"), len(r["output_ids"]), self.args.speculative_num_draft_tokens or 1))
+            meta.update(
+                spec_meta_info(r.get("spec"), len(r["output_ids"]), self.args.speculative_num_draft_tokens or 1)
+            )
             outs.append({"text": "", "output_ids": list(r["output_ids"]), "meta_info": meta})
         return 200, (outs[0] if single else outs)
 

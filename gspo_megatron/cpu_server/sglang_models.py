@@ -67,9 +67,7 @@ STUBBED = ("sgl_kernel", "torchvision")
 MODULES: dict[str, str] = {arch: module for f in families() for arch, module in f.sglang_modules.items()}
 # the same for the speculative draft classes sglang builds for an MTP checkpoint (``ModelConfig(is_draft_model=
 # True)`` renames the architecture, e.g. to ``...ForCausalLMNextN``): each family's ``sglang_draft_modules``
-DRAFT_MODULES: dict[str, str] = {
-    arch: module for f in families() for arch, module in f.sglang_draft_modules.items()
-}
+DRAFT_MODULES: dict[str, str] = {arch: module for f in families() for arch, module in f.sglang_draft_modules.items()}
 
 
 class _AnyMeta(type):
@@ -421,7 +419,9 @@ class SglangModel:
         with known_architecture(cls):
             quant_config = _get_quantization_config(self.model_config, load_config)
             # the draft runs in the target's expert location (installed once per engine process)
-            self.expert_location = draft_of.expert_location if draft_of else install_expert_location(self.model_config)
+            self.expert_location: Any = (
+                draft_of.expert_location if draft_of else install_expert_location(self.model_config)
+            )
         # loader.py DefaultModelLoader.load_model + _initialize_model, device "cpu"
         with set_default_torch_dtype(self.model_config.dtype), torch.device("cpu"):
             shared = resolve_shared_experts_config(cls, self.model_config.hf_config, quant_config)

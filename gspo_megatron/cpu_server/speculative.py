@@ -77,7 +77,9 @@ THRESHOLD = 1.0  # --speculative-accept-threshold-single / -acc defaults (arg_gr
 # -- flags -------------------------------------------------------------------------------------------
 def add_speculative_args(p) -> None:
     """sglang's speculative flags (``arg_groups/fields/spec.py``), the subset the CPU server serves."""
-    p.add_argument("--speculative-algorithm", default=None, help="EAGLE or NEXTN (-> EAGLE): the checkpoint's MTP layer drafts")
+    p.add_argument(
+        "--speculative-algorithm", default=None, help="EAGLE or NEXTN (-> EAGLE): the checkpoint's MTP layer drafts"
+    )
     p.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None)
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
@@ -113,7 +115,9 @@ def resolve_args(ns, error: Callable[[str], Any]) -> None:
     if ns.speculative_eagle_topk is None:
         ns.speculative_eagle_topk = 1
     if ns.speculative_eagle_topk != 1:
-        error(f"--speculative-eagle-topk {ns.speculative_eagle_topk}: the CPU server drafts top-1 chains only (no trees)")
+        error(
+            f"--speculative-eagle-topk {ns.speculative_eagle_topk}: the CPU server drafts top-1 chains only (no trees)"
+        )
     # sglang: "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1"
     ns.speculative_num_draft_tokens = ns.speculative_num_steps + 1
 

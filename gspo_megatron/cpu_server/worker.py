@@ -182,7 +182,7 @@ class TPWorker:
 
     def _stores(self, roles) -> dict[str, ShardStore]:
         stores = {"target": self.store, "draft": self.draft_store}
-        return {r: stores[r] for r in ("target", "draft") if r in roles and stores[r] is not None}
+        return {r: s for r in ("target", "draft") if r in roles and (s := stores[r]) is not None}
 
     def _sglang_models(self, roles) -> dict[str, Any]:
         models = {"target": self.sglang, "draft": self.draft_sglang}
@@ -261,7 +261,7 @@ class TPWorker:
                 if self.sampler.speculative is None:  # the target's live embedding and head, shared
                     mtp_draft = MTPDraft(self.config, mtp, embed, head, dtype=self.dtype)
                     self.sampler.speculative = SpeculativeDecoder(
-                        self.sampler.engine, mtp_draft, self.args.speculative_num_steps, self.sampler.recorder
+                        self.sampler.engine, mtp_draft, int(self.args.speculative_num_steps or 1), self.sampler.recorder
                     )
                 else:
                     self.sampler.speculative.draft.load(mtp.items())
@@ -363,7 +363,9 @@ class TPWorker:
         everything else); returns how many tensors each store kept on this rank."""
         named = list(named)
         stored = {role: store.load(named) for role, store in self._stores(roles).items()}
-        for model in self._sglang_models(roles).values():  # after the stores: sglang's loaders may write into the tensors
+        for model in self._sglang_models(
+            roles
+        ).values():  # after the stores: sglang's loaders may write into the tensors
             model.load(named)
         return stored
 
@@ -427,7 +429,9 @@ class TPWorker:
         named = deserialize_own_rank(serialized_named_tensors)
         success, message = True, "Success"
         for role in sorted(roles, key=("target", "draft").index):
-            success, message = self.updaters[role].update_weights_from_tensor(named_tensors=named, load_format=load_format)
+            success, message = self.updaters[role].update_weights_from_tensor(
+                named_tensors=named, load_format=load_format
+            )
             if not success:
                 break
         del named

@@ -37,7 +37,7 @@ published checkpoint are not used: sglang's draft shares the target's embedding 
 from __future__ import annotations
 
 import copy
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping, cast
 
 import torch
 from torch import nn
@@ -70,7 +70,7 @@ def transformers_layer_classes(config) -> tuple[type, type]:
     import transformers
 
     archs = list(getattr(config, "architectures", None) or [])
-    model_cls = getattr(transformers, archs[0], None) if archs else None
+    model_cls: Any = getattr(transformers, archs[0], None) if archs else None
     if model_cls is None:
         model_cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
     one = copy.deepcopy(config)
@@ -124,8 +124,10 @@ def mtp_shapes(hf, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     index = int(config.num_hidden_layers if layer is None else layer)
     with torch.device("meta"):
         holder = _Holder(config, index, mtp_block(config, index))
-    layout = HFCheckpointLayout(holder)
-    return {n: tuple(layout.target(n).shape) for n in layout.checkpoint_names() if n.startswith(f"model.layers.{index}.")}
+    layout = HFCheckpointLayout(cast(Any, holder))  # the layout reads named_parameters only
+    return {
+        n: tuple(layout.target(n).shape) for n in layout.checkpoint_names() if n.startswith(f"model.layers.{index}.")
+    }
 
 
 class MTPDraft(nn.Module):
@@ -159,7 +161,7 @@ class MTPDraft(nn.Module):
         self.model.layers = nn.ModuleDict({str(self.index): mtp_block(config, self.index)})
         self.rotary = rotary_cls(config=config)
         self.to(dtype).eval()
-        self.layout = HFCheckpointLayout(self)
+        self.layout = HFCheckpointLayout(cast(Any, self))  # the layout reads named_parameters only
         self.set_embed_and_head(embed, lm_head)
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         loaded = self.load(items)
@@ -168,8 +170,9 @@ class MTPDraft(nn.Module):
             raise ValueError(f"MTPDraft: the MTP layer's tensors lack {len(missing)} names, e.g. {missing[:3]}")
 
     @property
-    def block(self) -> nn.Module:
-        return self.model.layers[str(self.index)]
+    def block(self) -> Any:
+        """The decoder layer carrying the MTP modules (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``)."""
+        return cast(nn.ModuleDict, self.model.layers)[str(self.index)]
 
     def names(self) -> list[str]:
         """Every HF tensor name the draft loads: ``model.layers.{N}.*`` (the decoder layer and
@@ -190,7 +193,9 @@ class MTPDraft(nn.Module):
     def set_embed_and_head(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Use the target's embedding [V, H] and head [V, H] (sglang's ``set_embed_and_head``)."""
         if embed.dim() != 2 or tuple(embed.shape) != tuple(lm_head.shape):
-            raise ValueError(f"MTPDraft: embed {tuple(embed.shape)} and lm_head {tuple(lm_head.shape)} must both be [V, H]")
+            raise ValueError(
+                f"MTPDraft: embed {tuple(embed.shape)} and lm_head {tuple(lm_head.shape)} must both be [V, H]"
+            )
         self._shared = (embed, lm_head)  # a tuple: the target's Parameters are not registered here
 
     @property
@@ -211,7 +216,9 @@ class MTPDraft(nn.Module):
         dtype = b.eh_proj.weight.dtype
         t = int(input_ids.shape[0])
         if hidden.shape[0] != t or position_ids.shape[0] != t:
-            raise ValueError(f"MTPDraft: hidden {tuple(hidden.shape)}, input_ids {t}, position_ids {tuple(position_ids.shape)} disagree on T")
+            raise ValueError(
+                f"MTPDraft: hidden {tuple(hidden.shape)}, input_ids {t}, position_ids {tuple(position_ids.shape)} disagree on T"
+            )
         e = self.embed[input_ids.long()].to(dtype)
         z = b.eh_proj(torch.cat([b.enorm(e), b.hnorm(hidden.to(dtype))], dim=-1))[None]  # [1, T, H]
         pos = position_ids.long()[None]

@@ -106,6 +106,11 @@ class Speculative(Feature):
                 f"gspo.mtp_loss_coef={coef} needs the MTP layer in the trained model: set model.mtp=true "
                 "(or leave it null with rollout.speculative=true), or gspo.mtp_loss_coef=0"
             )
+        if cfg.mtp_in_model and cfg.model.lora.rank > 0 and r.lora_sync == "merged":
+            e.append(
+                "model.mtp=true with model.lora: LoRA adapters on the MTP layer are not built yet; set model.mtp=false "
+                "(the engines keep the checkpoint's draft) or model.lora.rank=0"
+            )
         if cfg.mtp_in_model and cfg.model.lora.rank > 0 and r.lora_sync == "adapter":
             e.append(
                 "model.mtp=true with rollout.lora_sync=adapter: an adapter sync sends only the LoRA adapters, so the "
@@ -129,7 +134,10 @@ class Speculative(Feature):
             who = "rollout.speculative=true (model.mtp null: the MTP layer trained and synced)"
         else:
             who = "rollout.speculative=true with model.mtp=false (the engines draft with the checkpoint's MTP layer)"
-        return [f"{who}: {why}" for why in mtp_errors(hf)]
+        from gspo_megatron.models.mtp import mtp_layout_errors
+
+        layout = mtp_layout_errors(cfg.parallel.pp, cfg.parallel.cp) if cfg.mtp_in_model else []
+        return [f"{who}: {why}" for why in mtp_errors(hf, trained=cfg.mtp_in_model)] + layout
 
     def engine_args(self, cfg, hf: dict | None, route_spec: Any) -> dict[str, Any]:
         if not cfg.rollout.speculative:

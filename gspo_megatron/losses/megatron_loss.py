@@ -195,7 +195,9 @@ def make_megatron_loss_func(
         )
         if drafts and mtp_coef:
             if draft_weight is None or "draft_normalizer" not in batch:
-                raise KeyError("the MTP loss needs draft_weight and batch['draft_normalizer'] (trainer.step.split_batch)")
+                raise KeyError(
+                    "the MTP loss needs draft_weight and batch['draft_normalizer'] (trainer.step.split_batch)"
+                )
             ce_sum, _count = mtp_loss_sum(
                 drafts,
                 draft_weight,
@@ -208,8 +210,8 @@ def make_megatron_loss_func(
             )
             mtp = ce_sum / (len(drafts) * float(batch["draft_normalizer"]))
             loss = loss + mtp_coef * mtp
-            metrics["mtp_loss"] = mtp.detach()
-            metrics["loss"] = metrics["loss"] + mtp_coef * metrics["mtp_loss"]
+            metrics["mtp_loss"] = float(mtp.detach())
+            metrics["loss"] = float(metrics["loss"]) + mtp_coef * metrics["mtp_loss"]
         return loss * scale, metrics
 
     return loss_func

@@ -43,15 +43,18 @@ MTP_PREFIX = "mtp.layers."
 _DECODER = "decoder.layers.*."
 
 
-def mtp_errors(hf: dict) -> list[str]:
+def mtp_errors(hf: dict, trained: bool = True) -> list[str]:
     """Why the MTP layer of the checkpoint with config.json ``hf`` cannot be the trained and synced
-    draft (one line each; empty: it can)."""
+    draft (``trained``), or the engines' published draft (``trained=False``: only a checkpoint without
+    one is refused) (one line each; empty: it can)."""
     from gspo_megatron.models.registry import get_family
 
     family = get_family(hf)
     m = carried.mtp_layers(hf)
     if not family.sglang_draft_modules and not m:
         return [f"the {family.name} family has no MTP layers (no draft for speculative decoding)"]
+    if not trained:
+        return [] if m else [f"config.json declares no MTP layer ({'/'.join(carried.COUNT_FIELDS)} = 0)"]
     if not family.mtp_trainable:
         return [
             f"the {family.name} family's MTP layers are not built into the Megatron model here yet "

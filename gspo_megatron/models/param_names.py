@@ -29,11 +29,11 @@ def global_names(model) -> dict[str, str]:
                 g = _GROUPED_EXPERT.sub(lambda e: f"{e.group(1)}{experts[int(e.group(2))]}", g)
         m = MTP_LAYER.match(name)
         if m:  # the MTP layer's experts: global expert indices, as the decoder's
-            layer = model.mtp.layers[int(m.group(1))].transformer_layer
-            experts = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
-            if experts is not None:
-                g = _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.local_experts.{experts[int(e.group(1))]}.", g)
-                g = _GROUPED_EXPERT.sub(lambda e: f"{e.group(1)}{experts[int(e.group(2))]}", g)
+            layer = getattr(model, "mtp").layers[int(m.group(1))].transformer_layer
+            drafts = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
+            if drafts is not None:
+                g = _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.local_experts.{drafts[int(e.group(1))]}.", g)
+                g = _GROUPED_EXPERT.sub(lambda e: f"{e.group(1)}{drafts[int(e.group(2))]}", g)
         out[name] = g
     return out
 

@@ -130,7 +130,9 @@ def step_sum_metrics(total: dict[str, Tensor]) -> dict[str, float]:
     return out
 
 
-def reduce_loss_metrics(per_minibatch: list[list[dict]], num_minibatches: int, mtp_loss: bool = False) -> dict[str, float]:
+def reduce_loss_metrics(
+    per_minibatch: list[list[dict]], num_minibatches: int, mtp_loss: bool = False
+) -> dict[str, float]:
     """Global step metrics from the loss functions' micro-batch metrics (``per_minibatch``: per
     mini-batch, this rank's micro-batch dicts; empty off the reporting ranks); four all-reduces
     (sums, which means were seen, min, max). Rules: module docstring."""

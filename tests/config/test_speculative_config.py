@@ -23,12 +23,16 @@ SPEC = [*SGLANG, "rollout.speculative=true"]
     [
         (["rollout.speculative=true"], r"rollout.speculative=true needs rollout.engine=sglang .*got hf"),
         ([*SPEC, "rollout.speculative_steps=0"], r"rollout.speculative_steps=0 must be >= 1"),
-        (["gspo.mtp_loss_coef=0.3"], r"gspo.mtp_loss_coef=0.3 needs the MTP layer in the trained model: set model.mtp=true"),
+        (
+            ["gspo.mtp_loss_coef=0.3"],
+            r"gspo.mtp_loss_coef=0.3 needs the MTP layer in the trained model: set model.mtp=true",
+        ),
         ([*SPEC, "model.mtp=false", "gspo.mtp_loss_coef=0.1"], r"gspo.mtp_loss_coef=0.1 needs the MTP layer"),
         (
             [*SPEC, "model.lora.rank=4", "model.lora.alpha=8", "rollout.lora_sync=adapter"],
             r"model.mtp=true with rollout.lora_sync=adapter: .*set model.mtp=false .*or rollout.lora_sync=merged",
         ),
+        ([*SPEC, "model.lora.rank=4", "model.lora.alpha=8"], r"model.mtp=true with model.lora: .*not built yet"),
     ],
 )
 def test_refusals_name_the_field_in_one_line(overrides, match):
@@ -57,12 +61,16 @@ def test_accepted(overrides):
 def test_flags_and_enabled():
     cfg = load_config(None, [*SPEC, "rollout.speculative_steps=2"], check_files=False)
     assert cfg.mtp_in_model
-    assert SPECULATIVE.engine_args(cfg, None, None) == speculative_server_args(2) == {
-        "speculative_algorithm": "EAGLE",
-        "speculative_num_steps": 2,
-        "speculative_eagle_topk": 1,
-        "speculative_num_draft_tokens": 3,
-    }
+    assert (
+        SPECULATIVE.engine_args(cfg, None, None)
+        == speculative_server_args(2)
+        == {
+            "speculative_algorithm": "EAGLE",
+            "speculative_num_steps": 2,
+            "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": 3,
+        }
+    )
     trained = load_config(None, [*SGLANG, "model.mtp=true"], check_files=False)
     assert SPECULATIVE.enabled(trained) and SPECULATIVE.engine_args(trained, None, None) == {}
     assert not SPECULATIVE.enabled(load_config(None, SGLANG, check_files=False))
@@ -85,10 +93,10 @@ def _tiny_dir(tmp_path, family, **overrides):
         ("glm4_moe", {"num_nextn_predict_layers": 0}, None, False),  # no MTP layer: nothing to draft with
         ("glm4_moe", {"num_nextn_predict_layers": 0}, "false", False),  # the published draft must exist too
         ("qwen3_moe", {}, None, False),  # a family without MTP support
+        ("glm4_moe", {"num_nextn_predict_layers": 2}, None, False),  # sglang's NextN loader takes one layer
     ],
 )
 def test_model_refusals_come_from_models_mtp(tmp_path, family, extra, mtp, ok):
-    pytest.importorskip("gspo_megatron.models.mtp")
     d, hf = _tiny_dir(tmp_path, family, **extra)
     overrides = [*SPEC, f"model.hf_path={d}"] + ([f"model.mtp={mtp}"] if mtp else [])
     cfg = load_config(None, overrides, check_files=False)
@@ -99,3 +107,12 @@ def test_model_refusals_come_from_models_mtp(tmp_path, family, extra, mtp, ok):
         validate_model_layout(cfg, hf)
     lines = [x for x in str(e.value).splitlines() if "rollout.speculative=true" in x or "model.mtp" in x]
     assert lines, str(e.value)
+
+
+def test_layouts_the_mtp_layer_is_not_built_for(tmp_path):
+    d, hf = _tiny_dir(tmp_path, "glm4_moe", num_nextn_predict_layers=1)
+    cfg = load_config(None, [*SPEC, f"model.hf_path={d}", "parallel.pp=2"], check_files=False)
+    with pytest.raises(ConfigError, match=r"model.mtp=true needs parallel.pp=1 here \(got 2\)"):
+        validate_model_layout(cfg, hf)
+    frozen = load_config(None, [*SPEC, f"model.hf_path={d}", "parallel.pp=2", "model.mtp=false"], check_files=False)
+    validate_model_layout(frozen, hf)  # the published draft: no MTP layer in the trained model

@@ -15,9 +15,13 @@ from gspo_megatron.losses.mtp_loss import draft_acceptance, draft_targets, mtp_l
 
 def _packed(cu: list[int]) -> PackedSeqParams:
     t = torch.tensor(cu, dtype=torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, max_seqlen_q=max(
-        b - a for a, b in zip(cu, cu[1:])
-    ), max_seqlen_kv=max(b - a for a, b in zip(cu, cu[1:])))
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=t,
+        cu_seqlens_kv=t,
+        max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
+        max_seqlen_kv=max(b - a for a, b in zip(cu, cu[1:])),
+    )
 
 
 def _rows(labels: torch.Tensor, mask: torch.Tensor, k: int, segments: list[tuple[int, int]]):

@@ -65,7 +65,9 @@ def test_greedy_speculative_equals_greedy(tiny, steps):
     for prompt, [ref] in zip(PROMPTS, plain):
         out = dec.generate(prompt, GREEDY, torch.Generator().manual_seed(0), frozenset())
         assert out["output_ids"] == ref.response_ids
-        torch.testing.assert_close(torch.tensor(out["logprobs"]), torch.tensor(ref.response_logprobs), rtol=0, atol=2e-5)
+        torch.testing.assert_close(
+            torch.tensor(out["logprobs"]), torch.tensor(ref.response_logprobs), rtol=0, atol=2e-5
+        )
         spec = out["spec"]
         total_verify += spec["verify_ct"]
         assert 1 <= spec["verify_ct"] <= len(out["output_ids"]) - 1
@@ -173,7 +175,9 @@ def test_routes_are_the_committed_tokens_forwards(tiny):
             dec = _decoder(tiny, steps)
             dec.recorder = recorder
             for prompt in PROMPTS:
-                out = dec.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=11), torch.Generator(), frozenset())
+                out = dec.generate(
+                    prompt, SamplingParams(temperature=0.0, max_new_tokens=11), torch.Generator(), frozenset()
+                )
                 committed = list(prompt) + out["output_ids"]
                 assert out["routes"].flatten().tolist() == committed[:-1]
         finally:
@@ -308,15 +312,29 @@ def test_cli_resolution_is_sglangs():
     a = parse_args(base + ["--speculative-algorithm", "nextn"])
     assert (a.speculative_algorithm, a.speculative_num_steps, a.speculative_eagle_topk) == ("EAGLE", 3, 1)
     assert (a.speculative_num_draft_tokens, a.speculative_draft_model_path) == (4, "/m")
-    a = parse_args(base + ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "7"])
+    a = parse_args(
+        base
+        + [
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-num-steps",
+            "2",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "7",
+        ]
+    )
     assert (a.speculative_num_steps, a.speculative_num_draft_tokens) == (2, 3)  # adjusted to steps + 1
     assert parse_args(base).speculative_algorithm is None
-    for bad in (["--speculative-algorithm", "MEDUSA"], ["--speculative-algorithm", "EAGLE3"],
-                ["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1"],
-                ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2", "--speculative-eagle-topk", "4"]):
+    for bad in (
+        ["--speculative-algorithm", "MEDUSA"],
+        ["--speculative-algorithm", "EAGLE3"],
+        ["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1"],
+        ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2", "--speculative-eagle-topk", "4"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(base + bad)
-
 
 
 # -- through HTTP: one speculative CPU server ------------------------------------------------------------
@@ -346,7 +364,9 @@ def _send(client, bucket, selector=None):
 
     per_rank = [serialize_bucket(bucket) for _ in range(TP)]
     for group in range(len(per_rank[0])):
-        client.update_weights_from_tensor([p[group] for p in per_rank], load_format="flattened_bucket", selector=selector)
+        client.update_weights_from_tensor(
+            [p[group] for p in per_rank], load_format="flattened_bucket", selector=selector
+        )
 
 
 def _sync(client, bucket, selector=None, update_selector=None):
@@ -364,7 +384,11 @@ def test_server_reports_sglangs_resolved_flags_and_decodes_greedily_as_plain(tin
     client = SGLangHttpClient(server.url)
     info = client.server_info()
     assert info["speculative_algorithm"] == "EAGLE"  # NEXTN resolved
-    assert (info["speculative_num_steps"], info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (STEPS, 1, STEPS + 1)
+    assert (info["speculative_num_steps"], info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (
+        STEPS,
+        1,
+        STEPS + 1,
+    )
     assert info["speculative_draft_model_path"] == tiny[0]
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     ref = engine.generate(PROMPTS, 1, params)
@@ -429,7 +453,9 @@ def test_selector_reaches_the_right_runner_and_the_written_check_holds_for_both(
     partial = {k: v for k, v in newer_mtp.items() if not k.endswith("eh_proj.weight")}
     from gspo_megatron.engines.sglang_client import SGLangError
 
-    with pytest.raises(SGLangError, match=r"HTTP 400.*draft Glm4MoeForCausalLMNextN.load_weights left 1 .*model.eh_proj.weight"):
+    with pytest.raises(
+        SGLangError, match=r"HTTP 400.*draft Glm4MoeForCausalLMNextN.load_weights left 1 .*model.eh_proj.weight"
+    ):
         _sync(client, sorted(partial.items()), "draft")
     # the draft generates with what was synced: counts equal the in-process decoder's with newer_mtp
     assert _sync(client, sorted({**target, **newer_mtp}.items()))["success"]
@@ -453,7 +479,10 @@ def test_a_bad_selector_is_refused_as_sglang_refuses_it(server):
     for route, body in [
         ("begin_weight_update", {"selector": "both"}),
         ("update_weights_from_tensor", {"serialized_named_tensors": [], "selector": "both"}),
-        ("update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "group_name": "g", "selector": 3}),
+        (
+            "update_weights_from_distributed",
+            {"names": [], "dtypes": [], "shapes": [], "group_name": "g", "selector": 3},
+        ),
     ]:
         req = urllib.request.Request(
             f"{server.url}/{route}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}

@@ -72,7 +72,11 @@ def test_an_engine_resolved_from_nextn_satisfies_the_check():
     "info, flag, field",
     [
         ({}, "--speculative-algorithm EAGLE", "rollout.speculative"),
-        ({"speculative_num_steps": 5, "speculative_num_draft_tokens": 6}, "--speculative-num-steps 3", "rollout.speculative_steps"),
+        (
+            {"speculative_num_steps": 5, "speculative_num_draft_tokens": 6},
+            "--speculative-num-steps 3",
+            "rollout.speculative_steps",
+        ),
         ({"speculative_eagle_topk": 4}, "--speculative-eagle-topk 1", "rollout.speculative"),
     ],
 )

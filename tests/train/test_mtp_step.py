@@ -17,6 +17,7 @@ import torch
 from distributed_harness import run_ranks
 from mtp_step_workers import make_records, reference_acceptance, step_grads
 
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     import sys
