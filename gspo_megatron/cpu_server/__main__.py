@@ -1,6 +1,6 @@
 """``python -m gspo_megatron.cpu_server <sglang.launch_server flags>``: start one engine.
 
-This process starts the node's TP ranks (``worker.run_worker``, spawned; ranks
+This process starts the node's TP ranks (``rank_loop.run_worker``, spawned; ranks
 ``node_rank * tp/nnodes ...``), and on node rank 0 serves HTTP once every rank has loaded its
 shards. Node 0's process hosts the TP ranks' rendezvous store (bound before the ranks start, on
 ``--dist-init-addr`` or an OS-assigned port). SIGTERM / SIGINT stop every TP process; the workers
@@ -46,7 +46,7 @@ def _rendezvous_store(args: ServerArgs, timeout):
 def main(argv: Sequence[str] | None = None) -> int:
     args: ServerArgs = parse_args(argv)
     from gspo_megatron.cpu_server.http_front import Front, make_server
-    from gspo_megatron.cpu_server.worker import IDLE_TIMEOUT, run_worker
+    from gspo_megatron.cpu_server.rank_loop import IDLE_TIMEOUT, run_worker
 
     print(f"[cpu_server] CPU stand-in for sglang.launch_server (not an inference server): {vars(args)}", flush=True)
     stopping = threading.Event()

@@ -250,3 +250,35 @@ class Sampler:
             routes = s["routes"].to(torch.int32).numpy()
             out["routed_experts"] = routes[min(start_len, len(routes)) :]
         return out
+
+
+def routed_start(request: dict) -> int | None:
+    """sglang's scheduler check of ``routed_experts_start_len`` (None: routes not asked for)."""
+    if not request.get("return_routed_experts"):
+        return None
+    start = int(request.get("routed_experts_start_len") or 0)
+    if start < 0:
+        raise ValueError(
+            f"recv_req.routed_experts_start_len={start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    if start > len(request["input_ids"]):
+        raise ValueError(
+            f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={len(request['input_ids'])}. Please use a smaller "
+            "routed_experts_start_len."
+        )
+    return start
+
+
+def released_refusal(tags: list[str]) -> str:
+    """Why a generation is refused while memory is released. sglang 0.5.23 itself does not refuse:
+    its scheduler runs the request (``/generate``, and the one-token request of ``/health_generate``)
+    on whatever its KV pool and weights map, and after ``release_memory_occupation`` with the
+    memory saver that memory is unmapped (``scheduler_components/weight_updater.py``: torch_memory_saver
+    ``pause``), which on a GPU is an illegal memory access that ends the server."""
+    return (
+        f"{', '.join(repr(t) for t in tags)} released (release_memory_occupation): sglang 0.5.23 would "
+        "run this generation on unmapped memory (an illegal memory access on a GPU); "
+        "resume_memory_occupation first"
+    )

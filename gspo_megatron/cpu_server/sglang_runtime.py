@@ -16,7 +16,7 @@ call, so what they accept, refuse, return and raise is sglang's:
   (``FlattenedTensorBucket.reconstruct_tensors``), ``direct``, a ``--custom-weight-loader`` name
   (``dynamic_import(load_format)(model, named_tensors)``), plain ``load_weights``, and
   ``NotImplementedError("Unknown load_format=...")`` for anything else. Its ``get_model`` is the
-  worker's :class:`~gspo_megatron.cpu_server.worker.LoaderModel` (``load_weights``: the shard
+  worker's :class:`LoaderModel` (below) (``load_weights``: the shard
   store, then sglang's model), so the twin's generation sees what sglang's model was given.
 
 Also here, the rules of sglang's runtime the server restates where sglang's code cannot run: its
@@ -103,3 +103,25 @@ def custom_loader(name: str):
             return getattr(importlib.import_module(module), attr)
 
     return dynamic_import(name)
+
+
+class LoaderModel:
+    """The ``model`` argument of a custom weight loader (``--custom-weight-loader``): sglang hands
+    its runner's model object, whose ``load_weights`` a loader calls; here ``load_weights`` is this rank's
+    store-then-sglang-model load of the runner ``role`` (``"target"`` or, speculative, ``"draft"``;
+    ``worker.TPWorker._load``). One object per worker and runner, kept for its lifetime (a loader may keep state on
+    it, as on sglang's model; a restarted server starts without it)."""
+
+    def __init__(self, worker: Any, role: str = "target"):
+        self._worker = worker
+        self.role = role
+
+    def load_weights(self, weights) -> None:
+        self._worker._load(weights, (self.role,))
+
+    def modules(self):
+        """``nn.Module.modules`` of the runner's sglang model class when this rank holds it
+        (``--sglang-loader-check``: a loader asks its ``FusedMoE`` layers which experts the rank loads),
+        else none."""
+        sglang = self._worker._sglang_models((self.role,)).get(self.role)
+        return sglang.model.modules() if sglang is not None else iter(())

@@ -43,21 +43,16 @@ Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` a
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-import sys
-import time
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gspo_megatron.cpu_server.args import ServerArgs
-from gspo_megatron.cpu_server.generation import Sampler, eos_token_ids, normalize
+from gspo_megatron.cpu_server.generation import Sampler, eos_token_ids, normalize, released_refusal, routed_start
 from gspo_megatron.cpu_server.routes import IndexerRecorder, RouteRecorder
 from gspo_megatron.cpu_server.sglang_runtime import (
+    LoaderModel,
     SchedulerDeath,
     capturer_assert,
     custom_loader,
@@ -75,10 +70,8 @@ from gspo_megatron.engines.sglang_compat import (
     require_flattened_bucket_class,
     use_cpu_shared_memory,
 )
-from gspo_megatron.runtime import children
 
 ALL_TAGS = ("kv_cache", "weights", "cuda_graph")  # sglang GPU_MEMORY_ALL_TYPES
-IDLE_TIMEOUT = timedelta(days=30)  # ranks > 0 wait in a broadcast between commands
 
 
 def log(rank: int, msg: str) -> None:
@@ -294,7 +287,7 @@ class TPWorker:
                 for r in requests
             ]
             reqs = [
-                dataclasses.replace(q, routed_start=_routed_start(r)) if self.args.enable_return_routed_experts else q
+                dataclasses.replace(q, routed_start=routed_start(r)) if self.args.enable_return_routed_experts else q
                 for q, r in zip(reqs, requests)
             ]
             if self.args.enable_return_indexer_topk:
@@ -583,131 +576,3 @@ class TPWorker:
 
     def op_shutdown(self) -> dict:
         return {"success": True}
-
-
-class LoaderModel:
-    """The ``model`` argument of a custom weight loader (``--custom-weight-loader``): sglang hands
-    its runner's model object, whose ``load_weights`` a loader calls; here ``load_weights`` is this rank's
-    store-then-sglang-model load of the runner ``role`` (``"target"`` or, speculative, ``"draft"``;
-    ``TPWorker._load``). One object per worker and runner, kept for its lifetime (a loader may keep state on
-    it, as on sglang's model; a restarted server starts without it)."""
-
-    def __init__(self, worker: TPWorker, role: str = "target"):
-        self._worker = worker
-        self.role = role
-
-    def load_weights(self, weights) -> None:
-        self._worker._load(weights, (self.role,))
-
-    def modules(self):
-        """``nn.Module.modules`` of the runner's sglang model class when this rank holds it
-        (``--sglang-loader-check``: a loader asks its ``FusedMoE`` layers which experts the rank loads),
-        else none."""
-        sglang = self._worker._sglang_models((self.role,)).get(self.role)
-        return sglang.model.modules() if sglang is not None else iter(())
-
-
-def _routed_start(request: dict) -> int | None:
-    """sglang's scheduler check of ``routed_experts_start_len`` (None: routes not asked for)."""
-    if not request.get("return_routed_experts"):
-        return None
-    start = int(request.get("routed_experts_start_len") or 0)
-    if start < 0:
-        raise ValueError(
-            f"recv_req.routed_experts_start_len={start} is lower than 0. "
-            "Please use a non-negative routed_experts_start_len."
-        )
-    if start > len(request["input_ids"]):
-        raise ValueError(
-            f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
-            f"len(req.origin_input_ids)={len(request['input_ids'])}. Please use a smaller "
-            "routed_experts_start_len."
-        )
-    return start
-
-
-def released_refusal(tags: list[str]) -> str:
-    """Why a generation is refused while memory is released. sglang 0.5.23 itself does not refuse:
-    its scheduler runs the request (``/generate``, and the one-token request of ``/health_generate``)
-    on whatever its KV pool and weights map, and after ``release_memory_occupation`` with the
-    memory saver that memory is unmapped (``scheduler_components/weight_updater.py``: torch_memory_saver
-    ``pause``), which on a GPU is an illegal memory access that ends the server."""
-    return (
-        f"{', '.join(repr(t) for t in tags)} released (release_memory_occupation): sglang 0.5.23 would "
-        "run this generation on unmapped memory (an illegal memory access on a GPU); "
-        "resume_memory_occupation first"
-    )
-
-
-def merge(results: list[dict]) -> dict:
-    """All ranks' answers -> one: success only if every rank succeeded (messages of failures)."""
-    ok = all(r.get("success", True) for r in results)
-    out = dict(results[0])
-    out["success"] = ok
-    if not ok:
-        msgs = [r.get("message", "") for r in results if not r.get("success", True)]
-        out["message"] = msgs[0] if len(set(msgs)) == 1 else "; ".join(f"{m}" for m in msgs)
-        out["bad_request"] = any(r.get("bad_request") for r in results)
-    out["ranks"] = results
-    return out
-
-
-def run_worker(args: ServerArgs, tp_rank: int, init_addr: str, conn: Any, parent_pid: int) -> None:
-    """Process entry: join the engine's gloo world, load the shards, serve commands until shutdown.
-    ``conn`` (rank 0 only) is the pipe to the HTTP front."""
-    children.die_with_parent(parent_pid)  # the kernel kills this rank when the server process dies
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    torch.set_num_threads(1)
-    try:
-        host, port = init_addr.rsplit(":", 1)  # node 0's server process hosts the store
-        store = dist.TCPStore(host, int(port), args.tp_size, False, IDLE_TIMEOUT)
-        dist.init_process_group("gloo", store=store, world_size=args.tp_size, rank=tp_rank, timeout=IDLE_TIMEOUT)
-        t0 = time.monotonic()
-        worker = TPWorker(args, tp_rank)
-        worker._refresh_full_model()  # rank 0's model ready before the first health check
-        dist.barrier()
-        log(
-            tp_rank, f"weights loaded ({worker.store.resident_bytes()} bytes of shards) in {time.monotonic() - t0:.1f}s"
-        )
-    except Exception as e:  # noqa: BLE001 - reported to the parent through the pipe; the rank exits 1
-        log(tp_rank, f"start-up failed: {type(e).__name__}: {e}")
-        if conn is not None:
-            conn.send({"success": False, "message": f"{type(e).__name__}: {e}"})
-        sys.exit(1)
-    if conn is not None:
-        conn.send({"success": True, "message": "ready"})
-    while True:
-        box: list[Any] = [None]  # rank 0's command (op, kw), broadcast to the other ranks
-        if tp_rank == 0:
-            try:
-                box = [conn.recv()]
-            except EOFError:
-                box = [("shutdown", {})]
-        dist.broadcast_object_list(box, src=0)
-        op, kw = box[0]
-        try:
-            result = worker.handle(op, kw)
-        except SchedulerDeath as e:  # sglang's scheduler exits; so does this rank, and the server with it
-            traceback.print_exc()
-            log(tp_rank, f"Scheduler hit an exception: {e}; exiting (sglang sends SIGQUIT to the server)")
-            sys.stdout.flush()
-            os._exit(1)  # no clean-up: the server process kills the other ranks
-        except Exception as e:  # noqa: BLE001 - one failed request is answered, the server stays up
-            traceback.print_exc()
-            result = {"success": False, "message": f"{type(e).__name__}: {e}"}
-        # every rank's answer, filled in on rank 0
-        gathered: list[dict] | None = [{} for _ in range(args.tp_size)] if tp_rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-        if gathered is not None:  # rank 0
-            try:
-                conn.send(merge(gathered))
-            except (BrokenPipeError, OSError):
-                op = "shutdown"
-        if op == "shutdown":
-            break
-    for g in list(worker.groups.values()):
-        try:
-            dist.destroy_process_group(g)
-        except Exception:  # noqa: BLE001 - tearing down: a group already broken by a dead peer
-            pass
-    dist.destroy_process_group()

@@ -183,7 +183,7 @@ def test_named_sums_by_name():
     sums.add("engine_gap", torch.tensor(0.25, dtype=torch.float64))
     sums.add("engine_gap", 0.5)
     assert float(sums["engine_gap"]) == 0.75 and float(sums["route_agree"]) == 3.0
-    assert sums.values.tolist() == [0.75, 0, 0, 0, 3.0, 0, 0, 0]
+    assert sums.values.tolist() == [0.75, 0, 0, 0, 3.0, 0, 0, 0, 0, 0]
     with pytest.raises(KeyError, match="no slot named 'engine_gaps'"):
         sums.add("engine_gaps", 1.0)
     with pytest.raises(ValueError, match="distinct"):
