@@ -23,9 +23,11 @@ included, as sglang's ``spec_accept_length``) and the trainer's exact first-toke
 same rollouts (``spec/draft_accept_rate``, runs with the MTP layer in the model).
 
 Speed-up model (stated, not measured: decoding at scale is memory-bound, one verify of k + 1 tokens costs
-about one decode forward of the target): per verify cycle the engine emits L tokens (the measured accept
-length) for one target forward plus k draft forwards of relative cost r each, so tokens per unit of
-target-forward time = L / (1 + k r), against 1 without speculation. r = (one MTP layer) / (the target's
+about one decode forward of the target): per verify cycle the engine emits L = 1 + a k tokens (a: the
+measured ``spec/engine_accept_rate``, accepted / proposed draft tokens; sglang's own
+``spec_accept_length`` also counts the prefill's token, which no verify made, so it reads about 1.1
+here even when nothing is accepted) for one target forward plus k draft forwards of relative cost r
+each, so tokens per unit of target-forward time = L / (1 + k r), against 1 without speculation. r = (one MTP layer) / (the target's
 layers), the MTP layer being one decoder layer of the target's shape (the shared LM head is left out):
 ``--draft-cost`` (default 1/61, DeepSeek-V3's 61 layers; GLM-4.5: 1/92). Not a test (minutes of CPU):
 ``python bench/mtp_draft.py --steps 40``.
@@ -77,9 +79,9 @@ def window(rows: list[dict], key: str, lo: int, hi: int) -> float | None:
     return mean(vals) if vals else None
 
 
-def speedup(accept_length: float | None, steps: int, draft_cost: float) -> float | None:
+def speedup(accept_rate: float | None, steps: int, draft_cost: float) -> float | None:
     """Tokens per unit of target-forward time against plain decoding (module docstring)."""
-    return None if accept_length is None else accept_length / (1.0 + steps * draft_cost)
+    return None if accept_rate is None else (1.0 + accept_rate * steps) / (1.0 + steps * draft_cost)
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -143,11 +145,12 @@ def main() -> None:
         for name, r in results.items():
             rows = r["rows"]
             length = window(rows, "spec/engine_accept_length", lo, lo + w)
+            rate = window(rows, "spec/engine_accept_rate", lo, lo + w)
             print(
                 f"| {lo + 1}-{min(lo + w, len(rows))} | {name} | {_fmt(window(rows, 'reward/mean', lo, lo + w))} | "
-                f"{_fmt(window(rows, 'spec/engine_accept_rate', lo, lo + w))} | {_fmt(length, '.2f')} | "
+                f"{_fmt(rate)} | {_fmt(length, '.2f')} | "
                 f"{_fmt(window(rows, 'spec/draft_accept_rate', lo, lo + w))} | "
-                f"{_fmt(speedup(length, args.spec_steps, args.draft_cost), '.2f')}x |"
+                f"{_fmt(speedup(rate, args.spec_steps, args.draft_cost), '.2f')}x |"
             )
     with open(os.path.join(root, "summary.json"), "w") as f:
         json.dump({k: v["rows"] for k, v in results.items()}, f)
