@@ -58,6 +58,7 @@ from typing import Any, Iterable
 import torch
 
 from gspo_megatron.models.registry import families
+from gspo_megatron.runtime.scoped_attrs import module_attrs
 
 SGLANG_VERSION = "0.5.23"
 STUBBED = ("sgl_kernel", "torchvision")
@@ -248,15 +249,8 @@ GPU_CAPABILITY = (9, 0)  # H100 / H200 (SM90): what gpu_capability_stand_in answ
 def gpu_capability_stand_in():
     """While active and only without a CUDA device: ``torch.cuda.get_device_capability()`` returns
     :data:`GPU_CAPABILITY` instead of raising (module docstring: sglang's DSA server-args resolution)."""
-    if torch.cuda.is_available():
+    with _without_cuda(get_device_capability=lambda device=None: GPU_CAPABILITY):
         yield
-        return
-    real = torch.cuda.get_device_capability
-    torch.cuda.get_device_capability = lambda device=None: GPU_CAPABILITY
-    try:
-        yield
-    finally:
-        torch.cuda.get_device_capability = real
 
 
 def init_parallel(args, tp_rank: int) -> None:
@@ -347,15 +341,14 @@ def no_cuda_sync():
     """While active and only without a CUDA device: ``torch.cuda.synchronize()`` does nothing instead of
     raising (sglang's ``set_embed_and_head`` calls it after sharing the target's tensors, ``models/glm4_moe.py``,
     ``models/deepseek_v2.py``)."""
-    if torch.cuda.is_available():
+    with _without_cuda(synchronize=lambda device=None: None):
         yield
-        return
-    real = torch.cuda.synchronize
-    torch.cuda.synchronize = lambda device=None: None
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize = real
+
+
+def _without_cuda(**stand_ins):
+    """``runtime.scoped_attrs.module_attrs(torch.cuda, **stand_ins)`` when no CUDA device exists; nothing
+    otherwise (a real device answers for itself)."""
+    return contextlib.nullcontext() if torch.cuda.is_available() else module_attrs(torch.cuda, **stand_ins)
 
 
 class SglangModel:

@@ -150,14 +150,7 @@ class TPWorker:
                 raise RuntimeError(f"--sglang-loader-check on: {why}")
             log(self.tp_rank, f"sglang loader check off: {why}")
             return None
-        model = sglang_models.SglangModel(
-            self.args.model_path,
-            self.args.tp_size,
-            self.tp_rank,
-            self.args.ep_size,
-            self.dtype,
-            custom_weight_loader=self.args.custom_weight_loader,
-        )
+        model = self._new_sglang_model(custom_weight_loader=self.args.custom_weight_loader)
         log(
             self.tp_rank,
             f"sglang {sglang_models.SGLANG_VERSION}'s {type(model.model).__name__} holds this rank's "
@@ -190,19 +183,17 @@ class TPWorker:
         if errors:
             raise RuntimeError(f"--speculative-algorithm {self.args.speculative_algorithm}: {'; '.join(errors)}")
 
-    def _sglang_draft_model(self):
-        """sglang's draft class for this rank (``sglang_models.SglangModel(draft_of=...)``)."""
+    def _new_sglang_model(self, **kw):
+        """``sglang_models.SglangModel`` of this rank's checkpoint, TP / EP place and dtype (``kw``: the
+        target's custom loader, or the draft's ``draft_of`` / ``draft_path``)."""
         from gspo_megatron.cpu_server import sglang_models
 
-        model = sglang_models.SglangModel(
-            self.args.model_path,
-            self.args.tp_size,
-            self.tp_rank,
-            self.args.ep_size,
-            self.dtype,
-            draft_of=self.sglang,
-            draft_path=self.args.speculative_draft_model_path,
-        )
+        args = self.args
+        return sglang_models.SglangModel(args.model_path, args.tp_size, self.tp_rank, args.ep_size, self.dtype, **kw)
+
+    def _sglang_draft_model(self):
+        """sglang's draft class for this rank (``sglang_models.SglangModel(draft_of=...)``)."""
+        model = self._new_sglang_model(draft_of=self.sglang, draft_path=self.args.speculative_draft_model_path)
         log(self.tp_rank, f"sglang's draft {type(model.model).__name__} loads the MTP layer too")
         return model
 

@@ -27,11 +27,10 @@ CP rank's slice of the tokens, cut exactly like the model's input):
     draft_normalizer float, with ``mtp_coef`` > 0: the response tokens of the whole mini-batch
 
 MTP draft (``gspo.mtp_loss_coef``, ``losses/mtp_loss.py``): when the forward step asked the model for
-its MTP layers' states, it binds them as ``drafts`` (a list of [b, s, H], one per MTP layer) with the
-detached output weight shard as ``draft_weight`` (and the micro-batch's ``packed_seq_params``, None when
-padded); the loss then adds ``mtp_coef / M * sum(cross
-entropy) / draft_normalizer`` (scaled like the policy loss), whose gradient reaches the MTP layers only,
-and reports it as ``metrics["mtp_loss"]`` (without the coefficient) and inside ``metrics["loss"]``.
+its MTP layers' states, it binds them as ``drafts`` (a ``losses.mtp_loss.DraftStates``: one [b, s, H] per
+MTP layer, the detached output weight shard, the micro-batch's packed-sequence parameters); the loss
+then adds ``mtp_coef / M * sum(cross entropy) / draft_normalizer`` (scaled like the policy loss), whose
+gradient reaches the MTP layers only, and reports it as ``metrics["mtp_loss"]`` (without the coefficient) and inside ``metrics["loss"]``.
 
 Scaling convention (megatron-core 0.16.1, read from pipeline_parallel/schedules.py and
 distributed/distributed_data_parallel.py). The trainer must leave ``calculate_per_token_loss=False``
@@ -61,7 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gspo_megatron.losses.fused_logprobs import fused_vocab_parallel_logprobs
-from gspo_megatron.losses.mtp_loss import draft_acceptance, mtp_loss_sum
+from gspo_megatron.losses.mtp_loss import DraftStates, draft_acceptance, mtp_loss_sum
 from gspo_megatron.losses.policy_loss import PolicyLossConfig, policy_loss_flat
 from gspo_megatron.losses.vocab_parallel import vocab_parallel_logprobs
 
@@ -147,9 +146,7 @@ def make_megatron_loss_func(
     def loss_func(
         output_tensor: Tensor,
         output_weight: Tensor | None = None,
-        drafts: list[Tensor] | None = None,
-        draft_weight: Tensor | None = None,
-        packed_seq_params: Any = None,
+        drafts: DraftStates | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
         b, s = _check_batch(batch, output_tensor)
         logprobs, entropy = token_logprobs(
@@ -193,22 +190,18 @@ def make_megatron_loss_func(
             token_advantages=token_adv,
             check_finite=check_finite,
         )
-        if drafts and mtp_coef:
-            if draft_weight is None or "draft_normalizer" not in batch:
-                raise KeyError(
-                    "the MTP loss needs draft_weight and batch['draft_normalizer'] (trainer.step.split_batch)"
-                )
+        if drafts is not None and mtp_coef:
+            if "draft_normalizer" not in batch:
+                raise KeyError("the MTP loss needs batch['draft_normalizer'] (trainer.step.split_batch)")
             ce_sum, _count = mtp_loss_sum(
                 drafts,
-                draft_weight,
                 batch["labels"],
                 batch["loss_mask"],
-                packed_seq_params=packed_seq_params,
                 tp_group=tp_group,
                 chunk_size=chunk_size,
                 vocab_size=vocab_size,
             )
-            mtp = ce_sum / (len(drafts) * float(batch["draft_normalizer"]))
+            mtp = ce_sum / (len(drafts.states) * float(batch["draft_normalizer"]))
             loss = loss + mtp_coef * mtp
             metrics["mtp_loss"] = float(mtp.detach())
             metrics["loss"] = float(metrics["loss"]) + mtp_coef * metrics["mtp_loss"]
@@ -230,7 +223,7 @@ def make_megatron_logprob_func(
 
     Run the schedule with ``forward_only=True``; each micro-batch appends
     ``{"logprobs": [b, s], "entropy": [b, s] (if asked)}`` (detached fp32) to the returned list; when the
-    forward step binds the MTP layers' ``drafts`` and ``draft_weight``, also ``draft_accept`` /
+    forward step binds the MTP layers' ``drafts`` (``DraftStates``), also ``draft_accept`` /
     ``draft_positions`` (float64 scalars: :func:`~gspo_megatron.losses.mtp_loss.draft_acceptance`).
     Uses only ``batch["labels"]`` [b, s]. Every TP rank calls it. Takes logits [b, s, V/tp], or hidden
     states [b, s, H] with the keyword ``output_weight`` [V/tp, H] (fused path).
@@ -239,9 +232,7 @@ def make_megatron_logprob_func(
     def logprob_func(
         output_tensor: Tensor,
         output_weight: Tensor | None = None,
-        drafts: list[Tensor] | None = None,
-        draft_weight: Tensor | None = None,
-        packed_seq_params: Any = None,
+        drafts: DraftStates | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         if "labels" not in batch:
             raise KeyError("micro-batch is missing 'labels' (needed to compute log-probs)")
@@ -259,13 +250,11 @@ def make_megatron_logprob_func(
         out = {"logprobs": logprobs}
         if entropy is not None:
             out["entropy"] = entropy
-        if drafts and draft_weight is not None:  # the MTP draft's first-token acceptance (losses/mtp_loss.py)
+        if drafts is not None:  # the MTP draft's first-token acceptance (losses/mtp_loss.py)
             out["draft_accept"], out["draft_positions"] = draft_acceptance(
-                drafts[0],
-                draft_weight,
+                drafts,
                 batch["labels"],
                 batch["loss_mask"],
-                packed_seq_params=packed_seq_params,
                 tp_group=tp_group,
                 vocab_size=vocab_size,
             )

@@ -30,6 +30,9 @@ predicts t[i+k+1] = ``labels[i+k]``: its targets are ``labels`` rolled left by k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -37,6 +40,17 @@ from torch import Tensor
 from gspo_megatron.losses.fused_logprobs import fused_vocab_parallel_logprobs
 
 _ARGMAX_CHUNK = 4096  # tokens per [n, V/tp] logits block of the acceptance's argmax
+
+
+@dataclass(frozen=True)
+class DraftStates:
+    """What a forward that ran the model's MTP layers hands the loss functions (``trainer.micro_batches``):
+    ``states``, MTP layer k's output [b, s, H] for k = 1..M; ``weight``, the output weight shard [V/tp, H],
+    detached; ``packed_seq_params``, the micro-batch's (None for padded rows)."""
+
+    states: list[Tensor]
+    weight: Tensor
+    packed_seq_params: Any = None
 
 
 def roll_left(x: Tensor, k: int, packed_seq_params=None) -> Tensor:
@@ -57,26 +71,23 @@ def draft_targets(labels: Tensor, loss_mask: Tensor, k: int, packed_seq_params=N
 
 
 def mtp_loss_sum(
-    drafts: list[Tensor],
-    weight: Tensor,
+    drafts: DraftStates,
     labels: Tensor,
     loss_mask: Tensor,
     *,
-    packed_seq_params=None,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
     vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(sum over layers and counted positions of the draft's cross entropy, the count of (layer,
-    position) terms). ``drafts``: MTP layer k's states [b, s, H] for k = 1..M; ``weight``: the output
-    weight shard [V/tp, H] (detached by the caller). Every TP rank calls it."""
-    total = weight.new_zeros((), dtype=torch.float32)
-    count = weight.new_zeros((), dtype=torch.float32)
-    for k, hidden in enumerate(drafts, start=1):
-        targets, mask = draft_targets(labels, loss_mask, k, packed_seq_params)
+    position) terms), through ``drafts.weight`` (detached by the caller). Every TP rank calls it."""
+    total = drafts.weight.new_zeros((), dtype=torch.float32)
+    count = drafts.weight.new_zeros((), dtype=torch.float32)
+    for k, hidden in enumerate(drafts.states, start=1):
+        targets, mask = draft_targets(labels, loss_mask, k, drafts.packed_seq_params)
         logp, _ = fused_vocab_parallel_logprobs(
             hidden,
-            weight,
+            drafts.weight,
             targets,
             tp_group=tp_group,
             temperature=1.0,
@@ -119,20 +130,19 @@ def vocab_parallel_argmax(
 
 @torch.no_grad()
 def draft_acceptance(
-    first: Tensor,
-    weight: Tensor,
+    drafts: DraftStates,
     labels: Tensor,
     loss_mask: Tensor,
     *,
-    packed_seq_params=None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(accepted, counted): over the counted positions of MTP layer 1 (``first`` [b, s, H]), how many
-    have the draft's top-1 proposal equal to the token the engine emitted (module docstring), float64
-    scalars. Every TP rank calls it."""
-    targets, mask = draft_targets(labels, loss_mask, 1, packed_seq_params)
+    """(accepted, counted): over the counted positions of MTP layer 1 (``drafts.states[0]`` [b, s, H]),
+    how many have the draft's top-1 proposal equal to the token the engine emitted (module docstring),
+    float64 scalars. Every TP rank calls it."""
+    first = drafts.states[0]
+    targets, mask = draft_targets(labels, loss_mask, 1, drafts.packed_seq_params)
     b, s, h = first.shape
-    proposal = vocab_parallel_argmax(first.reshape(b * s, h), weight, tp_group, vocab_size).view(b, s)
+    proposal = vocab_parallel_argmax(first.reshape(b * s, h), drafts.weight, tp_group, vocab_size).view(b, s)
     hit = (proposal == targets).double() * mask.double()
     return hit.sum(), mask.double().sum()

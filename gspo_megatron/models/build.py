@@ -156,9 +156,9 @@ def build_model(
     if opts.mtp:  # the MTP block of the decoder layer's spec, on the last stage (models/mtp.py)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-        from gspo_megatron.models.mtp import mtp_gpt_model_class
+        from gspo_megatron.models.mtp_model import MTPGPTModel
 
-        model_class = mtp_gpt_model_class()
+        model_class = MTPGPTModel
         extra["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te)
     model = model_class(
         config,

@@ -27,6 +27,7 @@ one bucket (``weights.py``). Parts that the engine loads one shard at a time int
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -87,6 +88,13 @@ class Rule:
     #: added to the layer index (the first ``*``) in the HF names: the MTP layer's rules map megatron's
     #: ``mtp.layers.{k}`` to HF ``model.layers.{N + k}`` (``models/mtp.py``)
     hf_layer_offset = 0
+
+    def moved(self, megatron: str, hf_layer_offset: int) -> Rule:
+        """This rule (same sharding, same HF patterns) for the Megatron pattern ``megatron``, its HF layer
+        index shifted by ``hf_layer_offset`` (the MTP layer's copy of a decoder-layer rule)."""
+        out = copy.copy(self)
+        out.megatron, out._regex, out.hf_layer_offset = megatron, _pattern_regex(megatron), hf_layer_offset
+        return out
 
     def hf_names(self, indices: Sequence[str]) -> tuple[str, ...]:
         if self.hf_layer_offset and indices:

@@ -1,9 +1,9 @@
 """The checkpoint's multi-token-prediction (MTP) layer inside the trained Megatron model (``model.mtp``).
 
-Built with megatron-core 0.16.1's own MTP block (``transformer/multi_token_prediction.py``:
-``MultiTokenPredictionBlock`` of ``MultiTokenPredictionLayer`` s: ``enorm``, ``hnorm``, ``eh_proj``, the
-decoder layer's spec as ``transformer_layer``, ``final_layernorm``; ``get_gpt_mtp_block_spec``), inside
-:class:`MTPGPTModel`, a GPTModel whose ``_postprocess`` is ours (composed at build, no patch of
+The model (``models/mtp_model.py``) holds megatron-core 0.16.1's own MTP block
+(``transformer/multi_token_prediction.py``: ``MultiTokenPredictionBlock`` of ``MultiTokenPredictionLayer`` s:
+``enorm``, ``hnorm``, ``eh_proj``, the decoder layer's spec as ``transformer_layer``, ``final_layernorm``;
+``get_gpt_mtp_block_spec``), inside ``MTPGPTModel``, a GPTModel whose ``_postprocess`` is ours (composed at build, no patch of
 megatron's class): megatron's own would compute the MTP loss from ``labels`` and send its gradient into
 the main model (DeepSeek-V3's pre-training recipe). Here the MTP layer is the engines' draft, trained on
 the rollout's tokens without moving the policy (as slime does):
@@ -11,7 +11,7 @@ the rollout's tokens without moving the policy (as slime does):
 - the caller asks for the draft's states per forward (``lm_forward(..., drafts=[])``); otherwise the
   MTP block does not run and the forward is the plain GPTModel's, bit for bit;
 - asked, the block reads the decoder's output DETACHED and the embedding of the rolled tokens DETACHED
-  (:class:`_DetachedEmbedding`), so a loss on its states reaches the MTP layer's own parameters only
+  (``models/mtp_model._DetachedEmbedding``), so a loss on its states reaches the MTP layer's own parameters only
   (the caller multiplies them by the output weight detached: ``losses/mtp_loss.py``);
 - MTP layer k's output [s, b, H] (sequence-parallel scattered) enters the output layer's region as the
   main states do (``lm_head._enter_output_region``) and is handed over as [b, s, H]: position i predicts
@@ -32,12 +32,8 @@ than one (sglang 0.5.23's NextN loader asserts ``num_nextn_predict_layers == 1``
 
 from __future__ import annotations
 
-import copy
-
-import torch
-
 from gspo_megatron.models import carried
-from gspo_megatron.models.mapping import MappingRegistry, Replicated, Rule, _pattern_regex
+from gspo_megatron.models.mapping import ColumnParallel, MappingRegistry, Replicated, Rule
 
 MTP_PREFIX = "mtp.layers."
 _DECODER = "decoder.layers.*."
@@ -89,20 +85,15 @@ def mtp_rules(registry: MappingRegistry, hf: dict) -> MappingRegistry:
     own: list[Rule] = [
         Replicated("mtp.layers.*.enorm.weight", "model.layers.*.enorm.weight"),
         Replicated("mtp.layers.*.hnorm.weight", "model.layers.*.hnorm.weight"),
-        _column("mtp.layers.*.eh_proj.weight", "model.layers.*.eh_proj.weight"),
+        ColumnParallel("mtp.layers.*.eh_proj.weight", "model.layers.*.eh_proj.weight", "tp"),
         Replicated("mtp.layers.*.final_layernorm.weight", "model.layers.*.shared_head.norm.weight"),
     ]
-    for r in own:
-        r.hf_layer_offset = n
-    moved = []
-    for r in registry.rules:
-        if not r.megatron.startswith(_DECODER):
-            continue
-        m = copy.copy(r)
-        m.megatron = f"{MTP_PREFIX}*.transformer_layer." + r.megatron[len(_DECODER) :]
-        m._regex = _pattern_regex(m.megatron)
-        m.hf_layer_offset = n
-        moved.append(m)
+    own = [r.moved(r.megatron, n) for r in own]
+    moved = [
+        r.moved(f"{MTP_PREFIX}*.transformer_layer." + r.megatron[len(_DECODER) :], n)
+        for r in registry.rules
+        if r.megatron.startswith(_DECODER)
+    ]
     return MappingRegistry(registry.rules + own + moved, registry.fuse_groups)
 
 
@@ -113,98 +104,3 @@ def model_mapping(model) -> MappingRegistry:
 
     registry = get_family(model.hf_config).mapping(model.hf_config)
     return mtp_rules(registry, model.hf_config) if getattr(model, "mtp_process", False) else registry
-
-
-def _column(megatron: str, hf: str) -> Rule:
-    from gspo_megatron.models.mapping import ColumnParallel
-
-    return ColumnParallel(megatron, hf, "tp")
-
-
-class _DetachedEmbedding:
-    """The model's embedding with its output detached (no gradient into the policy's embedding)."""
-
-    def __init__(self, embedding):
-        self.embedding = embedding
-
-    def __call__(self, input_ids, position_ids):
-        return self.embedding(input_ids=input_ids, position_ids=position_ids).detach()
-
-
-def mtp_gpt_model_class():
-    """:class:`MTPGPTModel` (built on first use: megatron is imported lazily everywhere in models/)."""
-    global _MTP_CLASS
-    if _MTP_CLASS is None:
-        _MTP_CLASS = _define()
-    return _MTP_CLASS
-
-
-_MTP_CLASS = None
-
-
-def _define():
-    from megatron.core.models.gpt import GPTModel
-
-    class MTPGPTModel(GPTModel):
-        """GPTModel holding the MTP block as the draft (module docstring). ``forward(..., drafts=list)``
-        appends MTP layer k's states [b, s, H] (k = 1..M, the output layer's input region) to the list on
-        the stage holding the MTP block; ``drafts=None``: the block does not run."""
-
-        _draft_sink: list | None = None
-
-        def forward(self, *args, drafts: list | None = None, **kwargs):
-            self._draft_sink = drafts
-            try:
-                return super().forward(*args, **kwargs)
-            finally:
-                self._draft_sink = None
-
-        def _postprocess(
-            self,
-            hidden_states,
-            input_ids,
-            position_ids,
-            labels,
-            rotary_pos_emb,
-            rotary_pos_cos,
-            rotary_pos_sin,
-            mtp_in_postprocess=None,
-            loss_mask=None,
-            decoder_input=None,
-            attention_mask=None,
-            inference_params=None,
-            packed_seq_params=None,
-            sequence_len_offset=None,
-            runtime_gather_output=None,
-            extra_block_kwargs=None,
-            inference_context=None,
-        ):
-            if labels is not None or inference_context is not None:
-                raise ValueError("MTPGPTModel runs the trainer's forward only (labels=None, no inference context)")
-            sink = self._draft_sink
-            if sink is not None and mtp_in_postprocess:
-                from gspo_megatron.models.lm_head import _enter_output_region
-
-                states = self.mtp(
-                    input_ids=input_ids,
-                    position_ids=position_ids,
-                    hidden_states=hidden_states.detach(),
-                    attention_mask=attention_mask,
-                    rotary_pos_emb=rotary_pos_emb,
-                    rotary_pos_cos=rotary_pos_cos,
-                    rotary_pos_sin=rotary_pos_sin,
-                    packed_seq_params=packed_seq_params,
-                    sequence_len_offset=sequence_len_offset,
-                    embedding=_DetachedEmbedding(self.embedding),
-                    **(extra_block_kwargs or {}),
-                )
-                for h in torch.chunk(states, 1 + self.config.mtp_num_layers, dim=0)[1:]:
-                    region, _ = _enter_output_region(self.output_layer, h)
-                    sink.append(region.transpose(0, 1))  # [s, b, H] -> [b, s, H]
-            if not self.post_process:
-                return hidden_states
-            weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-            logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output)
-            return logits.transpose(0, 1).contiguous()  # [s, b, V/tp] -> [b, s, V/tp], as GPTModel
-
-    return MTPGPTModel

@@ -204,6 +204,7 @@ def row_padding_mask(model, batch: dict) -> torch.Tensor | None:
 def _forward_step(
     loss_func_factory: Callable[[dict], Callable], fused_logprobs: bool, with_drafts: bool, data_iterator, model
 ):
+    from gspo_megatron.losses.mtp_loss import DraftStates
     from gspo_megatron.models.lm_head import lm_forward, output_weight, unwrap_gpt
     from gspo_megatron.trainer.packing import packed_seq_params
 
@@ -225,7 +226,7 @@ def _forward_step(
     route_replay.after_forward(model, batch, keep_in=raw, output=output)  # recompute in backward replays too
     bound: dict = {} if weight is None else {"output_weight": weight}
     if drafts:  # detached: the draft's loss and acceptance never move the output layer (losses/mtp_loss.py)
-        bound.update(drafts=drafts, draft_weight=output_weight(unwrap_gpt(model)).detach(), packed_seq_params=psp)
+        bound["drafts"] = DraftStates(drafts, output_weight(unwrap_gpt(model)).detach(), psp)
     loss_func = loss_func_factory(batch)
     return output, (partial(loss_func, **bound) if bound else loss_func)
 
@@ -243,8 +244,8 @@ def run_schedule(
     (non-empty on the last pipeline stage only). ``fused_logprobs`` (config ``model.fused_logprobs``):
     the last stage hands the loss function hidden states and the output weight instead of logits
     (``gspo_megatron.models.lm_head``); the loss functions of ``losses.megatron_loss`` take either.
-    ``with_drafts``: the model also runs its MTP layers (``model.mtp``) and binds their states
-    (``drafts``, ``draft_weight``, ``packed_seq_params``) to the loss function."""
+    ``with_drafts``: the model also runs its MTP layers (``model.mtp``) and binds their states to the
+    loss function (``drafts``: a ``losses.mtp_loss.DraftStates``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not batches:

@@ -10,7 +10,13 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from distributed_harness import run_ranks
-from gspo_megatron.losses.mtp_loss import draft_acceptance, draft_targets, mtp_loss_sum, vocab_parallel_argmax
+from gspo_megatron.losses.mtp_loss import (
+    DraftStates,
+    draft_acceptance,
+    draft_targets,
+    mtp_loss_sum,
+    vocab_parallel_argmax,
+)
 
 
 def _packed(cu: list[int]) -> PackedSeqParams:
@@ -67,7 +73,7 @@ def test_mtp_loss_sum_is_the_cross_entropy_of_each_layer():
     mask = torch.zeros(b, s, dtype=torch.long)
     mask[0, 2:8] = 1
     mask[1, 4:9] = 1
-    total, count = mtp_loss_sum(drafts, weight, labels, mask, chunk_size=4)
+    total, count = mtp_loss_sum(DraftStates(drafts, weight), labels, mask, chunk_size=4)
     ref, n = torch.zeros((), dtype=torch.float64), 0.0
     for k, d in enumerate(drafts, start=1):
         tgt, m = _rows(labels, mask, k, [(0, s)])
@@ -91,7 +97,7 @@ def test_draft_acceptance_counts_top1_equal_to_the_emitted_token():
     labels[:, 1:] = torch.where(torch.rand(b, s - 1, generator=g) < 0.5, proposal[:, :-1], labels[:, 1:])
     mask = torch.ones(b, s, dtype=torch.long)
     mask[:, :3] = 0
-    acc, pos = draft_acceptance(first, weight, labels, mask)
+    acc, pos = draft_acceptance(DraftStates([first], weight), labels, mask)
     tgt, m = _rows(labels, mask, 1, [(0, s)])
     assert float(pos) == float(m.sum())
     assert float(acc) == float(((proposal == tgt).float() * m).sum())

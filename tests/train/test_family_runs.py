@@ -25,20 +25,18 @@ import sys
 import pytest
 import torch
 
-from train_utils import read_metrics, run_train, score_checkpoint, write_demo_tokenized_checkpoint
+from train_utils import (
+    CPU_ENGINE_DISAGGREGATED,
+    read_metrics,
+    run_train,
+    score_checkpoint,
+    write_demo_tokenized_checkpoint,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models"))
 from hf_reference import hf_logprobs, max_abs_diff
 
-ENGINE = [
-    "rollout.engine=sglang",
-    "rollout.engine_server=cpu",
-    "rollout.sync_mode=disaggregated",
-    "rollout.num_engines=1",
-    "rollout.sync_verify=true",
-    "rollout.sync_verify_every=1",
-    "train.steps=2",
-]
+ENGINE = [*CPU_ENGINE_DISAGGREGATED, "train.steps=2"]
 EP2 = ["parallel.ep=2"]
 R3 = ["rollout.routing_replay=r3"]
 RUNS = {  # family -> its layout and replay overrides

@@ -23,7 +23,13 @@ import sys
 
 import torch
 
-from train_utils import read_metrics, run_train, score_checkpoint, write_demo_tokenized_checkpoint
+from train_utils import (
+    CPU_ENGINE_DISAGGREGATED,
+    read_metrics,
+    run_train,
+    score_checkpoint,
+    write_demo_tokenized_checkpoint,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models"))
 from hf_reference import hf_logprobs, max_abs_diff
@@ -49,12 +55,7 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path):
     run_train(
         out,
         [
-            "rollout.engine=sglang",
-            "rollout.engine_server=cpu",
-            "rollout.sync_mode=disaggregated",
-            "rollout.num_engines=1",
-            "rollout.sync_verify=true",
-            "rollout.sync_verify_every=1",
+            *CPU_ENGINE_DISAGGREGATED,
             "rollout.speculative=true",
             f"rollout.speculative_steps={SPEC_STEPS}",
             "rollout.max_new_tokens=8",

@@ -14,6 +14,15 @@ from subprocess_utils import run_group
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # A tiny, fast configuration shared by the e2e tests (the demo model, few prompts, few steps).
+# one disaggregated CPU-server engine, checked against the trainer after every sync (the runs' usual engine)
+CPU_ENGINE_DISAGGREGATED = [
+    "rollout.engine=sglang",
+    "rollout.engine_server=cpu",
+    "rollout.sync_mode=disaggregated",
+    "rollout.num_engines=1",
+    "rollout.sync_verify=true",
+    "rollout.sync_verify_every=1",
+]
 FAST = [
     "train.steps=3",
     "rollout.prompts_per_step=4",
