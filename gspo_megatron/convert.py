@@ -350,14 +350,15 @@ def export_to_hf_dir(
     Returns the safetensors file names on rank 0, None elsewhere."""
 
     from gspo_megatron.checkpoint import safetensors_shards as st
-    from gspo_megatron.models.carried import CarriedTensors
+    from gspo_megatron.models.carried import CarriedTensors, mtp_names
     from gspo_megatron.models.weights import build_export_plan, gather_full
 
     me = rdist.rank()
     items, mine = build_export_plan(model)
     # the MTP layers, unchanged (models/carried.py), less what the model exports itself (its trained MTP
-    # layer, model.mtp: models/mtp.py); rank 0 writes them
-    carried = CarriedTensors(assets_dir, hf, exclude={n for it in items for n in it.hf_names})
+    # layer, model.mtp: models/mtp.py; then only the layer's embed_tokens / shared_head.head); rank 0 writes them
+    exported = {n for it in items for n in it.hf_names}
+    carried = CarriedTensors(assets_dir, hf, exclude=exported, mtp_trained=bool(mtp_names(hf, exported)))
     shards = st.plan_shards(hf_tensor_list(items) + carried.entries(), max_shard_size)
     if me == 0:
         os.makedirs(out_dir, exist_ok=True)

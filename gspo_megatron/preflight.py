@@ -23,7 +23,8 @@ or the file and line):
    every turn at once returns a well-formed result (:func:`check_custom_rollout`);
 7. checkpoints to resume from (``checkpoint.load`` or ``output_dir/checkpoints``) and
    ``model.checkpoint``: the model config stored with them equals this model's, their ``model.lora``
-   (metadata) equals the config's (:func:`check_lora_matches`), and a resume uses the layout the
+   (metadata) equals the config's (:func:`check_lora_matches`), so does their ``model.mtp``
+   (:func:`check_mtp_matches`), and a resume uses the layout the
    optimizer state was written in (:func:`check_checkpoints`).
 """
 
@@ -346,9 +347,33 @@ def check_lora_matches(cfg: Config, meta: dict, field: str, path: str) -> None:
     )
 
 
+def check_mtp_matches(cfg: Config, meta: dict, field: str, path: str) -> None:
+    """A checkpoint holds the MTP layer exactly when its model did (``model.mtp``, its metadata's ``mtp``):
+    the model loads strictly, and a checkpoint written with the layer keeps only its ``embed_tokens`` /
+    ``shared_head.head`` carried (``models/carried.py``), so reading it without the layer would lose the
+    trained draft. Refused here, before any model is built."""
+    here, stored = bool(cfg.mtp_in_model), bool(meta.get("mtp"))
+    if here == stored:
+        return
+    if here:
+        fix = (
+            "set model.mtp=false (rollout.speculative then drafts with the checkpoint's published MTP layer)"
+            if field == "model.checkpoint"
+            else "resume with model.mtp=false"
+        )
+        raise UserInputError(
+            f"model.mtp=true but {field}'s checkpoint {path} holds no MTP layer (written without model.mtp, e.g. "
+            f"by tools/hf_to_megatron.py); {fix}, or start from model.hf_path"
+        )
+    raise UserInputError(
+        f"model.mtp=false but {field}'s checkpoint {path} holds the trained MTP layer (written with model.mtp); "
+        "set model.mtp=true (or rollout.speculative=true with model.mtp null)"
+    )
+
+
 def check_checkpoints(cfg: Config, hf: dict) -> None:
     """The newest checkpoint a run would resume from (and model.checkpoint) fits this model and its
-    ``model.lora``; the resumed optimizer state needs the layout it was written in."""
+    ``model.lora`` and ``model.mtp``; the resumed optimizer state needs the layout it was written in."""
     p = cfg.parallel
     here = dict(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, cp=p.cp)
     resume_field = "checkpoint.load" if cfg.checkpoint.load else "output_dir"
@@ -370,6 +395,7 @@ def check_checkpoints(cfg: Config, hf: dict) -> None:
                 f"model.checkpoint={path}: the weights load into any layout)"
             )
         check_lora_matches(cfg, meta, resume_field, path)
+        check_mtp_matches(cfg, meta, resume_field, path)
     if cfg.model.checkpoint:
         found = _newest_checkpoint(cfg.model.checkpoint, "model.checkpoint", required=True)
         assert found is not None  # required=True raises instead of returning None
@@ -378,3 +404,4 @@ def check_checkpoints(cfg: Config, hf: dict) -> None:
         if diff:
             raise UserInputError(f"model.checkpoint: {path} holds another model than the config's ({'; '.join(diff)})")
         check_lora_matches(cfg, meta, "model.checkpoint", path)
+        check_mtp_matches(cfg, meta, "model.checkpoint", path)

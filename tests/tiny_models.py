@@ -44,10 +44,12 @@ def write_tiny_hf_checkpoint(root, family: str, seed: int = 0, subdir: str = "hf
     return path, save_tiny_hf_model(family, path, seed=seed, **overrides)
 
 
-def tiny_megatron_model(hf_dir: str, layout: dict, impl: str = "local", dtype: str = "float32", mtp: bool = False):
+def tiny_megatron_model(
+    hf_dir: str, layout: dict, impl: str = "local", dtype: str = "float32", mtp: bool = False, recompute: bool = False
+):
     """In a rank: ``init_distributed`` for ``layout`` ({"tp", "pp", "ep"}: each 1 when absent; sequence
     parallel with tp > 1; seed 0), the Megatron model of ``hf_dir`` with its weights loaded (``mtp``: its
-    MTP layers too, ``ModelOptions.mtp``), set up for training without the distributed optimizer; returns
+    MTP layers too, ``ModelOptions.mtp``; ``recompute``: ``ModelOptions.recompute``), set up for training without the distributed optimizer; returns
     ``setup_training``'s (ddp, optimizer, scheduler)."""
     from gspo_megatron.models.build import ModelOptions, build_model
     from gspo_megatron.models.hf_config import load_hf_config
@@ -61,7 +63,7 @@ def tiny_megatron_model(hf_dir: str, layout: dict, impl: str = "local", dtype: s
         layout.get("tp", 1),
         layout.get("pp", 1),
         layout.get("ep", 1),
-        opts=ModelOptions(transformer_impl=impl, dtype=dtype, **({"mtp": True} if mtp else {})),
+        opts=ModelOptions(transformer_impl=impl, dtype=dtype, recompute=recompute, **({"mtp": True} if mtp else {})),
     )
     load_hf_weights(model, hf_dir)
     return setup_training(model, OptimOptions(use_distributed_optimizer=False))

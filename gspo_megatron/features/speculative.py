@@ -136,7 +136,7 @@ class Speculative(Feature):
             who = "rollout.speculative=true with model.mtp=false (the engines draft with the checkpoint's MTP layer)"
         from gspo_megatron.models.mtp import mtp_layout_errors
 
-        layout = mtp_layout_errors(cfg.parallel.pp, cfg.parallel.cp) if cfg.mtp_in_model else []
+        layout = mtp_layout_errors(cfg.parallel.pp, cfg.parallel.cp, hf) if cfg.mtp_in_model else []
         return [f"{who}: {why}" for why in mtp_errors(hf, trained=cfg.mtp_in_model)] + layout
 
     def engine_args(self, cfg, hf: dict | None, route_spec: Any) -> dict[str, Any]:

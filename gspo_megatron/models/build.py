@@ -140,7 +140,7 @@ def build_model(
     if opts.mtp:
         from gspo_megatron.models.mtp import mtp_errors, mtp_layout_errors
 
-        errors = mtp_errors(hf) + mtp_layout_errors(pp, cp)
+        errors = mtp_errors(hf) + mtp_layout_errors(pp, cp, hf)
         if errors:
             raise ValueError("model.mtp: " + "; ".join(errors))
     config = transformer_config(hf, tp, pp, ep, etp, cp, opts)
@@ -154,12 +154,10 @@ def build_model(
         use_packed_local_attention(spec)
     model_class, extra = GPTModel, {}
     if opts.mtp:  # the MTP block of the decoder layer's spec, on the last stage (models/mtp.py)
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-        from gspo_megatron.models.mtp_model import MTPGPTModel
+        from gspo_megatron.models.mtp_model import MTPGPTModel, mtp_block_spec
 
         model_class = MTPGPTModel
-        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te)
+        extra["mtp_block_spec"] = mtp_block_spec(config, spec, te)
     model = model_class(
         config,
         spec,

@@ -5,18 +5,23 @@ conditional-generation checkpoint). What follows says "MTP"; the carried prefixe
 DeepSeek-V3 / R1 / V3.2, GLM-4.5 / GLM-5 (``num_nextn_predict_layers``) and MiniMax-M2
 (``num_mtp_modules``) ship M extra layers after the N decoder layers, named
 ``model.layers.<i>.*`` with N <= i < N + M (Qwen3-Next / Qwen3.5: ``mtp.*``, ``mtp_num_hidden_layers``) (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.*``,
-``embed_tokens`` and a whole decoder layer; block-FP8 ``weight_scale_inv`` tensors included). Neither
-transformers 5.23 (it ignores them on load) nor the trainer computes them; sglang 0.5.23 serves them as
-a separate draft model for speculative decoding (``models/deepseek_nextn.py``), read from the
-checkpoint directory at start-up, and its target model's ``load_weights`` skips them
+``embed_tokens`` and a whole decoder layer; block-FP8 ``weight_scale_inv`` tensors included).
+transformers 5.23 ignores them on load; sglang 0.5.23 serves them as a separate draft model for
+speculative decoding (``models/deepseek_nextn.py``, ``glm4_moe_nextn.py``), read from the checkpoint
+directory at start-up, and its target model's ``load_weights`` skips them
 (``models/deepseek_common/deepseek_weight_loader.py``: layers >= ``num_hidden_layers`` ``continue`` when
 not ``is_nextn``; ``models/minimax_m2.py`` ``get_spec_layer_idx_from_weight_name``). So:
 
-- without ``model.mtp`` they are not trained and the weight sync never sends them (the export stream
-  holds the Megatron model's tensors only: ``models/weights.py``); the engines keep the published ones.
-  With ``model.mtp`` the Megatron model holds the MTP layer (``models/mtp.py``): it is trained, synced
-  to the engines' draft and exported from the model; only its ``embed_tokens`` / ``shared_head.head``
-  (which sglang's draft skips, sharing the target's) stay carried;
+- without ``model.mtp`` (and for every family whose MTP layer is not built into the Megatron model:
+  ``ModelFamily.mtp_trainable``) they are not trained and the weight sync never sends them (the export
+  stream holds the Megatron model's tensors only: ``models/weights.py``); the engines keep the published
+  ones. With ``model.mtp`` (GLM-4.5, DeepSeek-V3) the Megatron model holds the MTP layer
+  (``models/mtp.py``): it is trained, sent by the weight sync under its HF names (the engines' draft
+  loads them) and exported from the model; of the MTP layer only its ``embed_tokens`` /
+  ``shared_head.head`` (:data:`MTP_SHARED`: sglang's draft skips them and shares the target's, as
+  megatron's MTP shares the model's) stay carried. Block-FP8 checkpoints are not dequantized on load,
+  for the decoder layers as for the MTP layer; with ``model.mtp`` the layer's ``weight_scale_inv`` is
+  left out of the export with the weights it scaled (:class:`CarriedTensors` ``mtp_trained``);
 - conversion and every checkpoint keep them beside the Megatron checkpoint, unchanged (same bytes,
   same dtype): ``<checkpoint>/hf_assets/carried.safetensors``, written where the tokenizer files are
   copied (``checkpoint.manager._copy_hf_assets``). Stored rather than re-read from the source HF
@@ -40,6 +45,9 @@ from gspo_megatron.models import hf_config
 CARRIED_FILE = "carried.safetensors"
 COUNT_FIELDS = ("num_nextn_predict_layers", "num_mtp_modules", "mtp_num_hidden_layers")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# the MTP layer's copies of the target's embedding and head (``model.layers.{N}.<name>``): carried even with
+# ``model.mtp`` (sglang's draft skips them and shares the target's; megatron's MTP shares the model's)
+MTP_SHARED = (".embed_tokens.weight", ".shared_head.head.weight")
 
 
 def mtp_layers(hf: dict) -> int:
@@ -83,11 +91,18 @@ class CarriedTensors:
     """The carried tensors (:func:`carried_names`: MTP layers, a vision tower) a directory holds:
     ``carried.safetensors`` (a checkpoint's ``hf_assets``: the MTP layers and the family's carried prefixes) or,
     for an HF model directory, its own shards. ``entries()``: (name, shape, dtype) sorted by name;
-    ``get(name)``: the tensor as stored. ``exclude``: names left out (the export's own: a model holding its
-    MTP layer, ``model.mtp``, exports it trained; only that layer's ``embed_tokens`` / ``shared_head.head``
-    stay carried)."""
+    ``get(name)``: the tensor as stored. ``exclude``: names left out (the export's own). ``mtp_trained``: the
+    model holds its MTP layer (``model.mtp``) and exports it trained, so of the MTP layers only
+    :data:`MTP_SHARED` stay carried (a block-FP8 checkpoint's ``weight_scale_inv`` of the layer is left out
+    with the weights it scaled)."""
 
-    def __init__(self, directory: str | None, hf: dict, exclude: set[str] | frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        directory: str | None,
+        hf: dict,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        mtp_trained: bool = False,
+    ):
         from safetensors import safe_open
 
         from gspo_megatron.models.safetensors_reader import SafetensorsReader
@@ -105,6 +120,9 @@ class CarriedTensors:
         ):
             self._reader = SafetensorsReader(directory)
             self.names = [n for n in carried_names(hf, self._reader.names()) if n not in exclude]
+        if mtp_trained:
+            mtp = set(mtp_names(hf, self.names))
+            self.names = [n for n in self.names if n not in mtp or n.endswith(MTP_SHARED)]
 
     def get(self, name: str) -> torch.Tensor:
         if self._file is not None:

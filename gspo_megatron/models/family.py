@@ -84,11 +84,15 @@ class ModelFamily:
     # ``EntryClass`` lists the class), one entry per ``architectures``: the CPU server imports the class
     # from it (``cpu_server/sglang_models.py``: ``MODULES``), not through sglang's registry
     sglang_modules: dict[str, str] = {}
-    # HF architecture -> the sglang 0.5.23 module of the draft class that serves the checkpoint's MTP layer
-    # for speculative decoding (``ModelConfig(is_draft_model=True)`` renames the architecture to
-    # ``<arch>NextN``, ``srt/configs/model_config.py``): the CPU server builds its draft from it. Empty: the
-    # family has no MTP draft here. ``mtp_trainable``: the Megatron model can hold the MTP layer
-    # (``model.mtp``, ``models/mtp.py``: its mapping derived from the decoder layer's rules)
+    # the draft class's architecture -> the sglang 0.5.23 module serving it (``srt/models/<module>.py``,
+    # whose ``EntryClass`` lists it): the class sglang builds for the checkpoint's MTP layer in speculative
+    # decoding (``ModelConfig(is_draft_model=True)`` renames ``architectures[0]``, e.g.
+    # ``Glm4MoeForCausalLM`` -> ``Glm4MoeForCausalLMNextN``, ``srt/configs/model_config.py``); the CPU
+    # server builds its draft from it (``cpu_server/sglang_models.py``: ``DRAFT_MODULES``). Empty: the family
+    # has no MTP draft here. ``mtp_trainable``: the Megatron model can hold the MTP layer (``model.mtp``,
+    # ``models/mtp.py``: its mapping derived from the decoder layer's rules). Neither is inherited (a
+    # subclass family, e.g. DeepSeek-V3.2 of DeepSeek-V3, has its own attention and draft class: it
+    # declares both itself, ``__init_subclass__``)
     sglang_draft_modules: dict[str, str] = {}
     mtp_trainable: bool = False
     # HF architecture -> prefixes of parameters of sglang's class that the weight sync never writes (a
@@ -116,6 +120,12 @@ class ModelFamily:
     language_model_excluded: tuple[str, ...] = ()
     tiny: dict = {}
     published: dict[str, dict] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for field, default in (("sglang_draft_modules", {}), ("mtp_trainable", False)):
+            if field not in cls.__dict__:  # not inherited (the comment at the fields)
+                setattr(cls, field, default)
 
     @property
     def experts_stacked_in_checkpoint(self) -> bool:

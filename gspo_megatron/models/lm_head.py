@@ -52,6 +52,13 @@ def output_weight(gpt) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
+def mtp_output_weight(model) -> torch.Tensor:
+    """The [V/tp, H] output weight shard the MTP layers' states are multiplied by (``logits_k = d_k W^T``),
+    DETACHED: the draft's loss and acceptance never move the output layer (``models/mtp.py``). The same
+    tensor as :func:`output_weight` on the stage holding the MTP block (the last one)."""
+    return output_weight(unwrap_gpt(model)).detach()
+
+
 def check_fused_supported(gpt) -> None:
     cfg = gpt.config
     if getattr(cfg, "mtp_num_layers", None) and not hasattr(gpt, "_draft_sink"):
@@ -101,9 +108,11 @@ def lm_forward(
       the output weight shard [V/tp, H];
     - on other stages: the stage's output (hidden states for the next stage) and None.
     ``kwargs`` go to GPTModel.forward (attention_mask, packed_seq_params, ...). ``drafts`` (a list, for a
-    model built with its MTP layer, ``models/mtp.py``): the MTP layers' states [b, s, H] are appended to
-    it on the stage holding them, computed from detached inputs; None (or a model without MTP): the MTP
-    block does not run.
+    model built with its MTP layer, ``models/mtp.py``): on the stage holding the MTP block (the last), MTP
+    layer k's states d_k [b, s, H] are appended for k = 1..M, in the same region as the fused path's
+    hidden states (gathered over sequence parallel), computed from detached inputs; d_k[:, i] predicts
+    token i + k + 1 (``logits = d_k mtp_output_weight(model)^T``; within each packed sequence). None (or a
+    model without MTP): the MTP block does not run and the forward is the plain GPTModel's.
     """
     gpt = unwrap_gpt(model)
     if drafts is not None and getattr(gpt, "mtp_process", False):

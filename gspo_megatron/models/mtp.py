@@ -6,16 +6,35 @@ The model (``models/mtp_model.py``) holds megatron-core 0.16.1's own MTP block
 ``get_gpt_mtp_block_spec``), inside ``MTPGPTModel``, a GPTModel whose ``_postprocess`` is ours (composed at build, no patch of
 megatron's class): megatron's own would compute the MTP loss from ``labels`` and send its gradient into
 the main model (DeepSeek-V3's pre-training recipe). Here the MTP layer is the engines' draft, trained on
-the rollout's tokens without moving the policy (as slime does):
+the rollout's tokens without moving the policy (as slime does).
+
+The math of MTP layer k = 1..M (DeepSeek-V3 report 2.2; ``engines/mtp_draft.py`` is the reference on the
+HF tensors), with h^0 the main decoder's final (post-norm) states [s, b, H] and t the tokens::
+
+    h^k_i = final_layernorm_k(TransformerLayer_k(eh_proj_k(cat(enorm_k(E[t_{i+k}]), hnorm_k(h^{k-1}_i)))))
+
+causal over i, RoPE at sequence index i (megatron's RoPE reads the index, not ``position_ids``; the
+rolled position ids feed a learned position embedding only, which these families lack): so h^k_i is
+sglang's draft state for (h_i, t_{i+1}) at position i, and ``h^k_i W^T`` predicts t_{i+k+1}. Megatron
+rolls the token ids left by one per layer (``roll_tensor``; the wrapped-around last position of each
+packed sequence gets token 0): the last k positions of each sequence have no target.
 
 - the caller asks for the draft's states per forward (``lm_forward(..., drafts=[])``); otherwise the
   MTP block does not run and the forward is the plain GPTModel's, bit for bit;
-- asked, the block reads the decoder's output DETACHED and the embedding of the rolled tokens DETACHED
-  (``models/mtp_model._DetachedEmbedding``), so a loss on its states reaches the MTP layer's own parameters only
-  (the caller multiplies them by the output weight detached: ``losses/mtp_loss.py``);
-- MTP layer k's output [s, b, H] (sequence-parallel scattered) enters the output layer's region as the
-  main states do (``lm_head._enter_output_region``) and is handed over as [b, s, H]: position i predicts
-  token i + k + 1 (megatron rolls the input ids and positions by one per layer, within packed sequences).
+- asked, the block reads h^0 DETACHED and the embedding E[t] DETACHED (``models/mtp_model._DetachedEmbedding``), so a
+  loss on its states reaches the MTP layer's own parameters only (``enorm``, ``hnorm``, ``eh_proj``,
+  ``transformer_layer``, ``final_layernorm``; the caller multiplies the states by the output weight
+  detached: ``lm_head.mtp_output_weight``, ``losses/mtp_loss.py``). The detached h^0 is a leaf that
+  requires grad (its gradient dropped): with ``model.recompute`` megatron checkpoints the MTP layer, whose
+  parameters get a gradient only when an input of the checkpoint requires one;
+- h^k [s, b, H] (sequence-parallel scattered) enters the output layer's region as the main states do
+  (``lm_head._enter_output_region``: gathered over TP) and is handed over as [b, s, H];
+- pipeline parallelism: megatron builds the MTP block on the last stage, with its own copy of the
+  embedding (``embedding.word_embeddings.weight``, ``shared_embedding=True``), tied to the first stage's:
+  loaded from the same HF tensor, exported once (the first stage's: ``weights.build_export_plan`` keeps
+  the lowest owner), checkpointed as one tensor (megatron's ``tie_word_embeddings_state_dict``), and its
+  gradient (zero here: its output is detached) all-reduced with the first stage's by
+  ``finalize_model_grads``, so both copies take the same step.
 
 Names (``mtp_rules``): megatron ``mtp.layers.{k}.{enorm,hnorm,eh_proj,final_layernorm}.weight`` and
 ``mtp.layers.{k}.transformer_layer.*`` <-> HF ``model.layers.{N+k}.{enorm,hnorm,eh_proj,shared_head.norm}
@@ -25,9 +44,11 @@ the layer index shifted by N = ``num_hidden_layers``), as sglang 0.5.23's draft 
 and ``shared_head.head`` stay carried (``models/carried.py``): sglang's draft skips them and shares the
 target's embedding and head (``set_embed_and_head``), as megatron's MTP shares the model's.
 
-Refused (:func:`mtp_errors`): a family whose MTP layer is not built here, a checkpoint without one, more
-than one (sglang 0.5.23's NextN loader asserts ``num_nextn_predict_layers == 1``); layouts
-(:func:`mtp_layout_errors`): pipeline and context parallelism.
+Refused (:func:`mtp_errors`, one line each): a family whose MTP layer is not built here, a checkpoint
+without one, more than one (sglang 0.5.23's NextN loader asserts ``num_nextn_predict_layers == 1``), a
+MoE checkpoint whose last decoder layer is dense (megatron builds the MTP layer from the last layer's
+spec); layouts (:func:`mtp_layout_errors`): context parallelism, a tied embedding with pipeline
+parallelism.
 """
 
 from __future__ import annotations
@@ -41,40 +62,63 @@ _DECODER = "decoder.layers.*."
 
 def mtp_errors(hf: dict, trained: bool = True) -> list[str]:
     """Why the MTP layer of the checkpoint with config.json ``hf`` cannot be the trained and synced
-    draft (``trained``), or the engines' published draft (``trained=False``: only a checkpoint without
-    one is refused) (one line each; empty: it can)."""
-    from gspo_megatron.models.registry import get_family
+    draft (``trained``: ``model.mtp``), or the engines' published draft (``trained=False``: only a
+    checkpoint without one is refused) (one line each, naming the config.json field or the family;
+    empty: it can). The caller prefixes the setting that asks for it (``model.mtp: ...``)."""
+    from gspo_megatron.models.registry import families, get_family
 
     family = get_family(hf)
     m = carried.mtp_layers(hf)
+    none = f"config.json declares no MTP layer ({'/'.join(carried.COUNT_FIELDS)} = 0)"
+    published = sorted(k for k, v in family.published.items() if carried.mtp_layers(v))
     if not family.sglang_draft_modules and not m:
+        if published:
+            return [
+                f"{none}, and the {family.name} family's MTP layers are not built here yet (its published "
+                f"checkpoints have them: {', '.join(published)})"
+            ]
         return [f"the {family.name} family has no MTP layers (no draft for speculative decoding)"]
     if not trained:
-        return [] if m else [f"config.json declares no MTP layer ({'/'.join(carried.COUNT_FIELDS)} = 0)"]
+        return [] if m else [none]
     if not family.mtp_trainable:
+        built = ", ".join(sorted(f.name for f in families() if f.mtp_trainable))
         return [
             f"the {family.name} family's MTP layers are not built into the Megatron model here yet "
-            "(glm4_moe and deepseek_v3 are); set model.mtp=false and rollout.speculative=false"
+            f"(only {built}); set model.mtp=false (the engines keep the checkpoint's draft)"
         ]
     if m == 0:
-        return [
-            f"config.json declares no MTP layer ({'/'.join(carried.COUNT_FIELDS)} = 0): the checkpoint has no draft"
-        ]
+        return [f"{none}: the checkpoint has no draft"]
     if m != 1:
         return [
             f"config.json declares {m} MTP layers; sglang 0.5.23 serves exactly 1 "
             "(srt/models/deepseek_common/deepseek_weight_loader.py asserts num_nextn_predict_layers == 1)"
         ]
+    n, dense = int(hf.get("num_hidden_layers") or 0), int(hf.get("first_k_dense_replace") or 0)
+    if family.is_moe(hf) and dense >= n:
+        return [
+            f"config.json first_k_dense_replace={dense} >= num_hidden_layers={n}: the checkpoint's MTP layer has "
+            "routed experts but megatron builds it as the last decoder layer (dense)"
+        ]
     return []
 
 
-def mtp_layout_errors(pp: int, cp: int) -> list[str]:
-    """The layouts the MTP layer is not built for here (one line each)."""
+def mtp_layout_errors(pp: int, cp: int, hf: dict | None = None) -> list[str]:
+    """The layouts the MTP layer is not built for here (one line each): context parallelism (megatron's
+    MTP rolls the tokens across CP ranks with CUDA tensors; CP needs Transformer Engine anyway), and with
+    ``hf`` a tied embedding under pipeline parallelism (the MTP stage's copy of the embedding would be
+    the output weight there too; megatron keeps an unused ``output_layer.weight`` beside it).
+    Pipeline parallelism itself is supported: megatron builds the MTP block on the last stage with its
+    own copy of the embedding, tied to the first stage's (module docstring)."""
     out = []
-    if pp > 1:
-        out.append(f"model.mtp=true needs parallel.pp=1 here (got {pp}): the MTP layer's stage is not mapped yet")
     if cp > 1:
-        out.append(f"model.mtp=true needs parallel.cp=1 (got {cp})")
+        out.append(
+            f"model.mtp=true needs parallel.cp=1 (got {cp}): the MTP layer is not built with context parallelism here"
+        )
+    if pp > 1 and hf is not None and hf.get("tie_word_embeddings", False):
+        out.append(
+            f"model.mtp=true with config.json tie_word_embeddings=true needs parallel.pp=1 (got {pp}): the MTP "
+            "stage's embedding copy would also be its output weight"
+        )
     return out
 
 

@@ -4,10 +4,50 @@ import); ``models.build.build_model`` builds this class when ``ModelOptions.mtp`
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+)
 
 from gspo_megatron.models.lm_head import _enter_output_region
+
+
+class _MTPLayer(MultiTokenPredictionLayer):
+    """megatron-core 0.16.1's MTP layer, recomputed with packed sequences too. With ``model.recompute``
+    (``recompute_granularity="full"``) megatron checkpoints the layer through ``tensor_parallel.checkpoint``
+    with every keyword passed as a positional input (``MultiTokenPredictionLayer._checkpointed_forward``),
+    and ``save_for_backward`` refuses the ``PackedSeqParams`` of a packed micro-batch (TypeError). Here the
+    inputs that are not tensors are bound in the recomputed function instead (as megatron's
+    ``TransformerBlock._checkpointed_forward`` does); the FP8 path (``te_checkpoint``, which takes keywords)
+    and the other recompute methods are megatron's own."""
+
+    def _checkpointed_forward(self, forward_func, *args, **kwargs):
+        if args or self.config.fp8 or self.config.recompute_method != "uniform":
+            return super()._checkpointed_forward(forward_func, *args, **kwargs)
+        saved = [k for k, v in kwargs.items() if v is None or isinstance(v, torch.Tensor)]
+        bound = {k: v for k, v in kwargs.items() if k not in saved}
+
+        def run(*values):
+            return forward_func(**dict(zip(saved, values)), **bound)
+
+        return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations, *[kwargs[k] for k in saved])
+
+
+def mtp_block_spec(config, layer_spec, te: bool):
+    """megatron's MTP block spec for the decoder layer spec ``layer_spec`` (``get_gpt_mtp_block_spec``: the
+    last decoder layer's spec inside each MTP layer), its layers :class:`_MTPLayer`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    block = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=te)
+    if block is None:  # no MTP layer on this pipeline stage
+        return None
+    layers = [dataclasses.replace(s, module=_MTPLayer) for s in block.layer_specs]
+    return MultiTokenPredictionBlockSubmodules(layer_specs=layers)
 
 
 class _DetachedEmbedding:
@@ -58,10 +98,13 @@ class MTPGPTModel(GPTModel):
             raise ValueError("MTPGPTModel runs the trainer's forward only (labels=None, no inference context)")
         sink = self._draft_sink
         if sink is not None and mtp_in_postprocess:
+            # detached, yet a leaf that requires grad: with model.recompute megatron checkpoints the MTP layer
+            # (an autograd Function whose parameters get a gradient only when an input requires one); the
+            # gradient reaching this leaf is dropped
             states = self.mtp(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                hidden_states=hidden_states.detach(),
+                hidden_states=hidden_states.detach().requires_grad_(torch.is_grad_enabled()),
                 attention_mask=attention_mask,
                 rotary_pos_emb=rotary_pos_emb,
                 rotary_pos_cos=rotary_pos_cos,

@@ -205,7 +205,7 @@ def _forward_step(
     loss_func_factory: Callable[[dict], Callable], fused_logprobs: bool, with_drafts: bool, data_iterator, model
 ):
     from gspo_megatron.losses.mtp_loss import DraftStates
-    from gspo_megatron.models.lm_head import lm_forward, output_weight, unwrap_gpt
+    from gspo_megatron.models.lm_head import lm_forward, mtp_output_weight
     from gspo_megatron.trainer.packing import packed_seq_params
 
     raw = next(data_iterator)
@@ -226,7 +226,7 @@ def _forward_step(
     route_replay.after_forward(model, batch, keep_in=raw, output=output)  # recompute in backward replays too
     bound: dict = {} if weight is None else {"output_weight": weight}
     if drafts:  # detached: the draft's loss and acceptance never move the output layer (losses/mtp_loss.py)
-        bound["drafts"] = DraftStates(drafts, output_weight(unwrap_gpt(model)).detach(), psp)
+        bound["drafts"] = DraftStates(drafts, mtp_output_weight(model), psp)
     loss_func = loss_func_factory(batch)
     return output, (partial(loss_func, **bound) if bound else loss_func)
 

@@ -110,9 +110,11 @@ def test_model_refusals_come_from_models_mtp(tmp_path, family, extra, mtp, ok):
 
 
 def test_layouts_the_mtp_layer_is_not_built_for(tmp_path):
-    d, hf = _tiny_dir(tmp_path, "glm4_moe", num_nextn_predict_layers=1)
+    d, hf = _tiny_dir(tmp_path, "deepseek_v3", num_nextn_predict_layers=1, tie_word_embeddings=True)
     cfg = load_config(None, [*SPEC, f"model.hf_path={d}", "parallel.pp=2"], check_files=False)
-    with pytest.raises(ConfigError, match=r"model.mtp=true needs parallel.pp=1 here \(got 2\)"):
+    with pytest.raises(ConfigError, match=r"tie_word_embeddings=true needs parallel.pp=1 \(got 2\)"):
         validate_model_layout(cfg, hf)
     frozen = load_config(None, [*SPEC, f"model.hf_path={d}", "parallel.pp=2", "model.mtp=false"], check_files=False)
     validate_model_layout(frozen, hf)  # the published draft: no MTP layer in the trained model
+    d, hf = _tiny_dir(tmp_path / "untied", "glm4_moe", num_nextn_predict_layers=1)
+    validate_model_layout(load_config(None, [*SPEC, f"model.hf_path={d}", "parallel.pp=2"], check_files=False), hf)

@@ -64,7 +64,8 @@ def _one_model(hf_dir: str, layout: dict, mtp: bool, records: list, budget: int,
     from gspo_megatron.trainer.step_passes import CurrentPolicy
     from tiny_models import tiny_megatron_model
 
-    ddp, opt, _sched = tiny_megatron_model(hf_dir, layout, mtp=mtp)
+    parallel = {k: v for k, v in layout.items() if k != "recompute"}
+    ddp, opt, _sched = tiny_megatron_model(hf_dir, parallel, mtp=mtp, recompute=bool(layout.get("recompute")))
     cfg = _config(budget)
     dp, tp = ps.get_data_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     (micro,) = split_batch(cfg, records, dp, ps.get_data_parallel_rank(), pad_id=0, multiple=sequence_multiple(tp, 1))
@@ -88,6 +89,7 @@ def _one_model(hf_dir: str, layout: dict, mtp: bool, records: list, budget: int,
     )
     grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
     result = {
+        "last": ps.is_pipeline_last_stage(),
         "old": [b["old_logprobs"].clone() for b in micro],
         "grads": grads,
         "loss": [float(m["loss"]) for m in out],

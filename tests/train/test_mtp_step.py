@@ -6,8 +6,9 @@
 - the draft's first-token acceptance counted in the old-log-prob pass
   (``losses/mtp_loss.draft_acceptance``) equals an independent count: transformers' target forward and
   the published MTP math on the checkpoint's tensors (``engines.mtp_draft.MTPDraft``);
-padded and packed micro-batches, one rank and TP 2 / EP 2 on two gloo ranks, GLM-4.5's tiny config (MoE
-MTP layer)."""
+padded and packed micro-batches, one rank (with and without ``model.recompute``, which checkpoints the
+MTP layer too) and TP 2 / EP 2 / PP 2 on two gloo ranks (PP: the MTP layer on the last stage with its own
+copy of the embedding, whose gradient is the first stage's), GLM-4.5's tiny config (MoE MTP layer)."""
 
 from __future__ import annotations
 
@@ -43,14 +44,28 @@ def _is_mtp(name: str) -> bool:
     return ".mtp." in f".{name}"
 
 
-def _check(res: dict, coef: float) -> None:
+# PP > 1: the last stage's copy of the embedding, which megatron builds for the MTP layer (models/mtp.py)
+EMBEDDING_COPY = "embedding.word_embeddings.weight"
+
+
+def _check(res: dict, coef: float, first_embedding_grad: torch.Tensor | None = None) -> None:
+    """``first_embedding_grad`` (PP > 1): the first stage's embedding gradient in the model without MTP."""
     plain, mtp = res["plain"], res["mtp"]
     for a, b in zip(plain["old"], mtp["old"]):
         assert torch.equal(a, b)
+    pp = first_embedding_grad is not None
+    copy = pp and mtp["last"] and EMBEDDING_COPY not in plain["grads"]
+    if copy:  # its own gradient is 0 (a detached input of the MTP layer); finalize_model_grads all-reduces
+        # it with the first stage's, so both copies take the same step
+        assert torch.equal(mtp["grads"].pop(EMBEDDING_COPY), first_embedding_grad)
+    assert copy == (pp and mtp["last"])
     assert set(plain["grads"]) == {n for n in mtp["grads"] if not _is_mtp(n)}
     for name, g in plain["grads"].items():
         assert torch.equal(g, mtp["grads"][name]), name
     drafts = {n: g for n, g in mtp["grads"].items() if _is_mtp(n)}
+    if pp and not mtp["last"]:
+        assert not drafts  # the MTP layer lives on the last stage
+        return
     assert drafts, "the MTP model has no mtp.* parameters"
     if coef == 0:
         assert all(float(g.abs().sum()) == 0.0 for g in drafts.values())
@@ -60,29 +75,36 @@ def _check(res: dict, coef: float) -> None:
         assert mtp["mtp_loss"] and all(x > 0 for x in mtp["mtp_loss"])
 
 
-@pytest.mark.parametrize("budget", [0, 32], ids=["padded", "packed"])
-@pytest.mark.parametrize("coef", [0.0, 0.5])
-def test_policy_untouched_and_acceptance_exact_one_rank(checkpoint, budget, coef):
+@pytest.mark.parametrize(
+    "budget,coef,recompute",
+    [(0, 0.0, False), (0, 0.5, False), (32, 0.0, False), (32, 0.5, False), (32, 0.5, True)],
+    ids=["padded-coef0", "padded", "packed-coef0", "packed", "packed-recompute"],
+)
+def test_policy_untouched_and_acceptance_exact_one_rank(checkpoint, budget, coef, recompute):
     path, hf = checkpoint
     records = make_records(hf["vocab_size"])
-    res = _both(1, path, {}, records, budget, coef)[0]
+    res = _both(1, path, {"recompute": recompute}, records, budget, coef)[0]
     _check(res, coef)
     acc, pos = reference_acceptance(path, records)
     assert res["mtp"]["positions"] == pos > 0
     assert res["mtp"]["accept"] == acc
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}], ids=["tp2", "ep2"])
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"pp": 2}], ids=["tp2", "ep2", "pp2"])
 def test_policy_untouched_and_acceptance_exact_two_ranks(checkpoint, layout):
     path, hf = checkpoint
     records = make_records(hf["vocab_size"])
     results = _both(2, path, layout, records, 32, 0.5)
     acc, pos = reference_acceptance(path, records)
+    first = results[0]["plain"]["grads"].get(EMBEDDING_COPY) if layout.get("pp") else None
     for res in results:
-        _check(res, 0.5)
+        _check(res, 0.5, first)
     # TP 2: both ranks hold every sequence and count the same (the argmax is reduced over TP);
-    # EP 2: two data-parallel replicas, each counting its own sequences
-    if layout.get("tp"):
+    # EP 2: two data-parallel replicas, each counting its own sequences; PP 2: the last stage counts
+    if layout.get("pp"):
+        (last,) = [r["mtp"] for r in results if r["mtp"]["last"]]
+        assert (last["positions"], last["accept"]) == (pos, acc)
+    elif layout.get("tp"):
         assert all(r["mtp"]["positions"] == pos and r["mtp"]["accept"] == acc for r in results)
     else:
         assert sum(r["mtp"]["positions"] for r in results) == pos

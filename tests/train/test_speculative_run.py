@@ -1,6 +1,6 @@
 """The assembled path of speculative rollouts with the MTP draft trained and synced (issue 34), as a user
 runs it: GLM-4.5's tiny checkpoint with its MTP layer (``model.layers.<N>.*``, written by transformers'
-``save_pretrained`` plus the published MTP layout) -> ``gspo-train`` under ``torchrun`` on 2 ranks (EP 2),
+``save_pretrained`` plus the published MTP layout) -> ``gspo-train`` under ``torchrun`` on 2 ranks (EP 2, or PP 2: the MTP layer on the last stage),
 ``rollout.speculative=true`` (``model.mtp`` null: on) with ``gspo.mtp_loss_coef=1`` and a disaggregated
 CPU-server engine that decodes speculatively (sglang's acceptance rule) and loads every sync into sglang's
 own target and draft classes (the written check on both) -> the final HF export.
@@ -13,6 +13,8 @@ Checked:
 - ``hf_final`` holds the MTP layer, trained (its tensors moved; the layer's ``embed_tokens`` /
   ``shared_head.head`` carried unchanged), loads in transformers (which ignores it) and scores as the
   run's final checkpoint does (read back through ``tools/score.py`` with its MTP layer);
+- that checkpoint as ``model.checkpoint`` with ``model.mtp=false`` is refused in one line before any work
+  (it would lose the trained draft: ``preflight.check_mtp_matches``);
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 
 from train_utils import (
@@ -45,7 +48,8 @@ def _tensors(d: str) -> dict:
     return dict(iter_checkpoint(d))
 
 
-def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path):
+@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.pp=2"], ids=["ep2", "pp2"])
+def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, layout):
     import transformers
 
     hf_dir = write_demo_tokenized_checkpoint(str(tmp_path / "tiny-glm4_moe"), "glm4_moe", seed=0, with_mtp=True)
@@ -64,7 +68,7 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path):
             f"model.hf_path={hf_dir}",
             "model.init=pretrained",
             "model.arch=null",
-            "parallel.ep=2",
+            layout,
         ],
         nproc=2,
         timeout=900,
@@ -89,6 +93,15 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path):
         assert torch.equal(source[k], exported[k]), k  # carried unchanged (sglang's draft shares the target's)
     moved = [k for k in set(mtp) - carried if not torch.equal(source[k], exported[k])]
     assert f"model.layers.{n}.eh_proj.weight" in moved and len(moved) > 10  # the draft trained
+
+    if layout == "parallel.ep=2":  # a checkpoint with the trained MTP layer read without it: refused up front
+        again = str(tmp_path / "again")
+        ckpt = os.path.join(out, "checkpoints")
+        model = [f"model.hf_path={hf_dir}", "model.init=pretrained", "model.arch=null", layout]
+        proc = run_train(again, [*model, f"model.checkpoint={ckpt}", "model.mtp=false"], check=False, timeout=300)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("gspo-train: error:")]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+        assert "model.mtp=false but model.checkpoint's checkpoint" in lines[0], lines[0]
 
     lm = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # ignores the MTP layer
     assert type(lm).__name__ == hf["architectures"][0]
