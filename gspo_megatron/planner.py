@@ -279,8 +279,13 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     first, last = stage * per_stage, (stage + 1) * per_stage
     te = m.transformer_impl != "local"  # auto: Transformer Engine on the GPUs planned for
     layers = [layer_params(d, i, te) for i in range(first, last)]
+    # model.mtp: megatron builds each MTP layer on the last stage from the last decoder layer's spec
+    mtp = plan_args.get("mtp_layers", 0) if stage == p.pp - 1 else 0
+    act_layers = list(range(first, last)) + [d.num_layers - 1] * mtp
+    layers += [layer_params(d, d.num_layers - 1, te)] * mtp
     dense = sum(lp.tp_sharded for lp in layers) / p.tp + sum(lp.replicated for lp in layers)
-    if stage == 0:
+    dense += mtp * (2 * d.hidden * d.hidden / p.tp + 3 * d.hidden)  # eh_proj; enorm, hnorm, final norm
+    if stage == 0 or (mtp and p.pp > 1):  # the MTP stage's own copy of the embedding (models/mtp.py)
         dense += d.vocab_size * d.hidden / p.tp
     if stage == p.pp - 1:
         dense += d.hidden + (0 if d.tie_embeddings and p.pp == 1 else d.vocab_size * d.hidden / p.tp)
@@ -315,10 +320,10 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     if m.recompute:
         sp = p.tp if p.sequence_parallel else 1
         inputs = len(layers) * tokens * d.hidden / sp * wb
-        one = max(_activation_bytes_per_layer(d, cfg, i, tokens) for i in range(first, last))
+        one = max(_activation_bytes_per_layer(d, cfg, i, tokens) for i in act_layers)
         acts, how = in_flight * inputs + one, "recompute"
     else:
-        acts = in_flight * sum(_activation_bytes_per_layer(d, cfg, i, tokens) for i in range(first, last))
+        acts = in_flight * sum(_activation_bytes_per_layer(d, cfg, i, tokens) for i in act_layers)
         how = "no recompute"
     s.in_flight = in_flight
     s.train_items = static + [(f"activations ({how}; pp - stage micro-batches in flight)", acts)]
@@ -386,6 +391,13 @@ def _engine_rows(plan_args: dict, s: StageMemory, resident: float, resident_labe
     ]
 
 
+def _mtp_layers_trained(cfg: Config, hf: dict) -> int:
+    """The MTP layers the trained model holds (``model.mtp``: the checkpoint's, ``models/carried.py``)."""
+    from gspo_megatron.models.carried import mtp_layers
+
+    return mtp_layers(hf) if cfg.mtp_in_model else 0
+
+
 def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float) -> Plan:
     """Check ``cfg`` on ``nodes`` x ``gpus_per_node`` GPUs of ``gpu_memory_gib`` GiB and estimate memory.
     Raises ConfigError (the config cannot run on that cluster, naming the field) or PlanError."""
@@ -421,6 +433,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
         edp=train_world // (p.ep * p.etp * p.pp),
         micro_batches=micro_batches_per_rank(cfg, train_world),
         gpus_per_node=gpus_per_node,
+        mtp_layers=_mtp_layers_trained(cfg, hf),
     )
     if dims.mla:  # SGLang caches MLA's latent (kv_lora + rope) per layer, on every TP rank
         kv_per_token = dims.num_layers * (dims.kv_lora_rank + dims.qk_rope_head_dim) * 2

@@ -278,3 +278,27 @@ def test_fits_and_does_not_fit():
     assert plan.worst.train_peak > 60 * GIB and not plan.fits
     with pytest.raises(PlanError, match="--nodes must be > 0"):
         make_plan(cfg, 0, 8, 80)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_mtp_layer_is_counted_on_the_last_stage(tmp_path, pp):
+    """``model.mtp``: the last stage holds the MTP layer (its own tensors in the checkpoint, less the
+    ``embed_tokens`` / ``shared_head.head`` it shares and the router's ``e_score_correction_bias``, a
+    buffer as in the decoder layers), and with PP > 1 its own copy of the embedding."""
+    from gspo_megatron.cpu_server.weights import iter_checkpoint
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    model = save_tiny_hf_model("glm4_moe", str(tmp_path), seed=0, with_mtp=True)
+    n, vocab, hidden = model.config.num_hidden_layers, model.config.vocab_size, model.config.hidden_size
+    own = sum(
+        t.numel()
+        for k, t in iter_checkpoint(str(tmp_path))
+        if k.startswith(f"model.layers.{n}.")
+        and not k.endswith(("embed_tokens.weight", "shared_head.head.weight", "e_score_correction_bias"))
+    )
+    base = [f"model.hf_path={tmp_path}", "model.arch=null", "model.max_seq_len=64", f"parallel.pp={pp}"]
+    plain, mtp = (tiny_plan(*base, f"model.mtp={on}") for on in ("false", "true"))
+    assert [s.params for s in mtp.stages[:-1]] == [s.params for s in plain.stages[:-1]]
+    copy = vocab * hidden if pp > 1 else 0
+    assert mtp.stages[-1].params - plain.stages[-1].params == own + copy
+    assert rows(mtp.stages[-1])["activations"] > rows(plain.stages[-1])["activations"]

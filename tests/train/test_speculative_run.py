@@ -97,7 +97,7 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, layout
     if layout == "parallel.ep=2":  # a checkpoint with the trained MTP layer read without it: refused up front
         again = str(tmp_path / "again")
         ckpt = os.path.join(out, "checkpoints")
-        model = [f"model.hf_path={hf_dir}", "model.init=pretrained", "model.arch=null", layout]
+        model = [f"model.hf_path={hf_dir}", "model.init=pretrained", "model.arch=null"]
         proc = run_train(again, [*model, f"model.checkpoint={ckpt}", "model.mtp=false"], check=False, timeout=300)
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("gspo-train: error:")]
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
