@@ -297,6 +297,10 @@ class OptimizerConfig:
         "fraction of optimizer states kept in host memory (Megatron optimizer_cpu_offload; needs the distributed optimizer)",
     )
     max_bad_steps: int = _f(3, "consecutive non-finite steps (skipped) before the run stops")
+    mtp_lr: float | None = _f(
+        None,
+        "with model.mtp: the MTP layer's (the draft's) own peak learning rate, decayed like lr (min_lr in the same ratio); null = lr. Adam's step does not scale with gspo.mtp_loss_coef, so this sets how fast the draft follows the policy (trainer/optimizer.py)",
+    )
 
 
 @dataclass

@@ -37,7 +37,9 @@ top-k > 1 (the trainer sets neither). sglang does reset ``max_running_requests``
 
 Refused here (one line each, :meth:`Speculative.config_errors` / :meth:`Speculative.model_errors`):
 speculative without ``rollout.engine=sglang``; ``rollout.speculative_steps < 1``; ``gspo.mtp_loss_coef > 0``
-without the MTP layer in the model; ``model.mtp`` with ``rollout.lora_sync=adapter`` (an adapter sync sends
+without the MTP layer in the model; ``model.mtp=false`` with colocated engines (they release their weights
+after every rollout, the draft's included, and nothing would send the published draft again);
+``model.mtp`` with ``rollout.lora_sync=adapter`` (an adapter sync sends
 only the adapters: the engines' draft would never get the trained MTP layer); a checkpoint whose family or
 MTP layer count the draft cannot serve (``models.mtp.mtp_errors``) when the model holds the MTP layer or the
 engines draft with it (``model.mtp=false`` with speculative keeps the published draft of the checkpoint
@@ -77,6 +79,13 @@ def speculative_server_args(steps: int) -> dict[str, Any]:
     }
 
 
+def _colocated(mode: str) -> bool:
+    from gspo_megatron.features.sync_modes import SYNC_MODES
+
+    sm = SYNC_MODES.get(mode)
+    return sm is not None and sm.colocated
+
+
 class Speculative(Feature):
     name = "speculative"
     field = _SPEC
@@ -105,6 +114,20 @@ class Speculative(Feature):
             e.append(
                 f"gspo.mtp_loss_coef={coef} needs the MTP layer in the trained model: set model.mtp=true "
                 "(or leave it null with rollout.speculative=true), or gspo.mtp_loss_coef=0"
+            )
+        mtp_lr = cfg.optimizer.mtp_lr
+        if mtp_lr is not None and (not cfg.mtp_in_model or float(mtp_lr) <= 0):
+            e.append(
+                f"optimizer.mtp_lr={mtp_lr} needs the MTP layer in the trained model (model.mtp=true, or null with "
+                "rollout.speculative=true) and a value > 0; or leave it null (optimizer.lr)"
+            )
+        if r.speculative and not cfg.mtp_in_model and _colocated(r.sync_mode):
+            e.append(
+                f"rollout.speculative=true with model.mtp=false and rollout.sync_mode={r.sync_mode}: colocated engines "
+                "release their weights after every rollout, the draft's MTP layer with them (sglang's memory saver "
+                "frees every tensor its model runners loaded, the draft's too), and without model.mtp no sync sends "
+                "that layer again; set model.mtp=true (with gspo.mtp_loss_coef=0 the published draft is sent "
+                "unchanged) or a disaggregated rollout.sync_mode"
             )
         if cfg.mtp_in_model and cfg.model.lora.rank > 0 and r.lora_sync == "merged":
             e.append(

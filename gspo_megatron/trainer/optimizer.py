@@ -24,6 +24,23 @@ class OptimOptions:
     use_distributed_optimizer: bool = True
     grad_reduce_in_fp32: bool = True
     cpu_offload_fraction: float = 0.0
+    mtp_lr: float | None = None  # the MTP layer's peak learning rate (model.mtp); None: lr
+
+
+def mtp_lr_overrides(opt_config, opts: OptimOptions) -> dict | None:
+    """megatron's param-group overrides giving the MTP layer (``model.mtp``: ``mtp.layers.*``) its own peak
+    learning rate ``opts.mtp_lr`` (and min_lr in the same ratio), on top of megatron's standard ones (no
+    weight decay on biases and 1-D parameters); None (megatron's defaults) without ``mtp_lr``. Adam's step
+    does not scale with the loss, so ``gspo.mtp_loss_coef`` cannot set how fast the draft follows the
+    policy: this does (a separate param group; its learning rate follows the same warmup and decay)."""
+    if opts.mtp_lr is None:
+        return None
+    from megatron.core.optimizer import ParamKey, get_standard_config_overrides
+
+    overrides = get_standard_config_overrides(opt_config)
+    min_lr = opts.min_lr * opts.mtp_lr / opts.lr if opts.lr > 0 else opts.min_lr
+    overrides[ParamKey(name="*mtp.layers.*")] = {"max_lr": opts.mtp_lr, "min_lr": min_lr}
+    return overrides
 
 
 def setup_training(model, opts: OptimOptions):
@@ -64,7 +81,7 @@ def setup_training(model, opts: OptimOptions):
         optimizer_cpu_offload=opts.cpu_offload_fraction > 0,
         optimizer_offload_fraction=opts.cpu_offload_fraction,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    optimizer = get_megatron_optimizer(opt_config, [ddp], config_overrides=mtp_lr_overrides(opt_config, opts))
     use_expert_tp_group_for_norm(optimizer)
     steps = max(1, opts.total_steps)
     scheduler = OptimizerParamScheduler(

@@ -111,6 +111,7 @@ READERS = {
     "optimizer.lr_decay_style": "train.py",
     "optimizer.cpu_offload_fraction": "train.py",
     "optimizer.max_bad_steps": "train.py",
+    "optimizer.mtp_lr": "train.py",
     "train.steps": "train.py",
     "train.log_interval": "train.py",
     "data.path": "factory.py",

@@ -16,6 +16,8 @@ from gspo_megatron.features.speculative import SPECULATIVE, speculative_server_a
 
 SGLANG = ["rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=colocated"]
 SPEC = [*SGLANG, "rollout.speculative=true"]
+# the published draft (model.mtp=false) needs engines that keep their weights between rollouts
+FROZEN = [*SPEC, "rollout.sync_mode=disaggregated", "rollout.num_engines=1", "model.mtp=false"]
 
 
 @pytest.mark.parametrize(
@@ -33,6 +35,11 @@ SPEC = [*SGLANG, "rollout.speculative=true"]
             r"model.mtp=true with rollout.lora_sync=adapter: .*set model.mtp=false .*or rollout.lora_sync=merged",
         ),
         ([*SPEC, "model.lora.rank=4", "model.lora.alpha=8"], r"model.mtp=true with model.lora: .*not built yet"),
+        (
+            [*SPEC, "model.mtp=false"],
+            r"model.mtp=false and rollout.sync_mode=colocated: colocated engines release their weights .*"
+            r"set model.mtp=true .* or a disaggregated rollout.sync_mode",
+        ),
     ],
 )
 def test_refusals_name_the_field_in_one_line(overrides, match):
@@ -46,11 +53,11 @@ def test_refusals_name_the_field_in_one_line(overrides, match):
     "overrides",
     [
         SPEC,  # model.mtp null: on with speculative
-        [*SPEC, "model.mtp=false"],  # the engines draft with the published MTP layer
+        FROZEN,  # the engines draft with the published MTP layer
         [*SPEC, "gspo.mtp_loss_coef=0.5", "rollout.speculative_steps=1"],
         [*SGLANG, "model.mtp=true", "gspo.mtp_loss_coef=0.1"],  # trained and synced, no speculation
         [*SPEC, "rollout.routing_replay=r3", "rollout.engine_deterministic=true"],  # sglang refuses neither
-        [*SPEC, "model.mtp=false", "model.lora.rank=4", "model.lora.alpha=8", "rollout.lora_sync=adapter"],
+        [*FROZEN, "model.lora.rank=4", "model.lora.alpha=8", "rollout.lora_sync=adapter"],
     ],
 )
 def test_accepted(overrides):
@@ -98,7 +105,7 @@ def _tiny_dir(tmp_path, family, **overrides):
 )
 def test_model_refusals_come_from_models_mtp(tmp_path, family, extra, mtp, ok):
     d, hf = _tiny_dir(tmp_path, family, **extra)
-    overrides = [*SPEC, f"model.hf_path={d}"] + ([f"model.mtp={mtp}"] if mtp else [])
+    overrides = [*(FROZEN if mtp == "false" else SPEC), f"model.hf_path={d}"]
     cfg = load_config(None, overrides, check_files=False)
     if ok:
         validate_model_layout(cfg, hf)
@@ -114,7 +121,7 @@ def test_layouts_the_mtp_layer_is_not_built_for(tmp_path):
     cfg = load_config(None, [*SPEC, f"model.hf_path={d}", "parallel.pp=2"], check_files=False)
     with pytest.raises(ConfigError, match=r"tie_word_embeddings=true needs parallel.pp=1 \(got 2\)"):
         validate_model_layout(cfg, hf)
-    frozen = load_config(None, [*SPEC, f"model.hf_path={d}", "parallel.pp=2", "model.mtp=false"], check_files=False)
+    frozen = load_config(None, [*FROZEN, f"model.hf_path={d}", "parallel.pp=2"], check_files=False)
     validate_model_layout(frozen, hf)  # the published draft: no MTP layer in the trained model
     d, hf = _tiny_dir(tmp_path / "untied", "glm4_moe", num_nextn_predict_layers=1)
     validate_model_layout(load_config(None, [*SPEC, f"model.hf_path={d}", "parallel.pp=2"], check_files=False), hf)

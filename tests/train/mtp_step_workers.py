@@ -138,3 +138,35 @@ def reference_acceptance(hf_dir: str, records: list) -> tuple[int, int]:
                     pos += 1
                     acc += int(int(logits[j].argmax()) == int(ids[j + 2]))
     return acc, pos
+
+
+def adam_first_step(rank: int, world: int, hf_dir: str, mtp_lr: float | None) -> dict:
+    """One rank: the MTP model under ``setup_training`` with ``OptimOptions(lr=1e-3, mtp_lr=...)``, every
+    parameter's gradient set to a fixed random tensor, one optimizer step (no clipping, no weight decay).
+    Returns {name: (max |step|, min |step| over nonzero gradients)}: Adam's first step is
+    lr * g / (|g| + eps), so each is the parameter's learning rate up to eps."""
+    import torch
+    from megatron.core import parallel_state as ps  # noqa: F401 - initialised by tiny_megatron_model
+
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
+    from gspo_megatron.models.weights import load_hf_weights
+    from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
+
+    init_distributed(ParallelLayout(), seed=0)
+    model = build_model(load_hf_config(hf_dir), opts=ModelOptions(transformer_impl="local", dtype="float32", mtp=True))
+    load_hf_weights(model, hf_dir)
+    opts = OptimOptions(lr=1e-3, mtp_lr=mtp_lr, clip_grad=0.0, use_distributed_optimizer=False)
+    ddp, optimizer, _scheduler = setup_training(model, opts)
+    g = torch.Generator().manual_seed(0)
+    before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    for p in ddp.module.parameters():
+        p.main_grad.copy_(torch.randn(p.shape, generator=g) + 0.5)  # no zero gradient
+    optimizer.step()
+    out = {}
+    for n, p in ddp.module.named_parameters():
+        d = (p.detach() - before[n]).abs()
+        out[n] = (float(d.max()), float(d.min()))
+    destroy_distributed()
+    return out

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
-from mtp_step_workers import make_records, reference_acceptance, step_grads
+from mtp_step_workers import adam_first_step, make_records, reference_acceptance, step_grads
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +109,15 @@ def test_policy_untouched_and_acceptance_exact_two_ranks(checkpoint, layout):
     else:
         assert sum(r["mtp"]["positions"] for r in results) == pos
         assert sum(r["mtp"]["accept"] for r in results) == acc
+
+
+def test_the_draft_has_its_own_learning_rate(checkpoint):
+    """``optimizer.mtp_lr``: the MTP layer is a param group of its own (megatron's config overrides): Adam's
+    first step moves each of its parameters by mtp_lr * g / (|g| + eps), every other one by lr's; without
+    it, all by lr."""
+    path, _hf = checkpoint
+    for mtp_lr in (None, 1e-2):
+        (steps,) = run_ranks(adam_first_step, 1, path, mtp_lr)
+        for name, (hi, lo) in steps.items():
+            lr = mtp_lr if mtp_lr is not None and _is_mtp(name) else 1e-3
+            assert hi == pytest.approx(lr, rel=1e-3) and lo == pytest.approx(lr, rel=1e-2), (name, hi, lo, lr)
