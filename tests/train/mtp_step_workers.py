@@ -170,3 +170,34 @@ def adam_first_step(rank: int, world: int, hf_dir: str, mtp_lr: float | None) ->
         out[n] = (float(d.max()), float(d.min()))
     destroy_distributed()
     return out
+
+
+def sglang_draft_loads(rank: int, world: int, hf_dir: str) -> dict:
+    """One rank: sglang 0.5.23's draft class for the HF directory ``hf_dir`` (the CPU server's
+    ``SglangModel(draft_of=...)``, built as sglang's draft worker builds it), its own parameters poisoned,
+    then one ``load_weights`` of the directory's MTP layer (``model.layers.<N>.*``). Returns the class name,
+    the parameters left unwritten, and the loaded ``eh_proj`` next to the directory's."""
+    import torch
+
+    from gspo_megatron.cpu_server.sglang_models import SglangModel
+    from gspo_megatron.cpu_server.weights import iter_checkpoint
+    from gspo_megatron.models.hf_config import load_hf_config
+    from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
+
+    init_distributed(ParallelLayout())
+    n = int(load_hf_config(hf_dir)["num_hidden_layers"])
+    target = SglangModel(hf_dir, 1, 0, dtype=torch.float32)
+    draft = SglangModel(hf_dir, 1, 0, dtype=torch.float32, draft_of=target, draft_path=hf_dir)
+    draft.poison()
+    tensors = dict(iter_checkpoint(hf_dir))
+    draft.load([(k, t.clone()) for k, t in tensors.items() if k.startswith(f"model.layers.{n}.")])
+    out = {
+        "class": type(draft.model).__name__,
+        "unwritten": draft.unwritten(),
+        "eh_proj": (
+            draft.params()["model.eh_proj.weight"].detach().clone(),
+            tensors[f"model.layers.{n}.eh_proj.weight"],
+        ),
+    }
+    destroy_distributed()
+    return out

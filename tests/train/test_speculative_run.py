@@ -11,8 +11,8 @@ Checked:
   (``spec/draft_accept_rate``), the MTP loss (``loss/mtp``), and the engine still agrees with the trainer
   (``rollout/logprob_abs_diff``, the post-sync probe);
 - ``hf_final`` holds the MTP layer, trained (its tensors moved; the layer's ``embed_tokens`` /
-  ``shared_head.head`` carried unchanged), loads in transformers (which ignores it) and scores as the
-  run's final checkpoint does (read back through ``tools/score.py`` with its MTP layer);
+  ``shared_head.head`` carried unchanged), loads in sglang's draft class (every parameter of its own
+  written) and in transformers (which ignores it), and scores as the run's final checkpoint does (read back through ``tools/score.py`` with its MTP layer);
 - that checkpoint as ``model.checkpoint`` with ``model.mtp=false`` is refused in one line before any work
   (it would lose the trained draft: ``preflight.check_mtp_matches``);
 """
@@ -26,6 +26,8 @@ import sys
 import pytest
 import torch
 
+from distributed_harness import run_ranks
+from mtp_step_workers import sglang_draft_loads
 from train_utils import (
     CPU_ENGINE_DISAGGREGATED,
     read_metrics,
@@ -102,6 +104,11 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, layout
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("gspo-train: error:")]
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
         assert "model.mtp=false but model.checkpoint's checkpoint" in lines[0], lines[0]
+
+    # sglang's draft class loads the exported MTP layer: every parameter of its own written, as exported
+    (draft,) = run_ranks(sglang_draft_loads, 1, export)
+    assert draft["class"] == hf["architectures"][0] + "NextN" and draft["unwritten"] == []
+    assert torch.equal(*draft["eh_proj"])
 
     lm = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # ignores the MTP layer
     assert type(lm).__name__ == hf["architectures"][0]
