@@ -278,11 +278,10 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     per_stage = d.num_layers // p.pp
     first, last = stage * per_stage, (stage + 1) * per_stage
     te = m.transformer_impl != "local"  # auto: Transformer Engine on the GPUs planned for
-    layers = [layer_params(d, i, te) for i in range(first, last)]
     # model.mtp: megatron builds each MTP layer on the last stage from the last decoder layer's spec
     mtp = plan_args.get("mtp_layers", 0) if stage == p.pp - 1 else 0
-    act_layers = list(range(first, last)) + [d.num_layers - 1] * mtp
-    layers += [layer_params(d, d.num_layers - 1, te)] * mtp
+    held = list(range(first, last)) + [d.num_layers - 1] * mtp  # the layers this stage holds, as dims' layers
+    layers = [layer_params(d, i, te) for i in held]
     dense = sum(lp.tp_sharded for lp in layers) / p.tp + sum(lp.replicated for lp in layers)
     dense += mtp * (2 * d.hidden * d.hidden / p.tp + 3 * d.hidden)  # eh_proj; enorm, hnorm, final norm
     if stage == 0 or (mtp and p.pp > 1):  # the MTP stage's own copy of the embedding (models/mtp.py)
@@ -320,10 +319,10 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     if m.recompute:
         sp = p.tp if p.sequence_parallel else 1
         inputs = len(layers) * tokens * d.hidden / sp * wb
-        one = max(_activation_bytes_per_layer(d, cfg, i, tokens) for i in act_layers)
+        one = max(_activation_bytes_per_layer(d, cfg, i, tokens) for i in held)
         acts, how = in_flight * inputs + one, "recompute"
     else:
-        acts = in_flight * sum(_activation_bytes_per_layer(d, cfg, i, tokens) for i in act_layers)
+        acts = in_flight * sum(_activation_bytes_per_layer(d, cfg, i, tokens) for i in held)
         how = "no recompute"
     s.in_flight = in_flight
     s.train_items = static + [(f"activations ({how}; pp - stage micro-batches in flight)", acts)]

@@ -34,20 +34,11 @@ def _schedule(model, batch: dict, mtp: bool, vocab: int) -> dict:
     r_main = torch.randn(b, s, vocab, generator=torch.Generator().manual_seed(11))[..., lo : lo + shard]
     r_mtp = torch.randn(b, s, vocab, generator=torch.Generator().manual_seed(12))[..., lo : lo + shard]
     psp = None
-    if batch.get("cu") is not None:
-        from megatron.core.packed_seq_params import PackedSeqParams
+    if batch.get("cu") is not None:  # the trainer's own THD parameters (trainer/packing.py)
+        from gspo_megatron.trainer.packing import packed_seq_params
 
-        cu = batch["cu"].to(torch.int32)
-        n = int((cu[1:] - cu[:-1]).max())
-        psp = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            cu_seqlens_q_padded=cu,
-            cu_seqlens_kv_padded=cu,
-            max_seqlen_q=n,
-            max_seqlen_kv=n,
-        )
+        cu = batch["cu"]
+        psp = packed_seq_params({"cu_seqlens": cu, "max_seqlen": int((cu[1:] - cu[:-1]).max())})
     seen: dict = {}
 
     def forward_step(data_iterator, model_):
