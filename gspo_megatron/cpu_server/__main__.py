@@ -95,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     code = 0
+    front = None
     if server is not None:
         if front_conn is None:  # node 0 (it holds the server) made the pipe
             raise RuntimeError("node 0 has no pipe to TP rank 0")
@@ -124,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             break
         stopping.wait(0.5)
     if server is not None:
+        if not signalled:  # a worker died: let the answer in flight (500) reach its client first
+            time.sleep(0.5)
+        if front is not None:
+            front.close_scheduling()
         server.shutdown()
         server.server_close()
     _stop(procs)

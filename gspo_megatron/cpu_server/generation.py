@@ -11,7 +11,8 @@ SGLang rules mirrored (``sampling/sampling_params.py``, ``sampling/sampling_batc
   ``TOP_K_ALL`` (the whole vocabulary); defaults ``max_new_tokens = 128``, ``temperature = top_p = 1``;
 - log-probs are ``log_softmax(logits / T)`` of the unfiltered distribution, except in a batch where
   every request has ``top_k <= 1`` (``is_all_greedy``): then ``log_softmax(logits)`` and argmax;
-  the batch here is one ``/generate`` call (the CPU server runs one call at a time);
+  the batch is one scheduler iteration's requests (``scheduler.py``; the per-request loop of
+  ``scheduler.StepScheduler`` serves the HTTP server, :class:`Sampler` holds rank 0's engine);
 - ``sampling_seed`` is used only with ``--enable-deterministic-inference`` (default 42 when a
   request has none); otherwise the server's own generator draws, seeded by ``--random-seed`` once at
   start (sglang's ``set_random_seed`` in ``managers/tp_worker.py``): memory release / resume and

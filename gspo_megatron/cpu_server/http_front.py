@@ -1,10 +1,12 @@
 """The HTTP front of the CPU server (node rank 0 only): sglang 0.5.23's routes, request fields,
 response fields and status codes (``srt/entrypoints/http_server.py``), answered by the TP workers.
 
-Each route turns into one command for TP rank 0 (``worker``), sent over a pipe under a lock, so
-commands run one at a time. ``/pause_generation`` holds new ``/generate`` calls until
-``/continue_generation`` (a paused ``/health_generate`` answers 503 after sglang's 20 s health
-timeout). The test-only routes under ``/cpu_server/`` are not part of SGLang; the trainer never
+Each route turns into commands for TP rank 0 (``worker``), sent over a pipe under a lock, so
+commands run one at a time. ``/generate`` queues its requests on rank 0's scheduler and a driver
+thread runs one scheduler iteration per command (``pause.py``), so pauses, aborts and weight updates
+land between tokens; ``/pause_generation`` (modes ``abort`` / ``retract`` / ``in_place``),
+``/continue_generation`` and the update lock follow sglang's tokenizer manager (``pause.py``; a
+paused ``/health_generate`` answers 503 after sglang's 20 s health timeout). The test-only routes under ``/cpu_server/`` are not part of SGLang; the trainer never
 calls them.
 """
 
@@ -24,6 +26,7 @@ from urllib.parse import urlparse
 import torch
 
 from gspo_megatron.cpu_server.args import ServerArgs
+from gspo_megatron.cpu_server.pause import PausingFront
 from gspo_megatron.cpu_server.speculative import selector_refusal, spec_meta_info
 from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.engines.routing import INDEXER_META_KEY, INDEXER_REQUEST_FLAG, encode_routed_experts
@@ -36,7 +39,7 @@ class WorkerDied(RuntimeError):
     """TP rank 0 closed its pipe."""
 
 
-class Front:
+class Front(PausingFront):
     """Route logic, independent of the HTTP plumbing: ``call(method, path, body) -> (status, payload)``
     where payload is a JSON-able object, or ``str`` for a plain-text body."""
 
@@ -62,7 +65,7 @@ class Front:
             "/pause_generation": (("POST",), self.pause_generation),
             "/continue_generation": (("POST",), self.continue_generation),
             "/begin_weight_update": (("POST",), self.begin_weight_update),
-            "/end_weight_update": (("POST",), lambda b: self.weight_call("end", {}, b)),
+            "/end_weight_update": (("POST",), lambda b: self.locked_update(lambda: self.weight_call("end", {}, b))),
             "/init_weights_update_group": (("POST",), self.init_group),
             "/destroy_weights_update_group": (("POST",), self.destroy_group),
             "/update_weights_from_distributed": (("POST",), self.update_distributed),
@@ -76,7 +79,9 @@ class Front:
             "/unload_lora_adapter": (("POST",), self.unload_lora),
             "/cpu_server/weight_shards": (("POST",), self.weight_shards),
             "/cpu_server/memory": (("GET",), self.memory_report),
+            "/cpu_server/requests": (("GET",), self.requests_report),
         }
+        self._init_scheduling()
 
     # -- plumbing --------------------------------------------------------------------------------
     def command(self, op: str, _with_version: bool = False, _new_version: Any = None, **kw: Any) -> Any:
@@ -87,6 +92,7 @@ class Front:
             try:
                 self.conn.send((op, kw))
                 result = self.conn.recv()
+                self.absorb(result)
                 if _new_version is not None and result["success"]:
                     self.weight_version = str(_new_version)
                 return (result, self.weight_version) if _with_version else result
@@ -140,20 +146,16 @@ class Front:
         refusal = self.loras.resolve(lora_paths)
         if refusal is not None:
             return 400, {"error": {"message": refusal}}
-        self._wait_unpaused(None)
-        t0 = time.time()
-        # the worker runs a whole batch as one command and weight updates are commands too, so every
-        # token of a request comes from the version read here (sglang records a change mid-request
-        # as a new span; a CPU request never lives through one)
         rre = body.get("return_routed_experts", False)
         rres = list(rre) if isinstance(rre, list) else [rre] * len(batch)
         rstart = body.get("routed_experts_start_len", 0)
         rstarts = list(rstart) if isinstance(rstart, list) else [rstart] * len(batch)
         rit = body.get(INDEXER_REQUEST_FLAG, False)
         rits = list(rit) if isinstance(rit, list) else [rit] * len(batch)
-        result, version = self.command(
-            "generate",
-            requests=[
+        self._wait_unpaused(None)  # TokenizerManager.generate_request: is_pause_cond
+        t0 = time.time()
+        status, results = self.run_requests(
+            [
                 {
                     "input_ids": x,
                     "sampling_params": sp or {},
@@ -163,38 +165,24 @@ class Front:
                     "lora_path": lp_,
                 }
                 for x, sp, re_, rs, ri, lp_ in zip(batch, sps, rres, rstarts, rits, lora_paths)
-            ],
-            _with_version=True,
+            ]
         )
-        if not result["success"]:
-            return 400, {"error": {"message": result["message"]}}
+        if status != 200:
+            return status, results
         rid = body.get("rid")
         outs = []
-        for i, (x, r) in enumerate(zip(batch, result["outputs"])):
-            meta = {
-                "id": rid if isinstance(rid, str) and single else uuid.uuid4().hex,
-                "finish_reason": r["finish"],
-                "prompt_tokens": len(x),
-                "completion_tokens": len(r["output_ids"]),
-                "cached_tokens": 0,
-                "weight_version": version,
-                "e2e_latency": time.time() - t0,
-                # sglang 0.5.23 (finished requests): the weight version of each span of output tokens
-                "weight_versions": [{"version": version, "start": 0, "end": len(r["output_ids"])}],
-            }
-            if lps[i]:
-                meta["input_token_logprobs"] = []
-                meta["output_token_logprobs"] = [
-                    [float(v), int(t), None] for v, t in zip(r["logprobs"], r["output_ids"])
-                ]
+        for i, (x, r) in enumerate(zip(batch, results)):
+            rid_i = rid if isinstance(rid, str) and single else uuid.uuid4().hex
+            meta = self.meta_info(r, len(x), bool(lps[i]), rid_i, t0)
             if r.get("routed_experts") is not None:  # sglang: base64 of the int32 bytes
                 meta["routed_experts"] = encode_routed_experts(r["routed_experts"])
             if r.get(INDEXER_META_KEY) is not None:  # the same encoding (sglang's detokenizer)
                 meta[INDEXER_META_KEY] = encode_routed_experts(r[INDEXER_META_KEY])
-            # speculative decoding: sglang's _calculate_spec_decoding_metrics (cpu_server/speculative.py)
-            meta.update(
-                spec_meta_info(r.get("spec"), len(r["output_ids"]), self.args.speculative_num_draft_tokens or 1)
-            )
+            if not r.get("waiting_abort"):
+                # speculative decoding: sglang's _calculate_spec_decoding_metrics (cpu_server/speculative.py)
+                meta.update(
+                    spec_meta_info(r.get("spec"), len(r["output_ids"]), self.args.speculative_num_draft_tokens or 1)
+                )
             outs.append({"text": "", "output_ids": list(r["output_ids"]), "meta_info": meta})
         return 200, (outs[0] if single else outs)
 
@@ -206,23 +194,21 @@ class Front:
         return self.health_generate(body)
 
     def health_generate(self, body: dict) -> tuple[int, Any]:
+        """sglang: a one-token generation through the normal path (pause wait, reader lock), healthy
+        when an answer comes within HEALTH_CHECK_TIMEOUT; while requests run, their progress counts."""
         if not self._wait_unpaused(HEALTH_CHECK_TIMEOUT):
             return 503, ""
-        if self.lock.locked():
-            # sglang: "If the server is running something, this request will be ignored": any
-            # answer from the scheduler within the timeout counts as healthy
-            if not self.lock.acquire(timeout=HEALTH_CHECK_TIMEOUT):
-                return 503, ""
-            self.lock.release()
+        with self.work:
+            busy = self.live > 0 and not self.engine_paused
+        if busy:
             return 200, ""
-        result = self.command(
-            "generate", requests=[{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}]
+        status, _ = self.run_requests(
+            [{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}],
+            read_timeout=HEALTH_CHECK_TIMEOUT,
         )
-        if not result["success"]:
-            # a failing generation, or memory released: sglang runs its one-token request on the
-            # unmapped KV pool / weights, the scheduler dies, no answer within the timeout: 503
-            return 503, ""
-        return 200, ""
+        # a failing generation, or memory released: sglang runs its one-token request on the
+        # unmapped KV pool / weights, the scheduler dies, no answer within the timeout: 503
+        return (200, "") if status == 200 else (503, "")
 
     def server_info(self, body: dict) -> tuple[int, Any]:
         info = dict(vars(self.args))
@@ -264,17 +250,6 @@ class Front:
             )
         return 400, result.get("message") or "Flush cache failed.\n"
 
-    def pause_generation(self, body: dict) -> tuple[int, Any]:
-        with self.pause_cond:
-            self.paused = True
-        return 200, {"message": "Generation paused successfully.", "status": "ok"}
-
-    def continue_generation(self, body: dict) -> tuple[int, Any]:
-        with self.pause_cond:
-            self.paused = False
-            self.pause_cond.notify_all()
-        return 200, {"message": "Generation continued successfully.", "status": "ok"}
-
     # -- weights ---------------------------------------------------------------------------------
     def _version(self, result: dict, body: dict) -> tuple[int, dict]:
         status, out = self._ok(result)
@@ -291,7 +266,7 @@ class Front:
         refusal = selector_refusal(body)
         if refusal is not None:
             return refusal
-        return self._ok(self.command("begin", selector=body.get("selector", "all")))
+        return self.locked_update(lambda: self._ok(self.command("begin", selector=body.get("selector", "all"))))
 
     def init_group(self, body: dict) -> tuple[int, dict]:
         kw = _fields(body, "master_address", "master_port", "rank_offset", "world_size", "group_name")
@@ -308,7 +283,13 @@ class Front:
             return refusal
         kw["load_format"] = body.get("load_format")
         kw["selector"] = body.get("selector", "all")
-        return self._version(self.command("update_distributed", _new_version=body.get("weight_version"), **kw), body)
+        kw.update(weight_version=body.get("weight_version"), flush_cache=body.get("flush_cache", True))
+        return self.locked_update(
+            lambda: self._version(
+                self.command("update_distributed", _new_version=body.get("weight_version"), **kw), body
+            ),
+            body,
+        )
 
     def update_tensor(self, body: dict) -> tuple[int, dict]:
         kw = _fields(body, "serialized_named_tensors")
@@ -318,19 +299,27 @@ class Front:
         payloads = kw["serialized_named_tensors"]
         if isinstance(payloads, (str, bytes)):
             payloads = [payloads]
-        return self._version(
-            self.command(
-                "update_tensor",
-                _new_version=body.get("weight_version"),
-                serialized_named_tensors=list(payloads),
-                load_format=body.get("load_format"),
-                selector=body.get("selector", "all"),
+        return self.locked_update(
+            lambda: self._version(
+                self.command(
+                    "update_tensor",
+                    _new_version=body.get("weight_version"),
+                    serialized_named_tensors=list(payloads),
+                    load_format=body.get("load_format"),
+                    selector=body.get("selector", "all"),
+                    weight_version=body.get("weight_version"),
+                    flush_cache=body.get("flush_cache", True),
+                ),
+                body,
             ),
             body,
         )
 
     def update_weight_version(self, body: dict) -> tuple[int, dict]:
         kw = _fields(body, "new_version")
+        if body.get("abort_all_requests", True):  # sglang's default: abort every request first
+            self.command("abort_all")
+        self.command("record_version", new_version=str(kw["new_version"]))  # handle_update_weight_version
         self.weight_version = str(kw["new_version"])
         return 200, {
             "success": True,

@@ -19,8 +19,10 @@ Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` a
   ``rank_offset + tp_rank`` (sglang's ``init_custom_process_group``).
 - ``update_distributed``: refused outside a session; receive each tensor (or one flattened bucket)
   by broadcast from group rank 0 in the given order, then load.
-- ``generate``: when the shards changed since the last generation, every rank sends its shards
-  to rank 0 (gather), which assembles the full tensors into its transformers model; rank 0 samples.
+- ``submit`` / ``step`` / ``pause`` / ``continue`` / ``abort_all`` (``stepping.py``): requests live on
+  rank 0 across commands, one forward per ``step``; when the shards changed since the last step,
+  every rank sends its shards to rank 0 (gather), which assembles the full tensors into its
+  transformers model (a running request keeps its KV cache: sglang's in-place update).
 - sglang's own loader (``--sglang-loader-check``, on when sglang imports; ``sglang_models.py``):
   each rank also holds sglang 0.5.23's model class for the checkpoint and hands it every bucket
   (one ``load_weights`` call per bucket, as sglang's weight updater); ``begin`` fills its parameters
@@ -42,15 +44,15 @@ Per command (sglang 0.5.23 ``managers/scheduler_components/weight_updater.py`` a
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gspo_megatron.cpu_server.args import ServerArgs
-from gspo_megatron.cpu_server.generation import Sampler, eos_token_ids, normalize, released_refusal, routed_start
+from gspo_megatron.cpu_server.generation import Sampler, eos_token_ids
 from gspo_megatron.cpu_server.routes import IndexerRecorder, RouteRecorder
+from gspo_megatron.cpu_server.scheduler import StepScheduler
 from gspo_megatron.cpu_server.sglang_runtime import (
     LoaderModel,
     SchedulerDeath,
@@ -61,6 +63,7 @@ from gspo_megatron.cpu_server.sglang_runtime import (
 )
 from gspo_megatron.cpu_server.sharding import Layout, assemble, owner_ranks
 from gspo_megatron.cpu_server.speculative import SpeculativeDecoder, parse_selector
+from gspo_megatron.cpu_server.stepping import SchedulingOps
 from gspo_megatron.cpu_server.weights import ShardStore, iter_checkpoint, load_config, resolve_dtype
 from gspo_megatron.dtypes import torch_dtype
 from gspo_megatron.engines.hf_engine import HFRolloutEngine
@@ -78,7 +81,7 @@ def log(rank: int, msg: str) -> None:
     print(f"[cpu_server TP{rank}] {msg}", flush=True)
 
 
-class TPWorker:
+class TPWorker(SchedulingOps):
     """State of one TP rank; ``handle`` runs one command on it and returns this rank's answer."""
 
     def __init__(self, args: ServerArgs, tp_rank: int):
@@ -119,6 +122,7 @@ class TPWorker:
         self.offload_tags: set[str] = set()
         self.dirty = True  # rank 0's assembled model is out of date
         self.sampler: Sampler | None = None
+        self.sched = StepScheduler()  # rank 0's live requests (stepping.py); empty on the other ranks
         # seeded once, as sglang seeds its sampling RNG once at start (``set_random_seed`` in
         # managers/tp_worker.py and scheduler.py); release / resume and weight updates never reseed it
         self.generator = torch.Generator(device="cpu").manual_seed(args.random_seed)
@@ -261,43 +265,6 @@ class TPWorker:
     def op_ready(self) -> dict:
         return {"success": True, "message": "ready"}
 
-    def op_generate(self, requests: list[dict]) -> dict:
-        released = sorted(self.offload_tags) if self.args.enable_memory_saver else []
-        if released:  # sglang would run the batch on unmapped memory (see ``released_refusal``)
-            return {"success": False, "message": released_refusal(released), "released": released}
-        if self.dirty:
-            self._refresh_full_model()
-        if self.tp_rank != 0:
-            return {"success": True}
-        sampler = self.sampler
-        if sampler is None:  # rank 0 assembled its model at start-up (run_worker: _refresh_full_model)
-            raise RuntimeError("TP rank 0 has no assembled model")
-        try:
-            reqs = [
-                normalize(r["input_ids"], r["sampling_params"], self.eos_ids, self.args.enable_deterministic_inference)
-                for r in requests
-            ]
-            reqs = [
-                dataclasses.replace(q, routed_start=routed_start(r)) if self.args.enable_return_routed_experts else q
-                for q, r in zip(reqs, requests)
-            ]
-            if self.args.enable_return_indexer_topk:
-                reqs = [
-                    dataclasses.replace(q, indexer=bool(r.get("return_indexer_topk"))) for q, r in zip(reqs, requests)
-                ]
-        except ValueError as e:
-            return {"success": False, "message": str(e), "bad_request": True}
-        paths = [r.get("lora_path") for r in requests]
-        if not any(paths):
-            return {"success": True, "outputs": sampler.run(reqs)}
-        outputs: list = [None] * len(reqs)  # one run per adapter (None: the base), request order kept
-        for name in dict.fromkeys(paths):
-            idx = [i for i, p in enumerate(paths) if p == name]
-            with self.loras.applied(name, sampler.engine.model):
-                for i, out in zip(idx, sampler.run([reqs[i] for i in idx])):
-                    outputs[i] = out
-        return {"success": True, "outputs": outputs}
-
     def op_lora_load(self, **kw) -> dict:
         result = self.loras.load(self.tp_rank, **kw)
         dist.barrier()
@@ -362,7 +329,7 @@ class TPWorker:
         for role, n in stored.items():
             self.session["stored"][role] = self.session["stored"].get(role, 0) + n
 
-    def op_update_tensor(self, serialized_named_tensors: list, load_format: str | None, selector: str = "all") -> dict:
+    def update_tensor(self, serialized_named_tensors: list, load_format: str | None, selector: str = "all") -> dict:
         if self.session is None:
             return {
                 "success": False,
@@ -457,7 +424,7 @@ class TPWorker:
         except Exception as e:  # noqa: BLE001 - answered as sglang's route answers, not raised
             return {"success": False, "message": f"Failed to destroy custom process group: {e}."}
 
-    def op_update_distributed(
+    def update_distributed(
         self,
         names: list,
         dtypes: list,
@@ -507,10 +474,8 @@ class TPWorker:
         # qwen3_moe and mixtral the AttributeError is logged and the route answers an error.
         return {"success": False, "message": "Get parameter by name failed"}
 
-    def op_flush_cache(self) -> dict:
-        return {"success": True, "message": ""}
-
     def op_release(self, tags: list | None) -> dict:
+        self.check_idle_for_release()
         tags = list(tags) if tags else list(ALL_TAGS)
         self.offload_tags.update(tags)
         if "weights" in tags and self.args.enable_memory_saver and not self.store.released:

@@ -1,0 +1,246 @@
+"""The CPU server's scheduler on TP rank 0: requests live across commands, one forward per step, so
+that pause / continue / weight updates / aborts happen between tokens as in sglang 0.5.23's
+scheduler (``srt/managers/scheduler.py``: ``event_loop_normal``, ``pause_generation``,
+``continue_generation``, ``abort_request``, ``flush_cache``, ``record_weight_version_change``).
+
+A request (:class:`LiveReq`) is ``waiting`` (no KV cache: new, or retracted) or ``running`` (its own
+transformers ``DynamicCache``). One :meth:`StepScheduler.step` is one iteration of sglang's
+``event_loop_normal``: nothing while the engine is paused (``_engine_paused``); else, when requests
+wait, one prefill ("extend") of every waiting request over ``prompt + output_ids`` (a retracted
+request's prefix is recomputed under the weights loaded now), else one decode forward of every
+running request. Each forward samples one token (sglang's sampler rules, ``generation.py``); a
+request finishes after the token that ends it (``Req.update_finish_state``: ``to_finish`` first,
+then a stop token, then ``max_new_tokens``). Forwards are per request (batch of one, no padding), and
+``is_all_greedy`` is decided over the requests of the step's batch, as sglang's
+``SamplingBatchInfo`` does. With ``--speculative-algorithm`` a request decodes to its end inside its
+prefill step (``speculative.py``; such a request cannot be paused mid-way: a documented gap).
+
+Weight versions (``srt/utils/weight_versions.py``): a version change records, on every live request
+with output tokens, ``(old_version, len(output_ids))``; at finish the spans are
+:func:`version_spans` (``compute_weight_version_spans``) and the front turns them into
+``meta_info.weight_versions`` / ``weight_version`` (:func:`add_weight_versions_to_meta_info`). A
+token sampled after an update (in place, or after a retract's re-prefill) carries the new version.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from gspo_megatron.cpu_server.generation import TOP_K_ALL, Request
+from gspo_megatron.engines.base import SamplingParams
+
+# sglang envs.SGLANG_FORCE_STREAM_INTERVAL (srt/environ.py): a non-streaming request's output reaches
+# the tokenizer manager every this many tokens (output_streamer.py ``accept``) and when finished
+FORCE_STREAM_INTERVAL = int(os.environ.get("SGLANG_FORCE_STREAM_INTERVAL", "50"))
+# sglang FINISH_ABORT() (schedule_batch.py) as its to_json() writes it; a running request aborted by
+# AbortReq gets it (scheduler.py ``abort_request``: "Abort method 3: set to_finish")
+FINISH_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+# tokenizer_manager.py ``_handle_abort_req``: a request aborted in the waiting queue
+ABORT_IN_WAITING_QUEUE = {"type": "abort", "message": "Abort in waiting queue"}
+PAUSE_MODES = ("abort", "retract", "in_place")  # io_struct.py PauseGenerationReqInput.mode
+
+
+def version_spans(events: list[tuple[str, int]], current: str, n: int) -> list[dict]:
+    """sglang's ``compute_weight_version_spans``: events ``(old_version, num_output_tokens)``."""
+    spans: list[dict] = []
+    for version, end in [*events, (current, n)]:
+        end = min(end, n)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
+
+
+def add_weight_versions_to_meta_info(meta: dict, spans: list[dict], n: int) -> None:
+    """sglang's ``add_weight_versions_to_meta_info`` (utils/weight_versions.py)."""
+    visible = [s for s in spans if s["start"] < n or s["start"] == 0]
+    meta["weight_versions"] = [{"version": s["version"], "start": s["start"], "end": min(s["end"], n)} for s in visible]
+    meta["weight_version"] = visible[-1]["version"]
+
+
+@dataclass(eq=False)
+class LiveReq:
+    rid: str
+    req: Request
+    lora: str | None
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cache: Any = None  # transformers DynamicCache while running; None while waiting (no KV)
+    routes: list[torch.Tensor] = field(default_factory=list)  # per forward [tokens, layers, topk]
+    index: list[torch.Tensor] = field(default_factory=list)
+    events: list[tuple[str, int]] = field(default_factory=list)  # weight version changes
+    retractions: int = 0
+    to_finish: dict | None = None
+    finish: dict | None = None
+    spec: dict | None = None
+
+
+class StepScheduler:
+    """Rank 0's queues. ``forward(live, ids, start) -> logits [V]`` runs one forward of one request
+    on the current model (the worker binds the model, LoRA and recorders)."""
+
+    def __init__(self, version: str = "default"):
+        self.waiting: list[LiveReq] = []
+        self.running: list[LiveReq] = []
+        self.paused = False  # sglang Scheduler._engine_paused (in_place / retract only)
+        self.version = version  # sglang get_serving().weight_version (the scheduler's copy)
+
+    # -- state -----------------------------------------------------------------------------------
+    def live(self) -> list[LiveReq]:
+        return self.running + self.waiting
+
+    def state(self) -> dict:
+        return {"live": len(self.running) + len(self.waiting), "paused": self.paused}
+
+    def fully_idle(self, ignore_waiting: bool) -> bool:
+        """``Scheduler.is_fully_idle``: no running request (and none waiting unless ignored)."""
+        return not self.running and (ignore_waiting or not self.waiting)
+
+    def flush(self) -> bool:
+        """``Scheduler.flush_cache``: refused (False) while a request runs, or waits and the engine
+        is not paused (``is_fully_idle(ignore_waiting=self._engine_paused)``). The CPU server has no
+        radix cache to empty, so a successful flush changes nothing else."""
+        return self.fully_idle(ignore_waiting=self.paused)
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, reqs: list[LiveReq]) -> None:
+        self.waiting.extend(reqs)
+
+    def abort_all(self) -> list[dict]:
+        """``Scheduler.abort_request(AbortReq(abort_all=True))``: every waiting request is answered now
+        (what the tokenizer manager has of it: :meth:`_waiting_abort`); every running one gets
+        ``to_finish = FINISH_ABORT()`` and finishes after one more decode forward."""
+        out = [self._waiting_abort(r) for r in self.waiting]
+        self.waiting = []
+        for r in self.running:
+            r.to_finish = dict(FINISH_ABORT)
+        return out
+
+    def _waiting_abort(self, r: LiveReq) -> dict:
+        # a non-streaming request's tokens reach the tokenizer every FORCE_STREAM_INTERVAL tokens:
+        # its abort answer has those (a retracted request may hold more in the scheduler)
+        sent = len(r.output_ids) - len(r.output_ids) % FORCE_STREAM_INTERVAL
+        return {
+            "rid": r.rid,
+            "waiting_abort": True,
+            "output_ids": r.output_ids[:sent],
+            "logprobs": r.logprobs[:sent],
+            "finish": dict(ABORT_IN_WAITING_QUEUE),
+            "spans": version_spans(r.events, self.version, len(r.output_ids)),
+            "retractions": r.retractions,
+        }
+
+    def pause(self, mode: str) -> None:
+        """``Scheduler.pause_generation`` (in_place / retract; abort mode never reaches the scheduler)."""
+        assert mode in ("in_place", "retract")
+        self.paused = True
+        if mode == "in_place":  # everything stays, KV cache included
+            return
+        retract = [r for r in self.running if r.finish is None]
+        self.running = []
+        for r in retract:  # release_req + Req.reset_for_retract: KV freed, routes dropped, counted
+            r.cache = None
+            r.routes, r.index = [], []
+            r.retractions += 1
+            self.waiting.append(r)  # _add_request_to_queue
+
+    def resume(self) -> None:
+        """``Scheduler.continue_generation``."""
+        self.paused = False
+
+    def record_version(self, new: str | None) -> None:
+        """``Scheduler.record_weight_version_change``."""
+        if new is None or str(new) == self.version:
+            return
+        for r in self.live():
+            if r.output_ids:
+                r.events.append((self.version, len(r.output_ids)))
+        self.version = str(new)
+
+    # -- one iteration ---------------------------------------------------------------------------
+    def step(self, forward: Callable, speculative: Callable | None = None) -> list[dict]:
+        """One scheduler iteration; returns the requests that finished in it."""
+        if self.paused:
+            return []
+        done: list[dict] = []
+        if self.waiting:
+            batch, self.waiting = self.waiting, []
+            greedy = all(r.req.top_k <= 1 for r in batch)
+            for r in batch:
+                if r.req.max_new_tokens == 0:
+                    r.finish = {"type": "length", "length": 0}
+                elif speculative is not None:
+                    speculative(r, greedy)
+                else:
+                    ids = list(r.req.input_ids) + r.output_ids
+                    r.cache = None
+                    self._append(r, forward(r, ids, 0), greedy)
+                (done if r.finish is not None else self.running).append(r)
+            return [self._result(r) for r in done]
+        greedy = all(r.req.top_k <= 1 for r in self.running)
+        still = []
+        for r in self.running:
+            n = len(r.req.input_ids) + len(r.output_ids)
+            self._append(r, forward(r, [r.output_ids[-1]], n - 1), greedy)
+            (done if r.finish is not None else still).append(r)
+        self.running = still
+        return [self._result(r) for r in done]
+
+    def _append(self, r: LiveReq, logits: torch.Tensor, greedy: bool) -> None:
+        from gspo_megatron.engines.hf_engine import HFRolloutEngine
+
+        q = r.req
+        params = SamplingParams(
+            temperature=0.0 if greedy else q.temperature,
+            top_p=q.top_p,
+            top_k=-1 if q.top_k == TOP_K_ALL else q.top_k,
+            max_new_tokens=q.max_new_tokens,
+        )
+        token, logprob = HFRolloutEngine._sample(logits.float().view(1, -1), params, r.generator)
+        tok = int(token[0])
+        r.output_ids.append(tok)
+        r.logprobs.append(float(logprob[0]))
+        if r.to_finish is not None:  # Req.update_finish_state: to_finish first
+            r.finish, r.to_finish = r.to_finish, None
+        elif tok in q.stop_ids:
+            r.finish = {"type": "stop", "matched": tok}
+        elif len(r.output_ids) >= q.max_new_tokens:
+            r.finish = {"type": "length", "length": q.max_new_tokens}
+
+    def _result(self, r: LiveReq) -> dict:
+        r.cache = None
+        out: dict = {
+            "rid": r.rid,
+            "output_ids": list(r.output_ids),
+            "logprobs": list(r.logprobs),
+            "finish": r.finish,
+            "spans": version_spans(r.events, self.version, len(r.output_ids)),
+            "retractions": r.retractions,
+        }
+        if r.spec is not None:
+            out["spec"] = r.spec
+        n = len(r.req.input_ids) + len(r.output_ids) - 1  # sglang's [0, seqlen - 1)
+        if r.req.routed_start is not None and r.routes:
+            routes = torch.cat(r.routes)[:n].to(torch.int32).numpy()
+            out["routed_experts"] = routes[min(r.req.routed_start, len(routes)) :]
+        if r.req.indexer and r.index:
+            out["indexer_topk"] = torch.cat(r.index)[:n].to(torch.int32).numpy()
+        return out
+
+
+def new_live(rid: str, req: Request, lora: str | None, server_generator: torch.Generator) -> LiveReq:
+    gen = server_generator if req.seed is None else torch.Generator(device="cpu").manual_seed(req.seed)
+    return LiveReq(rid=rid, req=req, lora=lora, generator=gen)
+
+
+def now() -> float:
+    return time.time()

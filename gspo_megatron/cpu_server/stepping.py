@@ -1,0 +1,201 @@
+"""The worker's generation commands (a mixin of ``worker.TPWorker``): requests live in rank 0's
+:class:`~gspo_megatron.cpu_server.scheduler.StepScheduler` across commands, and the HTTP front drives
+them one scheduler iteration (``step``) at a time, so that every other command (a weight update, a
+pause, an abort, a flush) runs between two tokens, as sglang's scheduler handles its control
+requests between two forward batches (``event_loop_normal``: ``ingest_requests`` then one batch).
+
+Commands (every TP rank runs each; only rank 0 holds requests, the other ranks answer success):
+``submit`` (validate and queue), ``step`` (one iteration; rebuilds rank 0's model first when the
+shards changed: collective), ``pause`` / ``continue`` (``Scheduler.pause_generation`` /
+``continue_generation``), ``abort_all`` (``Scheduler.abort_request``), ``record_version``
+(``handle_update_weight_version``). After a weight update that loaded (``after_update``): the
+version change is recorded on the live requests, then, with ``flush_cache`` (sglang's default True),
+a flush refused because requests run fails the update call with sglang's message
+(``scheduler_components/weight_updater.py`` ``flush_cache_after_weight_update``): the weights stay
+updated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from typing import Any
+
+import torch
+
+from gspo_megatron.cpu_server.generation import normalize, released_refusal, routed_start
+from gspo_megatron.cpu_server.scheduler import LiveReq, StepScheduler, new_live
+from gspo_megatron.cpu_server.sglang_runtime import SchedulerDeath
+from gspo_megatron.engines.base import SamplingParams
+
+# scheduler_components/weight_updater.py flush_cache_after_weight_update
+FLUSH_REFUSED_AFTER_UPDATE = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache."
+)
+
+
+class SchedulingOps:
+    """Generation commands of a TP rank (mixed into ``TPWorker``; uses its sampler, loras, dirty)."""
+
+    sched: StepScheduler
+
+    def _released(self) -> list[str]:
+        return sorted(self.offload_tags) if self.args.enable_memory_saver else []
+
+    def _state(self, **kw: Any) -> dict:
+        return {"success": True, **self.sched.state(), **kw}
+
+    def op_submit(self, requests: list[dict], rids: list[str]) -> dict:
+        released = self._released()
+        if released:  # sglang would run the batch on unmapped memory (see ``released_refusal``)
+            return {"success": False, "message": released_refusal(released), "released": released}
+        if self.tp_rank != 0:
+            return {"success": True}
+        try:
+            reqs = [
+                normalize(r["input_ids"], r["sampling_params"], self.eos_ids, self.args.enable_deterministic_inference)
+                for r in requests
+            ]
+            if self.args.enable_return_routed_experts:
+                reqs = [dataclasses.replace(q, routed_start=routed_start(r)) for q, r in zip(reqs, requests)]
+            if self.args.enable_return_indexer_topk:
+                reqs = [
+                    dataclasses.replace(q, indexer=bool(r.get("return_indexer_topk"))) for q, r in zip(reqs, requests)
+                ]
+        except ValueError as e:
+            return {"success": False, "message": str(e), "bad_request": True}
+        self.sched.submit(
+            [new_live(rid, q, r.get("lora_path"), self.generator) for rid, q, r in zip(rids, reqs, requests)]
+        )
+        return self._state()
+
+    def op_step(self) -> dict:
+        released = self._released()
+        if released:  # nothing runs on released memory; what is queued fails (sglang would crash)
+            if self.tp_rank != 0:
+                return {"success": True}
+            failed = {r.rid: released_refusal(released) for r in self.sched.live()}
+            self.sched.waiting, self.sched.running = [], []
+            return self._state(finished=[], failed=failed)
+        if self.dirty:
+            self._refresh_full_model()  # collective: every rank runs step
+        if self.tp_rank != 0:
+            return {"success": True}
+        if self.sampler is None:
+            raise RuntimeError("TP rank 0 has no assembled model")
+        spec = self._speculative_one if self.sampler.speculative is not None else None
+        try:
+            with torch.no_grad():
+                finished = self.sched.step(self._forward_one, spec)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the server stays up
+            traceback.print_exc()
+            msg = f"{type(e).__name__}: {e}"
+            failed = {r.rid: msg for r in self.sched.live()}
+            self.sched.waiting, self.sched.running = [], []
+            return self._state(finished=[], failed=failed)
+        return self._state(finished=finished)
+
+    def op_pause(self, mode: str) -> dict:
+        self.sched.pause(mode)
+        return self._state()
+
+    def op_continue(self) -> dict:
+        self.sched.resume()
+        return self._state()
+
+    def op_abort_all(self) -> dict:
+        return self._state(finished=self.sched.abort_all())
+
+    def op_report(self) -> dict:
+        """Test-only (``/cpu_server/requests``): every live request's queue, tokens and retractions."""
+        rows = [("running", r) for r in self.sched.running] + [("waiting", r) for r in self.sched.waiting]
+        return self._state(
+            requests=[
+                {"state": st, "output_len": len(r.output_ids), "retractions": r.retractions, "kv": r.cache is not None}
+                for st, r in rows
+            ]
+        )
+
+    def op_drop(self) -> dict:
+        """After a failed step: forget every request (their callers were answered with the failure)."""
+        self.sched.waiting, self.sched.running = [], []
+        return self._state()
+
+    def op_record_version(self, new_version: Any) -> dict:
+        self.sched.record_version(new_version)
+        return self._state()
+
+    def op_flush_cache(self) -> dict:
+        """``Scheduler.flush_cache``: refused (no message: the route answers "Flush cache failed.")
+        while requests run, or wait on an engine that is not paused."""
+        return {"success": self.sched.flush(), "message": ""}
+
+    def after_update(self, result: dict, weight_version: Any, flush_cache: bool) -> dict:
+        """What sglang's ``SchedulerWeightUpdaterManager.update_weights_from_*`` does after a load that
+        succeeded: record the version change, then the flush that may fail the call."""
+        if not result.get("success"):
+            return result
+        self.sched.record_version(weight_version)
+        if flush_cache and not self.sched.flush():
+            return {"success": False, "message": FLUSH_REFUSED_AFTER_UPDATE}
+        return result
+
+    def op_update_tensor(self, weight_version: Any = None, flush_cache: bool = True, **kw: Any) -> dict:
+        return self.after_update(self.update_tensor(**kw), weight_version, flush_cache)
+
+    def op_update_distributed(self, weight_version: Any = None, flush_cache: bool = True, **kw: Any) -> dict:
+        return self.after_update(self.update_distributed(**kw), weight_version, flush_cache)
+
+    def check_idle_for_release(self) -> None:
+        """``release_memory_occupation`` asserts ``is_fully_idle(ignore_waiting=_engine_paused)``; the
+        AssertionError ends sglang's scheduler (and the server)."""
+        if not self.sched.fully_idle(ignore_waiting=self.sched.paused):
+            raise SchedulerDeath("AssertionError: release_memory_occupation should be called only when server is idle.")
+
+    # -- rank 0: one forward of one request ------------------------------------------------------
+    def _forward_one(self, r: LiveReq, ids: list[int], start: int) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        sampler = self.sampler
+        model = sampler.engine.model
+        if r.cache is None:
+            r.cache = DynamicCache(config=model.config)
+        dev = sampler.engine.device
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
+        pos = torch.arange(start, start + len(ids), dtype=torch.long, device=dev)[None]
+        with self.loras.applied(r.lora, model):
+            out = model(
+                input_ids=input_ids, position_ids=pos, past_key_values=r.cache, use_cache=True, logits_to_keep=1
+            )
+        r.cache = out.past_key_values
+        if sampler.recorder is not None:
+            r.routes.append(sampler.recorder.take(1, len(ids))[0])
+        if sampler.indexer_recorder is not None:
+            r.index.append(sampler.indexer_recorder.take(torch.zeros(1, dtype=torch.long), pos)[0])
+        return out.logits[0, -1]
+
+    def _speculative_one(self, r: LiveReq, greedy: bool) -> None:
+        """A whole request through the speculative decoder (``speculative.py``), inside one step."""
+        q = r.req
+        if q.indexer and self.sampler.indexer_recorder is not None:
+            raise ValueError("return_indexer_topk with speculative decoding: not served by the CPU server")
+        params = SamplingParams(
+            temperature=0.0 if greedy else q.temperature,
+            top_p=q.top_p,
+            top_k=-1 if q.top_k >= 1 << 30 else q.top_k,
+            max_new_tokens=q.max_new_tokens,
+            stop_token_ids=sorted(q.stop_ids),
+        )
+        with self.loras.applied(r.lora, self.sampler.engine.model):
+            s = self.sampler.speculative.generate(list(q.input_ids) + r.output_ids, params, r.generator, q.stop_ids)
+        r.output_ids = r.output_ids + list(s["output_ids"])
+        r.logprobs = r.logprobs + list(s["logprobs"])
+        r.spec = s["spec"]
+        if s.get("routes") is not None:
+            r.routes = [torch.as_tensor(s["routes"])]
+        r.finish = (
+            {"type": "stop", "matched": r.output_ids[-1]}
+            if s["stopped"]
+            else {"type": "length", "length": q.max_new_tokens}
+        )
