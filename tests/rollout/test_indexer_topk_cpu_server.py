@@ -50,11 +50,16 @@ def spec(dsa_dir):
 
 
 def in_process(dsa_dir, prompts, params=GREEDY):
-    """The in-process engine's samples for one left-padded batch (what the server runs for one call)."""
+    """The in-process engine's samples, one unpadded prompt per forward (as the server runs each request:
+    its own forward and KV cache, ``cpu_server/scheduler.py``; the ties this config creates on purpose
+    break the same way only without left padding)."""
     engine = HFRolloutEngine(dsa_dir, dsa_dir)
-    return engine._generate_batch(
-        prompts, params, torch.Generator().manual_seed(0), RouteRecorder(engine.model), IndexerRecorder(engine.model)
-    )
+    return [
+        engine._generate_batch(
+            [p], params, torch.Generator().manual_seed(0), RouteRecorder(engine.model), IndexerRecorder(engine.model)
+        )[0]
+        for p in prompts
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +103,7 @@ def test_engine_client_decodes_indexer_topk(server, dsa_dir, spec):
     engine = SGLangRolloutEngine([server.client], route_spec=spec)
     groups = engine.generate(PROMPTS, 2, GREEDY)
     for prompt, group in zip(PROMPTS, groups):
-        ref = in_process(dsa_dir, [prompt, prompt])  # one call per group: its n samples in one batch
+        ref = in_process(dsa_dir, [prompt, prompt])  # the group's n samples, each its own request
         for s, r in zip(group, ref):
             n = len(s.prompt_ids) + len(s.response_ids) - 1
             assert s.response_ids == r.response_ids
