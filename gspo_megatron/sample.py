@@ -12,8 +12,8 @@ Where a Sample is made and what fills it (rank 0 unless said otherwise):
 - ``orchestration.batch.collect_rollouts``: ``advantage`` (group-relative, ``losses.advantages``) once the
   whole group is scored; dynamic sampling keeps or drops whole groups; the hook's ``metrics`` are
   averaged into the batch's metrics and cleared (they are not broadcast);
-- ``orchestration.async_producer.AsyncProducer.take`` (off-policy runs): ``behaviour_version`` from
-  ``token_versions``;
+- ``orchestration.async_producer.AsyncProducer.take`` / ``orchestration.inflight.InflightProducer.take``
+  (off-policy runs): ``behaviour_version`` from ``token_versions`` (and ``engine_behaviour``, in-place updates);
 - ``orchestration.batch._records``: ``routed_experts``, the engine's MoE routes, when the engine was asked
   for them (``SGLangRolloutEngine(route_spec=...)``; decoded and validated in ``engines/routing.py``).
 
@@ -32,7 +32,7 @@ from typing import Any
 
 #: the optional per-response-token float fields of a Sample that collate lays on the label positions
 #: of its row, each as a [b, s] float tensor of the same name
-PER_TOKEN_FIELDS = ("old_logprobs", "engine_logprobs", "ref_logprobs", "behaviour_version")
+PER_TOKEN_FIELDS = ("old_logprobs", "engine_logprobs", "ref_logprobs", "behaviour_version", "engine_behaviour")
 
 
 @dataclass
@@ -53,6 +53,10 @@ class Sample:
         produced each token; None when the engine does not report it.
     behaviour_version: list[int] [R], the trainer's policy version that generated each token
         (off-policy runs, mapped from token_versions); None on on-policy runs.
+    engine_behaviour: list[int] [R] of 0/1, 1 on the tokens whose behaviour log-prob is the engine's
+        (``rollout.inflight_updates=in_place``: sampled by newer weights over a prefix whose KV cache
+        older weights computed, which no single version's forward reproduces; ``orchestration.inflight``);
+        None: every token's behaviour is its version's forward.
     finish_reason: "stop" (a stop token ended it) or "length" (it hit the token budget).
     metrics: the custom rollout hook's own numbers (str -> float), averaged into ``custom/<key>``.
     generate_calls: how many generate calls the custom hook made for it; None for engine samples.
@@ -79,6 +83,7 @@ class Sample:
     loss_mask: list[int] | None = None
     token_versions: list[str] | None = None
     behaviour_version: list[int] | None = None
+    engine_behaviour: list[int] | None = None
     finish_reason: str = "stop"
     metrics: dict[str, float] = field(default_factory=dict)
     generate_calls: int | None = None

@@ -2,7 +2,7 @@
 project passes (``engines.sglang_engine.launch`` / ``server_args_to_cli``), same names and
 meanings. Unknown flags are refused by argparse (exit code 2, one line naming the flag), as
 sglang's own parser does. GPU-only flags are accepted and recorded (``--base-gpu-id``,
-``--mem-fraction-static``) so that the same command line starts either server.
+``--mem-fraction-static``, ``--disable-radix-cache``: there is no radix cache here) so that the same command line starts either server.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class ServerArgs:
     max_loaded_loras: int | None = None
     max_loras_per_batch: int = 8
     dp_size: int = 1
+    # recorded: the CPU server has no radix cache, so it serves as sglang does with the flag set
+    disable_radix_cache: bool = False
     # speculative decoding with the checkpoint's MTP layer (sglang's flags, resolved as sglang resolves them:
     # cpu_server/speculative.py)
     speculative_algorithm: str | None = None
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="release/resume_memory_occupation free and restore weights (without it they are no-ops)",
     )
     p.add_argument("--skip-server-warmup", action="store_true")
+    p.add_argument("--disable-radix-cache", action="store_true", help="accepted and recorded (no radix cache here)")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted and recorded")
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument(

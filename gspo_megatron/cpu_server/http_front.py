@@ -26,17 +26,13 @@ from urllib.parse import urlparse
 import torch
 
 from gspo_megatron.cpu_server.args import ServerArgs
-from gspo_megatron.cpu_server.pause import PausingFront
+from gspo_megatron.cpu_server.pause import PausingFront, WorkerDied
 from gspo_megatron.cpu_server.speculative import selector_refusal, spec_meta_info
 from gspo_megatron.dtypes import dtype_name, torch_dtype
 from gspo_megatron.engines.routing import INDEXER_META_KEY, INDEXER_REQUEST_FLAG, encode_routed_experts
 from gspo_megatron.engines.sglang_compat import SGLANG_VERSION_TESTED
 
 HEALTH_CHECK_TIMEOUT = 20.0  # sglang HEALTH_CHECK_TIMEOUT
-
-
-class WorkerDied(RuntimeError):
-    """TP rank 0 closed its pipe."""
 
 
 class Front(PausingFront):
@@ -88,7 +84,15 @@ class Front(PausingFront):
         """Run one worker command. ``_with_version``: return (result, the weight version it ran
         under). ``_new_version``: a weight update's version, taking effect (on success) under the
         command lock, so that no generation after the update reports the old version."""
+        control = op != "step"
+        if control:  # the driver lets it in before its next iteration (PausingFront._drive)
+            with self.work:
+                self.control_waiting += 1
         with self.lock:
+            if control:
+                with self.work:
+                    self.control_waiting -= 1
+                    self.work.notify_all()
             try:
                 self.conn.send((op, kw))
                 result = self.conn.recv()

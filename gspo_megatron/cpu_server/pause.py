@@ -30,15 +30,23 @@ as sglang 0.5.23's tokenizer manager does it (``srt/managers/tokenizer_manager.p
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 from gspo_megatron.cpu_server.scheduler import PAUSE_MODES, add_weight_versions_to_meta_info
 
 ABORT_POLL_S = 1.0  # tokenizer_manager.py pause_generation: asyncio.sleep(1.0) between abort rounds
+#: test-only (not sglang's): seconds the driver sleeps after each scheduler iteration, so that a test
+#: can pause a request within a known number of tokens on a loaded machine
+STEP_SLEEP_ENV = "GSPO_CPU_SERVER_STEP_SLEEP_S"
+
+
+class WorkerDied(RuntimeError):
+    """TP rank 0 closed its pipe (raised by the front's ``command``)."""
 
 
 class RWLock:
@@ -113,11 +121,22 @@ class PausingFront:
     """Mixin of ``Front``: needs ``command`` (one worker command under the command lock), ``paused`` /
     ``pause_cond`` (the tokenizer manager's ``is_pause`` / ``is_pause_cond``), ``weight_version``."""
 
+    # provided by ``http_front.Front`` (``command`` is its method, the others are set in its ``__init__``)
+    command: Callable[..., Any]
+    paused: bool
+    pause_cond: threading.Condition
+    weight_version: str
+
     def _init_scheduling(self) -> None:
         self.rw = RWLock()  # the tokenizer manager's model_update_lock
         self.slots: dict[str, _Slot] = {}
         self.work = threading.Condition()
         self.live, self.engine_paused, self.closed = 0, False, False
+        # commands other than ``step`` waiting for the command lock: the driver waits for them before
+        # its next iteration, as sglang's scheduler takes its control requests between two batches
+        # (``event_loop_normal``: ``recv_requests`` / ``process_input_requests`` first)
+        self.control_waiting = 0
+        self.step_sleep = float(os.environ.get(STEP_SLEEP_ENV) or 0.0)
         self.driver = threading.Thread(target=self._drive, daemon=True, name="cpu_server_scheduler")
         self.driver.start()
 
@@ -144,13 +163,15 @@ class PausingFront:
 
     def _drive(self) -> None:
         """Scheduler iterations while requests are live and the engine is not paused."""
-        from gspo_megatron.cpu_server.http_front import WorkerDied
-
         while True:
             with self.work:
-                self.work.wait_for(lambda: self.closed or (self.live > 0 and not self.engine_paused))
+                self.work.wait_for(
+                    lambda: self.closed or (self.live > 0 and not self.engine_paused and self.control_waiting == 0)
+                )
                 if self.closed:
                     return
+            if self.step_sleep > 0:
+                time.sleep(self.step_sleep)
             try:
                 result = self.command("step")
             except WorkerDied as e:

@@ -171,7 +171,7 @@ class StepScheduler:
         """One scheduler iteration; returns the requests that finished in it."""
         if self.paused:
             return []
-        done: list[dict] = []
+        done: list[LiveReq] = []
         if self.waiting:
             batch, self.waiting = self.waiting, []
             greedy = all(r.req.top_k <= 1 for r in batch)
@@ -187,7 +187,7 @@ class StepScheduler:
                 (done if r.finish is not None else self.running).append(r)
             return [self._result(r) for r in done]
         greedy = all(r.req.top_k <= 1 for r in self.running)
-        still = []
+        still: list[LiveReq] = []
         for r in self.running:
             n = len(r.req.input_ids) + len(r.output_ids)
             self._append(r, forward(r, [r.output_ids[-1]], n - 1), greedy)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -27,6 +27,10 @@ from gspo_megatron.cpu_server.generation import normalize, released_refusal, rou
 from gspo_megatron.cpu_server.scheduler import LiveReq, StepScheduler, new_live
 from gspo_megatron.cpu_server.sglang_runtime import SchedulerDeath
 from gspo_megatron.engines.base import SamplingParams
+
+if TYPE_CHECKING:
+    from gspo_megatron.cpu_server.args import ServerArgs
+    from gspo_megatron.cpu_server.lora import WorkerLoras
 
 # scheduler_components/weight_updater.py flush_cache_after_weight_update
 FLUSH_REFUSED_AFTER_UPDATE = (
@@ -38,7 +42,19 @@ FLUSH_REFUSED_AFTER_UPDATE = (
 class SchedulingOps:
     """Generation commands of a TP rank (mixed into ``TPWorker``; uses its sampler, loras, dirty)."""
 
+    # provided by ``worker.TPWorker`` (set in its ``__init__`` or defined there)
     sched: StepScheduler
+    args: ServerArgs
+    tp_rank: int
+    offload_tags: set[str]
+    eos_ids: list[int]
+    generator: torch.Generator
+    dirty: bool
+    sampler: Any  # generation.Sampler | None: None until rank 0's first _refresh_full_model
+    loras: WorkerLoras
+    _refresh_full_model: Callable[[], None]
+    update_tensor: Callable[..., dict]
+    update_distributed: Callable[..., dict]
 
     def _released(self) -> list[str]:
         return sorted(self.offload_tags) if self.args.enable_memory_saver else []

@@ -35,13 +35,26 @@ def _check(result: Any, where: str) -> Any:
     return result
 
 
-class SGLangHttpClient:
-    """One SGLang HTTP server (``python -m sglang.launch_server``) at ``base_url``."""
+PAUSE_MODES = ("abort", "retract", "in_place")  # sglang 0.5.23 PauseGenerationReqInput.mode
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 3600.0):
+
+class SGLangHttpClient:
+    """One SGLang HTTP server (``python -m sglang.launch_server``) at ``base_url``.
+
+    pause_mode: how a weight sync pauses it (sglang 0.5.23's ``/pause_generation`` ``mode``, see
+    :func:`open_weight_update`): ``"abort"`` (sglang's default; the synchronous and overlapped loops
+    sync with nothing running), or ``rollout.inflight_updates``' ``"in_place"`` / ``"retract"`` /
+    ``"abort"`` (``orchestration/inflight.py``)."""
+
+    def __init__(
+        self, base_url: str, *, api_key: str | None = None, timeout_s: float = 3600.0, pause_mode: str = "abort"
+    ):
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"SGLangHttpClient: pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
+        self.pause_mode = pause_mode
         self._has_sessions: bool | None = None  # begin/end_weight_update routes (newer SGLang)
         self._tp_size: int | None = None
 
@@ -181,8 +194,10 @@ class SGLangHttpClient:
             outs.append(out[0] if isinstance(out, list) else out)
         return outs
 
-    def pause_generation(self) -> None:
-        self.post("pause_generation")
+    def pause_generation(self, mode: str | None = None) -> None:
+        """``/pause_generation`` (sglang 0.5.23 ``PauseGenerationReqInput``): ``mode`` None sends no
+        body (sglang's default, ``"abort"``)."""
+        self.post("pause_generation", None if mode is None else {"mode": mode})
 
     def continue_generation(self) -> None:
         self.post("continue_generation")
@@ -306,15 +321,22 @@ class SGLangHttpClient:
 
 
 def open_weight_update(client) -> None:
-    """Before the first bucket of a sync: pause generation, flush the KV / radix cache (entries of
-    the old weights) and open SGLang's weight-update session (0.5.23 refuses updates outside one)."""
-    client.pause_generation()
-    client.flush_cache()
+    """Before the first bucket of a sync: pause generation in the client's ``pause_mode``, flush the
+    KV / radix cache (entries of the old weights) and open SGLang's weight-update session (0.5.23
+    refuses updates outside one). ``in_place``: no flush: sglang refuses ``/flush_cache`` while
+    requests run, and in place they keep running (``scheduler.py`` ``flush_cache``: not
+    ``is_fully_idle``); its engines run without a radix cache instead (``features/inflight.py``)."""
+    mode = getattr(client, "pause_mode", "abort")
+    client.pause_generation(None if mode == "abort" else mode)
+    if mode != "in_place":
+        client.flush_cache()
     client.begin_weight_update()
 
 
 def close_weight_update(client) -> None:
-    """After the last bucket: close the session, flush again, continue generation."""
+    """After the last bucket: close the session, flush again (not ``in_place``: above), continue
+    generation (retracted requests are prefilled again under the new weights, in-place ones decode on)."""
     client.end_weight_update()
-    client.flush_cache()
+    if getattr(client, "pause_mode", "abort") != "in_place":
+        client.flush_cache()
     client.continue_generation()

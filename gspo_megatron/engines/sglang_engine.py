@@ -175,16 +175,20 @@ def params_for(params: SamplingParams, i: int, n: int, send_seeds: bool) -> Samp
     return dataclasses.replace(params, seed=params.seed + i * n)
 
 
-def parse_output(prompt_ids: Sequence[int], out: dict) -> RolloutSample:
+def parse_output(prompt_ids: Sequence[int], out: dict, allow_abort: bool = False) -> RolloutSample:
     """One SGLang generate output -> RolloutSample. Response ids come from
     ``meta_info.output_token_logprobs`` ((logprob, token_id, text) per generated token, stop token
-    included), so ids and log-probs line up by construction."""
+    included), so ids and log-probs line up by construction. ``allow_abort``: an answer that a
+    ``/pause_generation`` in ``abort`` mode cut short (``finish_reason`` type ``"abort"``) is the
+    partial output, ``finish_reason`` ``"abort"`` (``engines.partial``); otherwise it is an error."""
     meta = out.get("meta_info") or {}
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else finish
-    if kind not in ("stop", "length"):
+    if kind not in ("stop", "length") and not (allow_abort and kind == "abort"):
         raise SGLangError(f"generation did not finish normally (finish_reason={finish!r})")
     entries = meta.get("output_token_logprobs")
+    if entries is None and kind == "abort" and not out.get("output_ids"):
+        entries = []  # aborted before any token reached the tokenizer manager
     if entries is None:
         raise SGLangError("SGLang output has no meta_info.output_token_logprobs (return_logprob not honoured)")
     ids = [int(e[1]) for e in entries]
@@ -327,6 +331,20 @@ class SGLangRolloutEngine(RolloutEngine):
                 yield [(futures[fut], fut.result()[0])]
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def generate_partial(
+        self, inputs: Sequence[Sequence[int]], params: Sequence[SamplingParams], index: int
+    ) -> list[RolloutSample]:
+        """One request with every input (its own sampling params each) to engine ``index`` modulo the
+        engines (the router when there is one); answers cut short by an ``abort`` pause come back as
+        partial outputs (``finish_reason`` ``"abort"``). ``engines.partial.generate_group`` continues them."""
+        targets = [self.router] if self.router is not None else self.clients
+        ids = [list(p) for p in inputs]
+        if not ids or any(len(p) == 0 for p in ids):
+            raise ValueError("generate_partial: every input needs at least one token")
+        sps = [to_sglang_sampling_params(p, p.seed if self.send_seeds else None) for p in params]
+        outputs = self._dispatch(ids, sps, len(ids), [targets[index % len(targets)]])
+        return [parse_output(i, o, allow_abort=True) for i, o in zip(ids, outputs)]
 
     def generate_on_each(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[RolloutSample]]:
         """One sample per prompt from every engine (not the router): [engine][prompt] (sync checks)."""

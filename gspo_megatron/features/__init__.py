@@ -4,7 +4,7 @@ in the one order every caller sees them (the planner's rows and the engine flags
 - ``sync_modes``: the placement registry (``rollout.sync_mode``), a table the others consult, and its
   component ``PLACEMENT`` (the mode's checks; always on);
 - ``delta_sync``, ``fp8_sync``, ``owner_direct``, ``adapter_sync``: how a sync sends the weights;
-- ``routing_replay``, ``offload``, ``staleness``: how a step rolls out and trains;
+- ``routing_replay``, ``offload``, ``staleness``, ``inflight``: how a step rolls out and trains;
 - ``speculative``: the engines decode speculatively with the checkpoint's MTP layer as the draft, and
   ``model.mtp`` (the MTP layer trained and synced).
 
@@ -18,6 +18,7 @@ from gspo_megatron.features.adapter_sync import ADAPTER_SYNC
 from gspo_megatron.features.base import EngineFlag, Feature, PlanContext
 from gspo_megatron.features.delta_sync import DELTA_SYNC
 from gspo_megatron.features.fp8_sync import FP8_SYNC
+from gspo_megatron.features.inflight import INFLIGHT
 from gspo_megatron.features.offload import OFFLOAD
 from gspo_megatron.features.owner_direct import OWNER_DIRECT
 from gspo_megatron.features.routing_replay import ROUTING_REPLAY
@@ -33,6 +34,7 @@ FEATURES: tuple[Feature, ...] = (
     FP8_SYNC,
     OFFLOAD,
     STALENESS,
+    INFLIGHT,
     SPECULATIVE,
 )
 

@@ -125,7 +125,7 @@ class EngineFleet:
         if self.rank == 0:
             router = r.router_url if self.attached else None
             self.engine = SGLangRolloutEngine(
-                [SGLangHttpClient(u, timeout_s=self.request_timeout_s) for u in self.urls],
+                [self.client(e) for e in range(len(self.urls))],
                 router=SGLangHttpClient(router, timeout_s=self.request_timeout_s) if router else None,
                 send_seeds=r.engine_deterministic,
                 route_spec=self.route_spec,
@@ -224,8 +224,12 @@ class EngineFleet:
 
     # -- what the trainer uses -------------------------------------------------------------------------
     def client(self, e: int) -> SGLangHttpClient:
-        """A client of engine ``e`` (any rank may hold one: HTTP is stateless)."""
-        return SGLangHttpClient(self.urls[e], timeout_s=self.request_timeout_s)
+        """A client of engine ``e`` (any rank may hold one: HTTP is stateless); a sync pauses it in
+        ``rollout.inflight_updates``' mode when that is on (``sglang_client.open_weight_update``)."""
+        mode = self.cfg.rollout.inflight_updates
+        return SGLangHttpClient(
+            self.urls[e], timeout_s=self.request_timeout_s, pause_mode="abort" if mode == "off" else mode
+        )
 
     def restart(self, engines: list[int]) -> None:
         """Collective: bring ``engines`` (dead ones, as rank 0 found) back on the same URLs."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.trainer.behaviour_policy import WeightHistory
@@ -189,13 +189,14 @@ class AsyncProducer:
 class Overlap:
     """The off-policy collector and sync hook of a ``RolloutSession`` (every rank; built by
     :func:`build_overlap` and handed to the session at construction): ``collect`` / ``sampler``
-    are the producer's (rank 0), ``around_sync`` brackets every sync."""
+    are the producer's (rank 0: an :class:`AsyncProducer`, or ``orchestration.inflight.InflightProducer``
+    with ``rollout.inflight_updates``), ``around_sync`` brackets every sync."""
 
-    def __init__(self, syncer, history: WeightHistory, producer: AsyncProducer | None):
+    def __init__(self, syncer, history: WeightHistory, producer: Any):
         self.syncer, self.history, self.producer = syncer, history, producer
 
     @property
-    def sampler(self) -> AsyncProducer | None:
+    def sampler(self) -> Any:
         """Rank 0: the producer (the consumed prompt position; restoring it drops pending batches)."""
         return self.producer
 
@@ -227,16 +228,22 @@ class Overlap:
             self.producer.close()
 
 
-def build_overlap(cfg, model, syncer, collector, start_step: int) -> Overlap | None:
+def build_overlap(
+    cfg, model, syncer, collector, start_step: int, inflight: Callable[[WeightHistory], Any] | None = None
+) -> Overlap | None:
     """Every rank, before the ``RolloutSession`` is built: with ``rollout.max_staleness`` >= 1 the
     ``Overlap`` that replaces ``collector`` (rank 0's synchronous ``SyncCollector``: its ``collect``
     and ``sampler`` feed the producer; None elsewhere) and brackets every sync; its ``history``
-    goes to ``train_on_batch(behaviour=...)``. None for the synchronous loop."""
+    goes to ``train_on_batch(behaviour=...)``. None for the synchronous loop. ``inflight`` (rank 0,
+    ``rollout.inflight_updates``): builds the producer from the history instead
+    (``orchestration.inflight.InflightProducer``: engines that never drain)."""
     n = cfg.rollout.max_staleness
     if n <= 0:
         return None
     history = WeightHistory(model, n, start_step)
     producer = None
-    if collector is not None:
+    if inflight is not None:
+        producer = inflight(history)
+    elif collector is not None:
         producer = AsyncProducer(collector.collect, collector.sampler, n, start_step, cfg.train.steps, history)
     return Overlap(syncer, history, producer)

@@ -88,6 +88,22 @@ def _records(samples, scores, k0) -> list[Sample]:
     return recs
 
 
+def score_group(cfg: Config, row, samples, tokenizer, rewards) -> tuple[list[Sample], dict]:
+    """One prompt's G engine samples (``engines.base.RolloutSample``) -> its Samples, rewarded by
+    ``rewards.score`` and given their group advantages, and the reward's stats (the in-flight
+    producer scores each group as it finishes: ``orchestration.inflight``)."""
+    G = len(samples)
+    texts = [decode_response(tokenizer, s) for s in samples]
+    scores, stats = rewards.score([row.prompt] * G, texts, [row.label] * G, group_size=G)
+    recs = _records(samples, scores, 0)
+    adv = group_advantages(
+        torch.tensor([r.reward for r in recs]), G, normalize_std=cfg.gspo.std_normalize, eps=cfg.gspo.adv_eps
+    )
+    for j, rec in enumerate(recs):
+        rec.advantage = float(adv.advantages[j])
+    return recs, stats
+
+
 def _stream_groups(cfg, engine, rows, tokenizer, rewards, seed):
     """Generate and score ``rows``, G samples each; yields (groups, reward stats, each group's row
     index) as the engine delivers them (``engine.generate_stream``), a group being a list of Samples."""

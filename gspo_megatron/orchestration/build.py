@@ -5,10 +5,12 @@ overlap, offload's state offloader, the sync probe), and nothing of it is replac
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from gspo_megatron.features.adapter_sync import ADAPTER_SYNC
+from gspo_megatron.features.inflight import INFLIGHT
 from gspo_megatron.features.offload import OFFLOAD
 from gspo_megatron.features.sync_modes import sync_mode
 from gspo_megatron.orchestration.async_producer import build_overlap
@@ -49,7 +51,9 @@ def build_session(cfg: Config, run: SessionParts, after_sync: Callable[[Any], No
 
     - collector: rank 0's synchronous rollout (``orchestration.batch.collect_rollouts``), or with
       ``rollout.max_staleness`` >= 1 the overlap (rank 0 generates the next batches while every rank
-      trains), which also brackets every sync (``orchestration.async_producer``);
+      trains), which also brackets every sync (``orchestration.async_producer``); with
+      ``rollout.inflight_updates`` its producer keeps the engines generating through every sync
+      (``orchestration.inflight``);
     - colocation: colocated engines release their memory after each rollout and take it back around
       the sync; ``rollout.offload_train``: the training state leaves the devices while the engines
       generate (``trainer.offload.TrainStateOffloader``), and a sync inside a rollout (engine
@@ -75,7 +79,13 @@ def build_session(cfg: Config, run: SessionParts, after_sync: Callable[[Any], No
         collector = SyncCollector(
             lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards), sampler
         )
-    run.overlap = build_overlap(cfg, run.model, syncer, collector, run.start_step)
+    inflight = None
+    if run.rank == 0 and INFLIGHT.enabled(cfg):  # engines that never drain (orchestration/inflight.py)
+        from gspo_megatron.orchestration.inflight import InflightProducer
+
+        parts = (engine, run.dataset, run.sampler, run.tokenizer, run.rewards)
+        inflight = functools.partial(InflightProducer, cfg, *parts, start_step=run.start_step)
+    run.overlap = build_overlap(cfg, run.model, syncer, collector, run.start_step, inflight=inflight)
     if OFFLOAD.enabled(cfg):
         run.offloader = TrainStateOffloader(run.ddp, run.optimizer)
     colocation = Colocation(engine, colocated=sync_mode(cfg.rollout.sync_mode).colocated, offloader=run.offloader)

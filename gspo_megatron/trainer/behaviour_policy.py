@@ -45,6 +45,20 @@ def _params(model) -> list[torch.Tensor]:
     return [p for m in chunks for p in m.parameters()]
 
 
+def use_engine_behaviour(batches: list[dict]) -> int:
+    """In-place updates (``rollout.inflight_updates=in_place``): where ``batch["engine_behaviour"]`` is
+    1 the token was sampled over a prefix whose KV cache older weights computed, which no single
+    version's forward reproduces; its old log-prob becomes the engine's (``batch["engine_logprobs"]``).
+    Returns the tokens changed (0 when the batches carry no such field)."""
+    changed = 0
+    for b in batches:
+        if "engine_behaviour" in b and "engine_logprobs" in b and "old_logprobs" in b:
+            flagged = b["engine_behaviour"] > 0
+            b["old_logprobs"] = torch.where(flagged, b["engine_logprobs"], b["old_logprobs"])
+            changed += int(flagged.sum())
+    return changed
+
+
 class WeightHistory:
     """This rank's parameters at the last ``max_staleness + 1`` policy versions (host copies).
 

@@ -22,17 +22,19 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from cpu_server_util import CpuServer
+from gspo_megatron.cpu_server.pause import STEP_SLEEP_ENV
 from gspo_megatron.engines.hf_engine import HFCheckpointLayout
 from gspo_megatron.weight_sync.cuda_ipc import serialize_bucket
 
 PROMPT = [5, 17, 42, 9]
-N = 300  # max_new_tokens of the long request (long enough to be paused on a busy machine)
+N = 120  # max_new_tokens of the long request (2.4 s at the fixture's 20 ms per iteration)
 FLUSH_REFUSED = "Weights were updated, but the cache was not flushed because requests are still running or queued."
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = CpuServer(model_dir, str(tmp_path_factory.mktemp("logs")), tp=1)
+    # 20 ms per scheduler iteration: a pause lands within a few tokens even on a loaded machine
+    s = CpuServer(model_dir, str(tmp_path_factory.mktemp("logs")), tp=1, node_env={0: {STEP_SLEEP_ENV: "0.02"}})
     yield s
     s.stop()
 
@@ -234,7 +236,7 @@ def test_retract_recomputes_the_prefix_under_new_weights(server, weights, model_
 
 def test_abort_returns_partial_output_and_holds_new_requests(server, weights, model_dir):
     url = server.url
-    call = long_request(url, n=400)
+    call = long_request(url, n=N)
     wait_tokens(url, 4)
     t0 = time.monotonic()
     assert http(url, "/pause_generation", {})[0] == 200  # mode "abort" by default
@@ -243,7 +245,7 @@ def test_abort_returns_partial_output_and_holds_new_requests(server, weights, mo
     status, out = call.result
     meta, ids = out["meta_info"], out["output_ids"]
     # sglang FINISH_ABORT(): HTTP 200, the partial output (one more decode after the abort)
-    assert status == 200 and 4 < len(ids) < 400
+    assert status == 200 and 4 < len(ids) < N
     assert meta["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
     assert meta["completion_tokens"] == len(ids) and meta["num_retractions"] == 0
     assert meta["weight_versions"] == spans((weights["version"], len(ids)))
@@ -268,7 +270,7 @@ def test_abort_returns_partial_output_and_holds_new_requests(server, weights, mo
 
 def test_abort_of_a_retracted_request_answers_from_the_waiting_queue(server, weights):
     url = server.url
-    call = long_request(url, n=400)
+    call = long_request(url, n=N)
     wait_tokens(url, 3)
     assert http(url, "/pause_generation", {"mode": "retract"})[0] == 200
     k = live(url)["requests"][0]["output_len"]
@@ -290,7 +292,7 @@ def test_update_without_pause_waits_for_running_requests(server, weights):
     """Not paused, an update call takes the writer side of model_update_lock: it waits until every
     /generate in flight has answered, so that request sees one version."""
     url = server.url
-    call = long_request(url, n=300)
+    call = long_request(url, n=N)
     wait_tokens(url, 2)
     begin = Call(url, "/begin_weight_update", {})
     begin.start()
@@ -305,7 +307,7 @@ def test_update_without_pause_waits_for_running_requests(server, weights):
     assert http(url, "/update_weights_from_tensor", body)[0] == 200
     assert http(url, "/end_weight_update", {})[0] == 200
     status, out = call.result
-    assert status == 200 and out["meta_info"]["weight_versions"] == spans((weights["version"], 300))
+    assert status == 200 and out["meta_info"]["weight_versions"] == spans((weights["version"], N))
     weights.update(state=new, version="v4")
 
 
