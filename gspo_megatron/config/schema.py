@@ -227,7 +227,7 @@ class RolloutConfig:
     )
     inflight_groups: int = _f(
         0,
-        "with inflight_updates: the prompt groups generating or finished and not yet trained, at most (0 = 2 * prompts_per_step; must be >= prompts_per_step)",
+        "with inflight_updates: the prompt groups generating or finished and not yet trained, at most (0 = 2 * prompts_per_step; must exceed prompts_per_step, or the engines drain every step)",
     )
     over_sample: float = _f(
         1.0,

@@ -49,10 +49,12 @@ class Inflight(Feature):
             e.append(f"rollout.inflight_groups must be >= 0 (0 = 2 * prompts_per_step), got {r.inflight_groups}")
         if r.inflight_updates == "off":
             return e
-        if 0 < r.inflight_groups < r.prompts_per_step:
+        if 0 < r.inflight_groups <= r.prompts_per_step:
             e.append(
-                f"rollout.inflight_groups={r.inflight_groups} must be >= rollout.prompts_per_step="
-                f"{r.prompts_per_step} (a step trains that many finished groups), or 0 (= 2 * prompts_per_step)"
+                f"rollout.inflight_groups={r.inflight_groups} must be > rollout.prompts_per_step="
+                f"{r.prompts_per_step}: it counts the groups generating and those finished and not yet trained, "
+                f"so with a step's groups or fewer the engines drain every step; e.g. {2 * r.prompts_per_step}, "
+                "or 0 (= 2 * prompts_per_step)"
             )
         mode = f"rollout.inflight_updates={r.inflight_updates}"
         sm = SYNC_MODES.get(r.sync_mode)

@@ -47,8 +47,8 @@ OK = [*DISAGG, "rollout.max_staleness=2"]
         ),
         ([*OK, "rollout.inflight_groups=-1"], r"rollout.inflight_groups must be >= 0"),
         (
-            [*OK, "rollout.inflight_updates=retract", "rollout.prompts_per_step=8", "rollout.inflight_groups=4"],
-            r"rollout.inflight_groups=4 must be >= rollout.prompts_per_step=8 .*or 0",
+            [*OK, "rollout.inflight_updates=retract", "rollout.prompts_per_step=8", "rollout.inflight_groups=8"],
+            r"rollout.inflight_groups=8 must be > rollout.prompts_per_step=8: .*drain every step; e.g. 16, or 0",
         ),
         ([*OK, "rollout.inflight_updates=sometimes"], r"rollout.inflight_updates"),
     ],
