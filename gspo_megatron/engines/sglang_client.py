@@ -327,7 +327,10 @@ def open_weight_update(client) -> None:
     requests run, and in place they keep running (``scheduler.py`` ``flush_cache``: not
     ``is_fully_idle``); its engines run without a radix cache instead (``features/inflight.py``)."""
     mode = getattr(client, "pause_mode", "abort")
-    client.pause_generation(None if mode == "abort" else mode)
+    if mode == "abort":
+        client.pause_generation()  # no body: sglang's default mode
+    else:
+        client.pause_generation(mode)
     if mode != "in_place":
         client.flush_cache()
     client.begin_weight_update()
