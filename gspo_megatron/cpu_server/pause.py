@@ -37,6 +37,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable
 
+from gspo_megatron.cpu_server.request_checks import literal_refusal
 from gspo_megatron.cpu_server.scheduler import PAUSE_MODES, add_weight_versions_to_meta_info
 
 ABORT_POLL_S = 1.0  # tokenizer_manager.py pause_generation: asyncio.sleep(1.0) between abort rounds
@@ -102,19 +103,7 @@ class _Slot:
 
 def pause_mode_refusal(body: dict) -> tuple[int, dict] | None:
     """FastAPI's 422 for a ``mode`` outside ``Literal["abort", "retract", "in_place"]``."""
-    if "mode" not in body or body["mode"] in PAUSE_MODES:
-        return None
-    return 422, {
-        "detail": [
-            {
-                "type": "literal_error",
-                "loc": ["body", "mode"],
-                "msg": "Input should be 'abort', 'retract' or 'in_place'",
-                "input": body["mode"],
-                "ctx": {"expected": "'abort', 'retract' or 'in_place'"},
-            }
-        ]
-    }
+    return literal_refusal(body, "mode", PAUSE_MODES)
 
 
 class PausingFront:

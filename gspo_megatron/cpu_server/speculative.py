@@ -65,6 +65,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from gspo_megatron.cpu_server.request_checks import literal_refusal
+
 ALGORITHM = "EAGLE"
 ALIASES = ("NEXTN", "EAGLE")  # -> EAGLE (_resolve_speculative_algorithm_alias)
 # sglang 0.5.23's builtin algorithms (spec_info.py SpeculativeAlgorithm) besides NONE
@@ -149,19 +151,7 @@ def selector_refusal(body: dict) -> tuple[int, dict] | None:
     FastAPI validates the msgspec struct through pydantic (``utils/msgspec_utils.py``
     ``msgspec_struct_pydantic_core_schema``) and answers 422 with pydantic's ``literal_error`` before the
     scheduler sees it. None for a valid (or absent: ``all``) selector."""
-    if "selector" not in body or body["selector"] in SELECTORS:
-        return None
-    return 422, {
-        "detail": [
-            {
-                "type": "literal_error",
-                "loc": ["body", "selector"],
-                "msg": "Input should be 'target', 'draft' or 'all'",
-                "input": body["selector"],
-                "ctx": {"expected": "'target', 'draft' or 'all'"},
-            }
-        ]
-    }
+    return literal_refusal(body, "selector", SELECTORS)
 
 
 # -- acceptance --------------------------------------------------------------------------------------

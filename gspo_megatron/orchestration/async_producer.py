@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from gspo_megatron.runtime import distributed as rdist
 from gspo_megatron.trainer.behaviour_policy import WeightHistory
@@ -186,17 +186,33 @@ class AsyncProducer:
         self.consumed_state = dict(state)
 
 
+class Producer(Protocol):
+    """What :class:`Overlap` drives on rank 0: :class:`AsyncProducer`, or
+    ``orchestration.inflight.InflightProducer`` (``rollout.inflight_updates``)."""
+
+    def take(self, step: int, trainer_version: int) -> Any: ...
+
+    def hold_for_sync(self, target: int) -> float: ...
+
+    def release_after_sync(self, version: int | None) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Overlap:
     """The off-policy collector and sync hook of a ``RolloutSession`` (every rank; built by
     :func:`build_overlap` and handed to the session at construction): ``collect`` / ``sampler``
-    are the producer's (rank 0: an :class:`AsyncProducer`, or ``orchestration.inflight.InflightProducer``
-    with ``rollout.inflight_updates``), ``around_sync`` brackets every sync."""
+    are the producer's (rank 0, a :class:`Producer`), ``around_sync`` brackets every sync."""
 
-    def __init__(self, syncer, history: WeightHistory, producer: Any):
+    def __init__(self, syncer, history: WeightHistory, producer: Producer | None):
         self.syncer, self.history, self.producer = syncer, history, producer
 
     @property
-    def sampler(self) -> Any:
+    def sampler(self) -> Producer | None:
         """Rank 0: the producer (the consumed prompt position; restoring it drops pending batches)."""
         return self.producer
 
@@ -229,7 +245,7 @@ class Overlap:
 
 
 def build_overlap(
-    cfg, model, syncer, collector, start_step: int, inflight: Callable[[WeightHistory], Any] | None = None
+    cfg, model, syncer, collector, start_step: int, inflight: Callable[[WeightHistory], Producer] | None = None
 ) -> Overlap | None:
     """Every rank, before the ``RolloutSession`` is built: with ``rollout.max_staleness`` >= 1 the
     ``Overlap`` that replaces ``collector`` (rank 0's synchronous ``SyncCollector``: its ``collect``
@@ -241,7 +257,7 @@ def build_overlap(
     if n <= 0:
         return None
     history = WeightHistory(model, n, start_step)
-    producer = None
+    producer: Producer | None = None
     if inflight is not None:
         producer = inflight(history)
     elif collector is not None:

@@ -61,7 +61,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -276,7 +275,7 @@ class InflightProducer:
         with self.cond:
             return dict(self.sampler.state_dict())
 
-    def load_state_dict(self, state: dict) -> Any:
+    def load_state_dict(self, state: dict) -> None:
         """After an engine failure or on resume: forget every group and restart drawing at ``state``."""
         self.close()
         with self.cond:

@@ -45,18 +45,14 @@ def _params(model) -> list[torch.Tensor]:
     return [p for m in chunks for p in m.parameters()]
 
 
-def use_engine_behaviour(batches: list[dict]) -> int:
+def use_engine_behaviour(batches: list[dict]) -> None:
     """In-place updates (``rollout.inflight_updates=in_place``): where ``batch["engine_behaviour"]`` is
     1 the token was sampled over a prefix whose KV cache older weights computed, which no single
     version's forward reproduces; its old log-prob becomes the engine's (``batch["engine_logprobs"]``).
-    Returns the tokens changed (0 when the batches carry no such field)."""
-    changed = 0
+    Batches without the field are left as they are."""
     for b in batches:
         if "engine_behaviour" in b and "engine_logprobs" in b and "old_logprobs" in b:
-            flagged = b["engine_behaviour"] > 0
-            b["old_logprobs"] = torch.where(flagged, b["engine_logprobs"], b["old_logprobs"])
-            changed += int(flagged.sum())
-    return changed
+            b["old_logprobs"] = torch.where(b["engine_behaviour"] > 0, b["engine_logprobs"], b["old_logprobs"])
 
 
 class WeightHistory:
