@@ -10,6 +10,7 @@ talk to an engine (rank 0 for generation; colocated and disaggregated sync sourc
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -36,6 +37,18 @@ def _check(result: Any, where: str) -> Any:
 
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # sglang 0.5.23 PauseGenerationReqInput.mode
+
+
+def _error_body(e: urllib.error.HTTPError) -> str:
+    """The error answer's body (first 2000 chars). A server that exits right after answering
+    (sglang's scheduler dying on a failed update takes its HTTP server with it) can cut the
+    body short: what arrived is kept, the status line is the error either way."""
+    try:
+        return e.read().decode(errors="replace")[:2000]
+    except http.client.IncompleteRead as cut:
+        return cut.partial.decode(errors="replace")[:2000] + " [body cut short: the server closed]"
+    except (OSError, http.client.HTTPException):
+        return "[no body: the server closed]"
 
 
 class SGLangHttpClient:
@@ -74,9 +87,8 @@ class SGLangHttpClient:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 body = resp.read()
         except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            raise SGLangError(f"{method} {url} -> HTTP {e.code}: {detail}") from e
-        except (urllib.error.URLError, OSError) as e:
+            raise SGLangError(f"{method} {url} -> HTTP {e.code}: {_error_body(e)}") from e
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise SGLangError(f"{method} {url} unreachable: {e}") from e
         if not body:
             return None
