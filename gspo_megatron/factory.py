@@ -90,6 +90,11 @@ def build_dataset(cfg: Config, tokenizer):
         use_chat_template=cfg.data.apply_chat_template,
         skip_bad_rows=cfg.data.skip_bad_rows,
     )
+    if cfg.distill.teacher_key:  # each row names its teacher (features/distill.py)
+        from gspo_megatron.features.distill import parse_teachers
+
+        names = tuple(t.name for t in parse_teachers(cfg.distill.teachers)[0])
+        common["teacher_route"] = (cfg.distill.teacher_key, names)
     if cfg.data.path:
         return PromptDataset.from_file(cfg.data.path, tokenizer, **common)
     assert cfg.data.task is not None, "config validation: data.path or data.task is set"

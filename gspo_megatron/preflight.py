@@ -21,6 +21,8 @@ or the file and line):
 6b. the custom rollout hook (``rollout.custom_function``): imported, callable as
    ``fn(generate, sample)``, and one call on the first data row with a stand-in engine that ends
    every turn at once returns a well-formed result (:func:`check_custom_rollout`);
+6c. the distillation teachers (``distill.teachers``): running servers answer, every teacher's
+   tokenizer is the student's (:func:`check_teachers`);
 7. checkpoints to resume from (``checkpoint.load`` or ``output_dir/checkpoints``) and
    ``model.checkpoint``: the model config stored with them equals this model's, their ``model.lora``
    (metadata) equals the config's (:func:`check_lora_matches`), so does their ``model.mtp``
@@ -60,7 +62,18 @@ def run_all(cfg: Config, world_size: int | None = None) -> None:
     check_eval_data(cfg, tokenizer)
     if cfg.rollout.custom_function:
         check_custom_rollout(cfg, dataset[0], tokenizer)
+    if cfg.distill.teachers:
+        check_teachers(cfg, tokenizer)
     check_checkpoints(cfg, hf)
+
+
+def check_teachers(cfg: Config, tokenizer) -> None:
+    """``distill.teachers``: running servers answer, every teacher shares the student's tokenizer
+    (``distill.teachers.check_teachers``)."""
+    from gspo_megatron.distill.teachers import check_teachers as _check
+    from gspo_megatron.features.distill import parse_teachers
+
+    _check(parse_teachers(cfg.distill.teachers)[0], tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ Where a Sample is made and what fills it (rank 0 unless said otherwise):
   averaged into the batch's metrics and cleared (they are not broadcast);
 - ``orchestration.async_producer.AsyncProducer.take`` / ``orchestration.inflight.InflightProducer.take``
   (off-policy runs): ``behaviour_version`` from ``token_versions`` (and ``engine_behaviour``, in-place updates);
+- ``distill.teachers.TeacherPool``: ``teacher_logprobs`` and ``teacher``, the teacher's log-probs of the
+  response by prefill (``distill.coef`` > 0), as each group is generated;
 - ``orchestration.batch._records``: ``routed_experts``, the engine's MoE routes, when the engine was asked
   for them (``SGLangRolloutEngine(route_spec=...)``; decoded and validated in ``engines/routing.py``).
 
@@ -32,7 +34,14 @@ from typing import Any
 
 #: the optional per-response-token float fields of a Sample that collate lays on the label positions
 #: of its row, each as a [b, s] float tensor of the same name
-PER_TOKEN_FIELDS = ("old_logprobs", "engine_logprobs", "ref_logprobs", "behaviour_version", "engine_behaviour")
+PER_TOKEN_FIELDS = (
+    "old_logprobs",
+    "engine_logprobs",
+    "ref_logprobs",
+    "behaviour_version",
+    "engine_behaviour",
+    "teacher_logprobs",
+)
 
 
 @dataclass
@@ -57,6 +66,11 @@ class Sample:
         (``rollout.inflight_updates=in_place``: sampled by newer weights over a prefix whose KV cache
         older weights computed, which no single version's forward reproduces; ``orchestration.inflight``);
         None: every token's behaviour is its version's forward.
+    teacher_logprobs: list[float] [R], a distillation teacher's log p_teacher(response_ids[t] | ...)
+        by prefill of prompt + response (``distill.teachers``, ``distill/teachers.py``); None without
+        distillation. teacher: the name of the teacher that scored it. teacher_topk_ids (int) /
+        teacher_topk_logprobs (float): numpy [R, K], the teacher's K most likely tokens at each
+        response position and their log-probs (``distill.topk`` > 0, the top-k objectives).
     finish_reason: "stop" (a stop token ended it) or "length" (it hit the token budget).
     metrics: the custom rollout hook's own numbers (str -> float), averaged into ``custom/<key>``.
     generate_calls: how many generate calls the custom hook made for it; None for engine samples.
@@ -84,6 +98,10 @@ class Sample:
     token_versions: list[str] | None = None
     behaviour_version: list[int] | None = None
     engine_behaviour: list[int] | None = None
+    teacher_logprobs: list[float] | None = None
+    teacher: str | None = None
+    teacher_topk_ids: Any = None
+    teacher_topk_logprobs: Any = None
     finish_reason: str = "stop"
     metrics: dict[str, float] = field(default_factory=dict)
     generate_calls: int | None = None

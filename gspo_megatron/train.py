@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gspo_megatron.data.dataset import PromptDataset, PromptSampler
+    from gspo_megatron.distill.teachers import TeacherPool
     from gspo_megatron.evaluation import Evaluator
     from gspo_megatron.factory import Engines
     from gspo_megatron.metrics import MetricsLogger
@@ -111,6 +112,7 @@ class Run:
     gpu_monitor: GpuMonitor | None = None
     overlap: Overlap | None = None  # rollout.max_staleness >= 1
     evaluator: Evaluator | None = None  # eval.*
+    teachers: TeacherPool | None = None  # rank 0, distill.teachers
     metrics: dict = field(default_factory=dict)  # the last step's
 
 
@@ -222,6 +224,7 @@ def build_rollout_side(cfg: Config, run: Run, after_sync: Callable[[Any], None] 
             config=cfg.to_dict(),
         )
     run.rollout = rollout = factory.build_engines(cfg, run.hf_dir)
+    run.teachers = _teachers(cfg, run.rank)
     run.session = session = build_session(cfg, run, after_sync=after_sync)
     session.sync()
     run.gpu_monitor = GpuMonitor()  # a quiet no-op without a GPU
@@ -367,6 +370,24 @@ def finish(cfg: Config, run: Run, stopped: bool) -> None:
             print(f"[gspo-train] exported Hugging Face model: {os.path.abspath(hf_out)}", flush=True)
 
 
+def _teachers(cfg: Config, rank: int):
+    """Rank 0's distillation teachers (``distill.teachers``; None elsewhere or without them). A
+    teacher that fails to start stops every rank with rank 0's one line (collective)."""
+    from gspo_megatron.distill import build_teachers
+    from gspo_megatron.errors import UserInputError
+
+    pool, error = None, None
+    if rank == 0:
+        try:
+            pool = build_teachers(cfg)
+        except (UserInputError, RuntimeError) as e:
+            error = str(e) if str(e).startswith("distill.") else f"distill.teachers: {e}"
+    error = broadcast_object(error)
+    if error is not None:
+        raise UserInputError(error)
+    return pool
+
+
 def close(run: Run) -> None:
     """Every rank: stop what the run started, as far as it got (the engines this rank launched, the
     overlap's generator; rank 0: the metrics files and reward workers)."""
@@ -378,6 +399,8 @@ def close(run: Run) -> None:
         run.logger.close()
     if run.rewards is not None:
         run.rewards.close()
+    if run.teachers is not None:
+        run.teachers.close()
 
 
 def build_parser() -> argparse.ArgumentParser:

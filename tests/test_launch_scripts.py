@@ -107,11 +107,12 @@ def test_torchrun_forwards_usr1_to_training_processes(tmp_path):
     assert marker.read_text().strip() == "ckpt"
 
 
-def _fake_slurm(tmp_path: Path, nodes: list[str], run_training: bool = False) -> dict:
+def _fake_slurm(tmp_path: Path, nodes: list[str], run_training: bool = False, run_teacher: bool = False) -> dict:
     """Fake scontrol / srun on PATH. ``run_training``: the training step is run (its task command,
     as node 0), with a fake torchrun (``TORCHRUN``) that runs gspo-train's config checks on the
     training nodes' GPUs: ``--dry-run --nodes NNODES --gpus-per-node NPROC_PER_NODE`` (the config tiers
-    of ``--check`` that need no model files: static, world size, model layout; exit 2 on a bad config)."""
+    of ``--check`` that need no model files: static, world size, model layout; exit 2 on a bad config).
+    ``run_teacher``: the teacher's step (TEACHER_MODEL) is run too, its task command as one node."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _exe(
@@ -120,15 +121,21 @@ def _fake_slurm(tmp_path: Path, nodes: list[str], run_training: bool = False) ->
         + " ".join(nodes)
         + '; else echo "scontrol $*" >> "$SRUN_LOG"; fi\n',
     )
-    # ignores TERM: the script stops the background SGLang step once training ends. Like a real
-    # training step, the fake one lasts until the SGLang step has started (it logs first), so the
-    # TERM never reaches a fake that has not yet logged its call.
+    # ignores TERM: the script stops the background SGLang (and teacher) steps once training ends.
+    # Like a real training step, the fake one lasts until those steps have started (they log first),
+    # so the TERM never reaches a fake that has not yet logged its call.
     _exe(
         bin_dir / "srun",
         'trap "" TERM\necho "srun $* NNODES=${NNODES:-} MASTER_ADDR=${MASTER_ADDR:-} '
         'URLS=${GSPO_SGLANG_URLS:-} CFG=${GSPO_CONFIG:-} CFGO=${GSPO_CONFIG_OVERRIDES:-}" >> "$SRUN_LOG"\n'
-        'if [[ -n "${GSPO_SGLANG_URLS:-}" && "$*" == *torchrun.sh* ]]; then\n'
-        '  for _ in $(seq 200); do grep -q sglang_node.sh "$SRUN_LOG" && break; sleep 0.05; done\nfi\n'
+        'if [[ "$*" == *torchrun.sh* ]]; then\n'
+        '  want=0; [[ -n "${GSPO_SGLANG_URLS:-}" ]] && want=$((want + 1)); [[ -n "${TEACHER_MODEL:-}" ]] && want=$((want + 1))\n'
+        '  for _ in $(seq 200); do [[ "$(grep -c sglang_node.sh "$SRUN_LOG")" -ge $want ]] && break; sleep 0.05; done\nfi\n'
+        + (
+            'if [[ "$*" == */teacher-*node%t.log* ]]; then\n  while [[ "$1" == --* ]]; do shift; done\n  exec "$@"\nfi\n'
+            if run_teacher
+            else ""
+        )
         + (
             'if [[ "$*" == *torchrun.sh* ]]; then\n'
             '  while [[ "$1" == --* ]]; do shift; done\n'
@@ -309,3 +316,122 @@ def test_sbatch_disaggregated_refuses_engines_larger_than_a_node(tmp_path):
     env.update(ROLLOUT_MODE="disaggregated", SGLANG_NODES="1", SGLANG_TP="8", MODEL_PATH="/m")  # 4 GPUs a node
     res = subprocess.run(["bash", str(SCRIPTS[2]), "cfg.yaml"], env=env, capture_output=True, text=True)
     assert res.returncode == 2 and "SGLANG_TP=8 must divide the 4 GPUs of a node" in res.stderr
+
+
+def _teacher_urls(train_line: str) -> list[str]:
+    """The distill.teachers override the trainer got, loaded as the trainer loads it: one entry."""
+    from gspo_megatron.config import load_config
+    from gspo_megatron.features.distill import parse_teachers
+
+    args = train_line.split(" NNODES=", 1)[0]  # the step's command line (the fake srun logs env after it)
+    (override,) = re.findall(r"distill\.teachers=\S+", args)
+    specs, errors = parse_teachers(load_config(None, [override]).distill.teachers)
+    assert not errors and len(specs) == 1 and specs[0].name == "teacher" and not specs[0].started_here, override
+    return list(specs[0].urls)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_sbatch_teacher_on_the_last_nodes(tmp_path, mode):
+    """TEACHER_MODEL: the teacher's sglang servers (launch/sglang_node.sh with the teacher's model, TP,
+    ports and memory fraction, none of the student's flags, no router) run on the last TEACHER_NODES
+    nodes, the student's SGLang nodes (disaggregated) before them, training on the rest; the trainer
+    gets distill.teachers=['teacher=URL,URL,...'], one entry with one URL per teacher server."""
+    env = _fake_slurm(tmp_path, ["n1", "n2", "n3", "n4"])  # 4 GPUs a node
+    env.update(ROLLOUT_MODE=mode, TEACHER_MODEL="/teacher", TEACHER_NODES="2", TEACHER_TP="2", TEACHER_PORT="31000")
+    if mode == "disaggregated":
+        env.update(SGLANG_NODES="1", SGLANG_TP="4", MODEL_PATH="/student")
+    res = subprocess.run(["bash", str(SCRIPTS[2]), "cfg.yaml", "a=1"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    lines = (tmp_path / "srun.log").read_text().splitlines()
+    (teacher,) = [line for line in lines if "/teacher-42-node%t.log" in line]
+    train = next(line for line in lines if "torchrun.sh" in line)
+    assert "--nodelist=n3,n4" in teacher and "--nodes=2" in teacher and "sglang_node.sh" in teacher
+    for want in ("-u GSPO_CONFIG ", "-u GSPO_CONFIG_OVERRIDES ", "-u START_ROUTER ", "MODEL_PATH=/teacher "):
+        assert want in teacher, teacher
+    for want in ("SGLANG_TP=2 ", "SGLANG_PORT=31000 ", "SGLANG_MEM_FRACTION=0.85 ", "NUM_ENGINES=2 "):
+        assert want in teacher, teacher
+    urls = ["http://n3:31000", "http://n3:31010", "http://n4:31000", "http://n4:31010"]  # 4 GPUs / TP 2 = 2 a node
+    assert _teacher_urls(train) == urls
+    assert f"distill.teachers=['teacher={','.join(urls)}']" in train
+    if mode == "colocated":
+        assert len(lines) == 2 and "--nodelist=n1,n2 " in train and "NNODES=2" in train
+    else:
+        (sgl,) = [line for line in lines if "/sglang-42-node%t.log" in line]
+        assert "--nodelist=n2 " in sgl and "MODEL_PATH" not in sgl  # the student's: its own env, untouched
+        assert "--nodelist=n1 " in train and "NNODES=1" in train and "rollout.engine_urls=[http://n2:30000]" in train
+        assert "distill.teachers=" in sgl.split("CFGO=", 1)[1]  # the student's engines see the trainer's config
+
+
+def test_sbatch_teacher_step_starts_only_the_teacher_servers(tmp_path):
+    """The teacher's step as a node runs it: launch/sglang_node.sh starts TEACHER_TP-GPU servers of
+    TEACHER_MODEL on TEACHER_PORT + 10*i with TEACHER_MEM_FRACTION, and none of the student's engine
+    flags even where GSPO_CONFIG is in the submitting environment."""
+    engine_log = tmp_path / "engines.log"
+    fake_python = _exe(tmp_path / "python", f'echo "$*" >> "{engine_log}"\n')
+    env = _fake_slurm(tmp_path, ["n1", "n2", "n3"], run_teacher=True)
+    env.update(
+        TEACHER_MODEL="/teacher",
+        TEACHER_TP="2",
+        TEACHER_PORT="32000",
+        TEACHER_MEM_FRACTION="0.7",
+        TEACHER_NAME="math",
+        PYTHON=str(fake_python),
+        GSPO_CONFIG=str(ROOT / "configs/demo_cpu.yaml"),
+        START_ROUTER="1",
+        SGLANG_EXTRA_ARGS="--student-only",
+    )
+    res = subprocess.run(["bash", str(SCRIPTS[2]), "cfg.yaml"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    engines = engine_log.read_text().splitlines()
+    assert len(engines) == 2 and not any("engine_args" in e or "router" in e for e in engines), engines
+    for i, line in enumerate(sorted(engines, key=lambda e: "--port 32010" in e)):
+        assert line.startswith("-m sglang.launch_server --model-path /teacher --host 0.0.0.0"), line
+        assert f"--port {32000 + 10 * i} --tp-size 2 --base-gpu-id {2 * i} --mem-fraction-static 0.7" in line
+        assert "--student-only" not in line
+    train = next(line for line in (tmp_path / "srun.log").read_text().splitlines() if "torchrun.sh" in line)
+    assert "--nodelist=n1,n2 " in train and "distill.teachers=['math=http://n3:32000,http://n3:32010']" in train
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"TEACHER_NODES": "3"}, "TEACHER_NODES=3 leaves no training node out of 3"),
+        ({"TEACHER_NODES": "0"}, "TEACHER_NODES=0 must be a number of nodes >= 1"),
+        (
+            {"TEACHER_NODES": "2", "ROLLOUT_MODE": "disaggregated", "MODEL_PATH": "/m"},
+            "SGLANG_NODES=1 leaves no training node out of 1 node(s) left by TEACHER_NODES=2",
+        ),
+        ({"TEACHER_TP": "3"}, "TEACHER_TP=3 must divide the 4 GPUs of a node"),
+        ({"TEACHER_TP": "8"}, "TEACHER_TP=8 must divide the 4 GPUs of a node"),
+        ({"TEACHER_NAME": "a=b"}, "TEACHER_NAME='a=b' must be letters, digits"),
+    ],
+)
+def test_sbatch_teacher_refusals(tmp_path, extra, message):
+    env = _fake_slurm(tmp_path, ["n1", "n2", "n3"])  # 4 GPUs a node
+    env.update(TEACHER_MODEL="/teacher", **extra)
+    res = subprocess.run(["bash", str(SCRIPTS[2]), "cfg.yaml"], env=env, capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.strip() == res.stderr.strip().splitlines()[0], res.stderr
+    assert message in res.stderr and not (tmp_path / "srun.log").exists()
+
+
+def test_sbatch_teacher_override_passes_the_trainer_checks(tmp_path):
+    """A shipped recipe with TEACHER_MODEL and distill.coef=1: the trainer's config checks (run on the
+    training nodes) accept the distill.teachers override and the plan names the teacher's servers."""
+    env = _fake_slurm(tmp_path, ["n1", "n2", "n3", "n4"], run_training=True)
+    env.update(
+        ROLLOUT_MODE="disaggregated",
+        SGLANG_TP="8",
+        MODEL_PATH="/m",
+        SLURM_GPUS_PER_NODE="h100:8",
+        TEACHER_MODEL="/t",
+        TEACHER_TP="4",
+    )
+    recipe = str(ROOT / "configs/qwen3_30b_a3b_gspo.yaml")
+    res = subprocess.run(
+        ["bash", str(SCRIPTS[2]), recipe, "distill.coef=1"], env=env, capture_output=True, text=True, timeout=300
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "Traceback" not in out, out[-3000:]
+    assert "[train.sbatch] teacher teacher (/t) on n4: http://n4:31000 http://n4:31010" in out
+    assert "training on n1 n2 " in out and "16 training ranks" in out, out[-3000:]
+    assert "note: distill: teachers on their own servers (not counted here): teacher" in out, out[-3000:]

@@ -27,6 +27,12 @@ def _policy_loss_modes() -> tuple[str, ...]:
     return policy_loss_modes()
 
 
+def _distill_losses() -> tuple[str, ...]:
+    from gspo_megatron.losses.distill_loss import distill_loss_names
+
+    return distill_loss_names()
+
+
 def _sync_modes() -> tuple[str, ...]:
     from gspo_megatron.features.sync_modes import sync_mode_names
 
@@ -360,6 +366,45 @@ class RewardConfig:
 
 
 @dataclass
+class DistillConfig:
+    # -- on-policy distillation (gspo_megatron/distill/, losses/distill_loss.py; docs/training.md "Distillation")
+    coef: float = _f(
+        0.0,
+        "weight c of the distillation term: loss = -(J_policy(reward_coef * A) + c * J_token(A^d)), A^d the distill.loss advantage of every sampled token from the teacher's log-probs, through the policy's own ratio and clip (GSPO-token's form for gspo); 0 = off (no teacher is asked; the loss is GSPO's bitwise)",
+    )
+    reward_coef: float = _f(
+        1.0,
+        "weight of the task reward's sequence advantage in the loss; 0 = distillation alone (needs distill.coef > 0)",
+    )
+    loss: str = _f(
+        "reverse_kl",
+        "distillation objective (losses/distill_loss.py, or any registered with register_distill_loss): reverse_kl = per-token advantage A^d_t = log p_teacher(y_t) - log p_student(y_t) of the sampled tokens; topk_forward_kl / topk_reverse_kl = a divergence to the teacher's top-k distribution at every response position (needs distill.topk > 0)",
+        choices=_distill_losses,
+    )
+    topk: int = _f(
+        0,
+        "the teacher's K most likely tokens asked per response position (sglang's top_logprobs_num), for the top-k objectives (distill.loss topk_forward_kl / topk_reverse_kl); 0 = not asked",
+    )
+    teachers: list[str] = _f(
+        [],
+        "the teachers, each 'NAME=URL[,URL...]' (running sglang servers of the teacher: their own nodes, launch/slurm/train.sbatch TEACHER_MODEL starts them) or 'NAME=HF_DIR' (rank 0 starts distill.engines_per_teacher servers of it, rollout.engine_server's kind, on rank 0's node: with sglang on the training GPUs, memory released while the student trains); a teacher must share the student's tokenizer",
+    )
+    teacher_key: str | None = _f(
+        None,
+        "data column naming each prompt's teacher (one of the NAMEs in distill.teachers; NeMo-RL's multi-teacher MOPD); null = every prompt goes to the only teacher",
+    )
+    engines_per_teacher: int = _f(1, "servers started per 'NAME=HF_DIR' teacher")
+    teacher_tp: int = _f(1, "tensor-parallel size of each started teacher server")
+    teacher_mem_fraction: float = _f(
+        0.2, "sglang's mem_fraction_static of a started teacher server (it shares the training GPUs)"
+    )
+    batch_size: int = _f(16, "sequences per teacher scoring request (one /generate with max_new_tokens 0)")
+    timeout_s: float = _f(
+        300.0, "seconds a teacher scoring request may take; a teacher that does not answer in time stops the run"
+    )
+
+
+@dataclass
 class EvalConfig:
     # -- evaluation during training (gspo_megatron/evaluation.py; docs/training.md "Evaluation")
     interval: int = _f(
@@ -405,6 +450,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
+from gspo_megatron.cpu_server.prompt_logprobs import LogprobAsk
 from gspo_megatron.engines.base import SamplingParams
 from gspo_megatron.engines.hf_engine import HFRolloutEngine
 
@@ -111,6 +112,7 @@ class Request:
     seed: int | None  # only with deterministic inference
     routed_start: int | None = None  # return_routed_experts: routed_experts_start_len; None: not asked
     indexer: bool = False  # return_indexer_topk (DSA, server --enable-return-indexer-topk): asked
+    logprob: LogprobAsk | None = None  # return_logprob: its start / top-k (prompt_logprobs.resolve)
 
 
 def normalize(input_ids: Sequence[int], sp: dict[str, Any], eos_ids: Sequence[int], deterministic: bool) -> Request:

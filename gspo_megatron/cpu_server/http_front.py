@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from gspo_megatron.cpu_server import prompt_logprobs
 from gspo_megatron.cpu_server.args import ServerArgs
 from gspo_megatron.cpu_server.pause import PausingFront, WorkerDied
 from gspo_megatron.cpu_server.speculative import selector_refusal, spec_meta_info
@@ -128,6 +129,9 @@ class Front(PausingFront):
             return self.pause_cond.wait_for(lambda: not self.paused, timeout=timeout)
 
     def generate(self, body: dict) -> tuple[int, Any]:
+        typed = prompt_logprobs.field_refusal(body)  # FastAPI's 422, then the JSON contract's 400
+        if typed is not None:
+            return typed
         if body.get("text") is not None or body.get("input_ids") is None:
             return 400, {"error": {"message": "the CPU server takes input_ids only (text needs a tokenizer)"}}
         ids = body["input_ids"]
@@ -139,8 +143,11 @@ class Front(PausingFront):
         sps = list(sps) if isinstance(sps, list) else [sps] * len(batch)
         if len(sps) != len(batch):
             return 400, {"error": {"message": f"{len(sps)} sampling_params for {len(batch)} inputs"}}
-        lp = body.get("return_logprob", False)
-        lps = list(lp) if isinstance(lp, list) else [lp] * len(batch)
+        try:  # return_logprob / logprob_start_len / top_logprobs_num per input
+            asks = prompt_logprobs.per_request(body, len(batch))
+        except IndexError:  # sglang's GenerateReqInput.__getitem__ on a short list: FastAPI's 500
+            return 500, "Internal Server Error"
+        decode = prompt_logprobs.text_decoder(self.args.model_path, bool(body.get("return_text_in_logprobs")))
         from gspo_megatron.cpu_server.lora import lora_paths_of
 
         try:
@@ -167,8 +174,9 @@ class Front(PausingFront):
                     "routed_experts_start_len": int(rs or 0),
                     INDEXER_REQUEST_FLAG: bool(ri),
                     "lora_path": lp_,
+                    **ask,
                 }
-                for x, sp, re_, rs, ri, lp_ in zip(batch, sps, rres, rstarts, rits, lora_paths)
+                for x, sp, re_, rs, ri, lp_, ask in zip(batch, sps, rres, rstarts, rits, lora_paths, asks)
             ]
         )
         if status != 200:
@@ -177,7 +185,8 @@ class Front(PausingFront):
         outs = []
         for i, (x, r) in enumerate(zip(batch, results)):
             rid_i = rid if isinstance(rid, str) and single else uuid.uuid4().hex
-            meta = self.meta_info(r, len(x), bool(lps[i]), rid_i, t0)
+            ask = asks[i]
+            meta = self.meta_info(r, len(x), ask["return_logprob"], rid_i, t0, ask["top_logprobs_num"], decode)
             if r.get("routed_experts") is not None:  # sglang: base64 of the int32 bytes
                 meta["routed_experts"] = encode_routed_experts(r["routed_experts"])
             if r.get(INDEXER_META_KEY) is not None:  # the same encoding (sglang's detokenizer)

@@ -37,6 +37,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable
 
+from gspo_megatron.cpu_server.prompt_logprobs import add_logprob_meta
 from gspo_megatron.cpu_server.request_checks import literal_refusal
 from gspo_megatron.cpu_server.scheduler import PAUSE_MODES, add_weight_versions_to_meta_info
 
@@ -200,9 +201,19 @@ class PausingFront:
         finally:
             self.rw.release_read()
 
-    def meta_info(self, out: dict, prompt_len: int, logprob: bool, rid: str, t0: float) -> dict:
+    def meta_info(
+        self,
+        out: dict,
+        prompt_len: int,
+        logprob: bool,
+        rid: str,
+        t0: float,
+        top_logprobs_num: int = 0,
+        decode: Callable[[Any], list] | None = None,
+    ) -> dict:
         """sglang's meta_info of one answer: ``_handle_batch_output`` for a finished request (an aborted
-        running one included), ``_handle_abort_req`` for one aborted in the waiting queue."""
+        running one included), ``_handle_abort_req`` for one aborted in the waiting queue. The log-prob
+        fields: ``prompt_logprobs.add_logprob_meta`` (``decode``: the entries' texts, None each)."""
         n = len(out["output_ids"])
         if out.get("waiting_abort"):
             meta: dict = {"id": rid, "finish_reason": out["finish"], "weight_version": self.weight_version}
@@ -215,10 +226,7 @@ class PausingFront:
                 "num_retractions": out.get("retractions", 0),
             }
         if logprob:
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [
-                [float(v), int(t), None] for v, t in zip(out["logprobs"], out["output_ids"])
-            ]
+            add_logprob_meta(meta, out, top_logprobs_num, decode or (lambda ids: [None] * len(ids)))
         meta["completion_tokens"] = n
         if not out.get("waiting_abort"):
             meta["cached_tokens"] = 0

@@ -31,7 +31,9 @@ from typing import Any, Callable
 
 import torch
 
+from gspo_megatron.cpu_server import prompt_logprobs as plp
 from gspo_megatron.cpu_server.generation import TOP_K_ALL, Request
+from gspo_megatron.cpu_server.sglang_runtime import SchedulerDeath
 from gspo_megatron.engines.base import SamplingParams
 
 # sglang envs.SGLANG_FORCE_STREAM_INTERVAL (srt/environ.py): a non-streaming request's output reaches
@@ -74,6 +76,9 @@ class LiveReq:
     generator: torch.Generator
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[list, list]] = field(default_factory=list)  # top_logprobs_num rows, one per logprob
+    input_lp: dict | None = None  # prompt log-probs (prompt_logprobs.input_logprobs), once computed
+    hidden: int | None = None  # max_new_tokens 0, not prefill-only: the sampled token (logprob only)
     cache: Any = None  # transformers DynamicCache while running; None while waiting (no KV)
     routes: list[torch.Tensor] = field(default_factory=list)  # per forward [tokens, layers, topk]
     index: list[torch.Tensor] = field(default_factory=list)
@@ -85,8 +90,9 @@ class LiveReq:
 
 
 class StepScheduler:
-    """Rank 0's queues. ``forward(live, ids, start) -> logits [V]`` runs one forward of one request
-    on the current model (the worker binds the model, LoRA and recorders)."""
+    """Rank 0's queues. ``forward(live, ids, start, keep=1) -> logits [keep, V]`` runs one forward of
+    one request on the current model (the worker binds the model, LoRA and recorders): the logits of
+    its last ``keep`` positions."""
 
     def __init__(self, version: str = "default"):
         self.waiting: list[LiveReq] = []
@@ -134,6 +140,9 @@ class StepScheduler:
             "waiting_abort": True,
             "output_ids": r.output_ids[:sent],
             "logprobs": r.logprobs[:sent],
+            "top": r.top[:sent],
+            # the prompt's log-probs go to the tokenizer with the request's first output (output_streamer.py)
+            "input_logprobs": r.input_lp if sent else None,
             "finish": dict(ABORT_IN_WAITING_QUEUE),
             "spans": version_spans(r.events, self.version, len(r.output_ids)),
             "retractions": r.retractions,
@@ -175,25 +184,63 @@ class StepScheduler:
         if self.waiting:
             batch, self.waiting = self.waiting, []
             greedy = all(r.req.top_k <= 1 for r in batch)
+            # sglang's ScheduleBatch.is_prefill_only: every request max_new_tokens 0, no speculation
+            prefill_only = speculative is None and all(r.req.max_new_tokens == 0 for r in batch)
             for r in batch:
+                if r.req.logprob is not None and r.req.logprob.death is not None:
+                    raise SchedulerDeath(r.req.logprob.death)  # prompt_logprobs.resolve
                 if r.req.max_new_tokens == 0:
-                    r.finish = {"type": "length", "length": 0}
+                    self._prefill_zero(r, forward, greedy, prefill_only)
                 elif speculative is not None:
+                    if self._wants_input(r):  # the prompt's log-probs by the target, then the decoder
+                        self._prefill(r, forward)
+                        r.cache, r.routes, r.index = None, [], []
                     speculative(r, greedy)
                 else:
-                    ids = list(r.req.input_ids) + r.output_ids
-                    r.cache = None
-                    self._append(r, forward(r, ids, 0), greedy)
+                    self._append(r, self._prefill(r, forward), greedy)
                 (done if r.finish is not None else self.running).append(r)
             return [self._result(r) for r in done]
         greedy = all(r.req.top_k <= 1 for r in self.running)
         still: list[LiveReq] = []
         for r in self.running:
             n = len(r.req.input_ids) + len(r.output_ids)
-            self._append(r, forward(r, [r.output_ids[-1]], n - 1), greedy)
+            self._append(r, forward(r, [r.output_ids[-1]], n - 1)[-1], greedy)
             (done if r.finish is not None else still).append(r)
         self.running = still
         return [self._result(r) for r in done]
+
+    @staticmethod
+    def _wants_input(r: LiveReq) -> bool:
+        ask = r.req.logprob
+        return ask is not None and r.input_lp is None and ask.start < len(r.req.input_ids)
+
+    def _prefill(self, r: LiveReq, forward: Callable) -> torch.Tensor:
+        """One prefill ("extend") over ``prompt + output_ids`` (a retracted request's prefix again, under
+        the weights loaded now), with the prompt's log-probs the first time (sglang computes them once:
+        ``add_input_logprob_return_values`` returns when they exist). Returns the last position's logits."""
+        ids = list(r.req.input_ids) + r.output_ids
+        r.cache = None
+        want = self._wants_input(r)
+        keep = len(ids) - r.req.logprob.start if want and r.req.logprob is not None else 1
+        logits = forward(r, ids, 0, keep)
+        if r.req.logprob is not None and r.input_lp is None:
+            r.input_lp = plp.input_logprobs(logits, r.req.input_ids, r.req.logprob)
+        return logits[-1]
+
+    def _prefill_zero(self, r: LiveReq, forward: Callable, greedy: bool, prefill_only: bool) -> None:
+        """A ``max_new_tokens`` 0 request: finished by its prefill, no output token (``finished_len`` 0).
+        Without ``return_logprob`` nothing of its forward is answered: none is run. Prefill-only: no
+        sampling; ``top_logprobs_num`` gives one output top row (``compute_logprobs_only``). Otherwise
+        its token is sampled and only its log-prob answered (prompt_logprobs module docstring)."""
+        ask = r.req.logprob
+        if ask is not None:
+            logits = self._prefill(r, forward)
+            if not prefill_only:
+                self._append(r, logits, greedy)
+                r.hidden = r.output_ids.pop()
+            elif ask.top > 0:
+                r.top = [plp.last_position_top(logits, ask.top, 0.0, clamp=False)]
+        r.finish = {"type": "length", "length": 0}
 
     def _append(self, r: LiveReq, logits: torch.Tensor, greedy: bool) -> None:
         from gspo_megatron.engines.hf_engine import HFRolloutEngine
@@ -209,6 +256,8 @@ class StepScheduler:
         tok = int(token[0])
         r.output_ids.append(tok)
         r.logprobs.append(float(logprob[0]))
+        if q.logprob is not None and q.logprob.top > 0:  # the same distribution as the log-prob
+            r.top.append(plp.last_position_top(logits, q.logprob.top, params.temperature))
         if r.to_finish is not None:  # Req.update_finish_state: to_finish first
             r.finish, r.to_finish = r.to_finish, None
         elif tok in q.stop_ids:
@@ -222,12 +271,16 @@ class StepScheduler:
             "rid": r.rid,
             "output_ids": list(r.output_ids),
             "logprobs": list(r.logprobs),
+            "top": list(r.top),
+            "input_logprobs": r.input_lp,
             "finish": r.finish,
             "spans": version_spans(r.events, self.version, len(r.output_ids)),
             "retractions": r.retractions,
         }
         if r.spec is not None:
             out["spec"] = r.spec
+        if r.hidden is not None:
+            out["logprob_ids"] = [r.hidden]
         n = len(r.req.input_ids) + len(r.output_ids) - 1  # sglang's [0, seqlen - 1)
         if r.req.routed_start is not None and r.routes:
             routes = torch.cat(r.routes)[:n].to(torch.int32).numpy()

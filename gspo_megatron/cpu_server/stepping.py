@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from gspo_megatron.cpu_server.generation import normalize, released_refusal, routed_start
+from gspo_megatron.cpu_server.prompt_logprobs import resolve
 from gspo_megatron.cpu_server.scheduler import LiveReq, StepScheduler, new_live
 from gspo_megatron.cpu_server.sglang_runtime import SchedulerDeath
 from gspo_megatron.engines.base import SamplingParams
@@ -73,6 +74,21 @@ class SchedulingOps:
                 normalize(r["input_ids"], r["sampling_params"], self.eos_ids, self.args.enable_deterministic_inference)
                 for r in requests
             ]
+            # the scheduler's logprob_start_len rules before its routed_experts_start_len check (scheduler.py)
+            spec = bool(self.args.speculative_algorithm)
+            reqs = [
+                dataclasses.replace(
+                    q,
+                    logprob=resolve(
+                        bool(r.get("return_logprob")),
+                        int(r.get("logprob_start_len", -1)),
+                        int(r.get("top_logprobs_num", 0)),
+                        len(q.input_ids),
+                        spec,
+                    ),
+                )
+                for q, r in zip(reqs, requests)
+            ]
             if self.args.enable_return_routed_experts:
                 reqs = [dataclasses.replace(q, routed_start=routed_start(r)) for q, r in zip(reqs, requests)]
             if self.args.enable_return_indexer_topk:
@@ -104,6 +120,8 @@ class SchedulingOps:
         try:
             with torch.no_grad():
                 finished = self.sched.step(self._forward_one, spec)
+        except SchedulerDeath:  # sglang's scheduler dies of it: so does this rank (rank_loop.py)
+            raise
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the server stays up
             traceback.print_exc()
             msg = f"{type(e).__name__}: {e}"
@@ -170,7 +188,8 @@ class SchedulingOps:
             raise SchedulerDeath("AssertionError: release_memory_occupation should be called only when server is idle.")
 
     # -- rank 0: one forward of one request ------------------------------------------------------
-    def _forward_one(self, r: LiveReq, ids: list[int], start: int) -> torch.Tensor:
+    def _forward_one(self, r: LiveReq, ids: list[int], start: int, keep: int = 1) -> torch.Tensor:
+        """The logits [keep, V] of the last ``keep`` of ``ids`` (at positions ``start ...``)."""
         from transformers import DynamicCache
 
         sampler = self.sampler
@@ -182,14 +201,14 @@ class SchedulingOps:
         pos = torch.arange(start, start + len(ids), dtype=torch.long, device=dev)[None]
         with self.loras.applied(r.lora, model):
             out = model(
-                input_ids=input_ids, position_ids=pos, past_key_values=r.cache, use_cache=True, logits_to_keep=1
+                input_ids=input_ids, position_ids=pos, past_key_values=r.cache, use_cache=True, logits_to_keep=keep
             )
         r.cache = out.past_key_values
         if sampler.recorder is not None:
             r.routes.append(sampler.recorder.take(1, len(ids))[0])
         if sampler.indexer_recorder is not None:
             r.index.append(sampler.indexer_recorder.take(torch.zeros(1, dtype=torch.long), pos)[0])
-        return out.logits[0, -1]
+        return out.logits[0, -keep:]
 
     def _speculative_one(self, r: LiveReq, greedy: bool) -> None:
         """A whole request through the speculative decoder (``speculative.py``), inside one step."""

@@ -27,13 +27,15 @@ class DatasetError(UserInputError):
 @dataclass
 class PromptRow:
     """One prompt: the raw text, the formatted text fed to the model, its token ids and its label.
-    ``source`` says where it came from (``file:line`` or a task name and row)."""
+    ``source`` says where it came from (``file:line`` or a task name and row). ``teacher``: the
+    distillation teacher the row is routed to (the ``distill.teacher_key`` column), None without one."""
 
     prompt: str
     text: str
     prompt_ids: list[int]
     label: Any
     source: str
+    teacher: str | None = None
 
 
 def format_prompt(tokenizer, prompt: str, use_chat_template: bool = True) -> str:
@@ -117,10 +119,12 @@ class PromptDataset(Sequence[PromptRow]):
         max_prompt_tokens: int | None = None,
         use_chat_template: bool = True,
         skip_bad_rows: bool = False,
+        teacher_route: tuple[str, tuple[str, ...]] | None = None,
     ) -> "PromptDataset":
         """Load ``path`` (.jsonl / .json lines, or .parquet). A malformed row raises
         :class:`DatasetError` naming file and line, or is skipped and counted when ``skip_bad_rows``.
-        ``label_key=None``: rows carry no label."""
+        ``label_key=None``: rows carry no label. ``teacher_route``: (column, teacher names): each row's
+        ``teacher`` is its value of the column (``distill.teacher_key``), one of the names."""
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"dataset file not found: {path}")
@@ -139,6 +143,7 @@ class PromptDataset(Sequence[PromptRow]):
             use_chat_template,
             skip_bad_rows,
             path,
+            teacher_route,
         )
 
     @classmethod
@@ -153,6 +158,7 @@ class PromptDataset(Sequence[PromptRow]):
         max_prompt_tokens: int | None = None,
         use_chat_template: bool = True,
         skip_bad_rows: bool = False,
+        teacher_route: tuple[str, tuple[str, ...]] | None = None,
     ) -> "PromptDataset":
         """Build from in-memory rows (e.g. ``get_task(name).rows(n, seed)``)."""
         return cls._build(
@@ -164,11 +170,21 @@ class PromptDataset(Sequence[PromptRow]):
             use_chat_template,
             skip_bad_rows,
             source,
+            teacher_route,
         )
 
     @classmethod
     def _build(
-        cls, located, tokenizer, prompt_key, label_key, max_prompt_tokens, use_chat_template, skip_bad_rows, name
+        cls,
+        located,
+        tokenizer,
+        prompt_key,
+        label_key,
+        max_prompt_tokens,
+        use_chat_template,
+        skip_bad_rows,
+        name,
+        teacher_route=None,
     ) -> "PromptDataset":
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
@@ -177,9 +193,10 @@ class PromptDataset(Sequence[PromptRow]):
         skipped: list[str] = []
         for where, record in located:
             try:
-                rows.append(
-                    _validate_row(where, record, tokenizer, prompt_key, label_key, max_prompt_tokens, templated)
-                )
+                row = _validate_row(where, record, tokenizer, prompt_key, label_key, max_prompt_tokens, templated)
+                if teacher_route is not None:
+                    row.teacher = _teacher_of(where, record, *teacher_route)
+                rows.append(row)
             except DatasetError as e:
                 if not skip_bad_rows:
                     raise
@@ -216,6 +233,19 @@ def _validate_row(where, record, tokenizer, prompt_key, label_key, max_prompt_to
         )
     label = record[label_key] if label_key is not None else None
     return PromptRow(prompt=prompt, text=text, prompt_ids=ids, label=label, source=where)
+
+
+def _teacher_of(where: str, record: dict, column: str, names: tuple[str, ...]) -> str:
+    """The row's teacher: its ``column`` value (``distill.teacher_key``), one of ``names``."""
+    if column not in record:
+        raise DatasetError(f"{where}: missing key {column!r} (distill.teacher_key); the row has {_keys(record)}")
+    value = record[column]
+    if not isinstance(value, str) or value not in names:
+        raise DatasetError(
+            f"{where}: {column!r} (distill.teacher_key) is {value!r}, which names no teacher; "
+            f"distill.teachers has {', '.join(map(repr, names))}"
+        )
+    return value
 
 
 def _keys(record: dict) -> str:

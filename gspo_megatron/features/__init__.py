@@ -6,7 +6,8 @@ in the one order every caller sees them (the planner's rows and the engine flags
 - ``delta_sync``, ``fp8_sync``, ``owner_direct``, ``adapter_sync``: how a sync sends the weights;
 - ``routing_replay``, ``offload``, ``staleness``, ``inflight``: how a step rolls out and trains;
 - ``speculative``: the engines decode speculatively with the checkpoint's MTP layer as the draft, and
-  ``model.mtp`` (the MTP layer trained and synced).
+  ``model.mtp`` (the MTP layer trained and synced);
+- ``distill``: teachers score the student's rollouts (on-policy distillation).
 
 ``config/validation.py``, ``planner.py``, ``plan_report.py`` and ``fleet/engine_args.py`` ask
 :data:`FEATURES` (or :func:`enabled_features`) instead of naming a feature.
@@ -17,6 +18,7 @@ from __future__ import annotations
 from gspo_megatron.features.adapter_sync import ADAPTER_SYNC
 from gspo_megatron.features.base import EngineFlag, Feature, PlanContext
 from gspo_megatron.features.delta_sync import DELTA_SYNC
+from gspo_megatron.features.distill import DISTILL
 from gspo_megatron.features.fp8_sync import FP8_SYNC
 from gspo_megatron.features.inflight import INFLIGHT
 from gspo_megatron.features.offload import OFFLOAD
@@ -36,6 +38,7 @@ FEATURES: tuple[Feature, ...] = (
     STALENESS,
     INFLIGHT,
     SPECULATIVE,
+    DISTILL,
 )
 
 

@@ -24,6 +24,8 @@ CP rank's slice of the tokens, cut exactly like the model's input):
     num_seqs        int, S; needed only with per-token advantages (else advantages.numel())
     ref_logprobs    [b, s] float, optional (KL to the reference policy)
     engine_logprobs [b, s] float, optional (engine/trainer gap metric; TIS when cfg.tis_cap is set)
+    teacher_logprobs [b, s] float, with cfg.distill_coef != 0: a distillation teacher's log-probs of
+                    the sampled tokens (``losses/distill_loss.py``)
     draft_normalizer float, with ``mtp_coef`` > 0: the response tokens of the whole mini-batch
 
 MTP draft (``gspo.mtp_loss_coef``, ``losses/mtp_loss.py``): when the forward step asked the model for
@@ -59,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gspo_megatron.losses.distill_loss import distill_loss
 from gspo_megatron.losses.fused_logprobs import fused_vocab_parallel_logprobs
 from gspo_megatron.losses.mtp_loss import DraftStates, draft_acceptance, mtp_loss_sum
 from gspo_megatron.losses.policy_loss import PolicyLossConfig, policy_loss_flat
@@ -66,7 +69,15 @@ from gspo_megatron.losses.vocab_parallel import vocab_parallel_logprobs
 
 REQUIRED_KEYS = ("labels", "loss_mask", "old_logprobs", "seq_index", "advantages", "normalizer")
 # the [b, s] tensors of a micro-batch that the loss shape-checks against the model output
-SHAPE_CHECKED_KEYS = ("labels", "loss_mask", "old_logprobs", "seq_index", "ref_logprobs", "engine_logprobs")
+SHAPE_CHECKED_KEYS = (
+    "labels",
+    "loss_mask",
+    "old_logprobs",
+    "seq_index",
+    "ref_logprobs",
+    "engine_logprobs",
+    "teacher_logprobs",
+)
 
 
 def check_megatron_config(config: Any) -> None:
@@ -141,6 +152,11 @@ def make_megatron_loss_func(
             f"num_microbatches and data_parallel_size must be >= 1, got {num_microbatches}, {data_parallel_size}"
         )
     with_entropy = compute_entropy or cfg.entropy_coef != 0
+    use_topk = cfg.distill_coef != 0 and distill_loss(cfg.distill_loss).topk
+    if use_topk and "teacher_topk_ids" not in batch:
+        raise KeyError(
+            f"distill.loss={cfg.distill_loss!r} needs the teacher's top-k in the micro-batch (distill.topk > 0)"
+        )
     scale = float(num_microbatches * data_parallel_size)
 
     def loss_func(
@@ -167,6 +183,25 @@ def make_megatron_loss_func(
             raise KeyError("micro-batch needs 'num_seqs' when 'advantages' is per token [b, s]")
         num_seqs = int(batch["num_seqs"]) if "num_seqs" in batch else adv.numel()
 
+        def student_topk(out: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
+            """(student, teacher) log-probs [N, K] of the teacher's top-k tokens: one vocab-parallel
+            log-prob pass per k over the same logits (or fused head), exact across TP ranks."""
+            ids, teacher = batch["teacher_topk_ids"], batch["teacher_topk_logprobs"]
+            cols = [
+                token_logprobs(
+                    out,
+                    ids[..., k],
+                    weight,
+                    tp_group=tp_group,
+                    temperature=temperature,
+                    chunk_size=chunk_size,
+                    with_entropy=False,
+                    vocab_size=vocab_size,
+                )[0]
+                for k in range(ids.shape[-1])
+            ]
+            return torch.stack(cols, dim=-1).reshape(-1, ids.shape[-1]), teacher.reshape(-1, ids.shape[-1])
+
         def flat(key: str) -> Tensor:  # one of REQUIRED_KEYS (_check_batch)
             return batch[key].reshape(-1)
 
@@ -185,6 +220,8 @@ def make_megatron_loss_func(
             ref_logprobs=flat_optional("ref_logprobs"),
             entropy=None if entropy is None else entropy.reshape(-1),
             engine_logprobs=flat_optional("engine_logprobs"),
+            teacher_logprobs=flat_optional("teacher_logprobs") if cfg.distill_coef != 0 else None,
+            topk_logprobs=student_topk(output_tensor, output_weight) if use_topk else None,
             normalizer=batch["normalizer"],
             cp_group=cp_group,
             token_advantages=token_adv,

@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gspo_megatron.losses.distill_loss import DistillTerm, distill_loss, distill_objective
 from gspo_megatron.losses.loss_terms import (
     KL_ESTIMATORS,
     Tokens,
@@ -99,6 +100,9 @@ class PolicyLossConfig:
     tis_cap: float | None = None
     tis_level: str | None = None
     tis_mode: str = "truncate"
+    distill_coef: float = 0.0
+    distill_loss: str = "reverse_kl"
+    reward_coef: float = 1.0
 
     def __post_init__(self) -> None:
         objective = policy_objective(self.mode, "mode")
@@ -142,6 +146,11 @@ class PolicyLossConfig:
         object.__setattr__(self, "tis_level", level)
         if self.tis_mode not in TIS_MODES:
             raise ValueError(f"tis_mode must be one of {TIS_MODES}, got {self.tis_mode!r}")
+        for name in ("distill_coef", "reward_coef"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite value >= 0, got {v}")
+        distill_loss(self.distill_loss)  # a registered distillation objective (ValueError naming it)
 
 
 class PolicyLossOutput(NamedTuple):
@@ -170,6 +179,7 @@ def _check_inputs(
     entropy: Tensor | None,
     engine_logprobs: Tensor | None,
     token_advantages: bool | None,
+    teacher_logprobs: Tensor | None = None,
 ) -> bool:
     """Refuse inputs :func:`policy_loss_flat` cannot use (ValueError / TypeError naming the argument):
     every per-token tensor [N], ``advantages`` [S] or [N] (not [N] for a ``sequence_ratio`` mode), the
@@ -187,6 +197,7 @@ def _check_inputs(
             "ref_logprobs": ref_logprobs,
             "entropy": entropy,
             "engine_logprobs": engine_logprobs,
+            "teacher_logprobs": teacher_logprobs,
         },
     )
     if not isinstance(num_seqs, int) or num_seqs < 1:
@@ -209,6 +220,8 @@ def _check_inputs(
         raise ValueError("entropy_coef != 0 needs entropy")
     if cfg.tis_cap is not None and engine_logprobs is None:
         raise ValueError("tis_cap is set but engine_logprobs is None")
+    if cfg.distill_coef != 0 and teacher_logprobs is None:
+        raise ValueError("distill_coef != 0 needs teacher_logprobs")
     if seq_index.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"seq_index must be an integer tensor, got {seq_index.dtype}")
     return bool(token_advantages)
@@ -261,6 +274,8 @@ def policy_loss_flat(
     cp_group: dist.ProcessGroup | None = None,
     check_finite: bool = True,
     token_advantages: bool | None = None,
+    teacher_logprobs: Tensor | None = None,
+    topk_logprobs: tuple[Tensor, Tensor] | None = None,
 ) -> PolicyLossOutput:
     """The loss on flat tokens.
 
@@ -278,6 +293,10 @@ def policy_loss_flat(
             rides on the metrics' sync).
         token_advantages: whether ``advantages`` is per token; None infers it from the shape
             (per sequence when N == S).
+        teacher_logprobs: [N] a distillation teacher's log-probs of the sampled tokens, needed when
+            ``distill_coef`` != 0 (``losses.distill_loss``: + distill_coef * J_token(A^d)).
+        topk_logprobs: (student [N, K] differentiable, teacher [N, K]) log-probs of the teacher's
+            top-k tokens, for a top-k ``distill_loss``.
     Returns (loss, metrics): see the module docstring.
     """
     cfg = config
@@ -295,7 +314,10 @@ def policy_loss_flat(
         entropy,
         engine_logprobs,
         token_advantages,
+        teacher_logprobs,
     )
+    if cfg.reward_coef != 1.0:  # distill.reward_coef: the task reward's weight (0: distillation alone)
+        advantages = advantages * cfg.reward_coef
     tok = Tokens.prepare(logprobs, old_logprobs, ref_logprobs, response_mask, seq_index)
     s = sequence_sums(
         tok,
@@ -329,7 +351,22 @@ def policy_loss_flat(
         tis_tok=tis_tok,
     )
     terms = spec.fn(inputs, cfg.clip_low, cfg.clip_high)
-    loss = _total_loss(terms.objective, cfg, tok_w, tok, entropy, denom)
+    objective, distill = terms.objective, None
+    if cfg.distill_coef != 0:  # coef 0: not computed, the loss is the policy loss bitwise
+        assert teacher_logprobs is not None  # checked: distill_coef != 0 needs teacher_logprobs
+        distill = distill_objective(
+            spec,
+            inputs,
+            tok.old,
+            teacher_logprobs,
+            tok.mask,
+            cfg.distill_loss,
+            cfg.clip_low,
+            cfg.clip_high,
+            topk_logprobs,
+        )
+        objective = objective + cfg.distill_coef * distill.objective
+    loss = _total_loss(objective, cfg, tok_w, tok, entropy, denom)
     if check_finite:
         named = {
             "logprobs": logprobs,
@@ -337,10 +374,11 @@ def policy_loss_flat(
             "ref_logprobs": ref_logprobs,
             "entropy": entropy,
             "engine_logprobs": engine_logprobs,
+            "teacher_logprobs": teacher_logprobs,
         }
         _finite_checks(checks, named, advantages, token_advantages, tok, s.valid)
     metrics = _metrics(
-        cfg, loss, terms.objective / denom, s.sums, s.valid, s.num_valid, seq_ratio, terms, tok.mask, tis, checks
+        cfg, loss, objective / denom, s.sums, s.valid, s.num_valid, seq_ratio, terms, tok.mask, tis, checks, distill
     )
     return PolicyLossOutput(loss=loss, metrics=metrics)
 
@@ -357,6 +395,7 @@ def _metrics(
     mask: Tensor,
     tis: tuple[Tensor, Tensor] | None,
     checks: dict[str, Tensor],
+    distill: DistillTerm | None = None,
 ) -> dict[str, float]:
     """All metrics in one tensor and one device sync; raises for failed ``checks`` (naming the argument).
     tis: (weights, capped) of :func:`tis_weights` at ``cfg.tis_level`` ([S] or [N]), or None."""
@@ -401,6 +440,8 @@ def _metrics(
             else:
                 vals["tis_weight_mean"] = seq_mean(tis[0])
                 vals["tis_capped_fraction"] = seq_mean(tis[1])
+        if distill is not None:  # token means over this (CP) rank's response tokens
+            vals["distill_reverse_kl"] = distill.reverse_kl_sum / ntok
         for name, flag in checks.items():
             vals["_bad_" + name] = flag
         floats = torch.stack([v.to(f32).reshape(()) for v in vals.values()]).tolist()
@@ -435,11 +476,16 @@ def policy_loss(
     normalizer: float | Tensor | None = None,
     cp_group: dist.ProcessGroup | None = None,
     check_finite: bool = True,
+    teacher_logprobs: Tensor | None = None,
+    distill_coef: float = 0.0,
+    distill_loss: str = "reverse_kl",
+    reward_coef: float = 1.0,
 ) -> PolicyLossOutput:
     """Policy loss on a padded batch: one sequence per row.
 
     Args:
-        logprobs, old_logprobs, response_mask: [B, T]; ref_logprobs, entropy, engine_logprobs: [B, T].
+        logprobs, old_logprobs, response_mask: [B, T]; ref_logprobs, entropy, engine_logprobs,
+            teacher_logprobs: [B, T].
         advantages: [B] (per sequence) or [B, T] (per token; not for a ``sequence_ratio`` mode: "gspo").
         Other options: see :class:`PolicyLossConfig` and :func:`policy_loss_flat`.
     Returns ``(loss, metrics)``: loss = -J (scalar tensor), metrics: dict of floats.
@@ -455,6 +501,9 @@ def policy_loss(
         tis_cap=tis_cap,
         tis_level=tis_level,
         tis_mode=tis_mode,
+        distill_coef=distill_coef,
+        distill_loss=distill_loss,
+        reward_coef=reward_coef,
     )
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
@@ -465,6 +514,7 @@ def policy_loss(
         "ref_logprobs": ref_logprobs,
         "entropy": entropy,
         "engine_logprobs": engine_logprobs,
+        "teacher_logprobs": teacher_logprobs,
     }.items():
         if x is not None and x.shape != (b, t):
             raise ValueError(f"{name} must have the shape of logprobs [B, T] = [{b}, {t}], got {tuple(x.shape)}")
@@ -498,4 +548,5 @@ def policy_loss(
         cp_group=cp_group,
         check_finite=check_finite,
         token_advantages=advantages.dim() == 2,
+        teacher_logprobs=flat(teacher_logprobs),
     )

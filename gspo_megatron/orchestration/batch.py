@@ -22,11 +22,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from gspo_megatron.config import Config
 from gspo_megatron.data.dataset import decode_response
+from gspo_megatron.distill.teachers import distill_metrics
 from gspo_megatron.engines.base import SamplingParams
 from gspo_megatron.engines.sglang_engine import engine_spec_metrics
 from gspo_megatron.errors import UserInputError
@@ -175,10 +177,16 @@ def _custom_groups(cfg, engine, rows, tokenizer, rewards, params) -> tuple[list[
     return [checked[gi * G : (gi + 1) * G] for gi in range(len(rows))], stats
 
 
-def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer, rewards) -> RolloutBatch:
+def collect_rollouts(
+    cfg: Config, step: int, engine, dataset, sampler, tokenizer, rewards, teachers=None
+) -> RolloutBatch:
     """Rank 0: a full rollout batch for ``step`` (deterministic given the seed, step and weights,
-    for engines that deliver in order)."""
+    for engines that deliver in order). ``teachers`` (``distill.teachers.TeacherPool``, or None):
+    each group the batch keeps is scored by its teacher in the background as soon as it is
+    generated; the batch waits for the last of them (``perf/teacher_wait_s``)."""
     t0 = time.perf_counter()
+    scoring: dict[int, Any] = {}  # id(group) -> the teacher's Future
+    row_of: dict[int, Any] = {}  # id(group) -> its prompt row
     r = cfg.rollout
     G, want = r.group_size, r.prompts_per_step
     # (round, row index in the round) -> group: the batch takes them in that order (module docstring)
@@ -208,6 +216,9 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
                         rec.advantage = float(adv.advantages[gi * G + j])
                     zero = bool(adv.zero_variance[gi])
                     (spare if zero and r.dynamic_sampling else kept).append(((rounds, indices[gi]), g))
+                    row_of[id(g)] = rows[indices[gi]]
+                    if teachers is not None and not (zero and r.dynamic_sampling):
+                        scoring[id(g)] = teachers.submit(row_of[id(g)], g)
                 if r.dynamic_sampling and len(kept) >= want:
                     break  # enough informative groups: the rest is not generated
         finally:
@@ -219,6 +230,7 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
             break
     chosen = [g for _, g in (sorted(kept, key=lambda kg: kg[0]) + sorted(spare, key=lambda kg: kg[0]))[:want]]
     records = [rec for g in chosen for rec in g]
+    wait_s = _await_teachers(teachers, chosen, scoring, row_of)
     if first_round is None:  # the loop runs at least once (prompts_per_step >= 1)
         raise ValueError(f"rollout.prompts_per_step must be >= 1, got {want}")
     all_rewards, first_zero_frac = first_round
@@ -243,7 +255,23 @@ def collect_rollouts(cfg: Config, step: int, engine, dataset, sampler, tokenizer
     }
     metrics.update(_custom_metrics(records))
     metrics.update(engine_spec_metrics(records))  # rollout.speculative: the engines' acceptance
+    if teachers is not None:
+        metrics.update(distill_metrics(records, teachers.take_busy_s()))
+        metrics["perf/teacher_wait_s"] = wait_s
     return RolloutBatch(records=records, metrics=metrics)
+
+
+def _await_teachers(teachers, chosen: list[list[Sample]], scoring: dict[int, Any], row_of: dict[int, Any]) -> float:
+    """Wait for the teachers' scores of the ``chosen`` groups (the zero-variance groups that fill a
+    dynamic-sampling batch are scored now); returns the seconds waited. A teacher's failure
+    (``UserInputError`` naming it) is raised here, on rank 0, before the batch is broadcast."""
+    if teachers is None:
+        return 0.0
+    t0 = time.perf_counter()
+    pending = [scoring.get(id(g)) or teachers.submit(row_of[id(g)], g) for g in chosen]
+    for f in pending:
+        f.result()
+    return time.perf_counter() - t0
 
 
 def _custom_metrics(records: list[Sample]) -> dict:

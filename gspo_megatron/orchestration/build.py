@@ -43,6 +43,7 @@ class SessionParts(Protocol):
     pad_id: int
     overlap: Any
     offloader: Any
+    teachers: Any  # rank 0's distill.teachers.TeacherPool, or None
 
 
 def build_session(cfg: Config, run: SessionParts, after_sync: Callable[[Any], None] | None = None) -> RolloutSession:
@@ -75,20 +76,28 @@ def build_session(cfg: Config, run: SessionParts, after_sync: Callable[[Any], No
         syncer = WeightSyncer(run.model, rollout.topology, cfg.rollout.sync_bucket_mb)
     collector = None
     if run.rank == 0:
-        dataset, sampler, tokenizer, rewards = run.dataset, run.sampler, run.tokenizer, run.rewards
+        dataset, sampler, tokenizer, rewards, teachers = (
+            run.dataset,
+            run.sampler,
+            run.tokenizer,
+            run.rewards,
+            run.teachers,
+        )
         collector = SyncCollector(
-            lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards), sampler
+            lambda step: collect_rollouts(cfg, step, engine, dataset, sampler, tokenizer, rewards, teachers), sampler
         )
     inflight = None
     if run.rank == 0 and INFLIGHT.enabled(cfg):  # engines that never drain (orchestration/inflight.py)
         from gspo_megatron.orchestration.inflight import InflightProducer
 
         parts = (engine, run.dataset, run.sampler, run.tokenizer, run.rewards)
-        inflight = functools.partial(InflightProducer, cfg, *parts, start_step=run.start_step)
+        inflight = functools.partial(InflightProducer, cfg, *parts, start_step=run.start_step, teachers=run.teachers)
     run.overlap = build_overlap(cfg, run.model, syncer, collector, run.start_step, inflight=inflight)
     if OFFLOAD.enabled(cfg):
         run.offloader = TrainStateOffloader(run.ddp, run.optimizer)
-    colocation = Colocation(engine, colocated=sync_mode(cfg.rollout.sync_mode).colocated, offloader=run.offloader)
+    colocation = Colocation(
+        engine, colocated=sync_mode(cfg.rollout.sync_mode).colocated, offloader=run.offloader, teachers=run.teachers
+    )
     verifier = None
     if cfg.rollout.sync_verify:
         probe_prompts = None

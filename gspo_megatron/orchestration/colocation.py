@@ -24,7 +24,7 @@ the engines; every rank calls every method at the same point (the barriers are c
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from gspo_megatron.runtime import distributed as rdist
 
@@ -63,8 +63,9 @@ class Colocation:
     GPUs (their memory is released after each rollout); offloader: ``rollout.offload_train``'s
     ``TrainStateOffloader`` or None."""
 
-    def __init__(self, engine=None, colocated: bool = False, offloader: Offloader | None = None):
+    def __init__(self, engine=None, colocated: bool = False, offloader: Offloader | None = None, teachers: Any = None):
         self.engine, self.colocated, self.offloader = engine, colocated, offloader
+        self.teachers = teachers  # rank 0's distill.teachers.TeacherPool: started GPU teachers release too
         self.kv_cache_after_sync = offloader is None  # with offload_train: after the next offload
         self.rank = rdist.rank()
 
@@ -89,11 +90,16 @@ class Colocation:
             self.offloader.offload()
             rdist.barrier()
             self.resume(["kv_cache"])
+        if self.teachers is not None:
+            quietly(self.teachers.resume)
 
     def after_rollout(self) -> None:
         """Colocated: the engines' weights and KV cache leave the GPUs; with the offloader the state
-        comes back before training, once rank 0 has released the engines' memory."""
+        comes back before training, once rank 0 has released the engines' memory. Started GPU
+        teachers (``distill/teacher_servers.py``) release theirs too."""
         self.release_engines()
+        if self.teachers is not None:
+            quietly(self.teachers.release)
         if self.offloader is not None:
             rdist.barrier()
             self.offloader.reload()

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo_megatron.distill.teachers import distill_metrics
 from gspo_megatron.engines.partial import generate_group
 from gspo_megatron.orchestration.batch import RolloutBatch, sampling_params, score_group
 from gspo_megatron.sample import Sample
@@ -90,10 +91,23 @@ class InflightProducer:
     ``async_producer.Overlap`` drives: ``take``, ``hold_for_sync`` / ``release_after_sync``,
     ``state_dict`` / ``load_state_dict``, ``close``."""
 
-    def __init__(self, cfg, engine, dataset, sampler, tokenizer, rewards, history: WeightHistory, *, start_step: int):
+    def __init__(
+        self,
+        cfg,
+        engine,
+        dataset,
+        sampler,
+        tokenizer,
+        rewards,
+        history: WeightHistory,
+        *,
+        start_step: int,
+        teachers=None,
+    ):
         r = cfg.rollout
         self.cfg, self.engine, self.dataset, self.sampler = cfg, engine, dataset, sampler
         self.tokenizer, self.rewards, self.history = tokenizer, rewards, history
+        self.teachers = teachers  # distill.teachers: each finished group scored by its teacher
         self.mode, self.n, self.want, self.G = (
             r.inflight_updates,
             int(r.max_staleness),
@@ -138,6 +152,8 @@ class InflightProducer:
                 samples, resubmitted = generate_group(self.engine, row.prompt_ids, self.G, params, k)
                 with self.score_lock:
                     records, stats = score_group(self.cfg, row, samples, self.tokenizer, self.rewards)
+                if self.teachers is not None:
+                    self.teachers.score(row, records)
                 for rec in records:
                     if rec.token_versions is None:
                         raise RuntimeError(
@@ -258,6 +274,7 @@ class InflightProducer:
             "rollout/engine_behaviour_tokens": float(sum(sum(r.engine_behaviour or []) for r in records)),
             "rollout/resubmitted_samples": float(sum(f.resubmitted for f in taken)),
             **{k if k.startswith("reward/") else f"reward/{k}": v for k, v in stats.items()},
+            **(distill_metrics(records, self.teachers.take_busy_s()) if self.teachers is not None else {}),
         }
 
     def hold_for_sync(self, target: int) -> float:

@@ -31,6 +31,7 @@ from gspo_megatron.trainer.packing import (
     TOKEN_KEYS,
     advantages_of,
     lay_routes,
+    lay_teacher_topk,
     per_token_values,
     response_mask,
 )
@@ -84,6 +85,7 @@ def collate(seqs: Sequence[Sample], pad_id: int = 0, multiple: int = 1, seq_ids:
         routes = lay_routes(seqs, b, width, [(i, 0) for i in range(b)], key)
         if routes is not None:
             batch[key] = routes
+    batch.update(lay_teacher_topk(seqs, b, width, [(i, 0) for i in range(b)]))
     if seqs[0].advantage is not None:
         batch["advantages"] = advantages_of(seqs)
     return batch

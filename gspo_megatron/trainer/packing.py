@@ -48,7 +48,18 @@ ROUTES_KEY = "routed_experts"
 #: positions within each sequence (``lay_routes(..., attr="indexer_topk")``)
 INDEXER_KEY = "indexer_topk"
 # every [b, s(, ...)] tensor of a micro-batch (padded or packed): what a CP split or reorder must cut
-TOKEN_KEYS = ("tokens", "position_ids", "labels", "loss_mask", "seq_index", *PER_TOKEN_FIELDS, ROUTES_KEY, INDEXER_KEY)
+TOPK_KEYS = ("teacher_topk_ids", "teacher_topk_logprobs")  # distill.topk: [b, s, K] at the label positions
+TOKEN_KEYS = (
+    "tokens",
+    "position_ids",
+    "labels",
+    "loss_mask",
+    "seq_index",
+    *PER_TOKEN_FIELDS,
+    ROUTES_KEY,
+    INDEXER_KEY,
+    *TOPK_KEYS,
+)
 
 
 def response_mask(values, n: int, i: int) -> torch.Tensor:
@@ -114,6 +125,33 @@ def lay_routes(
             )
         out[row, a : a + s.length - 1] = torch.from_numpy(r)
     return out
+
+
+def lay_teacher_topk(
+    seqs: Sequence[Sample], rows: int, width: int, starts: Sequence[tuple[int, int]]
+) -> dict[str, torch.Tensor]:
+    """The Samples' teacher top-k (``teacher_topk_ids`` / ``_logprobs``, [R, K] each) on a micro-batch:
+    ids long [rows, width, K] and log-probs float [rows, width, K], response token j of sequence i at
+    row ``starts[i][0]``, position ``starts[i][1] + prompt_len - 1 + j`` (its label position); 0
+    elsewhere (the loss mask keeps them out). Empty when the first Sample has none; ValueError naming
+    the sequence when another has none or a shape that does not fit its response."""
+    if not seqs or seqs[0].teacher_topk_ids is None:
+        return {}
+    K = np.asarray(seqs[0].teacher_topk_ids).shape[-1]
+    ids = torch.zeros((rows, width, K), dtype=torch.long)
+    lps = torch.zeros((rows, width, K), dtype=torch.float32)
+    for i, (s, (row, a)) in enumerate(zip(seqs, starts)):
+        if s.teacher_topk_ids is None or s.teacher_topk_logprobs is None:
+            raise ValueError(f"sequence {i}: teacher_topk_ids is None while the micro-batch's first sequence has them")
+        si, sl = np.asarray(s.teacher_topk_ids), np.asarray(s.teacher_topk_logprobs)
+        if si.shape != (s.response_len, K) or sl.shape != si.shape:
+            raise ValueError(
+                f"sequence {i}: teacher top-k of shape {si.shape} / {sl.shape} for {s.response_len} response tokens"
+            )
+        lo = a + s.prompt_len - 1
+        ids[row, lo : lo + s.response_len] = torch.from_numpy(si.astype(np.int64))
+        lps[row, lo : lo + s.response_len] = torch.from_numpy(sl.astype(np.float32))
+    return {TOPK_KEYS[0]: ids, TOPK_KEYS[1]: lps}
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -230,6 +268,7 @@ def collate_packed(
         routes = lay_routes(seqs, 1, total, [(0, a) for a in bounds[: len(seqs)]], key)
         if routes is not None:
             batch[key] = routes
+    batch.update({k: t for k, t in lay_teacher_topk(seqs, 1, total, [(0, a) for a in bounds[: len(seqs)]]).items()})
     if seqs and seqs[0].advantage is not None:
         batch["advantages"] = advantages_of(seqs)
     elif not seqs:

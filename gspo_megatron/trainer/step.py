@@ -63,8 +63,10 @@ class StepResult:
 
 
 def loss_config(cfg: Config) -> PolicyLossConfig:
-    """The loss's options from ``gspo.*`` by name (``aggregation`` is ``gspo.loss_agg``)."""
-    return PolicyLossConfig(**values_for(PolicyLossConfig, cfg.gspo, renamed={"aggregation": "loss_agg"}))
+    """The loss's options from ``gspo.*`` and ``distill.*`` by name (``aggregation`` is
+    ``gspo.loss_agg``, ``distill_coef`` / ``distill_loss`` are ``distill.coef`` / ``distill.loss``)."""
+    loss_keys = {"aggregation": "loss_agg", "distill_coef": "coef", "distill_loss": "loss"}
+    return PolicyLossConfig(**values_for(PolicyLossConfig, cfg.gspo, cfg.distill, renamed=loss_keys))
 
 
 def row_multiple(cfg: Config, tp: int, cp: int) -> int:

@@ -102,6 +102,17 @@ READERS = {
     "gspo.tis_mode": "trainer/step.py",
     "gspo.mini_batches": "trainer/step.py",
     "gspo.loss_agg": "trainer/step.py",
+    "distill.coef": "trainer/step.py",  # PolicyLossConfig.distill_coef
+    "distill.reward_coef": "trainer/step.py",
+    "distill.loss": "trainer/step.py",
+    "distill.teachers": "distill/__init__.py",
+    "distill.teacher_key": "factory.py",  # each row's teacher (data.dataset)
+    "distill.engines_per_teacher": "distill/teacher_servers.py",
+    "distill.teacher_tp": "distill/teacher_servers.py",
+    "distill.teacher_mem_fraction": "distill/teacher_servers.py",
+    "distill.batch_size": "distill/teachers.py",
+    "distill.timeout_s": "distill/teachers.py",
+    "distill.topk": "distill/teachers.py",
     "optimizer.lr": "train.py",
     "optimizer.min_lr": "train.py",
     "optimizer.weight_decay": "train.py",
@@ -192,6 +203,10 @@ def read_by_name(source: str, sec: str, leaf: str, aliases: list[str]) -> bool:
             continue
         names = {f.name for f in dataclasses.fields(cls)}
         given = set(re.findall(r"(\w+)\s*=", args))
+        named = re.search(r"renamed=(\w+)", args)  # renamed=<a dict assigned in the module>
+        if named:
+            assigned = re.search(rf"^\s*{named.group(1)}\s*=\s*(\{{.*?\}})", source, re.M | re.S)
+            args += assigned.group(1) if assigned else ""
         renamed = dict(re.findall(r"[\"'](\w+)[\"']\s*:\s*[\"'](\w+)[\"']", args))
         if (leaf in names and leaf not in given and leaf not in renamed) or leaf in renamed.values():
             return True
