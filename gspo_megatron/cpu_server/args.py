@@ -32,6 +32,7 @@ class ServerArgs:
     node_rank: int
     dist_init_addr: str | None
     enable_memory_saver: bool
+    enable_weights_cpu_backup: bool
     skip_server_warmup: bool
     mem_fraction_static: float | None
     random_seed: int
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-memory-saver",
         action="store_true",
         help="release/resume_memory_occupation free and restore weights (without it they are no-ops)",
+    )
+    p.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="a weights release keeps a host copy and the resume restores it (sglang's "
+        "arg_groups/fields/exec_.py; without it a resumed engine holds zeros until the next sync)",
     )
     p.add_argument("--skip-server-warmup", action="store_true")
     p.add_argument("--disable-radix-cache", action="store_true", help="accepted and recorded (no radix cache here)")

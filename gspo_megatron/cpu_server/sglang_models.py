@@ -423,6 +423,7 @@ class SglangModel:
             self.model.shared_experts_config = shared
         self.model.eval()
         self.released = False
+        self.backup: dict | None = None  # --enable-weights-cpu-backup's host copy while released
         arch = (getattr(self.model_config.hf_config, "architectures", None) or [None])[0]
         self.kept = KEPT_FROM_START.get(arch, ())  # parameter prefixes the sync never writes
         self.shared: set[int] = set()  # ids of the target's tensors a draft holds (set_embed_and_head)
@@ -478,15 +479,20 @@ class SglangModel:
     def resident_bytes(self) -> int:
         return sum(p.untyped_storage().nbytes() for p in self.own_params().values())
 
-    def release(self) -> None:
-        """The memory saver's pause: the parameters' storage goes (contents lost)."""
-        for p in self.own_params().values():
+    def release(self, cpu_backup: bool = False) -> None:
+        """The memory saver's pause: the parameters' storage goes (contents lost unless
+        ``cpu_backup``, sglang's ``--enable-weights-cpu-backup``)."""
+        params = self.own_params()
+        self.backup = {n: p.data.clone() for n, p in params.items()} if cpu_backup else None
+        for p in params.values():
             p.data.untyped_storage().resize_(0)
         self.released = True
 
     def resume(self) -> None:
-        """Storage back, zero-filled (no CPU backup, as sglang's memory saver)."""
-        for p in self.own_params().values():
+        """Storage back: the host copy restored (CPU backup), else zero-filled (sglang's memory saver)."""
+        backup = self.backup
+        for n, p in self.own_params().items():
             p.data.untyped_storage().resize_(p.numel() * p.element_size())
-            p.data.zero_()
+            p.data.copy_(backup[n]) if backup is not None else p.data.zero_()
+        self.backup = None
         self.released = False

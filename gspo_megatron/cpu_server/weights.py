@@ -116,6 +116,7 @@ class ShardStore:
         self.prefix = language_model_of(config)[1]  # a vision-language checkpoint's language-model prefix
         self.shards: dict[str, torch.Tensor] = {}
         self.released = False
+        self.backup: dict | None = None  # --enable-weights-cpu-backup's host copy while released
         for name, shape in self.full_shapes.items():
             part = shard_for_rank(name, torch.empty(shape, device="meta"), tp_rank, layout)
             if part is not None:
@@ -161,18 +162,23 @@ class ShardStore:
         """Bytes of storage the shards hold now (0 after a weights release)."""
         return sum(t.untyped_storage().nbytes() for t in self.shards.values())
 
-    def release(self) -> None:
-        """Free the shards' storage (torch_memory_saver's pause on GPU; contents are lost)."""
+    def release(self, cpu_backup: bool = False) -> None:
+        """Free the shards' storage (torch_memory_saver's pause on GPU; contents are lost unless
+        ``cpu_backup``: sglang's ``--enable-weights-cpu-backup`` keeps a host copy)."""
+        self.backup = {n: t.clone() for n, t in self.shards.items()} if cpu_backup else None
         for t in self.shards.values():
             t.untyped_storage().resize_(0)
         self.released = True
 
     def resume(self) -> None:
-        """Give the storage back, zero-filled: as with sglang's memory saver without CPU backup, the
-        old values are gone and the trainer syncs the weights after resuming them."""
-        for t in self.shards.values():
+        """Give the storage back: the host copy restored (CPU backup), else zero-filled: as with
+        sglang's memory saver without CPU backup, the old values are gone and the trainer syncs the
+        weights after resuming them."""
+        backup = self.backup
+        for n, t in self.shards.items():
             t.untyped_storage().resize_(t.numel() * t.element_size())
-            t.zero_()
+            t.copy_(backup[n]) if backup is not None else t.zero_()
+        self.backup = None
         self.released = False
 
 

@@ -479,10 +479,11 @@ class TPWorker(SchedulingOps):
         tags = list(tags) if tags else list(ALL_TAGS)
         self.offload_tags.update(tags)
         if "weights" in tags and self.args.enable_memory_saver and not self.store.released:
+            backup = self.args.enable_weights_cpu_backup
             for store in self._stores({"target", "draft"}).values():
-                store.release()
+                store.release(cpu_backup=backup)
             for model in self._sglang_models({"target", "draft"}).values():
-                model.release()
+                model.release(cpu_backup=backup)
             if self.sampler is not None:  # rank 0's assembled copy goes too
                 self.sampler = None
             self.dirty = True

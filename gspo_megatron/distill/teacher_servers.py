@@ -6,7 +6,10 @@ Each gets ``distill.engines_per_teacher`` servers of ``distill.teacher_tp`` GPUs
 training GPUs of rank 0's node (GPUs 0.. in order, ``distill.teacher_mem_fraction`` of each, sglang's
 memory saver on): :meth:`StartedTeachers.release` frees their memory while the student trains and
 :meth:`StartedTeachers.resume` takes it back before the next rollout (``orchestration.colocation``
-calls both around the student's engines' own release and resume). Logs: ``<output_dir>/teachers/``.
+calls both around the student's engines' own release and resume; not with the overlap or in-flight
+updates, whose producer scores while the student trains). The CPU stand-in starts with the memory
+saver too and keeps sglang's state rules, so a CPU run goes through the same release / resume. Logs:
+``<output_dir>/teachers/``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class StartedTeachers:
         self.procs: list[Any] = []
         self.urls: dict[str, list[str]] = {}
         self.clients: list[SGLangHttpClient] = []
+        self.released = False
         log_dir = os.path.join(cfg.output_dir, "teachers")
         os.makedirs(log_dir, exist_ok=True)
         gpu = 0
@@ -50,8 +54,8 @@ class StartedTeachers:
                     }
                     if self.kind == "cpu":
                         args["dtype"] = "float32"  # the CPU stand-in scores in fp32 (exact against transformers)
-                    else:
-                        args["enable_memory_saver"] = True
+                    args["enable_memory_saver"] = True  # released while the student trains,
+                    args["enable_weights_cpu_backup"] = True  # its weights kept on the host (nothing syncs a teacher)
                     gpu += d.teacher_tp
                     log = os.path.join(log_dir, f"{spec.name}-{k}.log")
                     self.procs.append(launch_server(args, module=SERVER_MODULES[self.kind], log_path=log))
@@ -64,15 +68,19 @@ class StartedTeachers:
             raise
 
     def release(self) -> None:
-        """Free the GPU teachers' memory while the student trains (sglang's memory saver)."""
-        if self.kind != "cpu":
+        """Free the teachers' memory while the student trains (sglang's memory saver; the CPU
+        stand-in keeps sglang's state rules: nothing is scored on released memory). Idempotent."""
+        if not self.released:
             for c in self.clients:
                 c.release_memory_occupation()
+            self.released = True
 
     def resume(self) -> None:
-        if self.kind != "cpu":
+        """Take the memory back before the next rollout (nothing to do when not released)."""
+        if self.released:
             for c in self.clients:
                 c.resume_memory_occupation()
+            self.released = False
 
     def alive(self) -> bool:
         try:

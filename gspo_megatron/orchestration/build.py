@@ -95,8 +95,11 @@ def build_session(cfg: Config, run: SessionParts, after_sync: Callable[[Any], No
     run.overlap = build_overlap(cfg, run.model, syncer, collector, run.start_step, inflight=inflight)
     if OFFLOAD.enabled(cfg):
         run.offloader = TrainStateOffloader(run.ddp, run.optimizer)
+    # started teachers release their memory while the student trains, unless a producer keeps
+    # generating (and scoring) through training (the overlap, in-flight updates)
+    teachers = run.teachers if run.overlap is None else None
     colocation = Colocation(
-        engine, colocated=sync_mode(cfg.rollout.sync_mode).colocated, offloader=run.offloader, teachers=run.teachers
+        engine, colocated=sync_mode(cfg.rollout.sync_mode).colocated, offloader=run.offloader, teachers=teachers
     )
     verifier = None
     if cfg.rollout.sync_verify:
