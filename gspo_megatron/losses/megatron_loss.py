@@ -185,8 +185,14 @@ def make_megatron_loss_func(
 
         def student_topk(out: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
             """(student, teacher) log-probs [N, K] of the teacher's top-k tokens: one vocab-parallel
-            log-prob pass per k over the same logits (or fused head), exact across TP ranks."""
+            log-prob pass per k over the same logits (or fused head), exact across TP ranks. A
+            teacher token outside the student's vocabulary (``vocab_size``: the padded rows) gets
+            teacher log-prob -1e4 (weight 0 in the renormalized top-k) and is scored as token 0."""
             ids, teacher = batch["teacher_topk_ids"], batch["teacher_topk_logprobs"]
+            if vocab_size is not None:
+                outside = ids >= vocab_size
+                ids = torch.where(outside, torch.zeros_like(ids), ids)
+                teacher = torch.where(outside, torch.full_like(teacher, -1e4), teacher)
             cols = [
                 token_logprobs(
                     out,

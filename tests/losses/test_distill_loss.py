@@ -202,3 +202,62 @@ def test_a_topk_objective_without_the_teachers_topk_is_refused():
             distill_coef=1.0,
             distill_loss="topk_forward_kl",
         )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused_head"])
+def test_the_megatron_loss_scores_the_teachers_topk_with_the_student_head(fused):
+    """make_megatron_loss_func with the teacher's top-k in the micro-batch: the student's log-probs of
+    the K ids come from its own head (logits, or hidden states and the output weight), the padded
+    vocabulary rows (id >= vocab_size) weigh nothing, and the loss equals policy_loss_flat's on the
+    same inputs."""
+    from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
+
+    g = torch.Generator().manual_seed(3)
+    b, s, H, V, vocab, K = 2, 6, 5, 13, 11, 4
+    hidden = torch.randn(b, s, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.float64)
+    ids = torch.randint(0, V, (b, s, K), generator=g)  # some >= vocab: padded rows
+    ids[0, 2, 0] = V - 1
+    t_lp = torch.log_softmax(torch.randn(b, s, K, generator=g, dtype=torch.float64), -1)
+    old = -torch.rand(b, s, generator=g, dtype=torch.float64)
+    batch = {
+        "labels": labels,
+        "loss_mask": mask,
+        "old_logprobs": old,
+        "seq_index": torch.arange(b)[:, None].expand(b, s).contiguous(),
+        "advantages": torch.tensor([0.5, -1.0], dtype=torch.float64),
+        "normalizer": 2.0,
+        "teacher_logprobs": old - 0.3,
+        "teacher_topk_ids": ids,
+        "teacher_topk_logprobs": t_lp,
+    }
+    cfg = PolicyLossConfig(mode="gspo", distill_coef=0.5, distill_loss="topk_forward_kl")
+    f = make_megatron_loss_func(
+        batch, cfg, tp_group=None, cp_group=None, num_microbatches=1, data_parallel_size=1, vocab_size=vocab
+    )
+    logits = hidden @ weight.T
+    loss, _ = f(hidden, output_weight=weight) if fused else f(logits)
+    # reference: full log_softmax over the real vocabulary, the padded ids dropped from the teacher's top-k
+    full = torch.log_softmax(logits[..., :vocab], -1)
+    lp = full.gather(-1, labels[..., None])[..., 0]
+    outside = ids >= vocab
+    student_k = full.gather(-1, torch.where(outside, 0, ids))
+    teacher_k = torch.where(outside, torch.full_like(t_lp, -1e4), t_lp)
+    want, _ = policy_loss_flat(
+        lp.reshape(-1),
+        old.reshape(-1),
+        batch["advantages"],
+        mask.reshape(-1),
+        batch["seq_index"].reshape(-1),
+        b,
+        cfg,
+        teacher_logprobs=(old - 0.3).reshape(-1),
+        topk_logprobs=(student_k.reshape(-1, K), teacher_k.reshape(-1, K)),
+        normalizer=2.0,
+    )
+    torch.testing.assert_close(loss, want, rtol=1e-9, atol=1e-10)
+    (g1,) = torch.autograd.grad(loss, weight, retain_graph=True)
+    (g2,) = torch.autograd.grad(want, weight)
+    torch.testing.assert_close(g1, g2, rtol=1e-8, atol=1e-10)

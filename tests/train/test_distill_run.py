@@ -169,3 +169,43 @@ def _server_pid(log) -> int:
         if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
             return conn.pid
     raise AssertionError(f"no process listens on {port}")
+
+
+def test_several_teachers_routed_by_a_data_column(tmp_path, teacher):
+    """NeMo-RL's MOPD: two teachers (each its own CPU server), every prompt routed by its ``domain``
+    column; each teacher's reverse KL is reported."""
+    import json
+
+    from gspo_megatron.data.tasks import get_task
+
+    rows = get_task("last_digit").rows(64, 0)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({**r, "domain": "ab"[i % 2]}) + "\n" for i, r in enumerate(rows)))
+    out = str(tmp_path / "run")
+    teachers = f"distill.teachers=['a={teacher}','b={teacher}']"
+    run_train(
+        out, [*COMMON, teachers, "distill.coef=1", "distill.teacher_key=domain", f"data.path={data}", "train.steps=2"]
+    )
+    for r in read_metrics(out):
+        assert r["distill/reverse_kl/a"] > 0 and r["distill/reverse_kl/b"] > 0, r
+        assert r["distill/tokens"] > 0
+
+
+def test_inflight_updates_with_a_teacher(tmp_path, teacher):
+    """Engines that never drain (``rollout.inflight_updates=retract``, a disaggregated CPU-server
+    student engine): each finished group is scored by the teacher in its producer worker."""
+    out = str(tmp_path / "run")
+    inflight = [
+        "rollout.engine=sglang",
+        "rollout.sync_mode=disaggregated",
+        "rollout.num_engines=1",
+        "rollout.max_staleness=2",
+        "rollout.inflight_updates=retract",
+        "rollout.inflight_groups=16",
+    ]
+    run_train(out, [*COMMON, *inflight, f"distill.teachers=['t={teacher}']", "distill.coef=1", "train.steps=3"])
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["distill/tokens"] > 0 and "loss/distill_reverse_kl" in r, r
+        assert r["rollout/logprob_abs_diff"] < 1e-5, r
