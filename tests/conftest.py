@@ -18,6 +18,8 @@ from tiny_models import write_tiny_hf_checkpoint  # the tiny-model factory (test
 # first keeps one worker from finishing minutes after the other. Only the order changes.
 LONG_FILES = (
     "train/test_family_runs.py",
+    "train/test_distill_run.py",
+    "train/test_bench_distill.py",
     "train/test_demo.py",
     "topology/test_multinode.py",
     "train/test_lora_adapter_run.py",
