@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gspo_megatron.engines.sglang_client import SGLangError, SGLangHttpClient
+from gspo_megatron.engines.sglang_client import SGLangHttpClient
 from gspo_megatron.engines.sglang_engine import kill_server, launch_server, wait_until_healthy
 from gspo_megatron.features.distill import TeacherSpec
 from gspo_megatron.fleet.engine_fleet import SERVER_MODULES
@@ -81,12 +81,6 @@ class StartedTeachers:
             for c in self.clients:
                 c.resume_memory_occupation()
             self.released = False
-
-    def alive(self) -> bool:
-        try:
-            return all(c.alive() for c in self.clients)
-        except SGLangError:
-            return False
 
     def close(self) -> None:
         for p in self.procs:

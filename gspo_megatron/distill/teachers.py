@@ -104,7 +104,6 @@ class Teacher:
 
     def __init__(self, spec: TeacherSpec, urls: Sequence[str], timeout_s: float):
         self.name = spec.name
-        self.spec = spec
         self.clients = [SGLangHttpClient(u, timeout_s=timeout_s) for u in urls]
         self._next = 0
         self._lock = threading.Lock()

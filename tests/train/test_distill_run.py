@@ -24,7 +24,8 @@ import pytest
 from safetensors.torch import load_file
 
 from gspo_megatron.runtime.ports import free_port
-from train_utils import REPO, read_metrics, run_train
+from subprocess_utils import popen_group
+from train_utils import REPO, TRAIN_ENV, read_metrics, run_train, train_cmd
 
 STEPS = 24
 COMMON = [
@@ -123,13 +124,7 @@ def test_a_teacher_that_dies_stops_the_run_with_one_line_and_keeps_the_checkpoin
     scoring fails, the run ends with one line naming the teacher and ``distill.timeout_s``, and the
     checkpoint is still there."""
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_megatron.train",
-        "--config",
-        os.path.join(REPO, "configs/demo_cpu.yaml"),
-        f"output_dir={out}",
+    overrides = [
         *COMMON,
         f"distill.teachers=['t={teacher}']",
         "distill.coef=1",
@@ -138,20 +133,16 @@ def test_a_teacher_that_dies_stops_the_run_with_one_line_and_keeps_the_checkpoin
         "train.steps=50",
         "logging.progress=false",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    cmd = train_cmd(str(out), overrides)
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with popen_group(cmd, cwd=REPO, env=TRAIN_ENV, **pipes) as proc:  # the group goes with it, teacher included
         deadline = time.monotonic() + 300
         while not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.5)
-        log = out / "teachers" / "t-0.log"
-        pid = _server_pid(log)
+        pid = _server_pid(out / "teachers" / "t-0.log")
         os.killpg(os.getpgid(pid), signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     line = _one_line_error(result)
     assert "distill.teachers (t)" in line and "distill.timeout_s" in line, line

@@ -50,6 +50,18 @@ def torchrun_cmd(nproc: int, *target: str) -> list[str]:
     ]
 
 
+def train_cmd(out_dir: str, overrides: list[str], nproc: int = 1, config: str = "configs/demo_cpu.yaml") -> list[str]:
+    """The ``gspo-train`` command of ``config`` with ``overrides`` into ``out_dir`` (torchrun with
+    ``nproc`` > 1); run it with ``cwd=REPO`` and :data:`TRAIN_ENV`."""
+    args = ["--config", os.path.join(REPO, config), f"output_dir={out_dir}", *overrides]
+    if nproc == 1:
+        return [sys.executable, "-m", "gspo_megatron.train", *args]
+    return torchrun_cmd(nproc, "-m", "gspo_megatron.train", *args)
+
+
+TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
 def run_train(
     out_dir: str,
     overrides: list[str],
@@ -58,13 +70,8 @@ def run_train(
     timeout: int = 600,
     check: bool = True,
 ) -> subprocess.CompletedProcess:
-    args = ["--config", os.path.join(REPO, config), f"output_dir={out_dir}", *FAST, *overrides]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "gspo_megatron.train", *args]
-    else:
-        cmd = torchrun_cmd(nproc, "-m", "gspo_megatron.train", *args)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = run_group(cmd, timeout=timeout, cwd=REPO, env=env)  # kills torchrun's ranks / engine children too
+    cmd = train_cmd(out_dir, [*FAST, *overrides], nproc, config)
+    proc = run_group(cmd, timeout=timeout, cwd=REPO, env=TRAIN_ENV)  # kills torchrun's ranks / engine children too
     if check and proc.returncode != 0:
         raise AssertionError(f"gspo-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
