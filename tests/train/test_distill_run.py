@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from gspo_megatron.runtime.ports import free_port
 from subprocess_utils import popen_group
-from train_utils import REPO, TRAIN_ENV, read_metrics, run_train, train_cmd
+from train_utils import REPO, read_metrics, run_train, train_cmd, train_env
 
 STEPS = 24
 COMMON = [
@@ -135,7 +135,7 @@ def test_a_teacher_that_dies_stops_the_run_with_one_line_and_keeps_the_checkpoin
     ]
     cmd = train_cmd(str(out), overrides)
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with popen_group(cmd, cwd=REPO, env=TRAIN_ENV, **pipes) as proc:  # the group goes with it, teacher included
+    with popen_group(cmd, cwd=REPO, env=train_env(), **pipes) as proc:  # the group goes with it, teacher included
         deadline = time.monotonic() + 300
         while not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]

@@ -52,14 +52,17 @@ def torchrun_cmd(nproc: int, *target: str) -> list[str]:
 
 def train_cmd(out_dir: str, overrides: list[str], nproc: int = 1, config: str = "configs/demo_cpu.yaml") -> list[str]:
     """The ``gspo-train`` command of ``config`` with ``overrides`` into ``out_dir`` (torchrun with
-    ``nproc`` > 1); run it with ``cwd=REPO`` and :data:`TRAIN_ENV`."""
+    ``nproc`` > 1); run it with ``cwd=REPO`` and :func:`train_env`."""
     args = ["--config", os.path.join(REPO, config), f"output_dir={out_dir}", *overrides]
     if nproc == 1:
         return [sys.executable, "-m", "gspo_megatron.train", *args]
     return torchrun_cmd(nproc, "-m", "gspo_megatron.train", *args)
 
 
-TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def train_env() -> dict[str, str]:
+    """The environment a training subprocess runs in: this process's as it is now (a test's
+    ``monkeypatch.setenv`` included, so it is read at call time, not import time), one thread per rank."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
 def run_train(
@@ -71,7 +74,7 @@ def run_train(
     check: bool = True,
 ) -> subprocess.CompletedProcess:
     cmd = train_cmd(out_dir, [*FAST, *overrides], nproc, config)
-    proc = run_group(cmd, timeout=timeout, cwd=REPO, env=TRAIN_ENV)  # kills torchrun's ranks / engine children too
+    proc = run_group(cmd, timeout=timeout, cwd=REPO, env=train_env())  # kills torchrun's ranks / engine children too
     if check and proc.returncode != 0:
         raise AssertionError(f"gspo-train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
