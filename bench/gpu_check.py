@@ -36,7 +36,8 @@ Steps (each recorded in the JSON with its command, exit code, seconds and output
   4. benchmarks: bench/logprobs.py (fused vs chunked vs full log_softmax, V=151,936, 8k-32k tokens,
      hidden 2048, bf16), bench/gpu_bench.py train (one bf16 GSPO step of a ~1.6B MoE: tokens/s, MFU,
      padded and -- when the checkout has sequence packing -- packed) and export (weight-sync export
-     stream bytes/s).
+     stream bytes/s), bench/offload.py (the first offload of an 8 GiB training state with its pinned
+     host memory reserved 10 s before, against allocating it inside the offload).
 ``--skip-install`` skips step 2 (an environment that already has the packages).
 
 ``--dry-run`` (CPU, no GPU, no install): checks the pinned list (parses, pins every package, covers
@@ -388,6 +389,19 @@ def commands(args, py: str) -> list[tuple[str, list[str]]]:
                     os.path.join(work, "gpu_bench.json"),
                 ],
             ),
+            (
+                "bench_offload",
+                [
+                    py,
+                    "bench/offload.py",
+                    "--gib",
+                    "0.02",
+                    "--device",
+                    "cpu",
+                    "--json",
+                    os.path.join(work, "offload.json"),
+                ],
+            ),
         ]
     else:
         steps += [
@@ -432,6 +446,19 @@ def commands(args, py: str) -> list[tuple[str, list[str]]]:
                 ],
             ),
             ("bench_gpu", [py, "bench/gpu_bench.py", "all", "--json", os.path.join(work, "gpu_bench.json")]),
+            (
+                "bench_offload",
+                [
+                    py,
+                    "bench/offload.py",
+                    "--gib",
+                    "8",
+                    "--overlap-s",
+                    "10",
+                    "--json",
+                    os.path.join(work, "offload.json"),
+                ],
+            ),
         ]
     return steps
 
@@ -575,7 +602,7 @@ def main(argv=None) -> int:
                 break
             ok = ok and step["rc"] == 0
         parts = os.path.splitext(os.path.abspath(args.out))[0] + "_parts"
-        for key, fname in (("logprobs", "logprobs.json"), ("gpu", "gpu_bench.json")):
+        for key, fname in (("logprobs", "logprobs.json"), ("gpu", "gpu_bench.json"), ("offload", "offload.json")):
             path = os.path.join(parts, fname)
             if os.path.isfile(path):
                 with open(path) as f:

@@ -102,6 +102,9 @@ def format_plan(plan: Plan) -> str:
     host = max(s.host_optimizer for s in cols)
     if host:
         out.append(f"   host memory per GPU for offloaded optimizer states: {host / GIB:.2f} GiB")
+    pinned = max(s.host_offload for s in cols)
+    if pinned:
+        out.append(f"   pinned host memory per GPU for rollout.offload_train's training state: {pinned / GIB:.2f} GiB")
     delta = max(s.host_delta for s in cols)
     if delta and sm.colocated:
         out.append(

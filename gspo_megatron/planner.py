@@ -175,6 +175,7 @@ class StageMemory:
     kv_cache: float = 0.0
     host_optimizer: float = 0.0  # optimizer bytes offloaded to host memory
     host_delta: float = 0.0  # rollout.sync_delta: host copies of the model on the busiest GPU's node share
+    host_offload: float = 0.0  # rollout.offload_train: the pinned host copy of the training state
     host_capture: float = 0.0  # routing replay r3: sglang's pinned capture buffers of one engine process
     in_flight: int = 0  # micro-batches whose activations are held at once (1F1B)
 
@@ -311,6 +312,8 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
         (f"gradients ({'fp32' if grad_b == 4 else m.dtype} main_grad)", trained * grad_b),
         (f"optimizer ({precision}, {shard}{offl})", opt_gpu),
     ]
+    if OFFLOAD.enabled(cfg):  # trainer/offload.py moves weights, gradients and optimizer (not the reference)
+        s.host_offload = sum(b for _, b in static)
     if cfg.gspo.kl_coef > 0:
         static.append(("reference model (frozen copy)", params * wb))
     # tokens of one micro-batch: the packing budget, or micro_batch_size padded rows
@@ -340,7 +343,7 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     for f in enabled_features(cfg):  # routing replay's routes, owner-direct's contexts, adapter sync's kept weights
         s.train_items += f.train_rows(ctx)
     if ctx.colocated:  # the engines' rows on the training GPUs
-        resident = 0.0 if OFFLOAD.enabled(cfg) else sum(b for _, b in static)
+        resident = sum(b for _, b in static) - s.host_offload  # offloaded: the reference model stays
         _engine_rows(plan_args, s, resident, OFFLOAD.resident_label(cfg), ctx)
     for f in enabled_features(cfg):
         s.host_delta += f.host_bytes(ctx, 0.0).get("delta", 0.0)

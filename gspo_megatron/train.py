@@ -118,10 +118,13 @@ class Run:
 
 def build_trainer(cfg: Config) -> Run:
     """Every rank: process groups, the run directory (rank 0 writes config.yaml), this rank's model
-    (random init) wrapped in Megatron DDP with its optimizer and LR schedule."""
+    (random init) wrapped in Megatron DDP with its optimizer and LR schedule; with
+    ``rollout.offload_train`` the state offloader, whose host memory starts being reserved now."""
     from gspo_megatron import factory
+    from gspo_megatron.features.offload import OFFLOAD
     from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
+    from gspo_megatron.trainer.offload import TrainStateOffloader
     from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
 
     p = cfg.parallel
@@ -139,6 +142,10 @@ def build_trainer(cfg: Config) -> Run:
         **values_for(OptimOptions, cfg.optimizer, cfg.parallel, total_steps=cfg.train.steps * cfg.gspo.mini_batches)
     )
     ddp, optimizer, scheduler = setup_training(model, opts)
+    offloader = None
+    if OFFLOAD.enabled(cfg):  # its host memory is pinned while the checkpoint loads and the engines start
+        offloader = TrainStateOffloader(ddp, optimizer)
+        offloader.reserve()
     return Run(
         rank=rank,
         hf_dir=hf_dir,
@@ -148,6 +155,7 @@ def build_trainer(cfg: Config) -> Run:
         optimizer=optimizer,
         scheduler=scheduler,
         ckpt_root=os.path.join(cfg.output_dir, "checkpoints"),
+        offloader=offloader,
     )
 
 

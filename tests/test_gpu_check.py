@@ -178,6 +178,7 @@ def test_dry_run(tmp_path):
         "bench_logprobs",
         "bench_gpu_config",
         "bench_gpu",
+        "bench_offload",
     ]
     collected = res["steps"][0]["output_tail"]
     assert "test_fused_logprobs_gpu.py" in collected and "test_vocab_parallel_gpu.py" in collected
@@ -186,3 +187,4 @@ def test_dry_run(tmp_path):
     assert {"full", "chunked", "fused"} <= set(res["bench"]["logprobs"]["results"][0]["paths"])
     assert res["bench"]["gpu"]["train_step"]["runs"]["padded"]["tokens_per_s"] > 0
     assert res["bench"]["gpu"]["weight_export"]["bytes"] > 0
+    assert res["bench"]["offload"]["host_grown_bytes"] == 0 and res["bench"]["offload"]["first_offload_baseline_s"] > 0

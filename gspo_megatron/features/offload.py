@@ -11,7 +11,15 @@ from gspo_megatron.features.sync_modes import SYNC_MODES, modes_text
 class Offload(Feature):
     name = "offload"
     field = "rollout.offload_train"
-    metrics = ("offload/bytes", "offload/offload_s", "offload/reload_s")
+    metrics = (
+        "offload/bytes",
+        "offload/offload_s",
+        "offload/reload_s",
+        "offload/host_bytes",
+        "offload/host_alloc_s",
+        "offload/host_wait_s",
+        "offload/host_grown_bytes",
+    )
 
     def enabled(self, cfg) -> bool:
         return bool(cfg.rollout.offload_train)
@@ -28,7 +36,9 @@ class Offload(Feature):
 
     def resident_label(self, cfg) -> str:
         """The planner's label of the training state during rollout on a colocated GPU."""
-        return "training states" + (" (offloaded)" if self.enabled(cfg) else "")
+        if not self.enabled(cfg):
+            return "training states"
+        return "training states (offloaded" + ("; the KL reference model stays)" if cfg.gspo.kl_coef > 0 else ")")
 
 
 OFFLOAD = Offload()

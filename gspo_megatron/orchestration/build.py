@@ -11,14 +11,12 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from gspo_megatron.features.adapter_sync import ADAPTER_SYNC
 from gspo_megatron.features.inflight import INFLIGHT
-from gspo_megatron.features.offload import OFFLOAD
 from gspo_megatron.features.sync_modes import sync_mode
 from gspo_megatron.orchestration.async_producer import build_overlap
 from gspo_megatron.orchestration.batch import collect_rollouts
 from gspo_megatron.orchestration.colocation import Colocation
 from gspo_megatron.orchestration.probe import SyncVerifier, default_tolerance
 from gspo_megatron.orchestration.session import RolloutSession, SyncCollector
-from gspo_megatron.trainer.offload import TrainStateOffloader
 from gspo_megatron.weight_sync.lora_adapter import AdapterSyncer
 from gspo_megatron.weight_sync.sync import WeightSyncer
 
@@ -48,7 +46,7 @@ class SessionParts(Protocol):
 
 def build_session(cfg: Config, run: SessionParts, after_sync: Callable[[Any], None] | None = None) -> RolloutSession:
     """Every rank: the ``RolloutSession`` composed once from what the config asks (nothing of it is
-    replaced later); sets ``run.overlap`` and ``run.offloader``.
+    replaced later); sets ``run.overlap``.
 
     - collector: rank 0's synchronous rollout (``orchestration.batch.collect_rollouts``), or with
       ``rollout.max_staleness`` >= 1 the overlap (rank 0 generates the next batches while every rank
@@ -57,7 +55,8 @@ def build_session(cfg: Config, run: SessionParts, after_sync: Callable[[Any], No
       (``orchestration.inflight``);
     - colocation: colocated engines release their memory after each rollout and take it back around
       the sync; ``rollout.offload_train``: the training state leaves the devices while the engines
-      generate (``trainer.offload.TrainStateOffloader``), and a sync inside a rollout (engine
+      generate (``run.offloader``, a ``trainer.offload.TrainStateOffloader`` built with the trainer so
+      that its host memory is reserved while the engines start), and a sync inside a rollout (engine
       restarted) brings it back for the push (``orchestration.colocation``);
     - verifier: ``rollout.sync_verify``: the weight version every sync; the log-prob probe on sync 1
       and every ``rollout.sync_verify_every``-th (``orchestration.probe.SyncVerifier``)."""
@@ -93,8 +92,6 @@ def build_session(cfg: Config, run: SessionParts, after_sync: Callable[[Any], No
         parts = (engine, run.dataset, run.sampler, run.tokenizer, run.rewards)
         inflight = functools.partial(InflightProducer, cfg, *parts, start_step=run.start_step, teachers=run.teachers)
     run.overlap = build_overlap(cfg, run.model, syncer, collector, run.start_step, inflight=inflight)
-    if OFFLOAD.enabled(cfg):
-        run.offloader = TrainStateOffloader(run.ddp, run.optimizer)
     # started teachers release their memory while the student trains, unless a producer keeps
     # generating (and scoring) through training (the overlap, in-flight updates)
     teachers = run.teachers if run.overlap is None else None

@@ -22,8 +22,9 @@ views share it):
   already lives in host memory there is left alone.
 Module buffers (rotary tables, router statistics) stay: they are small and not training state.
 
-How: per storage ``S`` of ``n`` bytes, ``offload`` copies its bytes into a host buffer (pinned when
-CUDA, allocated on the first offload and reused), then ``S.resize_(0)`` frees the device memory;
+How: per storage ``S`` of ``n`` bytes, ``offload`` copies its bytes into host memory (the
+``trainer.host_arena.HostArena``: pinned chunks when CUDA, reused by every offload), then
+``S.resize_(0)`` frees the device memory;
 ``reload`` does ``S.resize_(n)`` and copies the bytes back. The storage *object* is the one every
 view (``param.data``, ``param.main_grad``, bucket views, the optimizer's shard views) points to, so
 every view sees the restored bytes: the state after ``reload`` is bitwise the state before
@@ -48,7 +49,13 @@ Why a manual move, and not torch_memory_saver or Megatron-Core's own offload:
   memory, then ``storage().resize_(0)``), separately for the optimizer states; this module does it
   once for every storage of the training state, deduplicated, with the gradients kept.
 Cost: one device->host and one host->device copy of the state per step (pinned, ~20+ GB/s per GPU
-on H100 PCIe/NVLink-C2C hosts), and pinned host memory equal to the state's size per rank.
+on H100 PCIe/NVLink-C2C hosts), and pinned host memory equal to the state's size per rank (plus
+under one 1 GiB chunk; the planner prints it). Pinning that memory is slow (about 1 s per GiB), so
+:meth:`TrainStateOffloader.reserve` allocates it in a background thread when the trainer is built
+(``train.build_trainer``), sized by :meth:`TrainStateOffloader.expected_bytes` (the state now plus
+the Adam moments the optimizer creates at its first step); the first ``offload`` waits only for what
+is left of it (``offload/host_wait_s``), and anything the prediction missed is allocated then
+(``offload/host_grown_bytes``).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ import time
 from typing import Callable, Iterable, Iterator
 
 import torch
+
+from gspo_megatron.trainer.host_arena import CHUNK_BYTES, HostArena
 
 
 def _training_device() -> torch.device:
@@ -110,17 +119,20 @@ class TrainStateOffloader:
 
     ``ddp_models``: the Megatron DDP-wrapped model chunk(s) (one module or a list);
     ``optimizer``: the Megatron optimizer built over them. ``offload()`` then ``reload()``, strictly
-    alternating (a second ``offload`` without ``reload`` raises). ``metrics()`` gives the last
-    transfer's ``offload/bytes``, ``offload/offload_s``, ``offload/reload_s``.
+    alternating (a second ``offload`` without ``reload`` raises). ``reserve()`` starts allocating
+    the host memory in the background (module docstring). ``metrics()`` gives the last transfer's
+    ``offload/bytes``, ``offload/offload_s``, ``offload/reload_s`` and the host memory's
+    ``offload/host_bytes``, ``offload/host_alloc_s``, ``offload/host_wait_s``, ``offload/host_grown_bytes``.
     """
 
-    def __init__(self, ddp_models, optimizer, device: torch.device | None = None):
+    def __init__(self, ddp_models, optimizer, device: torch.device | None = None, chunk_bytes: int = CHUNK_BYTES):
         self.ddp_models = list(ddp_models) if isinstance(ddp_models, (list, tuple)) else [ddp_models]
         self.optimizer = optimizer
         self.device = device or _training_device()
         self.pin = self.device.type == "cuda"
-        self._host: list[torch.Tensor] = []  # reused host buffers, one per storage (by position)
-        self._moved: list[tuple[torch.UntypedStorage, int]] = []  # (storage, nbytes) while offloaded
+        self.arena = HostArena(self.pin, chunk_bytes)
+        # (storage, nbytes, its host pieces) while offloaded
+        self._moved: list[tuple[torch.UntypedStorage, int, list[tuple[int, torch.Tensor]]]] = []
         self.offloaded = False
         self._metrics = {"offload/bytes": 0.0, "offload/offload_s": 0.0, "offload/reload_s": 0.0}
 
@@ -141,15 +153,28 @@ class TrainStateOffloader:
         """A 1-D uint8 tensor over the whole storage."""
         return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
-    def _host_buffer(self, i: int, nbytes: int) -> torch.Tensor:
-        if i < len(self._host) and self._host[i].numel() == nbytes:
-            return self._host[i]
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-        if i < len(self._host):
-            self._host[i] = buf
-        else:
-            self._host.append(buf)
-        return buf
+    def expected_bytes(self) -> int:
+        """The bytes ``offload`` will move once the optimizer has stepped: the state's storages now,
+        plus for every optimizer parameter on the device without state yet what its optimizer will
+        add there (an Adam-family group, ``betas``: ``exp_avg`` and ``exp_avg_sq`` like the
+        parameter, and torch's 4-byte ``step`` tensor, on the device when ``capturable`` / ``fused``
+        and on the host otherwise, which is the device on CPU; SGD with
+        momentum: one buffer like it; others: nothing)."""
+        total = sum(s.nbytes() for s in self._storages())
+        for opt in _inner_optimizers(self.optimizer):
+            for group in opt.param_groups:
+                like = 2 if "betas" in group else 1 if group.get("momentum") else 0
+                on_device = self.device.type == "cpu" or group.get("capturable") or group.get("fused")
+                step = 4 if like == 2 and on_device else 0  # torch's Adam: its step tensor lives here
+                for p in group["params"]:
+                    if p.device == self.device and not opt.state.get(p):
+                        total += like * p.numel() * p.element_size() + step  # zeros_like(p): p's own size
+        return total
+
+    def reserve(self) -> None:
+        """Start allocating :meth:`expected_bytes` of host memory in the background (returns at once);
+        the first ``offload`` waits for it. Without it, that offload allocates what it needs."""
+        self.arena.reserve(self.expected_bytes())
 
     def offload(self) -> int:
         """Copy every state storage to host memory and free it on the device. Returns the bytes moved."""
@@ -157,16 +182,17 @@ class TrainStateOffloader:
             raise RuntimeError("TrainStateOffloader.offload: the training state is already offloaded")
         t0 = time.perf_counter()
         storages = self._storages()
-        del self._host[len(storages) :]
-        total = 0
-        for i, s in enumerate(storages):
-            n = s.nbytes()
-            self._host_buffer(i, n).copy_(self._bytes_view(s), non_blocking=self.pin)
-            total += n
+        sizes = [s.nbytes() for s in storages]
+        layout = self.arena.pieces(sizes)  # waits for the start-up reservation
+        for s, pieces in zip(storages, layout):
+            src = self._bytes_view(s)
+            for start, host in pieces:
+                host.copy_(src[start : start + host.numel()], non_blocking=self.pin)
+        total = sum(sizes)
         if self.pin:
             torch.cuda.synchronize(self.device)  # the copies are done before the memory is reused
-        for s in storages:
-            self._moved.append((s, s.nbytes()))
+        for s, n, pieces in zip(storages, sizes, layout):
+            self._moved.append((s, n, pieces))
             s.resize_(0)
         if self.pin:
             torch.cuda.empty_cache()  # give the freed blocks back so the engines can use them
@@ -180,9 +206,11 @@ class TrainStateOffloader:
             raise RuntimeError("TrainStateOffloader.reload: nothing is offloaded")
         t0 = time.perf_counter()
         total = 0
-        for i, (s, n) in enumerate(self._moved):
+        for s, n, pieces in self._moved:
             s.resize_(n)
-            self._bytes_view(s).copy_(self._host[i], non_blocking=self.pin)
+            dst = self._bytes_view(s)
+            for start, host in pieces:
+                dst[start : start + host.numel()].copy_(host, non_blocking=self.pin)
             total += n
         if self.pin:
             torch.cuda.synchronize(self.device)
@@ -209,7 +237,14 @@ class TrainStateOffloader:
         return call
 
     def metrics(self) -> dict:
-        return dict(self._metrics)
+        a = self.arena
+        host = {
+            "offload/host_bytes": float(a.capacity),
+            "offload/host_alloc_s": a.alloc_s,
+            "offload/host_wait_s": a.wait_s,
+            "offload/host_grown_bytes": float(a.grown_bytes),
+        }
+        return {**self._metrics, **host}
 
     def storages(self) -> Iterable[torch.UntypedStorage]:
         """The storages ``offload`` would move now (for tests and memory accounting)."""

@@ -211,6 +211,26 @@ def test_colocated_engine_memory_and_kv_cache():
     assert rows(off.stages[0], "rollout_items")["training states"] == 0
 
 
+def test_offload_train_pinned_host_memory_and_the_reference_that_stays():
+    """rollout.offload_train: the pinned host copy is the weights + gradients + optimizer rows of the
+    training phase (what trainer/offload.py moves), printed by the report; with gspo.kl_coef the
+    reference model is not offloaded, so it stays resident while the engines generate."""
+    from gspo_megatron.plan_report import format_plan
+
+    on = ["rollout.sync_mode=colocated", "rollout.engine_tp=2", "rollout.offload_train=true"]
+    s = tiny_plan(*SGL, *on).stages[0]
+    r = rows(s)
+    assert s.host_offload == pytest.approx(r["weights"] + r["gradients"] + r["optimizer"]) and s.host_offload > 0
+    assert "pinned host memory per GPU for rollout.offload_train" in format_plan(tiny_plan(*SGL, *on))
+    kl = tiny_plan(*SGL, *on, "gspo.kl_coef=0.01").stages[0]
+    assert kl.host_offload == pytest.approx(s.host_offload)
+    label, resident = next((lbl, b) for lbl, b in kl.rollout_items if lbl.startswith("training states"))
+    assert resident == pytest.approx(rows(kl)["reference model"]) and resident > 0
+    assert "KL reference model stays" in label
+    off = tiny_plan(*SGL, "rollout.sync_mode=colocated", "rollout.engine_tp=2").stages[0]
+    assert off.host_offload == 0
+
+
 def test_disaggregated_engines_take_their_own_gpus():
     plan = tiny_plan(
         *SGL, "rollout.sync_mode=disaggregated", "rollout.num_engines=2", "rollout.engine_tp=2", nodes=2, gpus=4

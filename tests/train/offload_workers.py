@@ -81,20 +81,21 @@ def offload_roundtrip(rank: int, world: int, hf_dir: str) -> dict:
                 p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=g) * 0.1)
             assert optimizer_step(opt, sched)[0]
 
+        predicted = TrainStateOffloader(ddp, opt).expected_bytes()  # before the optimizer has state
         step(1)
         step(2)
         g = torch.Generator().manual_seed(100 + rank)
         for p in ddp.parameters():  # grads present at offload time must come back too
             p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=g))
         before = _snapshot(ddp, opt)
-        off = TrainStateOffloader(ddp, opt)
-        res = {"equal": [], "left_bytes": [], "moved": [], "aliases": []}
+        off = TrainStateOffloader(ddp, opt, chunk_bytes=1 << 14)  # small chunks: storages span several
+        res = {"equal": [], "left_bytes": [], "moved": [], "aliases": [], "predicted": predicted}
         for _ in range(2):  # the second round reuses the host buffers
             storages = list(off.storages())
             res["moved"].append(off.offload())
             res["left_bytes"].append(sum(s.nbytes() for s in storages))
             # scribble over the freed memory (an allocator may hand the same blocks out again)
-            junk = [torch.full((n,), 0x5A, dtype=torch.uint8) for _, n in off._moved]
+            junk = [torch.full((n,), 0x5A, dtype=torch.uint8) for _, n, _ in off._moved]
             del junk
             res["freed"] = {
                 "param_data": all(

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -50,6 +52,7 @@ def test_storage_freed_while_offloaded(roundtrip, variant):
         assert r["left_bytes"] == [0, 0]
         assert all(r["freed"].values()), r["freed"]
         assert r["moved"][0] == r["moved"][1] > 0
+        assert r["predicted"] == r["moved"][0]  # expected_bytes before the first step: Adam's state included
         assert r["double_offload_refused"]
 
 
@@ -113,6 +116,10 @@ def test_loss_curve_identical_with_offload(tmp_path):
     assert {"loss/total", "train/grad_norm", "reward/mean", "policy/entropy"} <= set(keys), keys
     assert len(runs["false"]) == len(runs["true"]) == 4
     assert all(m["offload/bytes"] > 0 for m in runs["true"]) and "offload/bytes" not in runs["false"][0]
+    # the host memory was reserved at start-up (train.build_trainer) and covered every offload
+    assert all(
+        m["offload/host_grown_bytes"] == 0 and m["offload/host_bytes"] >= m["offload/bytes"] for m in runs["true"]
+    )
     for a, b in zip(runs["false"], runs["true"]):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
 
@@ -183,3 +190,105 @@ def test_loaded_call_brings_the_state_back_for_the_call():
     assert off.offloaded
     off.reload()
     assert p.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def _adam_chunk():
+    """A one-process model shaped like a Megatron DDP chunk (the attributes the offloader reads) with
+    a Megatron-shaped optimizer around torch's Adam, no state yet (as at start-up)."""
+
+    class Chunk(torch.nn.Module):
+        buffers: list = []
+        expert_parallel_buffers: list = []
+
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.randn(50, 3))
+            self.b = torch.nn.Parameter(torch.randn(7))
+
+    class Opt:
+        pass
+
+    m, opt = Chunk(), Opt()
+    opt.optimizer = torch.optim.Adam(m.parameters())
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+        p.main_grad = p.grad
+    return m, opt
+
+
+def test_host_arena_lays_sizes_over_power_of_two_chunks():
+    """Every size's pieces tile its bytes in order, pieces of different sizes never overlap, chunks
+    are powers of two (the last one covering the rest), and a request beyond the capacity grows it."""
+    from gspo_megatron.trainer.host_arena import HostArena
+
+    arena = HostArena(pin=False, chunk_bytes=64)
+    arena.reserve(150)
+    sizes = [10, 100, 1, 39]
+    layout = arena.pieces(sizes)
+    assert [c.numel() for c in arena.chunks] == [64, 64, 32] and arena.grown_bytes == 0
+    seen = set()
+    for n, pieces in zip(sizes, layout):
+        starts = [0] + [h.numel() for _, h in pieces[:-1]]
+        assert [start for start, _ in pieces] == list(itertools.accumulate(starts))
+        assert sum(h.numel() for _, h in pieces) == n
+        for _, h in pieces:
+            span = range(h.data_ptr(), h.data_ptr() + h.numel())
+            assert not seen.intersection(span)
+            seen.update(span)
+    assert [len(p) for p in layout] == [1, 2, 1, 2]  # 100 bytes from byte 10: 54 + 46; 39 from 111: 17 + 22
+    arena.pieces([200])
+    assert arena.grown_bytes == 64 and arena.capacity == 224
+    with pytest.raises(ValueError, match="power of two"):
+        HostArena(pin=False, chunk_bytes=48)
+
+
+def test_reserved_host_memory_covers_the_first_steps():
+    """reserve() at start-up predicts the Adam moments the first step creates: neither the offload
+    before the first step nor the one after it allocates (host_grown_bytes 0), the reservation is
+    what the state needs plus under one chunk, and the round trip through chunks smaller than the
+    tensors (every storage spans several) is bitwise."""
+    from gspo_megatron.trainer.offload import TrainStateOffloader
+
+    m, opt = _adam_chunk()
+    off = TrainStateOffloader(m, opt, chunk_bytes=128)
+    n = 150 + 7
+    state_after_step = 4 * (n + n + 2 * n) + 2 * 4  # params, grads, exp_avg + exp_avg_sq, two fp32 steps
+    assert off.expected_bytes() == state_after_step
+    off.reserve()
+    before = [t.clone() for t in (m.a, m.b, m.a.grad, m.b.grad)]
+    assert off.offload() == 4 * 2 * n
+    assert off.reload() == 4 * 2 * n
+    assert all(torch.equal(x, y) for x, y in zip(before, (m.a, m.b, m.a.grad, m.b.grad)))
+    opt.optimizer.step()
+    after = [t.clone() for t in (m.a, *opt.optimizer.state[m.a].values(), *opt.optimizer.state[m.b].values())]
+    assert off.offload() == state_after_step
+    off.reload()
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(after, (m.a, *opt.optimizer.state[m.a].values(), *opt.optimizer.state[m.b].values()))
+    )
+    met = off.metrics()
+    assert met["offload/host_grown_bytes"] == 0
+    assert state_after_step <= met["offload/host_bytes"] < state_after_step + 128
+    assert met["offload/host_alloc_s"] >= met["offload/host_wait_s"] >= 0
+
+
+def test_offload_without_reservation_allocates_then_and_a_failed_reservation_is_raised():
+    from gspo_megatron.trainer.offload import TrainStateOffloader
+
+    m, opt = _adam_chunk()
+    off = TrainStateOffloader(m, opt, chunk_bytes=256)
+    assert off.offload() == 4 * 2 * 157 and off.metrics()["offload/host_grown_bytes"] >= 4 * 2 * 157
+    off.reload()
+
+    m, opt = _adam_chunk()
+    off = TrainStateOffloader(m, opt)
+
+    def refuse(nbytes):
+        raise RuntimeError("CUDA error: out of memory (pinned)")
+
+    off.arena._grow = refuse  # the allocator failing in the background thread
+    off.reserve()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        off.offload()
+    assert not off.offloaded and m.a.untyped_storage().nbytes() > 0  # nothing was freed
