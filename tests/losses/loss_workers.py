@@ -16,6 +16,13 @@ CASES = [
     ("grpo", dict(aggregation="token-mean", entropy_coef=0.02)),
     ("gspo", dict(tis_cap=1.02, tis_mode="mask")),  # half the sequences dropped; the weight from the CP-reduced sum
     ("grpo", dict(tis_cap=1.05, tis_level="sequence", tis_mode="mask")),
+    # on-policy distillation (losses/distill_loss.py): the sampled-token reverse KL through the
+    # policy's ratio, and the top-k divergences over the student's vocab-parallel log-probs of the
+    # teacher's top-k ids (one pass per k, as megatron_loss.student_topk)
+    ("grpo", dict(distill_coef=0.5, distill_loss="reverse_kl", kl_coef=0.05, kl_estimator="k3")),
+    ("gspo", dict(distill_coef=0.7, distill_loss="reverse_kl", reward_coef=0.0, tis_cap=1.1)),
+    ("gspo", dict(distill_coef=0.3, distill_loss="topk_forward_kl", entropy_coef=0.01)),
+    ("gspo_token", dict(distill_coef=0.4, distill_loss="topk_reverse_kl", reward_coef=0.5)),
 ]
 
 
@@ -24,6 +31,16 @@ def loss_from_logits(logits, data, mode, options, *, tp_group=None, cp_group=Non
     lp, ent = vocab_parallel_logprobs(logits, data["targets"], tp_group=tp_group, temperature=0.8, chunk_size=5)
     clip = (8e-3, 1e-2) if mode == "grpo" else (3e-3, 4e-3)
     cfg = PolicyLossConfig(mode=mode, clip_low=clip[0], clip_high=clip[1], **options)
+    topk = None
+    if cfg.distill_loss.startswith("topk"):
+        ids = data["topk_ids"]
+        cols = [
+            vocab_parallel_logprobs(
+                logits, ids[:, k], tp_group=tp_group, temperature=0.8, chunk_size=5, with_entropy=False
+            )[0]
+            for k in range(ids.shape[1])
+        ]
+        topk = (torch.stack(cols, dim=-1), data["topk_teacher"])
     return policy_loss_flat(
         lp,
         data["old"],
@@ -37,6 +54,8 @@ def loss_from_logits(logits, data, mode, options, *, tp_group=None, cp_group=Non
         engine_logprobs=data["engine"],
         cp_group=cp_group,
         normalizer=normalizer,
+        teacher_logprobs=data["teacher"] if cfg.distill_coef else None,
+        topk_logprobs=topk,
     )
 
 
@@ -78,7 +97,7 @@ def cp_worker(rank: int, world: int, logits: torch.Tensor, data: dict, owner: to
     _init(rank, world)
     idx = (owner == rank).nonzero().squeeze(1)
     local = {
-        k: (v[idx] if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == owner.numel() else v)
+        k: (v[idx] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == owner.numel() else v)
         for k, v in data.items()
     }
     out = []

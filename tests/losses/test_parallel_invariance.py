@@ -1,5 +1,6 @@
 """TP1 vs TP2 and CP1 vs CP2 (2 gloo ranks): same loss and gradients for the full loss path
-(vocab-parallel log-probs + entropy -> policy loss with KL, entropy bonus, TIS) in fp32."""
+(vocab-parallel log-probs + entropy -> policy loss with KL, entropy bonus, TIS, and on-policy
+distillation's sampled-token and top-k terms) in fp32."""
 
 from __future__ import annotations
 
@@ -35,7 +36,15 @@ def make_data(seed: int = 0, vocab: int = 24):
     starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
     mask[starts] = 0  # first token of each sequence is prompt
     mask[seq == 3] = 0  # a sequence without response tokens
+    # a teacher: its sampled-token log-probs, and its top-4 ids (distinct; the sampled token among
+    # them for some positions) with log-probs of a peaked distribution
+    teacher_logits = logits + torch.randn(n_tok, vocab, generator=g)
+    teacher_all = torch.log_softmax(teacher_logits.double(), -1).float()
+    topk_teacher, topk_ids = teacher_all.topk(4, dim=-1)
     data = dict(
+        teacher=teacher_all.gather(1, targets[:, None]).squeeze(1),
+        topk_ids=topk_ids,
+        topk_teacher=topk_teacher,
         targets=targets,
         old=true_lp + torch.randn(n_tok, generator=g) * 1e-2,
         ref=true_lp + torch.randn(n_tok, generator=g) * 0.2,
@@ -73,7 +82,11 @@ def test_tp2_matches_tp1(ref_results):
     for c, (mode, options) in enumerate(CASES):
         ref_loss, ref_metrics, ref_grad = ref_results[c]
         assert ref_grad.abs().sum() > 0
-        assert 0 < ref_metrics["clip_fraction"] < 1  # both clip branches are exercised
+        if options.get("reward_coef", 1.0):  # (distillation alone: no task advantage to clip)
+            assert 0 < ref_metrics["clip_fraction"] < 1  # both clip branches are exercised
+        if options.get("distill_coef"):  # the teacher's term is in the loss, not a no-op
+            plain = loss_from_logits(logits.clone(), data, mode, {**options, "distill_coef": 0.0})[0]
+            assert abs(float(plain) - float(ref_loss)) > 1e-3, (mode, options)
         for r in range(2):
             loss, metrics, _ = ranks[r][c]
             torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-8, msg=f"{mode} {options} rank {r}")
