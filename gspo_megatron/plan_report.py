@@ -6,6 +6,7 @@ The memory model itself is :mod:`gspo_megatron.planner`."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from gspo_megatron.config import load_config
@@ -146,6 +147,11 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(out)
 
 
+def _floor2(x: float) -> str:
+    """``x`` rounded down to two decimals (a fraction that still fits)."""
+    return f"{math.floor(x * 100) / 100:.2f}"
+
+
 def _advice(plan: Plan) -> str:
     cfg = plan.cfg
     tips = []
@@ -158,7 +164,19 @@ def _advice(plan: Plan) -> str:
                 else ""
             )
         )
-    if plan.worst.peak > plan.gpu_bytes:
+    over = max((s.rollout_peak - plan.gpu_bytes for s in plan.stages if s.rollout_items), default=0.0)
+    if over > 0:  # the rollout phase: the engines' share, a started teacher's, what stays resident
+        frac = over / plan.gpu_bytes
+        r, d = cfg.rollout, cfg.distill
+        if r.engine_mem_fraction - frac > 0:
+            tips.append(f"rollout.engine_mem_fraction <= {_floor2(r.engine_mem_fraction - frac)}")
+        if any(label.startswith("distill teachers") for st in plan.stages for label, _ in st.rollout_items):
+            if d.teacher_mem_fraction - frac > 0:
+                tips.append(f"distill.teacher_mem_fraction <= {_floor2(d.teacher_mem_fraction - frac)}")
+            tips.append("serve the teachers from their own nodes (distill.teachers NAME=URL)")
+        if sync_mode(r.sync_mode).colocated and not OFFLOAD.enabled(cfg):
+            tips.append("rollout.offload_train=true")
+    if plan.worst.train_peak > plan.gpu_bytes:
         if not cfg.model.recompute:
             tips.append("model.recompute=true")
         tips.append("raise parallel.ep / parallel.pp / parallel.tp")

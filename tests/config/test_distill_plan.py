@@ -63,6 +63,15 @@ def test_the_recipe_as_shipped_has_no_room_for_a_started_teacher():
     plan = _plan(STARTED)
     assert not plan.fits and plan.worst.rollout_peak > plan.gpu_bytes
     assert plan.worst.rollout_peak == pytest.approx(_plan([]).worst.rollout_peak + 0.2 * MEM_GB * GIB)
+    # the advice names the fractions that would fit, and each of them does
+    from gspo_megatron.plan_report import _advice
+
+    advice = _advice(plan)
+    assert "distill.teacher_mem_fraction <= " in advice and "rollout.engine_mem_fraction <= " in advice, advice
+    assert "model.recompute" not in advice  # the training phase fits: no training advice
+    for key in ("distill.teacher_mem_fraction", "rollout.engine_mem_fraction"):
+        value = advice.split(f"{key} <= ")[1].split(";")[0]
+        assert _plan(STARTED + [f"{key}={value}"]).fits, (key, value)
 
 
 def test_started_teachers_beyond_the_node_add_no_row_and_the_note_says_so():
