@@ -70,6 +70,7 @@ class Distill(Feature):
     field = "distill.teachers"
     metrics = (
         "distill/reverse_kl",
+        "distill/clip_frac",
         "distill/teacher_score_s",
         "distill/tokens",
         "perf/teacher_wait_s",

@@ -117,10 +117,12 @@ def topk_reverse_kl(student: Tensor, teacher: Tensor, mask: Tensor) -> Tensor:
 class DistillTerm:
     """objective: the scalar J_token(A^d) of this rank's tokens (before the normalizer; maximized).
     reverse_kl_sum: sum over this rank's response tokens of old - teacher (the k1 estimate of the
-    reverse KL, detached)."""
+    reverse KL, detached). cut_tok [N] bool: where the policy's clip cuts the distillation term's
+    gradient off (the advantage objectives; None for the top-k divergences, which are not clipped)."""
 
     objective: Tensor
     reverse_kl_sum: Tensor
+    cut_tok: Tensor | None = None
 
 
 def distill_objective(
@@ -151,4 +153,4 @@ def distill_objective(
     adv = objective.fn(old, teacher, mask)
     token_form = POLICY_LOSSES["gspo_token"] if spec.sequence_ratio else spec
     terms: ObjectiveTerms = token_form.fn(replace(inputs, adv_seq=None, adv_tok=adv), clip_low, clip_high)
-    return DistillTerm(terms.objective, rkl)
+    return DistillTerm(terms.objective, rkl, terms.cut_tok)

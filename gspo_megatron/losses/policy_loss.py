@@ -442,6 +442,8 @@ def _metrics(
                 vals["tis_capped_fraction"] = seq_mean(tis[1])
         if distill is not None:  # token means over this (CP) rank's response tokens
             vals["distill_reverse_kl"] = distill.reverse_kl_sum / ntok
+            if distill.cut_tok is not None:  # the share of response tokens whose distillation term is clipped
+                vals["distill_clip_fraction"] = (distill.cut_tok & mask).sum() / ntok
         for name, flag in checks.items():
             vals["_bad_" + name] = flag
         floats = torch.stack([v.to(f32).reshape(()) for v in vals.values()]).tolist()

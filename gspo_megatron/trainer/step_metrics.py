@@ -55,6 +55,7 @@ LOSS_MEANS = (
     ("tis_weight_mean", "tis/weight_mean"),
     ("tis_capped_fraction", "tis/capped_frac"),
     ("distill_reverse_kl", "loss/distill_reverse_kl"),  # distill.coef > 0: mean_t old_t - teacher_t
+    ("distill_clip_fraction", "distill/clip_frac"),  # reverse_kl: tokens whose distillation term is clipped
 )
 _MEAN_KEYS = tuple(key for key, _ in LOSS_MEANS)
 _LOSS_TOTALS = ("num_seqs", "loss", "pg_loss", "mtp_loss")  # sum of num_seqs weights, losses, policy / MTP losses

@@ -82,6 +82,27 @@ def test_the_distillation_term_matches_the_hand_computation(mode, coef, reward_c
     )  # metrics are fp32
 
 
+@pytest.mark.parametrize("mode", ["gspo", "grpo"])
+def test_the_distillation_clip_fraction_counts_the_tokens_the_clip_cuts(mode):
+    """``distill_clip_fraction``: response tokens t whose ratio (gspo: the sequence's s_i, the value
+    of GSPO-token's s_it; grpo: r_t) is beyond the clip on the side its advantage A^d_t pushes to."""
+    lp, old, teacher, adv, mask = _batch()
+    g = torch.Generator().manual_seed(5)
+    shift = torch.tensor([[0.5], [-0.5], [0.1]], dtype=torch.float64)  # sequences beyond either clip edge
+    lp = (old + shift + 0.4 * torch.randn(3, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
+    *_, metrics = _ours(lp, old, teacher, adv, mask, mode, 1.0, 1.0)
+    m = mask > 0
+    delta = torch.where(m, lp.detach() - old, torch.zeros_like(old))
+    ratio = (
+        torch.exp(delta.sum(1, keepdim=True) / m.sum(1, keepdim=True)).expand(3, 5) if mode == "gspo" else delta.exp()
+    )
+    ad = torch.where(m, teacher - old, torch.zeros_like(old))
+    cut = ((ad > 0) & (ratio > 1 + CLIP[1])) | ((ad < 0) & (ratio < 1 - CLIP[0]))
+    want = float(cut[m].double().mean())
+    assert 0 < want < 1  # both kinds of token are in the batch
+    assert metrics["distill_clip_fraction"] == pytest.approx(want, rel=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["gspo", "gspo_token", "grpo"])
 def test_coef_zero_is_the_policy_loss_bitwise(mode):
     """distill.coef = 0: with or without the teacher's log-probs, the loss and its gradient are the
@@ -90,7 +111,7 @@ def test_coef_zero_is_the_policy_loss_bitwise(mode):
     a = _ours(lp, old, teacher, adv, mask, mode, 0.0, 1.0, with_teacher=True)
     b = _ours(lp, old, teacher, adv, mask, mode, 0.0, 1.0, with_teacher=False)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert "distill_reverse_kl" not in a[2]
+    assert "distill_reverse_kl" not in a[2] and "distill_clip_fraction" not in a[2]
 
 
 def test_on_policy_gradient_is_the_dense_advantage():

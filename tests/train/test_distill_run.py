@@ -180,6 +180,7 @@ def test_several_teachers_routed_by_a_data_column(tmp_path, teacher):
     for r in read_metrics(out):
         assert r["distill/reverse_kl/a"] > 0 and r["distill/reverse_kl/b"] > 0, r
         assert r["distill/tokens"] > 0
+        assert 0 <= r["distill/clip_frac"] <= 1, r  # the default sampled-token reverse_kl is clipped
 
 
 def test_inflight_updates_with_a_teacher(tmp_path, teacher):
