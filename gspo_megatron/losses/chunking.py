@@ -22,8 +22,8 @@ def chunk_tokens(chunk_size: int | None, vocab_local: int) -> int:
 
 
 def local_targets(targets: Tensor, vocab_start: int, vocab_local: int) -> tuple[Tensor, Tensor]:
-    """targets [N] global ids -> (column of the target in this shard [N], clamped to a valid column;
-    whether it is in this shard [N] bool)."""
+    """targets [N, K] global ids (K targets per token) -> (column of each target in this shard
+    [N, K], clamped to a valid column; whether it is in this shard [N, K] bool)."""
     local = targets - vocab_start
     in_shard = (local >= 0) & (local < vocab_local)
     return torch.where(in_shard, local, torch.zeros_like(local)), in_shard
@@ -39,23 +39,26 @@ def softmax_chunk_grad(
 ) -> Tensor:
     """Gradient with respect to the scaled logits z = logits / T of one chunk, from its log-softmax.
 
-    Args (all for the chunk's c tokens): logp [c, V/tp] = log p_v (overwritten: the result reuses
-    its memory); entropy [c] H; grad_logprobs [c] (None: no log-prob gradient; 0 for ignored
-    targets); grad_entropy [c] (None: no entropy gradient); col, in_shard [c] from :func:`local_targets`.
-    Returns g [c, V/tp] = grad_logprobs * (1[v = y] - p_v) + grad_entropy * (-p_v (log p_v + H));
-    the caller multiplies by dz/dlogits = 1/T. At least one of the two gradients is given.
+    Args (all for the chunk's c tokens, K targets each): logp [c, V/tp] = log p_v (overwritten: the
+    result reuses its memory); entropy [c] H; grad_logprobs [c, K] (None: no log-prob gradient; 0
+    for ignored targets); grad_entropy [c] (None: no entropy gradient); col, in_shard [c, K] from
+    :func:`local_targets`.
+    Returns g [c, V/tp] = sum_k grad_logprobs_k * (1[v = y_k] - p_v) + grad_entropy * (-p_v (log p_v + H));
+    the caller multiplies by dz/dlogits = 1/T. At least one of the two gradients is given. (K = 1
+    is the same arithmetic as one target: the sum over k of one term is that term.)
     """
     p = torch.exp(logp)
+    g_sum = None if grad_logprobs is None else grad_logprobs.sum(dim=-1)  # [c]: sum_k g_k
     if grad_entropy is not None:  # dH/dz = -p (log p + H)
         assert entropy is not None  # the entropy gradient comes with the entropy
         g = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
-        if grad_logprobs is not None:
-            g.sub_(p.mul_(grad_logprobs[:, None]))
+        if g_sum is not None:
+            g.sub_(p.mul_(g_sum[:, None]))
     else:
-        assert grad_logprobs is not None  # at least one of the two gradients is given
-        g = p.mul_(-grad_logprobs[:, None])
+        assert g_sum is not None  # at least one of the two gradients is given
+        g = p.mul_(-g_sum[:, None])
     del p
     if grad_logprobs is not None:
         g_y = torch.where(in_shard, grad_logprobs, torch.zeros_like(grad_logprobs))
-        g.scatter_add_(1, col[:, None], g_y[:, None])
+        g.scatter_add_(1, col, g_y)
     return g

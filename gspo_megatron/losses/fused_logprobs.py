@@ -5,7 +5,8 @@ weight: the output layer fused with the softmax statistics, chunked over tokens,
 Every tensor-parallel rank calls :func:`fused_vocab_parallel_logprobs` with the same hidden states
 [N, H] (the full sequence: after sequence-parallel gather), its shard of the output weight
 [V/tp, H] (rank r holds rows [r * V/tp, (r + 1) * V/tp): Megatron's ColumnParallelLinear layout, also
-the tied embedding's), and the same targets [N]. Forward, per chunk of c tokens:
+the tied embedding's), and the same targets [N] (or [N, K]: K targets per token in the same pass,
+e.g. a teacher's top-k ids; z_y below is then one column per target). Forward, per chunk of c tokens:
 
     z = (h @ W_r^T).float() / temperature                  [c, V/tp], the GEMM in the weight's dtype
     m_r = max_v z,  S_r = sum_v exp(z - m_r),  E_r = sum_v exp(z - m_r) * (z - m_r),  z_y (if local)
@@ -69,13 +70,14 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
         col, in_shard = local_targets(targets, vocab_start, valid_cols)
 
         dev = hidden.device
+        k = targets.shape[1]
         m_loc = torch.full((n,), -torch.inf, dtype=cdt, device=dev)
-        stats = torch.zeros(3, n, dtype=cdt, device=dev)  # S_r, E_r, z_y (local, unshifted)
+        stats = torch.zeros(2 + k, n, dtype=cdt, device=dev)  # S_r, E_r, z_y1 .. z_yK (local, unshifted)
         for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
             z = (hidden[lo:hi].to(weight.dtype) @ w.t()).to(cdt).div_(temperature)  # [c, V/tp]
-            zy = z.gather(1, col[lo:hi, None]).squeeze(1)
-            stats[2, lo:hi] = torch.where(in_shard[lo:hi], zy, torch.zeros_like(zy))
+            zy = z.gather(1, col[lo:hi])  # [c, K]
+            stats[2:, lo:hi] = torch.where(in_shard[lo:hi], zy, torch.zeros_like(zy)).t()
             mr = z.max(dim=-1).values
             m_loc[lo:hi] = mr
             z.sub_(mr[:, None])
@@ -90,18 +92,14 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
         has = torch.isfinite(m_loc)  # a rank whose shard is all padding contributes nothing
         delta = torch.where(has, m_loc - m, torch.zeros_like(m))
         a = torch.where(has, torch.exp(delta), torch.zeros_like(m))
-        red = torch.stack(
-            [
-                a * stats[0],
-                a * (stats[1] + delta * stats[0]),
-                torch.where(in_shard, stats[2] - m, torch.zeros_like(m)),
-            ]
-        )
+        zy_shifted = torch.where(in_shard.t(), stats[2:] - m, torch.zeros_like(stats[2:]))  # [K, N]
+        red = torch.cat([torch.stack([a * stats[0], a * (stats[1] + delta * stats[0])]), zy_shifted])
         if multi:
             dist.all_reduce(red, op=dist.ReduceOp.SUM, group=tp_group)
         log_sum = red[0].log()
-        valid = (targets >= 0) & (targets < vocab_size)
-        logprobs = torch.where(valid, red[2] - log_sum, torch.zeros_like(log_sum))
+        valid = (targets >= 0) & (targets < vocab_size)  # [N, K]
+        zy_all = red[2:].t()  # [N, K]
+        logprobs = torch.where(valid, zy_all - log_sum[:, None], torch.zeros_like(zy_all))
         entropy = log_sum - red[1] / red[0] if with_entropy else logprobs.new_zeros(0)
 
         ctx.save_for_backward(hidden, weight, col, in_shard, valid, m + log_sum, entropy)
@@ -166,14 +164,15 @@ def fused_vocab_parallel_logprobs(
     Args:
         hidden: [..., H] hidden states entering the output layer, identical on every TP rank.
         weight: [V/tp, H] this rank's vocab shard of the output (or tied embedding) weight.
-        targets: [...] global token ids; ids outside [0, vocab) give log-prob 0 with no gradient.
+        targets: [...] global token ids, or [..., K] (as many dimensions as ``hidden``): K targets
+            per token scored in one pass; ids outside [0, vocab) give log-prob 0 with no gradient.
         tp_group: tensor-parallel group (``None``: the whole vocab is local).
         temperature: logits are divided by it (the rollout engine's sampling temperature).
         chunk_size: tokens per chunk; default keeps one [chunk, V/tp] fp32 temporary near 256 MiB.
         with_entropy: also return the entropy [...] (else ``None``).
         vocab_size: the real vocabulary when the output layer is padded (padded rows left out).
     Returns:
-        (logprobs [...], entropy [...] or None) in fp32 (fp64 for an fp64 weight), identical on every
+        (logprobs [...] (or [..., K]), entropy [...] or None) in fp32 (fp64 for an fp64 weight), identical on every
         TP rank; differentiable in ``hidden`` (this rank's partial gradient, see the module docstring)
         and ``weight``. Every rank of ``tp_group`` calls it (collectives).
     """
@@ -181,7 +180,8 @@ def fused_vocab_parallel_logprobs(
         raise ValueError(
             f"hidden [..., H] and weight [V/tp, H] disagree: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}"
         )
-    if hidden.shape[:-1] != targets.shape:
+    several = targets.dim() == hidden.dim()  # [..., K] targets
+    if hidden.shape[:-1] != (targets.shape[:-1] if several else targets.shape):
         raise ValueError(
             f"hidden [..., H] and targets [...] disagree: hidden {tuple(hidden.shape)}, targets {tuple(targets.shape)}"
         )
@@ -196,11 +196,12 @@ def fused_vocab_parallel_logprobs(
     tp = group_size(tp_group)
     if vocab_size is not None and not (1 <= vocab_size <= weight.shape[0] * tp):
         raise ValueError(f"vocab_size must be in [1, V/tp * tp = {weight.shape[0] * tp}], got {vocab_size}")
-    lead = targets.shape
+    lead = hidden.shape[:-1]
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-    flat_t = targets.reshape(-1).long()
+    flat_t = targets.reshape(flat_h.shape[0], targets.shape[-1] if several else 1).long()  # [N, K]
     chunk = chunk_tokens(chunk_size, weight.shape[0])
     logprobs, entropy = _FusedVocabParallelLogprobs.apply(
         flat_h, weight, flat_t, tp_group, float(temperature), chunk, with_entropy, vocab_size
     )
-    return logprobs.view(lead), (entropy.view(lead) if with_entropy else None)
+    logprobs = logprobs.view(targets.shape) if several else logprobs.view(lead)
+    return logprobs, (entropy.view(lead) if with_entropy else None)

@@ -185,28 +185,26 @@ def make_megatron_loss_func(
 
         def student_topk(out: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
             """(student, teacher) log-probs [N, K] of the teacher's top-k tokens: one vocab-parallel
-            log-prob pass per k over the same logits (or fused head), exact across TP ranks. A
-            teacher token outside the student's vocabulary (``vocab_size``: the padded rows) gets
-            teacher log-prob -1e4 (weight 0 in the renormalized top-k) and is scored as token 0."""
+            log-prob pass over the same logits (or fused head) scoring all K ids (K targets per
+            token: the softmax statistics computed once), exact across TP ranks. A teacher token
+            outside the student's vocabulary (``vocab_size``: the padded rows) gets teacher log-prob
+            -1e4 (weight 0 in the renormalized top-k) and is scored as token 0."""
             ids, teacher = batch["teacher_topk_ids"], batch["teacher_topk_logprobs"]
             if vocab_size is not None:
                 outside = ids >= vocab_size
                 ids = torch.where(outside, torch.zeros_like(ids), ids)
                 teacher = torch.where(outside, torch.full_like(teacher, -1e4), teacher)
-            cols = [
-                token_logprobs(
-                    out,
-                    ids[..., k],
-                    weight,
-                    tp_group=tp_group,
-                    temperature=temperature,
-                    chunk_size=chunk_size,
-                    with_entropy=False,
-                    vocab_size=vocab_size,
-                )[0]
-                for k in range(ids.shape[-1])
-            ]
-            return torch.stack(cols, dim=-1).reshape(-1, ids.shape[-1]), teacher.reshape(-1, ids.shape[-1])
+            student, _ = token_logprobs(
+                out,
+                ids,
+                weight,
+                tp_group=tp_group,
+                temperature=temperature,
+                chunk_size=chunk_size,
+                with_entropy=False,
+                vocab_size=vocab_size,
+            )
+            return student.reshape(-1, ids.shape[-1]), teacher.reshape(-1, ids.shape[-1])
 
         def flat(key: str) -> Tensor:  # one of REQUIRED_KEYS (_check_batch)
             return batch[key].reshape(-1)

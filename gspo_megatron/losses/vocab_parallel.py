@@ -1,7 +1,9 @@
 """Log-probs and entropy of target tokens from vocab-parallel logits, chunked over tokens.
 
 Every tensor-parallel rank calls :func:`vocab_parallel_logprobs` with its vocab shard of the logits
-[N, V/tp] (rank r holds ids [r * V/tp, (r + 1) * V/tp), Megatron's layout) and the same targets [N].
+[N, V/tp] (rank r holds ids [r * V/tp, (r + 1) * V/tp), Megatron's layout) and the same targets [N]
+(or [N, K]: K targets per token, e.g. a teacher's top-k ids, scored in the same pass: the softmax
+statistics are shared, only the gathered columns differ).
 Forward, over chunks of tokens (at most ``chunk_size`` x V/tp fp32 values alive at once):
 
     z = logits.float() / temperature                        (exactly as the rollout engine scales)
@@ -58,18 +60,20 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         if multi:
             dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
 
-        # Pass 2: sum exp, target logit, sum exp * z (all shifted by the global max).
-        stats = torch.zeros(3 if with_entropy else 2, n, dtype=cdt, device=logits.device)
+        # Pass 2: sum exp, the K target logits, sum exp * z (all shifted by the global max); rows
+        # [S, z_y1 .. z_yK, E] of one tensor, so that one collective sums them all.
+        k = targets.shape[1]
+        stats = torch.zeros(1 + k + (1 if with_entropy else 0), n, dtype=cdt, device=logits.device)
         col, in_shard = local_targets(targets, vocab_start, valid_cols)
         for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
             z = logits[lo:hi].to(cdt, copy=True).div_(temperature).sub_(shift[lo:hi, None])  # [c, V/tp]
-            zy = z.gather(1, col[lo:hi, None]).squeeze(1)
-            stats[1, lo:hi] = torch.where(in_shard[lo:hi], zy, torch.zeros_like(zy))
+            zy = z.gather(1, col[lo:hi])  # [c, K]
+            stats[1 : 1 + k, lo:hi] = torch.where(in_shard[lo:hi], zy, torch.zeros_like(zy)).t()
             if with_entropy:
                 e = torch.exp(z)
                 stats[0, lo:hi] = e.sum(dim=-1)
-                stats[2, lo:hi] = (e.mul_(z)).sum(dim=-1)
+                stats[1 + k, lo:hi] = (e.mul_(z)).sum(dim=-1)
                 del e
             else:
                 stats[0, lo:hi] = z.exp_().sum(dim=-1)
@@ -78,9 +82,10 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
 
         log_sum = stats[0].log()
-        valid = (targets >= 0) & (targets < vocab_size)
-        logprobs = torch.where(valid, stats[1] - log_sum, torch.zeros_like(log_sum))
-        entropy = log_sum - stats[2] / stats[0] if with_entropy else logprobs.new_zeros(0)
+        valid = (targets >= 0) & (targets < vocab_size)  # [N, K]
+        zy_all = stats[1 : 1 + k].t()  # [N, K]
+        logprobs = torch.where(valid, zy_all - log_sum[:, None], torch.zeros_like(zy_all))
+        entropy = log_sum - stats[1 + k] / stats[0] if with_entropy else logprobs.new_zeros(0)
 
         ctx.save_for_backward(logits_all, col, in_shard, valid, shift, log_sum, entropy)
         ctx.temperature = temperature
@@ -137,8 +142,9 @@ def vocab_parallel_logprobs(
 
     Args:
         logits: [..., V/tp] this rank's vocab shard (any float dtype; math in fp32).
-        targets: [...] global token ids (long). Ids outside [0, V) (e.g. -100 padding) give log-prob 0
-            with no gradient (their entropy is still computed).
+        targets: [...] global token ids (long), or [..., K] (as many dimensions as ``logits``): K
+            targets per token scored in one pass. Ids outside [0, V) (e.g. -100 padding) give
+            log-prob 0 with no gradient (their entropy is still computed).
         tp_group: tensor-parallel group (``None``: the full vocab is local).
         temperature: the rollout engine's sampling temperature (logits are divided by it).
         chunk_size: tokens per chunk; default keeps one [chunk, V/tp] fp32 temporary near 256 MiB.
@@ -147,11 +153,12 @@ def vocab_parallel_logprobs(
             (V/tp * tp > vocab_size): padded columns are left out of the softmax, as in the rollout
             engine, and get zero gradient. None: every column is a real token.
     Returns:
-        (logprobs [...], entropy [...] or None), fp32 (fp64 for fp64 logits), identical on every TP rank; differentiable
-        with respect to ``logits``.
+        (logprobs [...] (or [..., K]), entropy [...] or None), fp32 (fp64 for fp64 logits), identical
+        on every TP rank; differentiable with respect to ``logits``.
     Called by every rank of ``tp_group`` with the same targets (it runs collectives).
     """
-    if logits.dim() < 1 or logits.shape[:-1] != targets.shape:
+    several = logits.dim() >= 1 and targets.dim() == logits.dim()  # [..., K] targets
+    if logits.dim() < 1 or logits.shape[:-1] != (targets.shape[:-1] if several else targets.shape):
         raise ValueError(
             f"logits [..., V/tp] and targets [...] disagree: logits {tuple(logits.shape)}, "
             f"targets {tuple(targets.shape)}"
@@ -168,11 +175,13 @@ def vocab_parallel_logprobs(
         raise ValueError(
             f"vocab_size must be in [1, V/tp * tp = {logits.shape[-1] * group_size(tp_group)}], got {vocab_size}"
         )
-    lead = targets.shape
+    lead = logits.shape[:-1]
     flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_targets = targets.reshape(-1).long()
+    k = targets.shape[-1] if several else 1
+    flat_targets = targets.reshape(flat_logits.shape[0], k).long()  # [N, K]
     chunk = chunk_tokens(chunk_size, flat_logits.shape[1])
     logprobs, entropy = _VocabParallelLogprobs.apply(
         flat_logits, flat_targets, tp_group, float(temperature), chunk, with_entropy, vocab_size
     )
-    return logprobs.view(lead), (entropy.view(lead) if with_entropy else None)
+    logprobs = logprobs.view(targets.shape) if several else logprobs.view(lead)
+    return logprobs, (entropy.view(lead) if with_entropy else None)

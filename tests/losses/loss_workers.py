@@ -18,7 +18,7 @@ CASES = [
     ("grpo", dict(tis_cap=1.05, tis_level="sequence", tis_mode="mask")),
     # on-policy distillation (losses/distill_loss.py): the sampled-token reverse KL through the
     # policy's ratio, and the top-k divergences over the student's vocab-parallel log-probs of the
-    # teacher's top-k ids (one pass per k, as megatron_loss.student_topk)
+    # teacher's top-k ids (K targets per token in one pass, as megatron_loss.student_topk)
     ("grpo", dict(distill_coef=0.5, distill_loss="reverse_kl", kl_coef=0.05, kl_estimator="k3")),
     ("gspo", dict(distill_coef=0.7, distill_loss="reverse_kl", reward_coef=0.0, tis_cap=1.1)),
     ("gspo", dict(distill_coef=0.3, distill_loss="topk_forward_kl", entropy_coef=0.01)),
@@ -33,14 +33,9 @@ def loss_from_logits(logits, data, mode, options, *, tp_group=None, cp_group=Non
     cfg = PolicyLossConfig(mode=mode, clip_low=clip[0], clip_high=clip[1], **options)
     topk = None
     if cfg.distill_loss.startswith("topk"):
-        ids = data["topk_ids"]
-        cols = [
-            vocab_parallel_logprobs(
-                logits, ids[:, k], tp_group=tp_group, temperature=0.8, chunk_size=5, with_entropy=False
-            )[0]
-            for k in range(ids.shape[1])
-        ]
-        topk = (torch.stack(cols, dim=-1), data["topk_teacher"])
+        ids = data["topk_ids"]  # [N, K]: all K scored in one vocab-parallel pass
+        student = vocab_parallel_logprobs(logits, ids, tp_group=tp_group, temperature=0.8, chunk_size=5)[0]
+        topk = (student, data["topk_teacher"])
     return policy_loss_flat(
         lp,
         data["old"],
