@@ -25,7 +25,7 @@ import uuid
 import psutil
 import pytest
 
-from train_utils import REPO
+from train_utils import REPO, train_cmd, train_env
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
@@ -54,34 +54,29 @@ def start_trainer(tmp_path, marker: str, extra_env: dict, max_new_tokens: int = 
     reward = tmp_path / "slow_reward.py"
     reward.write_text(REWARD_SRC)
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_megatron.train",
-        "--config",
-        os.path.join(REPO, "configs/demo_cpu.yaml"),
-        f"output_dir={out}",
-        "train.steps=50",
-        f"rollout.prompts_per_step={PROMPTS}",
-        f"rollout.group_size={GROUP}",
-        f"rollout.max_new_tokens={max_new_tokens}",
-        f"model.max_seq_len={40 + max_new_tokens}",
-        "rollout.dynamic_sampling=false",
-        "parallel.micro_batch_size=4",
-        "gspo.mini_batches=1",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-        "checkpoint.interval=1",
-        "checkpoint.keep_last=2",
-        "rollout.engine_process=true",
-        "reward.num_workers=1",
-        f"reward.function={reward}:score",
-        "reward.timeout_s=900",
-    ]
+    cmd = train_cmd(
+        str(out),
+        [
+            "train.steps=50",
+            f"rollout.prompts_per_step={PROMPTS}",
+            f"rollout.group_size={GROUP}",
+            f"rollout.max_new_tokens={max_new_tokens}",
+            f"model.max_seq_len={40 + max_new_tokens}",
+            "rollout.dynamic_sampling=false",
+            "parallel.micro_batch_size=4",
+            "gspo.mini_batches=1",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "checkpoint.interval=1",
+            "checkpoint.keep_last=2",
+            "rollout.engine_process=true",
+            "reward.num_workers=1",
+            f"reward.function={reward}:score",
+            "reward.timeout_s=900",
+        ],
+    )
     env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
+        train_env(),
         GSPO_TEST_MARKER=marker,
         GSPO_TEST_REWARD_LOG=str(tmp_path / "reward_calls.log"),
         **extra_env,

@@ -14,11 +14,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 from subprocess_utils import popen_group
-from train_utils import FAST, REPO, read_metrics, run_train
+from train_utils import FAST, REPO, read_metrics, run_train, train_cmd, train_env
 
 DISAGG = [
     "rollout.engine=sglang",
@@ -49,20 +48,8 @@ def test_offpolicy_run_keeps_the_staleness_bound(tmp_path):
 def test_killed_offpolicy_run_resumes(tmp_path):
     out = str(tmp_path / "run")
     steps = 5
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_megatron.train",
-        "--config",
-        os.path.join(REPO, "configs/demo_cpu.yaml"),
-        f"output_dir={out}",
-        *FAST,
-        *DISAGG,
-        "rollout.max_staleness=2",
-        f"train.steps={steps}",
-        "checkpoint.interval=2",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = train_cmd(out, [*FAST, *DISAGG, "rollout.max_staleness=2", f"train.steps={steps}", "checkpoint.interval=2"])
+    env = train_env()
     metrics = os.path.join(out, "metrics.jsonl")
 
     def logged() -> list[int]:

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from subprocess_utils import popen_group, run_group
-from train_utils import FAST, REPO, read_metrics, run_train
+from train_utils import FAST, REPO, read_metrics, run_train, train_cmd
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import fault_injection
@@ -235,18 +235,7 @@ def test_an_engine_that_keeps_dying_stops_the_run(tmp_path):
     re-sync, retry), the second stops every rank with one clear error."""
     out = str(tmp_path / "dying")
     log_path = tmp_path / "log.txt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_megatron.train",
-        "--config",
-        os.path.join(REPO, "configs/demo_cpu.yaml"),
-        f"output_dir={out}",
-        *FAST,
-        "train.steps=30",
-        "rollout.engine_process=true",
-        "rollout.max_engine_restarts=1",
-    ]
+    cmd = train_cmd(out, [*FAST, "train.steps=30", "rollout.engine_process=true", "rollout.max_engine_restarts=1"])
     killed: list[int] = []
 
     def log() -> str:
