@@ -339,7 +339,7 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     elif stage == p.pp - 1:
         s.train_items.append(("logits + grad (vocab-parallel)", tokens * d.vocab_size / p.tp * 2 * wb))
     s.train_items.append(("runtime overhead (CUDA context, NCCL, allocator)", RUNTIME_OVERHEAD_GIB * GIB))
-    ctx = _plan_context(plan_args, per_stage)
+    ctx = _plan_context(plan_args, per_stage, stage=stage)
     for f in enabled_features(cfg):  # routing replay's routes, owner-direct's contexts, adapter sync's kept weights
         s.train_items += f.train_rows(ctx)
     if ctx.colocated:  # the engines' rows on the training GPUs
@@ -350,7 +350,7 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     return s
 
 
-def _plan_context(plan_args: dict, stage_layers: int, engine_gpu: bool = False) -> PlanContext:
+def _plan_context(plan_args: dict, stage_layers: int, engine_gpu: bool = False, stage: int = 0) -> PlanContext:
     """What the components (``features/``) are told of the GPU planned (``features.base.PlanContext``)."""
     cfg, d = plan_args["cfg"], plan_args["dims"]
     rank = cfg.model.lora.rank
@@ -365,6 +365,7 @@ def _plan_context(plan_args: dict, stage_layers: int, engine_gpu: bool = False) 
         colocated=sync_mode(cfg.rollout.sync_mode).colocated,
         engine_gpu=engine_gpu,
         adapter_params=sum(sum(lora_layer_params(d, i, rank)) for i in range(d.num_layers)) if rank > 0 else 0,
+        stage=stage,
     )
 
 

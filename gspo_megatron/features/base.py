@@ -49,7 +49,8 @@ class PlanContext:
     ``dp``: the training data-parallel size; ``stage_layers``: the layers of a pipeline stage;
     ``colocated``: the engines share the training GPUs; ``engine_gpu``: the GPU planned is an engine's
     own (disaggregated), not a training GPU; ``adapter_params``: the LoRA adapters' parameters of the
-    whole model at ``model.lora.rank`` (0 without LoRA)."""
+    whole model at ``model.lora.rank`` (0 without LoRA); ``stage``: the pipeline stage planned (its
+    GPUs are global ranks ``stage * tp * cp * dp`` onwards: pipeline is the slowest rank dimension)."""
 
     cfg: Any
     dims: Any
@@ -61,6 +62,7 @@ class PlanContext:
     colocated: bool
     engine_gpu: bool = False
     adapter_params: int = 0
+    stage: int = 0
 
 
 class Feature:

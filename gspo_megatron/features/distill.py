@@ -128,12 +128,16 @@ class Distill(Feature):
         return e
 
     def _teacher_row(self, ctx: PlanContext) -> list[Row]:
-        """Started teachers span ``teacher_tp`` GPUs of rank 0's node each and hold
-        ``teacher_mem_fraction`` of each while generating (released while the student trains)."""
-        d = ctx.cfg.distill
+        """Started teachers span ``teacher_tp`` GPUs of rank 0's node each (its GPUs 0.., global
+        ranks 0..: distill/teacher_servers.py) and hold ``teacher_mem_fraction`` of each while
+        generating (released while the student trains); a pipeline stage whose first rank is beyond
+        them holds none."""
+        d, p = ctx.cfg.distill, ctx.cfg.parallel
         started = [t for t in parse_teachers(d.teachers)[0] if t.started_here]
         gpus = len(started) * d.engines_per_teacher * d.teacher_tp
         if not started or ctx.engine_gpu or gpus > ctx.gpus_per_node:  # (notes() says it does not fit)
+            return []
+        if ctx.stage * p.tp * p.cp * ctx.dp >= gpus:
             return []
         label = f"distill teachers ({len(started)} started, mem_fraction {d.teacher_mem_fraction})"
         return [(label, d.teacher_mem_fraction * ctx.gpu_bytes)]

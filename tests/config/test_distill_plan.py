@@ -114,3 +114,28 @@ def test_a_started_teacher_is_counted_when_the_student_engines_are_elsewhere():
     )
     assert any(n.startswith("distill: 1 teacher(s) started") for n in plan.notes)  # the note is there
     assert _teacher_rows(plan), "no row for the started teacher on the training GPUs"
+
+
+def test_only_the_pipeline_stages_on_the_teachers_gpus_hold_them():
+    """The started teachers take GPUs 0.. of rank 0's node (global ranks 0..); pipeline is the slowest
+    rank dimension, so with pp 2 over 2 nodes of 8 the last stage (ranks 8..15) holds none, and with
+    teachers on all 8 GPUs of the node neither does it, while stage 0 always does."""
+    plan = _plan(ROOM + STARTED + ["parallel.pp=2"])
+    first, last = plan.stages[0], plan.stages[-1]
+    assert (first.stage, last.stage) == (0, 1)
+    assert [lbl for lbl, _ in first.rollout_items if lbl.startswith("distill teachers")]
+    assert not [lbl for lbl, _ in last.rollout_items if lbl.startswith("distill teachers")]
+    one_node = make_plan(
+        load_config(RECIPE, ROOM + STARTED + ["parallel.pp=2", "parallel.ep=4"], check_files=False), 1, GPUS, MEM_GB
+    )
+    # one node: stage 1 is ranks 4..7, beyond one teacher's single GPU
+    assert not [lbl for lbl, _ in one_node.stages[-1].rollout_items if lbl.startswith("distill teachers")]
+    wide = make_plan(
+        load_config(
+            RECIPE, ROOM + STARTED + ["parallel.pp=2", "parallel.ep=4", "distill.teacher_tp=8"], check_files=False
+        ),
+        1,
+        GPUS,
+        MEM_GB,
+    )
+    assert all([lbl for lbl, _ in s.rollout_items if lbl.startswith("distill teachers")] for s in wide.stages)
