@@ -76,7 +76,9 @@ class HostArena:
 
     def reserve(self, nbytes: int) -> None:
         """Start allocating ``nbytes`` in a daemon thread (torch releases the GIL while it allocates);
-        returns at once. One reservation at a time."""
+        returns at once. One reservation at a time. (The thread's current CUDA device does not
+        matter: PyTorch's host allocator pins through a device that already has a primary context,
+        and pinned memory is usable from every device under unified addressing.)"""
         if self._thread is not None:
             raise RuntimeError("HostArena.reserve: a reservation is already running or done")
         self._thread = threading.Thread(target=self._reserve, args=(int(nbytes),), name="host-arena", daemon=True)
