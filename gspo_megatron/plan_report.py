@@ -155,14 +155,12 @@ def _floor2(x: float) -> str:
 def _advice(plan: Plan) -> str:
     cfg = plan.cfg
     tips = []
-    if any(s.rollout_items and s.kv_cache <= 0 for s in plan.stages + [plan.engine_gpu] if s):
+    offload_helps = sync_mode(cfg.rollout.sync_mode).colocated and not OFFLOAD.enabled(cfg)
+    kv_full = any(s.rollout_items and s.kv_cache <= 0 for s in plan.stages + [plan.engine_gpu] if s)
+    if kv_full:
         tips.append(
             "no room for the KV cache: raise rollout.engine_mem_fraction or rollout.engine_tp"
-            + (
-                ", or set rollout.offload_train=true"
-                if sync_mode(cfg.rollout.sync_mode).colocated and not OFFLOAD.enabled(cfg)
-                else ""
-            )
+            + (", or set rollout.offload_train=true" if offload_helps else "")
         )
     over = max((s.rollout_peak - plan.gpu_bytes for s in plan.stages if s.rollout_items), default=0.0)
     if over > 0:  # the rollout phase: the engines' share, a started teacher's, what stays resident
@@ -174,7 +172,7 @@ def _advice(plan: Plan) -> str:
             if d.teacher_mem_fraction - frac > 0:
                 tips.append(f"distill.teacher_mem_fraction <= {_floor2(d.teacher_mem_fraction - frac)}")
             tips.append("serve the teachers from their own nodes (distill.teachers NAME=URL)")
-        if sync_mode(r.sync_mode).colocated and not OFFLOAD.enabled(cfg):
+        if offload_helps and not kv_full:  # (the KV cache tip already names it)
             tips.append("rollout.offload_train=true")
     if plan.worst.train_peak > plan.gpu_bytes:
         if not cfg.model.recompute:

@@ -69,6 +69,7 @@ def test_the_recipe_as_shipped_has_no_room_for_a_started_teacher():
     advice = _advice(plan)
     assert "distill.teacher_mem_fraction <= " in advice and "rollout.engine_mem_fraction <= " in advice, advice
     assert "model.recompute" not in advice  # the training phase fits: no training advice
+    assert advice.count("rollout.offload_train") == 1, advice
     for key in ("distill.teacher_mem_fraction", "rollout.engine_mem_fraction"):
         value = advice.split(f"{key} <= ")[1].split(";")[0]
         assert _plan(STARTED + [f"{key}={value}"]).fits, (key, value)

@@ -69,23 +69,7 @@ def test_moved_bytes_cover_the_state():
     """One process, fp32, no DDP bookkeeping: the bytes moved are exactly params + grads + Adam."""
     from gspo_megatron.trainer.offload import TrainStateOffloader
 
-    class Chunk(torch.nn.Module):  # the attributes the offloader reads from a Megatron DDP module
-        buffers: list = []
-        expert_parallel_buffers: list = []
-
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Parameter(torch.randn(5, 3))
-            self.b = torch.nn.Parameter(torch.randn(7))
-
-    class Opt:  # a Megatron optimizer's shape: .optimizer is the torch optimizer
-        pass
-
-    m, opt = Chunk(), Opt()
-    opt.optimizer = torch.optim.Adam(m.parameters())
-    for p in m.parameters():
-        p.grad = torch.randn_like(p)
-        p.main_grad = p.grad  # shares the storage: counted once
+    m, opt = _adam_chunk((5, 3))  # main_grad shares the grad's storage: counted once
     opt.optimizer.step()
     n = 15 + 7
     expected = 4 * (n + n + 2 * n) + 2 * 4  # params, grads, exp_avg + exp_avg_sq, two fp32 step tensors
@@ -192,9 +176,10 @@ def test_loaded_call_brings_the_state_back_for_the_call():
     assert p.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-def _adam_chunk():
-    """A one-process model shaped like a Megatron DDP chunk (the attributes the offloader reads) with
-    a Megatron-shaped optimizer around torch's Adam, no state yet (as at start-up)."""
+def _adam_chunk(shape_a: tuple[int, ...] = (50, 3)):
+    """A one-process model shaped like a Megatron DDP chunk (the attributes the offloader reads:
+    parameters ``a`` of ``shape_a`` and ``b`` [7], their grads, ``main_grad`` sharing the grad's
+    storage) with a Megatron-shaped optimizer around torch's Adam, no state yet (as at start-up)."""
 
     class Chunk(torch.nn.Module):
         buffers: list = []
@@ -202,10 +187,10 @@ def _adam_chunk():
 
         def __init__(self):
             super().__init__()
-            self.a = torch.nn.Parameter(torch.randn(50, 3))
+            self.a = torch.nn.Parameter(torch.randn(*shape_a))
             self.b = torch.nn.Parameter(torch.randn(7))
 
-    class Opt:
+    class Opt:  # a Megatron optimizer's shape: .optimizer is the torch optimizer
         pass
 
     m, opt = Chunk(), Opt()
