@@ -80,6 +80,7 @@ NEEDS_TE = [
     "tests/gpu/test_fp8_te_gpu.py",
     "tests/gpu/test_packing_gpu.py",  # THD packing runs through Transformer Engine
     "tests/gpu/test_deepseek_v3_te_gpu.py",  # MLA / DSA on TE's layer spec against transformers
+    "tests/gpu/test_lora_te_gpu.py",  # LoRA on TE's linears and grouped expert GEMM against the local spec's
 ]
 NOT_IN_KIT = ["tests/gpu/test_sglang_gpu.py"]
 TEST_LISTS = {"GPU_TESTS": GPU_TESTS, "NEEDS_SGLANG": NEEDS_SGLANG, "NEEDS_TE": NEEDS_TE, "NOT_IN_KIT": NOT_IN_KIT}

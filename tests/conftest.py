@@ -31,6 +31,7 @@ LONG_FILES = (
     "train/test_qwen3_5_vl_run.py",
     "models/test_deepseek_v3_te.py",
     "models/test_dsa_te.py",
+    "models/test_lora_te.py",
     "models/test_hf_config_spellings.py",
     "train/test_run_paths.py",
     "train/test_route_replay_run.py",

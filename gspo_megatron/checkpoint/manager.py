@@ -471,6 +471,18 @@ def _check_compatible(ckpt_dir: str, meta: dict, optimizer) -> None:
         )
 
 
+def _load_model_state(model, state: dict) -> None:
+    """``model.load_state_dict(state)``, strict but for Transformer Engine's ``_extra_state`` (FP8
+    metadata) that megatron-core leaves out of a module's sharded state dict: TEDotProductAttention's
+    ``sharded_state_dict`` holds only its learnable softmax offset, while TE's module still reports
+    ``core_attention._extra_state`` (megatron-core 0.16.1 extensions/transformer_engine.py). Such a
+    module keeps the extra state it has (Megatron-LM's loader falls back to strict=False for it)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state") or k in state]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint model state: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
+
+
 def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool, retry: bool = False) -> tuple[int, Any]:
     from megatron.core import dist_checkpointing
 
@@ -484,7 +496,7 @@ def _load_one(ckpt_dir: str, model, optimizer, scheduler, restore_rng: bool, ret
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, metadata=md)
     with direct_reads():  # each item read into its tensor (no buffer + torch.load + copy_)
         loaded = dist_checkpointing.load(state, os.path.join(ckpt_dir, DIST_SUBDIR), strict="assume_ok_unexpected")
-    unwrap(model).load_state_dict(loaded["model"], strict=True)
+    _load_model_state(unwrap(model), loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
         _fix_adam_steps(optimizer)

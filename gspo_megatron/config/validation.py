@@ -171,9 +171,9 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
                 f"model.lora.target_modules entry {t!r} must end in one of {', '.join(known)}",
             )
         need(
-            m.transformer_impl != "transformer_engine" and not m.fp8,
-            "model.lora needs Megatron's local layer spec (model.transformer_impl=local or auto without "
-            "Transformer Engine, no model.fp8): the adapters wrap its ColumnParallelLinear / RowParallelLinear",
+            not m.fp8,
+            "model.lora runs without model.fp8 (set model.fp8=null): Transformer Engine would quantize the "
+            "frozen base GEMMs' inputs, not the adapters'",
         )
     e.extend(feature_config_errors(cfg))  # each component's checks and refusals (features/)
     need(

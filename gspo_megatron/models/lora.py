@@ -1,12 +1,11 @@
 """LoRA on Megatron-Core's own linear layers (``model.lora``), the base frozen.
 
 A target linear ``y = W x`` (``W``: [out, in]) becomes ``y = W x + s B A dropout(x)`` with
-``A``: [r, in], ``B``: [r -> out] = [out, r], ``s = alpha / r``. ``A`` starts uniform in
-+-1/sqrt(in) (PEFT's kaiming-uniform bound, drawn from a generator seeded by ``seed`` and the
-layer's *global* parameter name, so every layout starts from the same adapters) and ``B`` at zero,
-so a fresh adapter leaves the model's output bitwise unchanged. Every other parameter (embeddings,
-norms, the router, the output layer, the base weights) gets ``requires_grad=False``: Megatron's DDP
-builds grad buffers only for the adapters and the (distributed) optimizer holds only their state.
+``A``: [r, in], ``B``: [out, r], ``s = alpha / r`` (the adapter pair, its seeding and the merge:
+``models/lora_base.py``; a fresh adapter leaves the model's output bitwise unchanged). Every other
+parameter (embeddings, norms, the router, the output layer, the base weights) gets
+``requires_grad=False``: Megatron's DDP builds grad buffers only for the adapters and the
+(distributed) optimizer holds only their state.
 
 Applied by :func:`apply_lora` inside ``models.build.build_model``, right after ``GPTModel`` is built
 and before DDP: each targeted ``ColumnParallelLinear`` / ``RowParallelLinear`` (the local spec's
@@ -17,7 +16,8 @@ LoRA subclass of its own class (:class:`LoraColumnParallelLinear`, :class:`LoraR
 keeping its parameter names (``<module>.weight``) and adding ``<module>.lora_A`` /
 ``<module>.lora_B``. Routed experts have one A/B per expert, owned and EP-sharded with it (global
 expert index in the name, ``param_names.global_names``), marked expert-parallel like the expert
-(``allreduce``). Transformer Engine layers (``TEGroupedMLP``, fused layer-norm linears) are refused.
+(``allreduce``). Transformer Engine's linears and grouped expert GEMMs get their LoRA subclasses from
+``models/lora_te.py`` (same adapters, same rules below).
 
 Tensor parallelism (TP ranks t = 0..T-1, the expert-TP group for routed experts):
 
@@ -42,154 +42,50 @@ KL reference see the merged model.
 
 from __future__ import annotations
 
-import math
-import weakref
-import zlib
-from dataclasses import dataclass, field
-from typing import Any, Callable
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-ATTENTION_TARGETS = (
-    "linear_qkv",
-    "linear_proj",
-    "linear_q_proj",
-    "linear_q_down_proj",
-    "linear_q_up_proj",
-    "linear_kv_down_proj",
-    "linear_kv_up_proj",
+from gspo_megatron.models.lora_base import (
+    ATTENTION_TARGETS,
+    DEFAULT_TARGETS,
+    MLP_TARGETS,
+    LoraMixin,
+    LoraOptions,
+    column_delta,
+    group_size,
+    merge,
+    merged_weight,
+    row_delta,
+    sharded_with_adapters,
 )
-MLP_TARGETS = ("linear_fc1", "linear_fc2")
-DEFAULT_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 
-
-@dataclass
-class LoraOptions:
-    """rank r, alpha (s = alpha / r), dropout on the adapter input, the targeted modules (names or
-    dotted suffixes of the module path with ``local_experts.<i>.`` removed, e.g. ``linear_fc1``,
-    ``experts.linear_fc1`` (routed only), ``shared_experts.linear_fc2``, ``self_attention.linear_qkv``),
-    and the init seed."""
-
-    rank: int
-    alpha: float
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    seed: int = 0
-
-    @property
-    def scaling(self) -> float:
-        return float(self.alpha) / int(self.rank)
-
-    def to_dict(self) -> dict:
-        return dict(
-            rank=self.rank,
-            alpha=self.alpha,
-            dropout=self.dropout,
-            target_modules=list(self.target_modules),
-            seed=self.seed,
-        )
-
-
-class _SumGrad(torch.autograd.Function):
-    """Identity on a weight in forward; its gradient summed over ``group`` in backward."""
-
-    @staticmethod
-    def forward(ctx, weight, group):
-        ctx.group = group
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _group_size(group) -> int:
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-
-
-class _LoraMixin:
-    """The adapter state shared by both subclasses (set by :meth:`_init_lora`)."""
-
-    # provided by the Megatron linear the mixin is combined with (ColumnParallelLinear /
-    # RowParallelLinear, a torch.nn.Module)
-    weight: torch.nn.Parameter
-    tp_group: dist.ProcessGroup | None
-    training: bool
-    state_dict: Callable[..., dict[str, Any]]
-
-    def _init_lora(
-        self, opts: LoraOptions, global_name: str, gated: bool, a_full_in: int, a_cols: slice | None, b_rows: int
-    ) -> None:
-        dtype, device = self.weight.dtype, self.weight.device
-        r = int(opts.rank)
-        g = torch.Generator().manual_seed((int(opts.seed) * 1_000_003 + zlib.crc32(global_name.encode())) % 2**63)
-        bound = 1.0 / math.sqrt(a_full_in)
-        a = (torch.rand(r, a_full_in, generator=g, dtype=torch.float64) * 2 - 1) * bound
-        if a_cols is not None:
-            a = a[:, a_cols]
-        self.lora_A = torch.nn.Parameter(a.to(dtype=dtype, device=device).contiguous())
-        self.lora_B = torch.nn.Parameter(torch.zeros(b_rows, r, dtype=dtype, device=device))
-        for p in (self.lora_A, self.lora_B):
-            setattr(p, "lora_adapter", True)  # weights._mapped skips these; export merges them (merged_weight)
-            setattr(p, "allreduce", getattr(self.weight, "allreduce", True))  # expert-parallel like the expert
-        self.lora_scaling = opts.scaling
-        self.lora_dropout = float(opts.dropout)
-        self.lora_gated = gated
-        self.lora_global_name = global_name
-        me = weakref.ref(self)
-        setattr(self.weight, "lora_merged", lambda: merged_weight(me()))
-
-    def _lora_input(self, x):
-        return F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout > 0 else x
-
-    def _lora_tp(self) -> int:
-        return _group_size(self.tp_group)
-
-    def _lora_sharded(self, prefix, sharded_offsets, metadata, axis_map: dict):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-        state_dict = self.state_dict(prefix="", keep_vars=True)
-        out = make_sharded_tensors_for_checkpoint(
-            state_dict, prefix, axis_map, sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]
-        )
-        if self.lora_gated and f"{prefix}lora_B" in out:  # [gate_t; up_t] rows, like the fc1 weight
-            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-            singleton = (metadata or {}).get("singleton_local_shards", False)
-            out[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(out[f"{prefix}lora_B"], sharded_offsets, singleton)
-        return out
+__all__ = ["ATTENTION_TARGETS", "DEFAULT_TARGETS", "MLP_TARGETS", "LoraOptions", "merge", "merged_weight"]
 
 
 def _column_class():
     from megatron.core.tensor_parallel import layers, mappings
 
-    class LoraColumnParallelLinear(_LoraMixin, layers.ColumnParallelLinear):
+    class LoraColumnParallelLinear(LoraMixin, layers.ColumnParallelLinear):
         """ColumnParallelLinear + ``s B_t (A x)`` (module docstring: A replicated, B row-split)."""
 
         def forward(self, input_, weight=None, runtime_gather_output=None):
             out, bias = super().forward(input_, weight, runtime_gather_output)
-            tp = self._lora_tp()
-            A = self.lora_A
-            if tp > 1 and (self.explicit_expert_comm or self.sequence_parallel):
-                A = _SumGrad.apply(A, self.tp_group)  # each rank's dA covers its tokens / its dh share
-            h = F.linear(self._lora_input(input_), A)
-            if tp > 1 and not self.explicit_expert_comm:
-                if self.sequence_parallel:
-                    h = mappings.gather_from_sequence_parallel_region(h, group=self.tp_group)
-                elif not self.disable_grad_reduce:
-                    h = mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
-            delta = F.linear(h, self.lora_B) * self.lora_scaling
+            delta = column_delta(
+                self,
+                self._lora_input(input_),
+                expert=self.explicit_expert_comm,
+                sequence_parallel=self.sequence_parallel,
+                grad_reduce=not self.disable_grad_reduce,
+            )
             gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
-            if gather and tp > 1:
+            if gather and self._lora_tp() > 1:
                 delta = mappings.gather_from_tensor_model_parallel_region(delta, group=self.tp_group)
             return out + delta, bias
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return self._lora_sharded(prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0, "lora_B": 0})
+            return sharded_with_adapters(
+                self, prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0, "lora_B": 0}, self.tp_group
+            )
 
     return LoraColumnParallelLinear
 
@@ -197,28 +93,21 @@ def _column_class():
 def _row_class():
     from megatron.core.tensor_parallel import layers, mappings
 
-    class LoraRowParallelLinear(_LoraMixin, layers.RowParallelLinear):
+    class LoraRowParallelLinear(LoraMixin, layers.RowParallelLinear):
         """RowParallelLinear + ``s B (sum_t A_t x_t)`` (module docstring: A column-split, B replicated)."""
 
         def forward(self, input_):
             out, bias = super().forward(input_)
-            tp = self._lora_tp()
             x = self._lora_input(input_)
-            if not self.input_is_parallel and tp > 1:
+            if not self.input_is_parallel and self._lora_tp() > 1:
                 x = mappings.scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
-            h = F.linear(x, self.lora_A)
-            B = self.lora_B
-            if tp > 1 and not self.explicit_expert_comm:
-                if self.sequence_parallel:
-                    h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
-                else:
-                    h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-            if tp > 1 and (self.explicit_expert_comm or self.sequence_parallel):
-                B = _SumGrad.apply(B, self.tp_group)  # dB from this rank's tokens / its partial h
-            return out + F.linear(h, B) * self.lora_scaling, bias
+            delta = row_delta(self, x, expert=self.explicit_expert_comm, sequence_parallel=self.sequence_parallel)
+            return out + delta, bias
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return self._lora_sharded(prefix, sharded_offsets, metadata, {"weight": 1, "lora_A": 1})
+            return sharded_with_adapters(
+                self, prefix, sharded_offsets, metadata, {"weight": 1, "lora_A": 1}, self.tp_group
+            )
 
     return LoraRowParallelLinear
 
@@ -246,16 +135,57 @@ def matches(name: str, targets) -> bool:
     return any(key.endswith("." + t) for t in targets)
 
 
-def apply_lora(model, opts: LoraOptions) -> int:
-    """Turn every targeted linear of ``model`` (one GPTModel chunk) into its LoRA subclass, then freeze
-    every other parameter. Returns how many linears got adapters. Raises ValueError naming
-    ``model.lora.target_modules`` when an entry matches nothing here or a targeted module is not a
-    local-spec linear (Transformer Engine layers, grouped-GEMM experts)."""
+def _wrap_local(module, name: str, gnames: dict, opts: LoraOptions) -> int | None:
+    """A local-spec ColumnParallelLinear / RowParallelLinear -> its LoRA subclass (1), else None."""
     from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+    if type(module) not in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+        return None
+    column, row = lora_classes()
+    gname, group = gnames[name + ".weight"], module.tp_group
+    if type(module) is layers.ColumnParallelLinear:
+        module.__class__ = column
+        gated = name.endswith("linear_fc1") and bool(module.config.gated_linear_unit)
+        module._init_lora(
+            opts,
+            gname,
+            column=True,
+            tp_group=group,
+            gated=gated,
+            full_in=module.input_size,
+            full_out=module.output_size,
+            a_cols=None,
+            b_rows=module.output_size_per_partition,
+        )
+        set_tensor_model_parallel_attributes(module.lora_B, True, 0, 1)
+        return 1
+    module.__class__ = row  # RowParallelLinear
+    rank = dist.get_rank(group) if group_size(group) > 1 else 0
+    n = module.input_size_per_partition
+    module._init_lora(
+        opts,
+        gname,
+        column=False,
+        tp_group=group,
+        gated=False,
+        full_in=module.input_size,
+        full_out=module.output_size,
+        a_cols=slice(rank * n, (rank + 1) * n),
+        b_rows=module.output_size,
+    )
+    set_tensor_model_parallel_attributes(module.lora_A, True, 1, 1)
+    return 1
+
+
+def apply_lora(model, opts: LoraOptions) -> int:
+    """Turn every targeted linear of ``model`` (one GPTModel chunk) into its LoRA subclass (the local
+    spec's here, Transformer Engine's in ``lora_te``), then freeze every other parameter. Returns how
+    many adapters it made (one per routed expert of a grouped linear). Raises ValueError naming
+    ``model.lora.target_modules`` when a targeted module is no linear either spec wraps."""
+    from gspo_megatron.models.lora_te import wrap_te
     from gspo_megatron.models.param_names import global_names
 
-    column, row = lora_classes()
     gnames = global_names(model)
     wrapped = 0
     used: set[str] = set()
@@ -263,40 +193,18 @@ def apply_lora(model, opts: LoraOptions) -> int:
         if not name or not matches(name, opts.target_modules):
             continue
         used.update(t for t in opts.target_modules if ("." + _path_key(name)).endswith("." + t))
-        if type(module) is layers.ColumnParallelLinear:
-            module.__class__ = column
-            gated = name.endswith("linear_fc1") and bool(module.config.gated_linear_unit)
-            module._init_lora(
-                opts, gnames[name + ".weight"], gated, module.input_size, None, module.output_size_per_partition
-            )
-        elif type(module) is layers.RowParallelLinear:
-            module.__class__ = row
-            rank = dist.get_rank(module.tp_group) if _group_size(module.tp_group) > 1 else 0
-            n = module.input_size_per_partition
-            module._init_lora(
-                opts,
-                gnames[name + ".weight"],
-                False,
-                module.input_size,
-                slice(rank * n, (rank + 1) * n),
-                module.output_size,
-            )
-            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-            set_tensor_model_parallel_attributes(module.lora_A, True, 1, 1)
-            wrapped += 1
-            continue
-        elif isinstance(module, (column, row)):
-            continue
-        else:
+        if getattr(module, "lora_scaling", None) is not None:
+            continue  # already wrapped
+        n = _wrap_local(module, name, gnames, opts)
+        if n is None:
+            n = wrap_te(module, name, gnames, opts)
+        if n is None:
             raise ValueError(
-                f"model.lora.target_modules: {name} is a {type(module).__name__}, not a local-spec "
-                "ColumnParallelLinear / RowParallelLinear (set model.transformer_impl=local)"
+                f"model.lora.target_modules: {name} is a {type(module).__name__}, not a linear layer LoRA "
+                "wraps (Megatron's local ColumnParallelLinear / RowParallelLinear, or Transformer Engine's "
+                "linears and grouped expert linears)"
             )
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-        set_tensor_model_parallel_attributes(module.lora_B, True, 0, 1)
-        wrapped += 1
+        wrapped += n
     for name, p in model.named_parameters():
         if not getattr(p, "lora_adapter", False):
             p.requires_grad_(False)
@@ -317,19 +225,27 @@ def check_targets_used(unused_per_chunk: list[list[str]]) -> None:
 
 
 def lora_modules(model):
-    """(name, module) of every LoRA linear of ``model``."""
-    column, row = lora_classes()
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, (column, row))]
+    """(name, adapter) of every adapter of ``model``: each LoRA linear, and each routed expert of a
+    LoRA grouped linear (``lora_te.ExpertAdapter``, named ``<module>.<local expert>``); every one has
+    the attributes ``lora_base`` lists."""
+    out = []
+    for n, m in model.named_modules():
+        experts = getattr(m, "lora_experts", None)
+        if experts is not None:
+            out.extend((f"{n}.{ad.i}", ad) for ad in experts)
+        elif isinstance(m, LoraMixin) and hasattr(m, "lora_A"):
+            out.append((n, m))
+    return out
 
 
 def adapter_nbytes(model) -> int:
     """Bytes of every adapter of the whole model, each once and unsharded, in its dtype: what an
     adapter-only sync would send per step (``sync/lora_adapter_bytes``; compare ``sync/bytes_total``,
-    the merged model). Per LoRA linear ``r * (in + out) * element_size`` (full ``in`` / ``out``: A
+    the merged model). Per adapter ``r * (in + out) * element_size`` (full ``in`` / ``out``: A
     [r, in], B [out, r]). Collective when distributed (one all_gather_object of {global name: bytes},
     so TP / DP replicas count once and PP / EP owners all count); 0 without LoRA."""
     mine = {
-        m.lora_global_name: int(m.lora_A.shape[0]) * (int(m.input_size) + int(m.output_size)) * m.lora_A.element_size()
+        m.lora_global_name: int(m.lora_A.shape[0]) * (m.lora_full_in + m.lora_full_out) * m.lora_A.element_size()
         for _, m in lora_modules(model)
     }
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -338,18 +254,6 @@ def adapter_nbytes(model) -> int:
         for d in everyone:
             mine.update(d)
     return sum(mine.values())
-
-
-@torch.no_grad()
-def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``W + s B A`` in fp32, cast to W's dtype: the one merge every merged weight goes through (the
-    merged export and sync here, the CPU server serving an adapter: cpu_server/lora.py)."""
-    return (w.detach().float() + scaling * (b.detach().float() @ a.detach().float())).to(w.dtype)
-
-
-def merged_weight(module) -> torch.Tensor:
-    """This rank's shard of the merged weight, ``W_t + s B_t A_t`` (fp32 product, W's dtype)."""
-    return merge(module.weight, module.lora_A, module.lora_B, module.lora_scaling)
 
 
 @torch.no_grad()

@@ -38,7 +38,8 @@ import os
 
 import torch
 
-from gspo_megatron.models.lora import lora_classes, lora_modules
+from gspo_megatron.models.lora import lora_modules
+from gspo_megatron.models.lora_base import seed_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -99,18 +100,15 @@ def peft_tensors(model, experts: bool = False) -> tuple[dict[str, torch.Tensor],
     HF names; adapter sync)."""
     from gspo_megatron.models.registry import get_family
 
-    column, _ = lora_classes()
     mapping = get_family(model.hf_config).mapping(model.hf_config)
     out: dict[str, torch.Tensor] = {}
     modules: list[str] = []
     for _, m in lora_modules(model):
         gname = m.lora_global_name
-        if ".experts.local_experts." in gname and not experts:
+        if ".experts.local_experts." in seed_name(gname) and not experts:  # routed, either spec
             raise routed_refusal(model, gname)
         rule, hf_names = mapping.resolve(gname)
-        for mod, a, b in module_pieces(
-            rule, hf_names, gname, isinstance(m, column), [m.lora_A.detach()], [m.lora_B.detach()]
-        ):
+        for mod, a, b in module_pieces(rule, hf_names, gname, m.lora_column, [m.lora_A.detach()], [m.lora_B.detach()]):
             out[f"{PEFT_PREFIX}{mod}.lora_A.weight"] = a.contiguous().clone()
             out[f"{PEFT_PREFIX}{mod}.lora_B.weight"] = b.contiguous().clone()
             modules.append(mod)

@@ -131,12 +131,11 @@ def gathered_peft_tensors(model, plan=None) -> tuple[dict[str, torch.Tensor], li
     the base weight on (``mine``: the first data-parallel replica); the plan's owner of the base
     weight (``build_export_plan``: one rank per weight) contributes the result, and one
     ``gather_object`` brings every owner's adapters to rank 0."""
-    from gspo_megatron.models.lora import lora_classes, lora_modules
+    from gspo_megatron.models.lora import lora_modules
     from gspo_megatron.models.lora_peft import PEFT_PREFIX, module_pieces
     from gspo_megatron.models.registry import get_family
 
     gpt = unwrap_gpt(model)
-    column, _ = lora_classes()
     mapping = get_family(gpt.hf_config).mapping(gpt.hf_config)
     world = rdist.world_size()
     if world > 1 and plan is None:
@@ -153,9 +152,9 @@ def gathered_peft_tensors(model, plan=None) -> tuple[dict[str, torch.Tensor], li
         gname = m.lora_global_name
         if mine is not None and gname not in mine:  # not the first data-parallel replica
             continue
-        is_col = isinstance(m, column)
+        is_col = m.lora_column
         sharded = m.lora_B if is_col else m.lora_A
-        group = m.tp_group
+        group = m.lora_tp_group
         size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         if size > 1:
             shards = [torch.empty_like(sharded) for _ in range(size)]

@@ -180,3 +180,13 @@ def test_by_value_payload_decodes_with_sglangs_deserializer_bitwise():
             v.view(torch.uint8) if v.is_floating_point() else v,
         )
     assert len(raw) < 2 * sum(v.numel() * v.element_size() for v in t.values()) + 4096  # a view sends its own bytes
+
+
+def test_lora_on_either_layer_spec_but_not_fp8():
+    """LoRA loads with the local spec and with Transformer Engine's (models/lora_te.py); FP8 is refused
+    in one line naming model.fp8."""
+    for impl in ("local", "transformer_engine", "auto"):
+        assert load_config(None, ["model.lora.rank=8", f"model.transformer_impl={impl}"]).model.lora.rank == 8
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.lora.rank=8", "model.transformer_impl=transformer_engine", "model.fp8=e4m3"])
+    assert "model.fp8" in str(e.value) and "model.lora" in str(e.value)

@@ -3,13 +3,22 @@
 ``gathered_adapters(rank, world, hf_dir, layouts, overrides)``: per layout, the LoRA model (B set to
 the same random values in every layout, ``lora_workers.set_random_b``), then the adapter sync's
 ``gathered_peft_tensors`` (the (E)TP gathers, the plan's owners, the gather to rank 0). Returns
-{layout_name: {PEFT name: tensor}} on rank 0."""
+{layout_name: {PEFT name: tensor}} on rank 0. ``impl="transformer_engine"``: the TE layer spec through
+the TE stand-in (grouped experts: one adapter per expert)."""
 
 from __future__ import annotations
 
 
-def gathered_adapters(rank: int, world: int, hf_dir: str, layouts: list[dict], overrides: list[str]) -> dict:
+def gathered_adapters(
+    rank: int, world: int, hf_dir: str, layouts: list[dict], overrides: list[str], impl: str = "auto"
+) -> dict:
     import torch
+
+    if impl == "transformer_engine":  # Transformer Engine's layer spec through the stand-in
+        import te_standin
+
+        te_standin.install()
+        te_standin.patch_build()
 
     from conversion_workers import layout_name
     from gspo_megatron import factory
@@ -23,7 +32,8 @@ def gathered_adapters(rank: int, world: int, hf_dir: str, layouts: list[dict], o
     out: dict = {}
     hf = load_hf_config(hf_dir)
     for layout in layouts:
-        cfg = load_config(None, [*overrides, *(f"parallel.{k}={v}" for k, v in layout.items())])
+        lay = [f"parallel.{k}={v}" for k, v in layout.items()]
+        cfg = load_config(None, [*overrides, f"model.transformer_impl={impl}", *lay])
         p = cfg.parallel
         init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
         model = factory.build_model(cfg, hf)

@@ -27,17 +27,16 @@ def set_random_b(model, seed: int = 7, scale: float = 0.05) -> None:
     """Every LoRA B := the same full random matrix (seeded by the global name) in every layout, this
     rank's rows of it (column-parallel base: split like W's rows, gated fc1 by halves; row-parallel:
     replicated)."""
-    from gspo_megatron.models.lora import lora_classes, lora_modules
+    from gspo_megatron.models.lora import lora_modules
+    from gspo_megatron.models.lora_base import group_size, seed_name
 
-    column, _ = lora_classes()
     for _, m in lora_modules(model):
         r = m.lora_B.shape[1]
-        out = m.output_size
-        g = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(m.lora_global_name.encode()))
-        full = torch.randn(out, r, generator=g, dtype=torch.float64) * scale
-        if isinstance(m, column):
-            size = dist.get_world_size(m.tp_group) if m.tp_group is not None and dist.is_initialized() else 1
-            t = dist.get_rank(m.tp_group) if size > 1 else 0
+        g = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(seed_name(m.lora_global_name).encode()))
+        full = torch.randn(m.lora_full_out, r, generator=g, dtype=torch.float64) * scale
+        if m.lora_column:
+            size = group_size(m.lora_tp_group)
+            t = dist.get_rank(m.lora_tp_group) if size > 1 else 0
             if m.lora_gated:
                 gate, up = full.chunk(2)
                 full = torch.cat([gate.chunk(size)[t], up.chunk(size)[t]])

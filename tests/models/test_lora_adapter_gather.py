@@ -2,7 +2,9 @@
 the adapter tensors gathered to rank 0 in tp2, pp2, ep2 and tp2 x ep2 (etp1) (2 gloo ranks) equal the
 single rank's, bitwise, on the tiny Qwen3-MoE with adapters on every linear, routed experts included
 (per-expert PEFT names ``...mlp.experts.<e>.{gate,up,down}_proj``); and the single rank's equal
-``lora_peft.peft_tensors`` (the PEFT export)."""
+``lora_peft.peft_tensors`` (the PEFT export). On Transformer Engine's layer spec (the TE stand-in:
+fused-norm linears, grouped experts with one adapter per expert) one rank, ep2 and tp2 give the local
+spec's tensors, bitwise (A seeded by the spec-independent name, B set alike)."""
 
 from __future__ import annotations
 
@@ -52,3 +54,21 @@ def test_gathered_equal_single_rank(single, multi, name):
     assert sorted(got["tensors"]) == sorted(single["tensors"])
     for k, want in single["tensors"].items():
         assert got["tensors"][k].shape == want.shape and torch.equal(got["tensors"][k], want), (name, k)
+
+
+@pytest.fixture(scope="module")
+def te_runs(hf_dir):
+    one = run_ranks(gathered_adapters, 1, hf_dir, [dict()], OVERRIDES, "transformer_engine")[0]
+    two = run_ranks(
+        gathered_adapters, 2, hf_dir, [dict(ep=2), dict(tp=2)], OVERRIDES, "transformer_engine", timeout=900
+    )
+    return {**one, **two[0]}
+
+
+@pytest.mark.parametrize("name", ["tp1", "ep2", "tp2"])
+def test_te_spec_gathers_the_local_specs_adapters(single, te_runs, name):
+    got = te_runs[name]
+    assert got["modules"] == single["modules"]
+    assert sorted(got["tensors"]) == sorted(single["tensors"])
+    for k, want in single["tensors"].items():
+        assert torch.equal(got["tensors"][k], want), (name, k)

@@ -96,6 +96,10 @@ def full_gradients(ddp) -> dict:
             if re.search(r"\.self_attention\.(in_proj|conv1d)\.weight$", name):
                 parts = _gated_delta_net_parts_in_order(parts, config, name)
             grad = torch.cat(parts, dim=param.partition_dim)
+        grouped = re.search(r"\.experts\.linear_fc([12])\.(weight|lora_A|lora_B)(\d+)$", name)
+        if grouped:  # Transformer Engine's grouped experts: named as the local spec's
+            fc, kind, i = grouped.groups()
+            name = name[: grouped.start()] + f".experts.local_experts.{i}.linear_fc{fc}.{kind}"
         if ".local_experts." in name:
             local = config.num_moe_experts // ep
             name = re.sub(
