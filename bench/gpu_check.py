@@ -403,6 +403,27 @@ def commands(args, py: str) -> list[tuple[str, list[str]]]:
                     os.path.join(work, "offload.json"),
                 ],
             ),
+            (
+                "bench_step_profile",
+                [
+                    py,
+                    "bench/step_profile.py",
+                    "all",
+                    "--tiny",
+                    "--sequences",
+                    "6",
+                    "--prompt",
+                    "4",
+                    "--max-response",
+                    "24",
+                    "--micro-batch-size",
+                    "2",
+                    "--repeats",
+                    "1",
+                    "--json",
+                    os.path.join(work, "step_profile.json"),
+                ],
+            ),
         ]
     else:
         steps += [
@@ -459,6 +480,10 @@ def commands(args, py: str) -> list[tuple[str, list[str]]]:
                     "--json",
                     os.path.join(work, "offload.json"),
                 ],
+            ),
+            (
+                "bench_step_profile",
+                [py, "bench/step_profile.py", "all", "--json", os.path.join(work, "step_profile.json")],
             ),
         ]
     return steps
@@ -603,7 +628,12 @@ def main(argv=None) -> int:
                 break
             ok = ok and step["rc"] == 0
         parts = os.path.splitext(os.path.abspath(args.out))[0] + "_parts"
-        for key, fname in (("logprobs", "logprobs.json"), ("gpu", "gpu_bench.json"), ("offload", "offload.json")):
+        for key, fname in (
+            ("logprobs", "logprobs.json"),
+            ("gpu", "gpu_bench.json"),
+            ("offload", "offload.json"),
+            ("step_profile", "step_profile.json"),
+        ):
             path = os.path.join(parts, fname)
             if os.path.isfile(path):
                 with open(path) as f:

@@ -179,6 +179,7 @@ def test_dry_run(tmp_path):
         "bench_gpu_config",
         "bench_gpu",
         "bench_offload",
+        "bench_step_profile",
     ]
     collected = res["steps"][0]["output_tail"]
     assert "test_fused_logprobs_gpu.py" in collected and "test_vocab_parallel_gpu.py" in collected
@@ -188,3 +189,6 @@ def test_dry_run(tmp_path):
     assert res["bench"]["gpu"]["train_step"]["runs"]["padded"]["tokens_per_s"] > 0
     assert res["bench"]["gpu"]["weight_export"]["bytes"] > 0
     assert res["bench"]["offload"]["host_grown_bytes"] == 0 and res["bench"]["offload"]["first_offload_baseline_s"] > 0
+    padded = res["bench"]["step_profile"]["baseline"]["padded"]
+    assert padded["ratio_ours_over_megatron"] > 0 and len(set(padded["tokens_through_model"].values())) == 1
+    assert sum(res["bench"]["step_profile"]["profile"]["padded"]["percent"].values()) == pytest.approx(100)
