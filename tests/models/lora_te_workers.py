@@ -44,10 +44,7 @@ def lora_spec_layouts(
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.score import score_rows
-    from gspo_megatron.trainer import step as train_step
-    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
-    from lora_workers import set_random_b
-    from uneven_expert_workers import full_gradients
+    from lora_workers import set_random_b, train_capturing
 
     out: dict = {}
     for kind, hf_dir, runs in jobs:
@@ -71,30 +68,7 @@ def lora_spec_layouts(
             b_lps = score_rows(model, rows, micro_batch_size=3)
             b_packed = score_rows(model, rows, micro_batch_size=3, max_tokens_per_micro_batch=64)
             b_export = _export(model)
-            o = cfg.optimizer
-            ddp, optimizer, scheduler = setup_training(
-                model,
-                OptimOptions(
-                    lr=o.lr,
-                    clip_grad=o.clip_grad,
-                    total_steps=cfg.gspo.mini_batches,
-                    use_distributed_optimizer=p.use_distributed_optimizer,
-                ),
-            )
-            grads: dict = {}
-            step = train_step.optimizer_step
-
-            def capturing_step(*args, **kwargs):
-                if "done" not in grads:
-                    grads.update(full_gradients(ddp), done=True)
-                return step(*args, **kwargs)
-
-            train_step.optimizer_step = capturing_step
-            try:
-                metrics = train_step.train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0).metrics
-            finally:
-                train_step.optimizer_step = step
-            grads.pop("done", None)
+            _, metrics, grads = train_capturing(cfg, model, records)
             trained_lps = score_rows(model, rows, micro_batch_size=3)
             trained_export = _export(model)
             if rank == 0:
@@ -111,6 +85,6 @@ def lora_spec_layouts(
                     trained=trained_lps,
                     trained_export=trained_export,
                 )
-            model = optimizer = ddp = None
+            model = None
     destroy_distributed()
     return out if rank == 0 else {}

@@ -46,6 +46,39 @@ def set_random_b(model, seed: int = 7, scale: float = 0.05) -> None:
             m.lora_B.copy_(full.to(m.lora_B.dtype))
 
 
+def train_capturing(cfg, model, records: list, capture: bool = True) -> tuple:
+    """One GSPO training step of ``model`` (DDP and optimizer as ``cfg`` says): (optimizer, metrics,
+    the first optimizer step's reduced gradients at full size, ``full_gradients``; {} unless ``capture``)."""
+    from gspo_megatron.trainer import step as train_step
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
+
+    o, p = cfg.optimizer, cfg.parallel
+    ddp, optimizer, scheduler = setup_training(
+        model,
+        OptimOptions(
+            lr=o.lr,
+            clip_grad=o.clip_grad,
+            total_steps=cfg.gspo.mini_batches,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+        ),
+    )
+    grads: dict = {}
+    step = train_step.optimizer_step
+
+    def capturing_step(*args, **kwargs):
+        if capture and "done" not in grads:
+            grads.update(full_gradients(ddp), done=True)
+        return step(*args, **kwargs)
+
+    train_step.optimizer_step = capturing_step
+    try:
+        metrics = train_step.train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0).metrics
+    finally:
+        train_step.optimizer_step = step
+    grads.pop("done", None)
+    return optimizer, metrics, grads
+
+
 def lora_layouts(
     rank: int, world: int, jobs: list[tuple], rows: list[list[int]], records: list, overrides: list[str]
 ) -> dict:
@@ -56,8 +89,6 @@ def lora_layouts(
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.score import score_rows
-    from gspo_megatron.trainer import step as train_step
-    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
 
     out: dict = {}
     for kind, hf_dir, layouts in jobs:
@@ -78,30 +109,8 @@ def lora_layouts(
             fresh_lps = score_rows(model, rows, micro_batch_size=3)
             trainable = sorted(n for n, q in model.named_parameters() if q.requires_grad)
             set_random_b(model)
-            o = cfg.optimizer
-            ddp, optimizer, scheduler = setup_training(
-                model,
-                OptimOptions(
-                    lr=o.lr,
-                    clip_grad=o.clip_grad,
-                    total_steps=cfg.gspo.mini_batches,
-                    use_distributed_optimizer=p.use_distributed_optimizer,
-                ),
-            )
-            grads: dict = {}
-            step = train_step.optimizer_step
-
-            def capturing_step(*args, **kwargs):
-                if "done" not in grads:  # full_gradients names layers by their stage-local index: pp1 only
-                    grads.update(full_gradients(ddp) if p.pp == 1 else {}, done=True)
-                return step(*args, **kwargs)
-
-            train_step.optimizer_step = capturing_step
-            try:
-                metrics = train_step.train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0).metrics
-            finally:
-                train_step.optimizer_step = step
-            grads.pop("done", None)
+            # full_gradients names layers by their stage-local index: pp1 only
+            optimizer, metrics, grads = train_capturing(cfg, model, records, capture=p.pp == 1)
             adapter_lps = score_rows(model, rows, micro_batch_size=3)
             merge_into_base(model)
             merged_lps = score_rows(model, rows, micro_batch_size=3)
