@@ -23,6 +23,10 @@ Backward recomputes each chunk's logits from the saved h, W and the [N] statisti
     grad_h[chunk] = g @ W_r   (this rank's partial: the caller's Megatron region op sums it over TP)
     grad_W_r     += g^T @ h   (accumulated in fp32, cast to W's dtype at the end)
 
+The elementwise work of each chunk (the statistics above; p and the gradient below) is
+:mod:`gspo_megatron.losses.chunk_kernels`: eager in place, or compiled by torch.compile into a few
+fused kernels (the default on a GPU with Triton): the same fp32 math over the GEMM's output.
+
 Memory: one [c, V/tp] fp32 chunk (plus its GEMM output in the weight's dtype) in forward and backward,
 the [N] statistics, and in backward one fp32 [V/tp, H] accumulator for grad_W (param-sized, not T-sized)
 and grad_h [N, H]. Nothing scales with N x V.
@@ -41,7 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gspo_megatron.losses.chunking import chunk_tokens, local_targets, softmax_chunk_grad
+from gspo_megatron.losses.chunk_kernels import KERNELS, Kernels, chunk_ops
+from gspo_megatron.losses.chunking import chunk_tokens, local_targets
 from gspo_megatron.losses.reductions import group_rank, group_size
 
 
@@ -57,6 +62,7 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
         chunk: int,
         with_entropy: bool,
         vocab_size: int | None,
+        kernels: Kernels,
     ):
         n = hidden.shape[0]
         vocab_local = weight.shape[0]
@@ -73,19 +79,17 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
         k = targets.shape[1]
         m_loc = torch.full((n,), -torch.inf, dtype=cdt, device=dev)
         stats = torch.zeros(2 + k, n, dtype=cdt, device=dev)  # S_r, E_r, z_y1 .. z_yK (local, unshifted)
+        ops = chunk_ops(dev, kernels)
         for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
-            z = (hidden[lo:hi].to(weight.dtype) @ w.t()).to(cdt).div_(temperature)  # [c, V/tp]
-            zy = z.gather(1, col[lo:hi])  # [c, K]
-            stats[2:, lo:hi] = torch.where(in_shard[lo:hi], zy, torch.zeros_like(zy)).t()
-            mr = z.max(dim=-1).values
+            mr, sr, er, zy = ops.stats(  # the chunk's GEMM output [c, V/tp] is passed on, not kept
+                hidden[lo:hi].to(weight.dtype) @ w.t(), col[lo:hi], in_shard[lo:hi], temperature, cdt, with_entropy
+            )
             m_loc[lo:hi] = mr
-            z.sub_(mr[:, None])
-            e = torch.exp(z)
-            stats[0, lo:hi] = e.sum(dim=-1)
-            if with_entropy:
-                stats[1, lo:hi] = e.mul_(z).sum(dim=-1)
-            del z, e
+            stats[0, lo:hi] = sr
+            if er is not None:
+                stats[1, lo:hi] = er
+            stats[2:, lo:hi] = zy.t()
         m = m_loc.clone()
         if multi:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
@@ -104,13 +108,14 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
 
         ctx.save_for_backward(hidden, weight, col, in_shard, valid, m + log_sum, entropy)
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.valid_cols = temperature, chunk, with_entropy, valid_cols
+        ctx.kernels = kernels
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
         hidden, weight, col, in_shard, valid, norm, entropy = ctx.saved_tensors
-        nones = (None,) * 6
+        nones = (None,) * 7
         use_entropy = ctx.with_entropy and grad_entropy is not None
         if grad_logprobs is None and not use_entropy:
             return (None, None) + nones
@@ -124,19 +129,20 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
         acc_dt = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=acc_dt, device=weight.device) if need_w else None
         grad_ent = grad_entropy if use_entropy else None
+        ops = chunk_ops(hidden.device, ctx.kernels)
         for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
             h = hidden[lo:hi].to(weight.dtype)
-            logp = (h @ w.t()).to(norm.dtype).div_(temperature).sub_(norm[lo:hi, None])  # log p_v
-            g = softmax_chunk_grad(
-                logp,
+            g = ops.grad(  # [c, V/tp]: the logits' gradient, GEMM dtype
+                h @ w.t(),
+                norm[lo:hi],
+                temperature,
                 entropy[lo:hi] if use_entropy else None,
                 None if grad_logprobs is None else grad_logprobs[lo:hi],
                 None if grad_ent is None else grad_ent[lo:hi],
                 col[lo:hi],
                 in_shard[lo:hi],
             )
-            g = g.div_(temperature).to(weight.dtype)  # [c, V/tp]: the logits' gradient, GEMM dtype
             if grad_hidden is not None:  # (need_h)
                 grad_hidden[lo:hi] = (g @ w).to(hidden.dtype)
             if grad_w is not None:  # (need_w)
@@ -155,6 +161,7 @@ def fused_vocab_parallel_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = True,
     vocab_size: int | None = None,
+    kernels: Kernels = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of each target token (and the entropy of each token's distribution) from hidden states.
 
@@ -171,6 +178,8 @@ def fused_vocab_parallel_logprobs(
         chunk_size: tokens per chunk; default keeps one [chunk, V/tp] fp32 temporary near 256 MiB.
         with_entropy: also return the entropy [...] (else ``None``).
         vocab_size: the real vocabulary when the output layer is padded (padded rows left out).
+        kernels: the per-chunk softmax arithmetic: "auto" (torch.compile'd on CUDA with Triton,
+            eager elsewhere), "eager" or "compiled" (:mod:`gspo_megatron.losses.chunk_kernels`).
     Returns:
         (logprobs [...] (or [..., K]), entropy [...] or None) in fp32 (fp64 for an fp64 weight), identical on every
         TP rank; differentiable in ``hidden`` (this rank's partial gradient, see the module docstring)
@@ -193,6 +202,8 @@ def fused_vocab_parallel_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     tp = group_size(tp_group)
     if vocab_size is not None and not (1 <= vocab_size <= weight.shape[0] * tp):
         raise ValueError(f"vocab_size must be in [1, V/tp * tp = {weight.shape[0] * tp}], got {vocab_size}")
@@ -201,7 +212,7 @@ def fused_vocab_parallel_logprobs(
     flat_t = targets.reshape(flat_h.shape[0], targets.shape[-1] if several else 1).long()  # [N, K]
     chunk = chunk_tokens(chunk_size, weight.shape[0])
     logprobs, entropy = _FusedVocabParallelLogprobs.apply(
-        flat_h, weight, flat_t, tp_group, float(temperature), chunk, with_entropy, vocab_size
+        flat_h, weight, flat_t, tp_group, float(temperature), chunk, with_entropy, vocab_size, kernels
     )
     logprobs = logprobs.view(targets.shape) if several else logprobs.view(lead)
     return logprobs, (entropy.view(lead) if with_entropy else None)

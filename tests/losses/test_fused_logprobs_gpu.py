@@ -52,3 +52,32 @@ def test_cuda_real_vocab_memory_bound_and_values():
     (lp64.sum() + ent64.sum()).backward()
     (ref_lp.sum() + ref_ent.sum()).backward()
     torch.testing.assert_close(h64.grad.float(), x.grad, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_kernels_are_the_default_and_equal_eager():
+    """On a GPU with Triton the head runs its per-chunk arithmetic compiled (kernels="auto"), and that
+    gives the eager head's log-probs, entropies and gradients (bf16 GEMMs, fp32 softmax math)."""
+    from torch.utils._triton import has_triton
+
+    from gspo_megatron.losses.chunk_kernels import chunk_ops
+
+    assert has_triton(), "a CUDA torch ships Triton: the compiled head is the GPU default"
+    assert chunk_ops(torch.device("cuda"), "auto").form == "compiled"
+    v, h, n = 151936, 1024, 1000
+    g = torch.Generator(device="cuda").manual_seed(1)
+    hid = (torch.randn(n, h, device="cuda", generator=g) / h**0.25).bfloat16()
+    w = (torch.randn(v, h, device="cuda", generator=g) * 3 / h**0.25).bfloat16()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    wl = torch.randn(n, device="cuda", generator=g)
+    outs = {}
+    for kernels in ("eager", "auto"):
+        x, wk = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        lp, ent = fused_vocab_parallel_logprobs(x, wk, targets, temperature=0.7, chunk_size=300, kernels=kernels)
+        ((lp * wl).sum() + (ent * wl.flip(0)).sum()).backward()
+        outs[kernels] = (lp.detach(), ent.detach(), x.grad.float(), wk.grad.float())
+    (lp_e, ent_e, gh_e, gw_e), (lp_c, ent_c, gh_c, gw_c) = outs["eager"], outs["auto"]
+    torch.testing.assert_close(lp_c, lp_e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_c, ent_e, rtol=1e-5, atol=1e-5)
+    for a, b in ((gh_c, gh_e), (gw_c, gw_e)):  # bf16 gradients: equal but for bf16 rounding of g
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
