@@ -52,7 +52,6 @@ from gspo_megatron.models.lora_base import (
     LoraMixin,
     LoraOptions,
     column_delta,
-    group_size,
     merge,
     merged_weight,
     row_delta,
@@ -136,45 +135,16 @@ def matches(name: str, targets) -> bool:
 
 
 def _wrap_local(module, name: str, gnames: dict, opts: LoraOptions) -> int | None:
-    """A local-spec ColumnParallelLinear / RowParallelLinear -> its LoRA subclass (1), else None."""
+    """A local-spec ColumnParallelLinear / RowParallelLinear -> its LoRA subclass (1), else None: its
+    adapter split over the layer's TP group as the module docstring says (``lora_base.new_adapter``)."""
     from megatron.core.tensor_parallel import layers
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     if type(module) not in (layers.ColumnParallelLinear, layers.RowParallelLinear):
         return None
-    column, row = lora_classes()
-    gname, group = gnames[name + ".weight"], module.tp_group
-    if type(module) is layers.ColumnParallelLinear:
-        module.__class__ = column
-        gated = name.endswith("linear_fc1") and bool(module.config.gated_linear_unit)
-        module._init_lora(
-            opts,
-            gname,
-            column=True,
-            tp_group=group,
-            gated=gated,
-            full_in=module.input_size,
-            full_out=module.output_size,
-            a_cols=None,
-            b_rows=module.output_size_per_partition,
-        )
-        set_tensor_model_parallel_attributes(module.lora_B, True, 0, 1)
-        return 1
-    module.__class__ = row  # RowParallelLinear
-    rank = dist.get_rank(group) if group_size(group) > 1 else 0
-    n = module.input_size_per_partition
-    module._init_lora(
-        opts,
-        gname,
-        column=False,
-        tp_group=group,
-        gated=False,
-        full_in=module.input_size,
-        full_out=module.output_size,
-        a_cols=slice(rank * n, (rank + 1) * n),
-        b_rows=module.output_size,
-    )
-    set_tensor_model_parallel_attributes(module.lora_A, True, 1, 1)
+    column = type(module) is layers.ColumnParallelLinear
+    gated = column and name.endswith("linear_fc1") and bool(module.config.gated_linear_unit)
+    module.__class__ = lora_classes()[0 if column else 1]
+    module._init_lora(opts, gnames[name + ".weight"], column=column, tp_group=module.tp_group, gated=gated)
     return 1
 
 

@@ -26,6 +26,7 @@ import re
 import weakref
 import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -102,26 +103,52 @@ def group_size(group) -> int:
     return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
-def new_adapter(
-    weight: torch.Tensor, opts: LoraOptions, global_name: str, a_full_in: int, a_cols: slice | None, b_rows: int
-) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
-    """(A, B) for ``weight`` (module docstring): A [r, a_full_in] drawn whole then cut to ``a_cols``
-    (row-parallel: this rank's columns), B [b_rows, r] zeros; W's dtype and device, marked
-    ``lora_adapter`` (the export skips them and merges them into W) and expert-parallel like W."""
+class Adapter(NamedTuple):
+    """A fresh adapter pair and its base weight's unsharded sizes (:func:`new_adapter`)."""
+
+    A: torch.nn.Parameter
+    B: torch.nn.Parameter
+    full_in: int
+    full_out: int
+
+
+def new_adapter(weight: torch.Tensor, opts: LoraOptions, global_name: str, *, column: bool, group) -> Adapter:
+    """The adapter of ``weight``, this rank's shard [out, in] of the base weight, split over ``group``
+    (T ranks, this one t; None: whole on every rank, T = 1), every size derived from the shard:
+
+    - column-parallel (``column``: W's rows split): full [out * T, in]; A [r, in] whole, replicated;
+      B [out, r], this rank's rows (zeros), marked tensor-parallel along dim 0;
+    - row-parallel (W's columns split): full [out, in * T]; A [r, in], this rank's columns t*in..(t+1)*in
+      of the full [r, in * T] (drawn whole: every layout starts from the same A), marked
+      tensor-parallel along dim 1; B [out, r] whole, replicated (zeros);
+    - ``group`` None (whole, e.g. a duplicated ``TELinear``): both whole and unmarked (the grad norm
+      counts an unmarked parameter on TP rank 0 only).
+
+    A is drawn in fp64 (module docstring: seeded by ``seed`` and the spec-independent name, uniform in
+    +-1/sqrt(full in)); A and B take W's dtype and device, are marked ``lora_adapter`` (the export skips
+    them and merges them into W) and expert-parallel like W (``allreduce``)."""
+    n_out, n_in = weight.shape
+    size = group_size(group)
+    t = dist.get_rank(group) if size > 1 else 0
+    full_in, full_out = (n_in, n_out * size) if column else (n_in * size, n_out)
     r = int(opts.rank)
     g = torch.Generator().manual_seed(
         (int(opts.seed) * 1_000_003 + zlib.crc32(seed_name(global_name).encode())) % 2**63
     )
-    bound = 1.0 / math.sqrt(a_full_in)
-    a = (torch.rand(r, a_full_in, generator=g, dtype=torch.float64) * 2 - 1) * bound
-    if a_cols is not None:
-        a = a[:, a_cols]
+    bound = 1.0 / math.sqrt(full_in)
+    a = (torch.rand(r, full_in, generator=g, dtype=torch.float64) * 2 - 1) * bound
+    if not column:
+        a = a[:, t * n_in : (t + 1) * n_in]
     A = torch.nn.Parameter(a.to(dtype=weight.dtype, device=weight.device).contiguous())
-    B = torch.nn.Parameter(torch.zeros(b_rows, r, dtype=weight.dtype, device=weight.device))
+    B = torch.nn.Parameter(torch.zeros(n_out, r, dtype=weight.dtype, device=weight.device))
     for p in (A, B):
         setattr(p, "lora_adapter", True)  # weights._mapped skips these; export merges them (merged_weight)
         setattr(p, "allreduce", getattr(weight, "allreduce", True))  # expert-parallel like the expert
-    return A, B
+    if group is not None:  # the split factor: the grad norm counts it on every rank, the replicated one once
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        set_tensor_model_parallel_attributes(B if column else A, True, 0 if column else 1, 1)
+    return Adapter(A, B, int(full_in), int(full_out))
 
 
 def attach_merge(adapter) -> None:
@@ -137,27 +164,18 @@ class LoraMixin:
     weight: torch.nn.Parameter
     training: bool
 
-    def _init_lora(
-        self,
-        opts: LoraOptions,
-        global_name: str,
-        *,
-        column: bool,
-        tp_group,
-        gated: bool,
-        full_in: int,
-        full_out: int,
-        a_cols: slice | None,
-        b_rows: int,
-    ) -> None:
-        self.lora_A, self.lora_B = new_adapter(self.weight, opts, global_name, full_in, a_cols, b_rows)
+    def _init_lora(self, opts: LoraOptions, global_name: str, *, column: bool, tp_group, gated: bool) -> None:
+        """Fresh adapters for ``self.weight`` split over ``tp_group`` (None: whole; :func:`new_adapter`)."""
+        self.lora_A, self.lora_B, full_in, full_out = new_adapter(
+            self.weight, opts, global_name, column=column, group=tp_group
+        )
         self.lora_scaling = opts.scaling
         self.lora_dropout = float(opts.dropout)
         self.lora_gated = gated
         self.lora_global_name = global_name
         self.lora_column = column
         self.lora_tp_group = tp_group
-        self.lora_full_in, self.lora_full_out = int(full_in), int(full_out)
+        self.lora_full_in, self.lora_full_out = full_in, full_out
         attach_merge(self)
 
     def _lora_input(self, x):

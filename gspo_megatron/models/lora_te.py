@@ -213,47 +213,30 @@ def te_lora_classes() -> dict[type, type]:
     return _CLASSES
 
 
-def _tp(module):
-    """(group the adapter is split over or None, this rank in it, its size)."""
-    group = module._tp_group
-    size = group_size(group)
-    return group, (torch.distributed.get_rank(group) if size > 1 else 0), size
-
-
 def _wrap_grouped(module, name: str, gnames: dict, opts: LoraOptions, gated: bool) -> int:
-    """One adapter per local expert of a grouped linear; returns how many."""
+    """One adapter per local expert of a grouped linear (each ``weight<i>``: this rank's shard, TE's
+    explicit expert split over the expert-TP group); returns how many."""
     column = "Column" in type(module).__name__
-    group, rank, size = _tp(module)
+    group = module._tp_group
     module.lora_scaling, module.lora_dropout = opts.scaling, float(opts.dropout)
     module.lora_column, module.lora_tp_group, module.lora_gated = column, group, gated
     module.lora_experts = []
-    n_in, n_out = module.in_features, module.out_features  # this rank's (TE's explicit expert split)
-    full_in, full_out = (n_in, n_out * size) if column else (n_in * size, n_out)
     for i in range(module.num_gemms):
         gname = gnames[f"{name}.weight{i}"]
-        weight = getattr(module, f"weight{i}")
-        a_cols = None if column else slice(rank * n_in, (rank + 1) * n_in)
-        A, B = new_adapter(weight, opts, gname, full_in, a_cols, n_out if column else full_out)
+        A, B, full_in, full_out = new_adapter(getattr(module, f"weight{i}"), opts, gname, column=column, group=group)
         module.register_parameter(f"lora_A{i}", A)
         module.register_parameter(f"lora_B{i}", B)
-        _mark_split(A, B, column)
         ad = ExpertAdapter(module, i, gname, full_in, full_out)
         attach_merge(ad)
         module.lora_experts.append(ad)
     return module.num_gemms
 
 
-def _mark_split(A, B, column: bool) -> None:
-    """Megatron's TP attributes on the split factor (the grad norm counts it on every rank, the
-    replicated one once), as the local adapters."""
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-    set_tensor_model_parallel_attributes(B if column else A, True, 0 if column else 1, 1)
-
-
 def wrap_te(module, name: str, gnames: dict, opts: LoraOptions) -> int | None:
     """Turn ``module`` (a TE wrapper, at ``name``) into its LoRA subclass with fresh adapters; returns
-    how many adapters it got, or None when it is no TE linear this file wraps."""
+    how many adapters it got, or None when it is no TE linear this file wraps. The adapter's sizes follow
+    from the weight shard (``lora_base.new_adapter``): a TE row linear's split like W's columns, any
+    other's like W's rows, over the layer's TP group; a duplicated ``TELinear``'s whole (no group)."""
     cls = te_lora_classes().get(type(module))
     if cls is None:
         return None
@@ -263,50 +246,15 @@ def wrap_te(module, name: str, gnames: dict, opts: LoraOptions) -> int | None:
     if "Grouped" in kind:
         return _wrap_grouped(module, name, gnames, opts, gated)
     gname = gnames[f"{name}.weight"]
-    n_out, n_in = module.weight.shape
     routed = ".experts." in name and ".shared_experts." not in name
     module.lora_expert = routed and module.parallel_mode is None  # TE's comm handed to the dispatcher
     if kind == "TELinear" and module.parallel_mode is None and not routed:  # duplicated: whole A, B
-        module._init_lora(
-            opts,
-            gname,
-            column=True,
-            tp_group=None,
-            gated=False,
-            full_in=n_in,
-            full_out=n_out,
-            a_cols=None,
-            b_rows=n_out,
-        )
+        module._init_lora(opts, gname, column=True, tp_group=None, gated=False)
         sp = module.config.sequence_parallel and group_size(module._tp_group) > 1
         module.lora_sp_group = module._tp_group if sp else None
         return 1
-    group, rank, size = _tp(module)
-    if kind != "TERowParallelLinear":
-        module._init_lora(
-            opts,
-            gname,
-            column=True,
-            tp_group=group,
-            gated=gated,
-            full_in=n_in,
-            full_out=n_out * size,
-            a_cols=None,
-            b_rows=n_out,
-        )
-    else:
-        module._init_lora(
-            opts,
-            gname,
-            column=False,
-            tp_group=group,
-            gated=False,
-            full_in=n_in * size,
-            full_out=n_out,
-            a_cols=slice(rank * n_in, (rank + 1) * n_in),
-            b_rows=n_out,
-        )
-    _mark_split(module.lora_A, module.lora_B, kind != "TERowParallelLinear")
+    column = kind != "TERowParallelLinear"
+    module._init_lora(opts, gname, column=column, tp_group=module._tp_group, gated=gated and column)
     if kind == "TELayerNormColumnParallelLinear":
         module.return_layernorm_output = True  # TE hands the adapter its own norm's output (docstring)
         module.return_layernorm_output_gathered = False

@@ -44,7 +44,8 @@ def lora_spec_layouts(
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.score import score_rows
-    from lora_workers import set_random_b, train_capturing
+    from lora_workers import set_random_b
+    from uneven_expert_workers import train_capturing
 
     out: dict = {}
     for kind, hf_dir, runs in jobs:

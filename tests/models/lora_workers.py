@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from conversion_workers import layout_name
-from uneven_expert_workers import full_gradients
+from uneven_expert_workers import train_capturing
 
 
 def set_random_b(model, seed: int = 7, scale: float = 0.05) -> None:
@@ -44,39 +44,6 @@ def set_random_b(model, seed: int = 7, scale: float = 0.05) -> None:
                 full = full.chunk(size)[t]
         with torch.no_grad():
             m.lora_B.copy_(full.to(m.lora_B.dtype))
-
-
-def train_capturing(cfg, model, records: list, capture: bool = True) -> tuple:
-    """One GSPO training step of ``model`` (DDP and optimizer as ``cfg`` says): (optimizer, metrics,
-    the first optimizer step's reduced gradients at full size, ``full_gradients``; {} unless ``capture``)."""
-    from gspo_megatron.trainer import step as train_step
-    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
-
-    o, p = cfg.optimizer, cfg.parallel
-    ddp, optimizer, scheduler = setup_training(
-        model,
-        OptimOptions(
-            lr=o.lr,
-            clip_grad=o.clip_grad,
-            total_steps=cfg.gspo.mini_batches,
-            use_distributed_optimizer=p.use_distributed_optimizer,
-        ),
-    )
-    grads: dict = {}
-    step = train_step.optimizer_step
-
-    def capturing_step(*args, **kwargs):
-        if capture and "done" not in grads:
-            grads.update(full_gradients(ddp), done=True)
-        return step(*args, **kwargs)
-
-    train_step.optimizer_step = capturing_step
-    try:
-        metrics = train_step.train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0).metrics
-    finally:
-        train_step.optimizer_step = step
-    grads.pop("done", None)
-    return optimizer, metrics, grads
 
 
 def lora_layouts(

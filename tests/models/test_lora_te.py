@@ -24,21 +24,10 @@ from test_family_training_parity import assert_same_gradients
 from test_lora import OVERRIDES
 from test_uneven_expert_layouts import make_records
 
-KINDS = ["qwen3_moe", "deepseek_v3"]
+KINDS = ["qwen3_moe", "deepseek_v3"]  # hf_dirs (conftest.py) saves these
 ROWS = make_rows(seed=4, n=4)
 TE = "transformer_engine"
 LAYOUTS = [dict(tp=2), dict(ep=2)]
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-    from gspo_megatron.models.tiny import save_tiny_hf_model
-
-    out = {}
-    for kind in KINDS:
-        out[kind] = str(tmp_path_factory.mktemp(kind) / "hf")
-        save_tiny_hf_model(kind, out[kind], seed=11)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 ``score_and_train(rank, world, hf_dir, layouts, rows, records, overrides)``: for each layout, build
 the trainer's model from the HF directory (as gspo-train does), score ``rows`` through the scorer
-path, then run one GSPO training step (``train_on_batch``: old log-probs, ``gspo.mini_batches``
-optimizer steps) on ``records``. While it runs, every split-size all-gather of the MoE alltoall
+path, then run one GSPO training step (``train_capturing``: ``train_on_batch``, old log-probs,
+``gspo.mini_batches`` optimizer steps) on ``records``. While it runs, every split-size all-gather of the MoE alltoall
 dispatcher over the tensor-parallel group is recorded (the sizes are the token counts each TP rank
 routes to this rank's experts), so the test can assert that the loads really were uneven.
 Returns, on rank 0, {layout_name: {"logprobs", "metrics", "splits"}}; the splits of all ranks are
@@ -13,6 +13,10 @@ of the first optimizer step (``full_gradients``), and "grad_norms": every rank's
 ``score_and_train_many(rank, world, jobs, rows, records, overrides, capture_grads)``: the same for
 several (key, hf_dir, layouts) jobs in one set of spawned ranks (one start-up for many models):
 {key: {layout_name: result}} on rank 0.
+
+``train_capturing(cfg, model, records, capture)``: that training step (DDP and optimizer as ``cfg``
+says) with the first optimizer step's gradients at full size (``full_gradients``); the LoRA workers
+(lora_workers.py, lora_te_workers.py) train through it too.
 """
 
 from __future__ import annotations
@@ -114,6 +118,39 @@ def full_gradients(ddp) -> dict:
     return merged if dist.get_rank() == 0 else {}
 
 
+def train_capturing(cfg, model, records: list, capture: bool = True) -> tuple:
+    """One GSPO training step of ``model`` (DDP and optimizer as ``cfg`` says): (optimizer, metrics,
+    the first optimizer step's reduced gradients at full size, ``full_gradients``; {} unless ``capture``)."""
+    from gspo_megatron.trainer import step as train_step
+    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
+
+    o, p = cfg.optimizer, cfg.parallel
+    ddp, optimizer, scheduler = setup_training(
+        model,
+        OptimOptions(
+            lr=o.lr,
+            clip_grad=o.clip_grad,
+            total_steps=cfg.gspo.mini_batches,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+        ),
+    )
+    grads: dict = {}
+    step = train_step.optimizer_step
+
+    def capturing_step(*args, **kwargs):
+        if capture and "done" not in grads:
+            grads.update(full_gradients(ddp), done=True)
+        return step(*args, **kwargs)
+
+    train_step.optimizer_step = capturing_step
+    try:
+        metrics = train_step.train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0).metrics
+    finally:
+        train_step.optimizer_step = step
+    grads.pop("done", None)
+    return optimizer, metrics, grads
+
+
 def score_and_train_many(
     rank: int,
     world: int,
@@ -150,8 +187,6 @@ def score_and_train(
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.score import score_rows
-    from gspo_megatron.trainer import step as train_step
-    from gspo_megatron.trainer.optimizer import OptimOptions, setup_training
 
     hf = load_hf_config(hf_dir)
     results = {}
@@ -161,34 +196,13 @@ def score_and_train(
         init_distributed(ParallelLayout(p.tp, p.pp, p.ep, p.etp, p.cp, bool(p.sequence_parallel)), seed=cfg.seed)
         splits: list = []
         restore = _record_dispatcher_splits(splits)
-        grads: dict = {}
-        step = train_step.optimizer_step
         try:
             model = factory.build_model(cfg, hf)
             load_hf_weights(model, hf_dir)
             lps = score_rows(model, rows, micro_batch_size=3)
-            o = cfg.optimizer
-            ddp, optimizer, scheduler = setup_training(
-                model,
-                OptimOptions(
-                    lr=o.lr,
-                    clip_grad=o.clip_grad,
-                    total_steps=cfg.gspo.mini_batches,
-                    use_distributed_optimizer=p.use_distributed_optimizer,
-                ),
-            )
-            if capture_grads:  # the first optimizer step's reduced gradients, at full size
-
-                def capturing_step(*args, **kwargs):
-                    if "done" not in grads:
-                        grads.update(full_gradients(ddp), done=True)
-                    return step(*args, **kwargs)
-
-                train_step.optimizer_step = capturing_step
-            metrics = train_step.train_on_batch(cfg, ddp, optimizer, scheduler, records, pad_id=0).metrics
+            _, metrics, grads = train_capturing(cfg, model, records, capture=capture_grads)
         finally:
             restore()
-            train_step.optimizer_step = step
         everyone = [None] * world
         dist.all_gather_object(everyone, splits)
         norms = [None] * world
@@ -201,7 +215,6 @@ def score_and_train(
                 "grad_norms": norms,
             }
             if capture_grads:
-                grads.pop("done", None)
                 results[layout_name(layout)]["grads"] = grads
     if destroy:
         destroy_distributed()
