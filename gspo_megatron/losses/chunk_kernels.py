@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 
 Kernels = Literal["auto", "eager", "compiled"]
 KERNELS = ("auto", "eager", "compiled")
-# Graphs per compiled function: one per logits dtype, times size-1 specializations of the token rows
-# (a last chunk of one token) and of K (one target or several). Dynamo's default of 8 could be reached
+# Graphs per compiled function: one per logits dtype, times a last chunk of one token (a size-1
+# specialization), times K (the number of targets per token is a constant of grad_math's graph). Dynamo's default of 8 could be reached
 # by a run with fp32 and bf16 heads; exceeding it fails hard under fullgraph.
 RECOMPILE_LIMIT = 32
 
@@ -115,15 +115,17 @@ def grad_math(
     in_shard: Tensor,
 ) -> Tensor:
     """:func:`grad_eager`'s math out of place with both gradients always given (zeros stand for a
-    missing one: -0 and + 0 leave the other term's value exactly as eager computes it), so that one
-    graph per dtype serves every call; the target columns are added by comparison with a column
-    index rather than a scatter, so that one fused kernel reads the logits and writes g."""
+        missing one: -0 and + 0 leave the other term's value exactly as eager computes it), so that one
+        graph per dtype serves every call; the target columns are added by comparison with a column
+        index rather than a scatter, so that one fused kernel reads the logits and writes g (no [c, V/tp]
+    temporary: the K targets are a loop in the graph, not a reduction over a [c, V/tp, K] comparison)."""
     logp = logits.to(norm.dtype) / temperature - norm[:, None]
     p = torch.exp(logp)
     g = (logp + entropy[:, None]) * p * (-grad_entropy[:, None]) - p * grad_logprobs.sum(dim=-1)[:, None]
-    cols = torch.arange(logits.shape[1], device=logits.device)
-    hit = (cols[None, :, None] == col[:, None, :]) & in_shard[:, None, :]  # [c, V/tp, K]
-    g = g + torch.where(hit, grad_logprobs[:, None, :], 0.0).sum(dim=-1)
+    cols = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    for k in range(col.shape[1]):  # K is a constant of the graph (one graph per K): K compares per element
+        hit = (cols == col[:, k : k + 1]) & in_shard[:, k : k + 1]
+        g = g + torch.where(hit, grad_logprobs[:, k : k + 1], 0.0)
     return (g / temperature).to(logits.dtype)
 
 
@@ -162,9 +164,16 @@ class ChunkOps:
     form: str  # "eager" | "compiled"
     stats: Callable[..., tuple[Tensor, Tensor, Tensor | None, Tensor]]
     grad: Callable[..., Tensor]
+    fp32_temporaries: bool  # eager: [c, V/tp] temporaries in fp32; compiled: only in the GEMM's dtype
+
+    def temp_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes per element of the chunk's [c, V/tp] temporaries (``chunking.chunk_tokens``): fp32
+        eager; the logits' dtype compiled (bf16: two per chunk, the GEMM output and g, in the bytes
+        of one fp32 one at half the tokens)."""
+        return 4 if self.fp32_temporaries else torch.empty(0, dtype=dtype).element_size()
 
 
-EAGER = ChunkOps("eager", stats_eager, grad_eager)
+EAGER = ChunkOps("eager", stats_eager, grad_eager, True)
 _compiled: ChunkOps | None = None
 _auto_failed: str | None = None  # why compiling failed under "auto" (then eager for the process)
 
@@ -172,7 +181,7 @@ _auto_failed: str | None = None  # why compiling failed under "auto" (then eager
 def _compiled_ops() -> ChunkOps:
     global _compiled
     if _compiled is None:
-        _compiled = ChunkOps("compiled", *_compiled_forms())
+        _compiled = ChunkOps("compiled", *_compiled_forms(), False)
     return _compiled
 
 
@@ -192,7 +201,7 @@ def _guarded(ops: ChunkOps) -> ChunkOps:
 
         return run
 
-    return ChunkOps("compiled", call("stats"), call("grad"))
+    return ChunkOps("compiled", call("stats"), call("grad"), False)
 
 
 def chunk_ops(device: torch.device, kernels: Kernels = "auto") -> ChunkOps:

@@ -13,11 +13,12 @@ from torch import Tensor
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 budget of one [chunk, V/tp] temporary
 
 
-def chunk_tokens(chunk_size: int | None, vocab_local: int) -> int:
-    """Tokens per chunk: ``chunk_size``, or (None) as many as keep one fp32 [c, V/tp] temporary
-    within DEFAULT_CHUNK_BYTES: c = max(1, DEFAULT_CHUNK_BYTES // (4 * V/tp))."""
+def chunk_tokens(chunk_size: int | None, vocab_local: int, temp_bytes: int = 4) -> int:
+    """Tokens per chunk: ``chunk_size``, or (None) as many as keep one [c, V/tp] temporary of
+    ``temp_bytes`` per element (fp32: 4) within DEFAULT_CHUNK_BYTES:
+    c = max(1, DEFAULT_CHUNK_BYTES // (temp_bytes * V/tp))."""
     if chunk_size is None:
-        return max(1, DEFAULT_CHUNK_BYTES // (4 * max(vocab_local, 1)))
+        return max(1, DEFAULT_CHUNK_BYTES // (temp_bytes * max(vocab_local, 1)))
     return chunk_size
 
 

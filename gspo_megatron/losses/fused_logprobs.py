@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gspo_megatron.losses.chunk_kernels import KERNELS, Kernels, chunk_ops
+from gspo_megatron.losses.chunk_kernels import KERNELS, ChunkOps, Kernels, chunk_ops
 from gspo_megatron.losses.chunking import chunk_tokens, local_targets
 from gspo_megatron.losses.reductions import group_rank, group_size
 
@@ -62,7 +62,7 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
         chunk: int,
         with_entropy: bool,
         vocab_size: int | None,
-        kernels: Kernels,
+        ops: ChunkOps,
     ):
         n = hidden.shape[0]
         vocab_local = weight.shape[0]
@@ -79,7 +79,6 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
         k = targets.shape[1]
         m_loc = torch.full((n,), -torch.inf, dtype=cdt, device=dev)
         stats = torch.zeros(2 + k, n, dtype=cdt, device=dev)  # S_r, E_r, z_y1 .. z_yK (local, unshifted)
-        ops = chunk_ops(dev, kernels)
         for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
             mr, sr, er, zy = ops.stats(  # the chunk's GEMM output [c, V/tp] is passed on, not kept
@@ -108,7 +107,7 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
 
         ctx.save_for_backward(hidden, weight, col, in_shard, valid, m + log_sum, entropy)
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.valid_cols = temperature, chunk, with_entropy, valid_cols
-        ctx.kernels = kernels
+        ctx.ops = ops
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
@@ -129,7 +128,7 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
         acc_dt = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=acc_dt, device=weight.device) if need_w else None
         grad_ent = grad_entropy if use_entropy else None
-        ops = chunk_ops(hidden.device, ctx.kernels)
+        ops = ctx.ops
         for lo in range(0, n if valid_cols else 0, chunk):
             hi = min(lo + chunk, n)
             h = hidden[lo:hi].to(weight.dtype)
@@ -146,7 +145,7 @@ class _FusedVocabParallelLogprobs(torch.autograd.Function):
             if grad_hidden is not None:  # (need_h)
                 grad_hidden[lo:hi] = (g @ w).to(hidden.dtype)
             if grad_w is not None:  # (need_w)
-                grad_w[:valid_cols] += (g.t() @ h).to(acc_dt)
+                grad_w[:valid_cols].add_(g.t() @ h)  # fp32 += the GEMM dtype: upcast in the add, no copy
             del g
         return (grad_hidden, None if grad_w is None else grad_w.to(weight.dtype)) + nones
 
@@ -175,7 +174,8 @@ def fused_vocab_parallel_logprobs(
             per token scored in one pass; ids outside [0, vocab) give log-prob 0 with no gradient.
         tp_group: tensor-parallel group (``None``: the whole vocab is local).
         temperature: logits are divided by it (the rollout engine's sampling temperature).
-        chunk_size: tokens per chunk; default keeps one [chunk, V/tp] fp32 temporary near 256 MiB.
+        chunk_size: tokens per chunk; default keeps one [chunk, V/tp] temporary near 256 MiB (fp32 with
+            eager kernels, the weight's dtype with compiled ones: twice the tokens in bf16).
         with_entropy: also return the entropy [...] (else ``None``).
         vocab_size: the real vocabulary when the output layer is padded (padded rows left out).
         kernels: the per-chunk softmax arithmetic: "auto" (torch.compile'd on CUDA with Triton,
@@ -210,9 +210,10 @@ def fused_vocab_parallel_logprobs(
     lead = hidden.shape[:-1]
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(flat_h.shape[0], targets.shape[-1] if several else 1).long()  # [N, K]
-    chunk = chunk_tokens(chunk_size, weight.shape[0])
+    ops = chunk_ops(hidden.device, kernels)
+    chunk = chunk_tokens(chunk_size, weight.shape[0], ops.temp_bytes(weight.dtype))
     logprobs, entropy = _FusedVocabParallelLogprobs.apply(
-        flat_h, weight, flat_t, tp_group, float(temperature), chunk, with_entropy, vocab_size, kernels
+        flat_h, weight, flat_t, tp_group, float(temperature), chunk, with_entropy, vocab_size, ops
     )
     logprobs = logprobs.view(targets.shape) if several else logprobs.view(lead)
     return logprobs, (entropy.view(lead) if with_entropy else None)

@@ -111,7 +111,7 @@ def test_failed_compile_warns_once_and_runs_eager(monkeypatch, caplog):
         raise TorchDynamoException("no C compiler found\nlong trace")
 
     monkeypatch.setattr(chunk_kernels, "_auto_failed", None)
-    ops = chunk_kernels._guarded(chunk_kernels.ChunkOps("compiled", broken, broken))
+    ops = chunk_kernels._guarded(chunk_kernels.ChunkOps("compiled", broken, broken, False))
     hidden, weight, targets = _inputs(torch.float32, n=9)
     logits = hidden @ weight.t()
     col, in_shard = targets[:, None].clamp(min=0), (targets >= 0)[:, None]
@@ -133,7 +133,7 @@ def test_failed_compile_warns_once_and_runs_eager(monkeypatch, caplog):
 
     monkeypatch.setattr(chunk_kernels, "_auto_failed", None)
     with pytest.raises(torch.OutOfMemoryError):
-        chunk_kernels._guarded(chunk_kernels.ChunkOps("compiled", oom, oom)).stats(
+        chunk_kernels._guarded(chunk_kernels.ChunkOps("compiled", oom, oom, False)).stats(
             logits, col, in_shard, 1.0, None, True
         )
 
@@ -149,3 +149,17 @@ def test_graph_variants_of_a_run_do_not_hit_dynamos_recompile_limit(monkeypatch)
         fused_vocab_parallel_logprobs(
             hidden[:n].requires_grad_(True), weight, targets[:n], kernels="compiled", chunk_size=4
         )[0].sum().backward()
+
+
+def test_compiled_chunks_hold_twice_the_bf16_tokens_in_the_same_bytes():
+    """Eager temporaries are fp32 [c, V/tp]; compiled ones are in the GEMM's dtype, so with bf16
+    weights the default chunk holds twice the tokens (fewer passes over the fp32 grad_W accumulator)."""
+    from gspo_megatron.losses.chunking import DEFAULT_CHUNK_BYTES, chunk_tokens
+
+    v = 151936
+    compiled = chunk_ops(torch.device("cpu"), "compiled")
+    eager_c = chunk_tokens(None, v, EAGER.temp_bytes(torch.bfloat16))
+    assert eager_c == DEFAULT_CHUNK_BYTES // (4 * v) == 441
+    assert chunk_tokens(None, v, compiled.temp_bytes(torch.bfloat16)) == DEFAULT_CHUNK_BYTES // (2 * v) == 883
+    assert chunk_tokens(None, v, compiled.temp_bytes(torch.float32)) == eager_c
+    assert chunk_tokens(64, v, compiled.temp_bytes(torch.bfloat16)) == 64  # an explicit chunk_size stands
