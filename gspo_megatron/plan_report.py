@@ -6,12 +6,13 @@ The memory model itself is :mod:`gspo_megatron.planner`."""
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from gspo_megatron.config import load_config
 from gspo_megatron.errors import ConfigError
+from gspo_megatron.features import enabled_features
 from gspo_megatron.features.adapter_sync import ADAPTER_SYNC
+from gspo_megatron.features.base import floor2
 from gspo_megatron.features.fp8_sync import engine_param_bytes
 from gspo_megatron.features.offload import OFFLOAD
 from gspo_megatron.features.sync_modes import sync_mode
@@ -147,11 +148,6 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(out)
 
 
-def _floor2(x: float) -> str:
-    """``x`` rounded down to two decimals (a fraction that still fits)."""
-    return f"{math.floor(x * 100) / 100:.2f}"
-
-
 def _advice(plan: Plan) -> str:
     cfg = plan.cfg
     tips = []
@@ -165,13 +161,10 @@ def _advice(plan: Plan) -> str:
     over = max((s.rollout_peak - plan.gpu_bytes for s in plan.stages if s.rollout_items), default=0.0)
     if over > 0:  # the rollout phase: the engines' share, a started teacher's, what stays resident
         frac = over / plan.gpu_bytes
-        r, d = cfg.rollout, cfg.distill
+        r = cfg.rollout
         if r.engine_mem_fraction - frac > 0:
-            tips.append(f"rollout.engine_mem_fraction <= {_floor2(r.engine_mem_fraction - frac)}")
-        if any(label.startswith("distill teachers") for st in plan.stages for label, _ in st.rollout_items):
-            if d.teacher_mem_fraction - frac > 0:
-                tips.append(f"distill.teacher_mem_fraction <= {_floor2(d.teacher_mem_fraction - frac)}")
-            tips.append("serve the teachers from their own nodes (distill.teachers NAME=URL)")
+            tips.append(f"rollout.engine_mem_fraction <= {floor2(r.engine_mem_fraction - frac)}")
+        tips += [t for f in enabled_features(cfg) for t in f.rollout_advice(cfg, frac)]
         if offload_helps and not kv_full:  # (the KV cache tip already names it)
             tips.append("rollout.offload_train=true")
     if plan.worst.train_peak > plan.gpu_bytes:

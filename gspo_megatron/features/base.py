@@ -8,7 +8,8 @@ A component owns, for its feature:
   environment) its engines need, with ``flags``: how an attached engine's ``/server_info`` value of each
   is checked (``fleet/engine_args.py`` asks every enabled component);
 - the planner's rows (``train_rows``, ``engine_budget_rows``, ``rollout_rows``, ``host_bytes``,
-  ``notes``), given a :class:`PlanContext`;
+  ``notes``), given a :class:`PlanContext`, and ``rollout_advice``: its settings that would fit a
+  rollout phase over memory (``plan_report``);
 - ``metrics``: the metric names it writes (docs/training.md).
 
 Components read the config as an object (``cfg.rollout.sync_delta``...): they import no ``config``
@@ -18,6 +19,7 @@ module here with one :class:`Feature` subclass, one line in ``features/__init__.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +65,11 @@ class PlanContext:
     engine_gpu: bool = False
     adapter_params: int = 0
     stage: int = 0
+
+
+def floor2(x: float) -> str:
+    """``x`` rounded down to two decimals (a memory fraction that still fits)."""
+    return f"{math.floor(x * 100) / 100:.2f}"
 
 
 class Feature:
@@ -111,6 +118,11 @@ class Feature:
     def host_bytes(self, ctx: PlanContext, kv_tokens: float) -> dict[str, float]:
         """Host memory per GPU by kind (``"delta"``, ``"capture"``: ``planner.StageMemory.host_*``)."""
         return {}
+
+    def rollout_advice(self, cfg, over_fraction: float) -> list[str]:
+        """Settings of this (enabled) feature that would fit a rollout phase over the GPU's memory by
+        ``over_fraction`` of it (``plan_report``'s advice when the plan does not fit)."""
+        return []
 
     def notes(self, ctx: PlanContext) -> list[str]:
         """Lines for the plan's notes."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gspo_megatron.features.base import GIB, Feature, PlanContext, Row
+from gspo_megatron.features.base import GIB, Feature, PlanContext, Row, floor2
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,17 @@ class Distill(Feature):
     def rollout_rows(self, ctx: PlanContext, kv_tokens: float) -> list[Row]:
         """Colocated engines: the teachers' share is part of the rollout phase."""
         return self._teacher_row(ctx) if ctx.colocated else []
+
+    def rollout_advice(self, cfg, over_fraction: float) -> list[str]:
+        """Teachers started here take ``teacher_mem_fraction`` of their GPUs while rolling out
+        (:meth:`_teacher_row`): a smaller share, or their own nodes."""
+        d = cfg.distill
+        if not any(t.started_here for t in parse_teachers(d.teachers)[0]):
+            return []
+        tips = []
+        if d.teacher_mem_fraction - over_fraction > 0:
+            tips.append(f"distill.teacher_mem_fraction <= {floor2(d.teacher_mem_fraction - over_fraction)}")
+        return tips + ["serve the teachers from their own nodes (distill.teachers NAME=URL)"]
 
     def notes(self, ctx: PlanContext) -> list[str]:
         d = ctx.cfg.distill
