@@ -31,7 +31,7 @@ def _records(vocab: int, seed: int = 0) -> list[Sample]:
     return out
 
 
-def fused_vs_logits(rank: int, world: int, overrides: list[str], tied: bool) -> dict:
+def fused_vs_logits(rank: int, world: int, overrides: list[str], tied: bool, kernels: str = "auto") -> dict:
     from megatron.core import parallel_state as ps
 
     from gspo_megatron import factory
@@ -61,8 +61,11 @@ def fused_vs_logits(rank: int, world: int, overrides: list[str], tied: bool) -> 
         b["normalizer"] = 4.0  # sequences with a response token in the whole batch
     lcfg = PolicyLossConfig(mode="gspo", clip_low=0.2, clip_high=0.2, entropy_coef=0.01)
     tp_group = ps.get_tensor_model_parallel_group()
-    from gspo_megatron.losses import megatron_loss
+    from gspo_megatron.losses import fused_logprobs, megatron_loss
 
+    forms = set()  # the per-chunk kernels' form the fused head ran in
+    pick = fused_logprobs.chunk_ops
+    fused_logprobs.chunk_ops = lambda dev, k: forms.add(pick(dev, kernels).form) or pick(dev, kernels)
     calls = []  # which path the loss functions took: the output's last dim (H fused, V/tp not)
     real = megatron_loss.token_logprobs
     megatron_loss.token_logprobs = lambda out_, *a, **k: calls.append(out_.shape[-1]) or real(out_, *a, **k)
@@ -97,6 +100,7 @@ def fused_vs_logits(rank: int, world: int, overrides: list[str], tied: bool) -> 
             "last": ps.is_pipeline_last_stage(),
             "hidden": int(hf["hidden_size"]),
             "vocab_local": vocab // p.tp,
+            "forms": sorted(forms),
         }
     destroy_distributed()
     return out

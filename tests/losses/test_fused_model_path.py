@@ -1,7 +1,8 @@
 """The fused log-prob head in the real model path (Megatron GPTModel, tiny MoE, Megatron's schedule):
 hidden states + output weight give the same log-probs, entropies, loss metrics and parameter
 gradients (output weight / tied embedding included) as GPTModel's logits + the chunked path, on one
-rank, TP2 with sequence parallelism (tied and untied embeddings) and PP2."""
+rank (and with the compiled per-chunk kernels), TP2 with sequence parallelism (tied and untied
+embeddings) and PP2."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def _check(results):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_single_rank(tied):
     _check(run_ranks(fused_vs_logits, 1, [], tied, timeout=300))
+
+
+def test_single_rank_compiled_kernels():
+    """The head as a GPU runs it (per-chunk arithmetic torch.compile'd; here Inductor's C++ backend)
+    inside Megatron's schedule: the same log-probs, metrics and gradients as the logits path."""
+    results = run_ranks(fused_vs_logits, 1, [], False, "compiled", timeout=600)
+    assert results[0][True]["forms"] == ["compiled"]
+    _check(results)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
