@@ -18,9 +18,10 @@ Two forms of one piece of math:
 :func:`chunk_ops` picks one: ``"auto"`` compiles on CUDA when Triton is there (the GPU user's path)
 and runs eager elsewhere (CPU: the C++ compile costs seconds per shape family, the eager passes are
 not what is slow there). ``"compiled"`` forces the compiled form (tests use it on CPU through
-Inductor's C++ backend); ``"eager"`` forces eager. If compiling fails under ``"auto"`` (no compiler
-toolchain on the node, say: dynamo's exceptions, nothing else), one warning names the cause and the
-process stays eager.
+Inductor's C++ backend); ``"eager"`` forces eager. Under ``"auto"`` the first head per logits dtype
+compiles both graphs on a tiny input first (:func:`_probe`; the graphs are dynamic, so every chunk
+reuses them); if compiling fails (no compiler toolchain on the node, say: dynamo's exceptions, nothing
+else), one warning names the cause and the process stays eager, before any chunk size is chosen.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class ChunkOps:
 EAGER = ChunkOps("eager", stats_eager, grad_eager, True)
 _compiled: ChunkOps | None = None
 _auto_failed: str | None = None  # why compiling failed under "auto" (then eager for the process)
+_probed: set[tuple[str, torch.dtype]] = set()  # (device type, logits dtype) whose graphs compiled
 
 
 def _compiled_ops() -> ChunkOps:
@@ -185,18 +187,42 @@ def _compiled_ops() -> ChunkOps:
     return _compiled
 
 
+def _failed(exc: Exception) -> None:
+    """Record why compiling failed under ``"auto"`` and warn once: the process runs eager from here."""
+    global _auto_failed
+    _auto_failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    log.warning("fused log-prob head: torch.compile failed (%s); running eager", _auto_failed)
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> None:
+    """Compile both graphs for ``dtype`` logits on a two-token, three-column input before the caller
+    picks its chunk size from the form (:meth:`ChunkOps.temp_bytes`): the graphs are dynamic in every
+    size, so the real chunks reuse them, and a toolchain that cannot build them is found here, not
+    in the middle of a head already chunked for compiled temporaries."""
+    ops = _compiled_ops()
+    cdt = torch.promote_types(dtype, torch.float32)
+    col = torch.zeros(2, 1, dtype=torch.long, device=device)
+    hit = torch.ones(2, 1, dtype=torch.bool, device=device)
+    zero = torch.zeros(2, dtype=cdt, device=device)
+    try:
+        ops.stats(torch.zeros(2, 3, dtype=dtype, device=device), col, hit, 1.0, cdt, True)
+        ops.grad(torch.zeros(2, 3, dtype=dtype, device=device), zero, 1.0, zero, zero[:, None], zero, col, hit)
+    except TorchDynamoException as exc:  # Inductor / Triton could not build: eager is the same math
+        _failed(exc)
+    _probed.add((device.type, dtype))
+
+
 def _guarded(ops: ChunkOps) -> ChunkOps:
-    """``ops`` whose first failure to compile warns once and falls back to eager for the process."""
+    """``ops`` whose first failure to compile (a graph the probe did not build: a one-token chunk, K
+    targets) warns once and falls back to eager for the process."""
 
     def call(name: str):
         def run(*args):
-            global _auto_failed
             if _auto_failed is None:
                 try:
                     return getattr(ops, name)(*args)
                 except TorchDynamoException as exc:  # Inductor / Triton could not build: eager is the same math
-                    _auto_failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                    log.warning("fused log-prob head: torch.compile failed (%s); running eager", _auto_failed)
+                    _failed(exc)
             return getattr(EAGER, name)(*args)
 
         return run
@@ -204,8 +230,9 @@ def _guarded(ops: ChunkOps) -> ChunkOps:
     return ChunkOps("compiled", call("stats"), call("grad"), False)
 
 
-def chunk_ops(device: torch.device, kernels: Kernels = "auto") -> ChunkOps:
-    """The per-chunk functions for tensors on ``device`` (see the module docstring for the choice)."""
+def chunk_ops(device: torch.device, kernels: Kernels = "auto", dtype: torch.dtype | None = None) -> ChunkOps:
+    """The per-chunk functions for ``dtype`` logits on ``device`` (see the module docstring for the
+    choice; under ``"auto"`` on a GPU the first call per dtype compiles, :func:`_probe`)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     if kernels == "eager":
@@ -216,4 +243,8 @@ def chunk_ops(device: torch.device, kernels: Kernels = "auto") -> ChunkOps:
         return EAGER
     from torch.utils._triton import has_triton
 
-    return _guarded(_compiled_ops()) if has_triton() else EAGER
+    if not has_triton():
+        return EAGER
+    if dtype is not None and (device.type, dtype) not in _probed:
+        _probe(device, dtype)
+    return EAGER if _auto_failed is not None else _guarded(_compiled_ops())

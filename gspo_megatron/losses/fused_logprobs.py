@@ -210,7 +210,7 @@ def fused_vocab_parallel_logprobs(
     lead = hidden.shape[:-1]
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(flat_h.shape[0], targets.shape[-1] if several else 1).long()  # [N, K]
-    ops = chunk_ops(hidden.device, kernels)
+    ops = chunk_ops(hidden.device, kernels, weight.dtype)
     chunk = chunk_tokens(chunk_size, weight.shape[0], ops.temp_bytes(weight.dtype))
     logprobs, entropy = _FusedVocabParallelLogprobs.apply(
         flat_h, weight, flat_t, tp_group, float(temperature), chunk, with_entropy, vocab_size, ops

@@ -138,6 +138,24 @@ def test_failed_compile_warns_once_and_runs_eager(monkeypatch, caplog):
         )
 
 
+def test_probe_finds_a_failing_compile_before_the_chunk_size_is_chosen(monkeypatch, caplog):
+    def broken(*args):
+        raise TorchDynamoException("Triton needs a C compiler\nmore")
+
+    monkeypatch.setattr(chunk_kernels, "_auto_failed", None)
+    monkeypatch.setattr(chunk_kernels, "_probed", set())
+    monkeypatch.setattr(chunk_kernels, "_compiled", chunk_kernels.ChunkOps("compiled", broken, broken, False))
+    with caplog.at_level(logging.WARNING, logger=chunk_kernels.__name__):
+        chunk_kernels._probe(torch.device("cpu"), torch.bfloat16)
+    assert chunk_kernels._auto_failed == "TorchDynamoException: Triton needs a C compiler"
+    assert len(caplog.records) == 1 and ("cpu", torch.bfloat16) in chunk_kernels._probed
+
+    monkeypatch.setattr(chunk_kernels, "_auto_failed", None)
+    monkeypatch.setattr(chunk_kernels, "_compiled", None)  # the real compiled kernels: the probe builds them
+    chunk_kernels._probe(torch.device("cpu"), torch.float32)
+    assert chunk_kernels._auto_failed is None
+
+
 def test_graph_variants_of_a_run_do_not_hit_dynamos_recompile_limit(monkeypatch):
     """A run's heads bring several graphs per function (fp32 and bf16 logits, one target or K, a last
     chunk of one token); dynamo fails hard under fullgraph past its recompile limit (8 by default),
