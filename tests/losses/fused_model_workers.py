@@ -65,7 +65,7 @@ def fused_vs_logits(rank: int, world: int, overrides: list[str], tied: bool, ker
 
     forms = set()  # the per-chunk kernels' form the fused head ran in
     pick = fused_logprobs.chunk_ops
-    fused_logprobs.chunk_ops = lambda dev, k: forms.add(pick(dev, kernels).form) or pick(dev, kernels)
+    fused_logprobs.chunk_ops = lambda dev, k, dt: forms.add(pick(dev, kernels, dt).form) or pick(dev, kernels, dt)
     calls = []  # which path the loss functions took: the output's last dim (H fused, V/tp not)
     real = megatron_loss.token_logprobs
     megatron_loss.token_logprobs = lambda out_, *a, **k: calls.append(out_.shape[-1]) or real(out_, *a, **k)
