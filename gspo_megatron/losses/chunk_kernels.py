@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 Kernels = Literal["auto", "eager", "compiled"]
 KERNELS = ("auto", "eager", "compiled")
 # Graphs per compiled function: one per logits dtype, times a last chunk of one token (a size-1
-# specialization), times K (the number of targets per token is a constant of grad_math's graph). Dynamo's default of 8 could be reached
-# by a run with fp32 and bf16 heads; exceeding it fails hard under fullgraph.
+# specialization), times K (a constant of grad_math's graph), times inference vs no-grad mode.
+# Dynamo's default of 8 could be reached by one run; past it, fullgraph fails hard.
 RECOMPILE_LIMIT = 32
 
 
