@@ -94,9 +94,10 @@ def grad_eager(
 ) -> Tensor:
     """The gradient of one chunk's logits, in the logits' dtype (the GEMM dtype of grad_h and grad_W).
 
-    logits [c, V/tp] (overwritten, as in :func:`stats_eager`); norm [c] = m + log S (log p_v = logits / T - norm); entropy [c] H (with
-    grad_entropy); grad_logprobs [c, K] (0 for ignored targets) and / or grad_entropy [c]; col,
-    in_shard [c, K]. Returns g / T [c, V/tp] with g from ``chunking.softmax_chunk_grad``.
+    logits [c, V/tp] (overwritten, as in :func:`stats_eager`); norm [c] = m + log S (log p_v =
+    logits / T - norm); entropy [c] H (with grad_entropy); grad_logprobs [c, K] (0 for ignored
+    targets) and / or grad_entropy [c]; col, in_shard [c, K]. Returns g / T [c, V/tp] with g from
+    ``chunking.softmax_chunk_grad``.
     """
     dtype = logits.dtype
     logp = logits.to(norm.dtype).div_(temperature).sub_(norm[:, None])
@@ -116,9 +117,9 @@ def grad_math(
     in_shard: Tensor,
 ) -> Tensor:
     """:func:`grad_eager`'s math out of place with both gradients always given (zeros stand for a
-        missing one: -0 and + 0 leave the other term's value exactly as eager computes it), so that one
-        graph per dtype serves every call; the target columns are added by comparison with a column
-        index rather than a scatter, so that one fused kernel reads the logits and writes g (no [c, V/tp]
+    missing one: -0 and + 0 leave the other term's value exactly as eager computes it), so that one
+    graph per dtype serves every call; the target columns are added by comparison with a column index
+    rather than a scatter, so that one fused kernel reads the logits and writes g (no [c, V/tp]
     temporary: the K targets are a loop in the graph, not a reduction over a [c, V/tp, K] comparison)."""
     logp = logits.to(norm.dtype) / temperature - norm[:, None]
     p = torch.exp(logp)
