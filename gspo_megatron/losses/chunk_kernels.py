@@ -215,7 +215,9 @@ def _probe(device: torch.device, dtype: torch.dtype) -> None:
 
 def _guarded(ops: ChunkOps) -> ChunkOps:
     """``ops`` whose first failure to compile (a graph the probe did not build: a one-token chunk, K
-    targets) warns once and falls back to eager for the process."""
+    targets) warns once and falls back to eager for the process. The head that fails runs eager at the
+    chunk size chosen for compiled temporaries (fp32 ones then, twice the bytes of its budget for bf16);
+    later heads choose eager chunks."""
 
     def call(name: str):
         def run(*args):
