@@ -86,9 +86,10 @@ FNS = {"full": full_log_softmax, "chunked": chunked, **{path: fused(k) for path,
 def warm_up(path: str, h, w, targets, wl) -> None:
     """Compile a compiling path's kernels (untimed) on two chunks of tokens: the graphs are dynamic in
     the token count, so the timed run reuses them."""
-    if path not in FUSED or chunk_ops(h.device, FUSED[path]).form != "compiled":  # type: ignore[arg-type]
+    ops = chunk_ops(h.device, FUSED[path]) if path in FUSED else None  # type: ignore[arg-type]
+    if ops is None or ops.form != "compiled":
         return
-    rows = min(h.shape[0], 2 * chunk_tokens(None, w.shape[0]) + 1)
+    rows = min(h.shape[0], 2 * chunk_tokens(None, w.shape[0], ops.temp_bytes(w.dtype)) + 1)  # the head's own chunk
     lp, ent = FNS[path](h[:rows], w, targets[:rows])
     ((lp * wl[:rows]).sum() + ent.sum()).backward()
     h.grad = w.grad = None

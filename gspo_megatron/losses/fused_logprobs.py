@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gspo_megatron.losses.chunk_kernels import KERNELS, ChunkOps, Kernels, chunk_ops
+from gspo_megatron.losses.chunk_kernels import ChunkOps, Kernels, chunk_ops
 from gspo_megatron.losses.chunking import chunk_tokens, local_targets
 from gspo_megatron.losses.reductions import group_rank, group_size
 
@@ -202,8 +202,6 @@ def fused_vocab_parallel_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     tp = group_size(tp_group)
     if vocab_size is not None and not (1 <= vocab_size <= weight.shape[0] * tp):
         raise ValueError(f"vocab_size must be in [1, V/tp * tp = {weight.shape[0] * tp}], got {vocab_size}")
