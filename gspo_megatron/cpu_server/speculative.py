@@ -48,7 +48,11 @@ cycle, with L committed tokens t_0..t_{L-1} and h_0..h_{L-2}:
    q(x)[x != d] / (1 - q(d)) = q(x)). (sglang's own CPU platform verifies greedily whatever the
    temperature, ``_verify_uses_greedy``: ``is_cpu``; this stand-in follows the CUDA path the GPU engines run);
 4. the accepted tokens and the bonus are committed (stop tokens and ``max_new_tokens`` cut the output as
-   without speculation), their target hidden states appended, the KV cache cropped.
+   without speculation), their target hidden states appended, the KV cache cropped. A hybrid target's
+   Gated DeltaNet states cannot be cropped (transformers' ``LinearAttentionLayer.crop`` raises): its cache is
+   copied before the verify and, when a draft was rejected, restored and run on the accepted tokens, which
+   leaves the state after them (sglang keeps the verify's per-draft states and picks the accepted one,
+   ``--mamba-...`` state tracking: the same state).
 
 Log-probs are the target's, from the rows each token was emitted at, as without speculation
 (``log_softmax(logits / T)`` of the unfiltered distribution; ``log_softmax(logits)`` for a greedy batch).
@@ -60,6 +64,7 @@ afterwards; the histogram of accepted drafts per verify, ``schedule_batch.py``),
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -284,6 +289,7 @@ class SpeculativeDecoder:
         request's stop tokens. Returns ``{"output_ids", "logprobs", "stopped", "spec": {...}, "routes"}``
         (routes int64 [P + R - 1, layers, topk] or None)."""
         from transformers import DynamicCache
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
         from gspo_megatron.engines.hf_engine import HFRolloutEngine, _top_k_top_p_filter
 
@@ -292,6 +298,7 @@ class SpeculativeDecoder:
         cache = DynamicCache(config=model.config)
         prompt = [int(t) for t in prompt]
         hidden, logits, routes = self._forward(prompt, 0, cache)
+        recurrent = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
         route_rows = [routes] if routes is not None else None
         tok, lp = HFRolloutEngine._sample(logits[-1:], params, generator)
         out_ids, logps = [int(tok[0])], [float(lp[0])]
@@ -300,8 +307,9 @@ class SpeculativeDecoder:
         seq = prompt + out_ids
         while not stopped and len(out_ids) < params.max_new_tokens:
             drafts = self._propose(hidden, seq)
-            L = len(seq)
-            v_hidden, v_logits, v_routes = self._forward([seq[-1]] + drafts, L - 1, cache)
+            L, last_committed = len(seq), seq[-1]
+            before = copy.deepcopy(cache) if recurrent else None  # step 4: a state that cannot be cropped
+            v_hidden, v_logits, v_routes = self._forward([last_committed] + drafts, L - 1, cache)
             if greedy:
                 n, last = accept_greedy(v_logits, drafts)
             else:
@@ -325,7 +333,11 @@ class SpeculativeDecoder:
                 route_rows.append(v_routes[: n + 1])
             seq = prompt + out_ids
             # keep positions 0..L+n-1 (the committed tokens but the last): drop the s - n rejected rows
-            cache.crop(-(len(drafts) - n))
+            if before is None:
+                cache.crop(-(len(drafts) - n))
+            elif n < len(drafts):  # the state before the verify, run on the accepted tokens (routes dropped)
+                cache = before
+                self._forward([last_committed] + drafts[:n], L - 1, cache)
         result = {"output_ids": out_ids, "logprobs": logps, "stopped": stopped}
         result["spec"] = {
             "verify_ct": counts.verify_ct,

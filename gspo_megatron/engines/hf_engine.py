@@ -77,6 +77,9 @@ def checkpoint_name(name: str, prefix: str | None) -> str:
     return name
 
 
+_MTP_BRANCH = "mtp."  # Qwen3-Next's MTP layer (models/mtp.py MTP_BRANCH)
+
+
 def outside_language_model(name: str, prefix: str | None) -> bool:
     """With ``prefix`` (a vision-language checkpoint): a checkpoint name sglang does not load into the
     language model (``mtp`` in it, the vision tower), which a text-only engine skips."""
@@ -108,6 +111,7 @@ class HFCheckpointLayout:
         self.num_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
         self.mtp_layers = max(int(getattr(model.config, f, 0) or 0) for f in MTP_COUNT_FIELDS)
         self._held_layers = {int(m.group(1)) for n in self.params if (m := _LAYER_INDEX.match(self.memory_name(n)))}
+        self._holds_mtp_branch = any(n.startswith(_MTP_BRANCH) for n in self.params)
         self._expert_re = None
         if self.naming is not None:
             n = self.naming
@@ -131,8 +135,12 @@ class HFCheckpointLayout:
         target loader skips them (``srt/models/glm4_moe.py`` ``load_weights`` and
         ``srt/models/deepseek_common/deepseek_weight_loader.py`` ``NextNDisabledConfig``: with
         ``num_nextn_predict_layers > 0`` a name of layer >= ``num_hidden_layers`` is ``continue``d; the
-        draft loads them). Any other unknown name is an error (:meth:`target`)."""
+        draft loads them), and likewise Qwen3-Next's MTP branch ``mtp.*`` (``srt/models/qwen3_next.py``
+        ``load_weights``: a name with ``mtp`` is ``continue``d unless ``is_mtp``) when the model holds none
+        of it. Any other unknown name is an error (:meth:`target`)."""
         if outside_language_model(name, self.prefix):
+            return True
+        if name.startswith(_MTP_BRANCH) and self.mtp_layers and not self._holds_mtp_branch:
             return True
         m = _LAYER_INDEX.match(self.memory_name(name))
         if m is None or not self.mtp_layers:

@@ -157,7 +157,7 @@ def build_model(
         from gspo_megatron.models.mtp_model import MTPGPTModel, mtp_block_spec
 
         model_class = MTPGPTModel
-        extra["mtp_block_spec"] = mtp_block_spec(config, spec, te)
+        extra["mtp_block_spec"] = mtp_block_spec(config, spec, te, family)
     model = model_class(
         config,
         spec,

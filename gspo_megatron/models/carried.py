@@ -15,7 +15,7 @@ not ``is_nextn``; ``models/minimax_m2.py`` ``get_spec_layer_idx_from_weight_name
 - without ``model.mtp`` (and for every family whose MTP layer is not built into the Megatron model:
   ``ModelFamily.mtp_trainable``) they are not trained and the weight sync never sends them (the export
   stream holds the Megatron model's tensors only: ``models/weights.py``); the engines keep the published
-  ones. With ``model.mtp`` (GLM-4.5, DeepSeek-V3) the Megatron model holds the MTP layer
+  ones. With ``model.mtp`` (GLM-4.5, DeepSeek-V3, Qwen3-Next) the Megatron model holds the MTP layer
   (``models/mtp.py``): it is trained, sent by the weight sync under its HF names (the engines' draft
   loads them) and exported from the model; of the MTP layer only its ``embed_tokens`` /
   ``shared_head.head`` (:data:`MTP_SHARED`: sglang's draft skips them and shares the target's, as

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.dims import ModelDims
 from gspo_megatron.models.mapping import MappingRegistry, Rule
+from gspo_megatron.models.mtp import AFTER_DECODER, MTPNaming
 from gspo_megatron.models.rules import (
     ExpertNaming,
     StackedExpertNaming,
@@ -95,6 +96,9 @@ class ModelFamily:
     # declares both itself, ``__init_subclass__``)
     sglang_draft_modules: dict[str, str] = {}
     mtp_trainable: bool = False
+    # where the checkpoint keeps its MTP layer (``models/mtp.py``: ``model.layers.{N}.*`` after the decoder, or
+    # Qwen3-Next's ``mtp.*`` branch); inherited (a subclass family keeps its parent's checkpoint layout)
+    mtp_naming: MTPNaming = AFTER_DECODER
     # HF architecture -> prefixes of parameters of sglang's class that the weight sync never writes (a
     # vision tower the engine keeps from start-up; ``carried_prefixes``): the CPU server neither poisons
     # nor checks them (``KEPT_FROM_START``)
@@ -158,6 +162,12 @@ class ModelFamily:
 
     def adapt_layer_spec(self, block_spec, te: bool) -> None:
         """Adjust Megatron's decoder block spec in place (a module Megatron-Core lacks on a spec)."""
+
+    def adapt_mtp_layer_spec(self, layer_spec, te: bool):
+        """Megatron's MTP layer spec (``MultiTokenPredictionLayer``, its ``transformer_layer`` the last decoder
+        layer's spec after :meth:`adapt_layer_spec`) as the checkpoint's MTP layer is built; returns a new spec
+        (the decoder's is shared, never changed). Default: unchanged."""
+        return layer_spec
 
     def randomize_tiny(self, model) -> None:
         """Give a tiny transformers model's family-specific parameters random values where

@@ -89,11 +89,16 @@ class Rule:
     #: ``mtp.layers.{k}`` to HF ``model.layers.{N + k}`` (``models/mtp.py``)
     hf_layer_offset = 0
 
-    def moved(self, megatron: str, hf_layer_offset: int) -> Rule:
-        """This rule (same sharding, same HF patterns) for the Megatron pattern ``megatron``, its HF layer
-        index shifted by ``hf_layer_offset`` (the MTP layer's copy of a decoder-layer rule)."""
+    def moved(self, megatron: str, hf_layer_offset: int, hf: Sequence[str] | None = None) -> Rule:
+        """This rule (same sharding) for the Megatron pattern ``megatron``, its HF layer index shifted by
+        ``hf_layer_offset``, its HF patterns ``hf`` (default: the same) (the MTP layer's copy of a
+        decoder-layer rule)."""
         out = copy.copy(self)
         out.megatron, out._regex, out.hf_layer_offset = megatron, _pattern_regex(megatron), hf_layer_offset
+        if hf is not None:
+            if len(hf) != len(self.hf):
+                raise ValueError(f"rule {megatron!r}: {len(hf)} HF patterns for {len(self.hf)}")
+            out.hf = tuple(hf)
         return out
 
     def hf_names(self, indices: Sequence[str]) -> tuple[str, ...]:

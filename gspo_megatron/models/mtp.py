@@ -36,13 +36,22 @@ packed sequence gets token 0): the last k positions of each sequence have no tar
   gradient (zero here: its output is detached) all-reduced with the first stage's by
   ``finalize_model_grads``, so both copies take the same step.
 
-Names (``mtp_rules``): megatron ``mtp.layers.{k}.{enorm,hnorm,eh_proj,final_layernorm}.weight`` and
-``mtp.layers.{k}.transformer_layer.*`` <-> HF ``model.layers.{N+k}.{enorm,hnorm,eh_proj,shared_head.norm}
-.weight`` and the decoder layer's names under ``model.layers.{N+k}.`` (the family's own decoder rules with
-the layer index shifted by N = ``num_hidden_layers``), as sglang 0.5.23's draft loads them
-(``srt/models/deepseek_common/deepseek_weight_loader.py``, ``is_nextn``). The layer's ``embed_tokens``
-and ``shared_head.head`` stay carried (``models/carried.py``): sglang's draft skips them and shares the
-target's embedding and head (``set_embed_and_head``), as megatron's MTP shares the model's.
+Names (``mtp_rules``; where the checkpoint keeps the layer: the family's :class:`MTPNaming`):
+
+- DeepSeek-V3 / GLM-4.5 (:data:`AFTER_DECODER`): megatron ``mtp.layers.{k}.{enorm,hnorm,eh_proj,final_layernorm}
+  .weight`` and ``mtp.layers.{k}.transformer_layer.*`` <-> HF ``model.layers.{N+k}.{enorm,hnorm,eh_proj,
+  shared_head.norm}.weight`` and the decoder layer's names under ``model.layers.{N+k}.`` (the family's own
+  decoder rules with the layer index shifted by N = ``num_hidden_layers``), as sglang 0.5.23's draft loads
+  them (``srt/models/deepseek_common/deepseek_weight_loader.py``, ``is_nextn``). The layer's
+  ``embed_tokens`` and ``shared_head.head`` stay carried (``models/carried.py``): sglang's draft skips them
+  and shares the target's embedding and head (``set_embed_and_head``), as megatron's MTP shares the model's;
+- Qwen3-Next / Qwen3.5 (:data:`MTP_BRANCH`): ``mtp.pre_fc_norm_embedding`` (enorm), ``mtp.pre_fc_norm_hidden``
+  (hnorm), ``mtp.fc`` (eh_proj), ``mtp.norm`` (final_layernorm) and the decoder layer under ``mtp.layers.{k}.``
+  (the family's decoder rules, index not shifted), as sglang 0.5.23's ``Qwen3NextForCausalLMMTP``
+  (``srt/models/qwen3_next_mtp.py``, through ``Qwen3NextForCausalLM.load_weights(is_mtp=True)``: ``mtp.fc`` ->
+  ``fc``, ``mtp.layers`` -> ``model.layers``) loads them. Its decoder layer is full attention (sglang builds
+  it with ``full_attention_interval = 1``) with routed experts: the family adapts megatron's MTP layer spec
+  (``ModelFamily.adapt_mtp_layer_spec``). Its norms are zero-centered as the decoder's.
 
 Refused (:func:`mtp_errors`, one line each): a family whose MTP layer is not built here, a checkpoint
 without one, more than one (sglang 0.5.23's NextN loader asserts ``num_nextn_predict_layers == 1``), a
@@ -53,11 +62,87 @@ parallelism.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gspo_megatron.models import carried
 from gspo_megatron.models.mapping import ColumnParallel, MappingRegistry, Replicated, Rule
 
 MTP_PREFIX = "mtp.layers."
 _DECODER = "decoder.layers.*."
+_HF_LAYER = "layers.*."  # the end of a decoder rule's HF prefix (model.layers.*. / model.language_model.layers.*.)
+
+
+@dataclass(frozen=True)
+class MTPNaming:
+    """Where a checkpoint keeps its MTP layer (the module docstring's Names). Each pattern's ``{i}`` is the
+    layer's HF index: N + k (``after_decoder``: the layer continues ``model.layers``) or k.
+
+    layer: the prefix of the layer's decoder-layer tensors; enorm / hnorm / eh_proj / final_norm: its own
+    four tensors (megatron's ``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm``); shared: the suffixes,
+    under ``layer``, of the layer's copies of the target's embedding and head (carried, never loaded);
+    count_field: the config.json field declaring the layer count; loader: the sglang file that loads it."""
+
+    layer: str
+    enorm: str
+    hnorm: str
+    eh_proj: str
+    final_norm: str
+    shared: tuple[str, ...]
+    after_decoder: bool
+    count_field: str
+    loader: str
+
+    def index(self, hf: dict, k: int = 0) -> int:
+        """The HF index of MTP layer k (0-based)."""
+        return int(hf["num_hidden_layers"]) + k if self.after_decoder else k
+
+    def prefix(self, hf: dict, k: int = 0) -> str:
+        """The HF prefix of MTP layer k's decoder-layer tensors, e.g. ``model.layers.4.`` / ``mtp.layers.0.``."""
+        return self.layer.format(i=self.index(hf, k))
+
+    def own_patterns(self) -> dict[str, str]:
+        """megatron's name of each own tensor (under ``mtp.layers.{k}.``) -> its HF name pattern."""
+        names = (self.enorm, self.hnorm, self.eh_proj, self.final_norm)
+        return dict(zip(("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"), names))
+
+    def own(self, hf: dict, k: int = 0) -> dict[str, str]:
+        """megatron's name of each own tensor (under ``mtp.layers.{k}.``) -> its HF name."""
+        return {key: name.format(i=self.index(hf, k)) for key, name in self.own_patterns().items()}
+
+    def shared_names(self, hf: dict, k: int = 0) -> tuple[str, ...]:
+        """The HF names of MTP layer k's carried copies of the embedding and head."""
+        return tuple(self.prefix(hf, k) + s for s in self.shared)
+
+
+AFTER_DECODER = MTPNaming(
+    layer="model.layers.{i}.",
+    enorm="model.layers.{i}.enorm.weight",
+    hnorm="model.layers.{i}.hnorm.weight",
+    eh_proj="model.layers.{i}.eh_proj.weight",
+    final_norm="model.layers.{i}.shared_head.norm.weight",
+    shared=("embed_tokens.weight", "shared_head.head.weight"),
+    after_decoder=True,
+    count_field="num_nextn_predict_layers",
+    loader="srt/models/deepseek_common/deepseek_weight_loader.py",
+)
+MTP_BRANCH = MTPNaming(
+    layer="mtp.layers.{i}.",
+    enorm="mtp.pre_fc_norm_embedding.weight",
+    hnorm="mtp.pre_fc_norm_hidden.weight",
+    eh_proj="mtp.fc.weight",
+    final_norm="mtp.norm.weight",
+    shared=(),
+    after_decoder=False,
+    count_field="mtp_num_hidden_layers",
+    loader="srt/models/qwen3_next_mtp.py",
+)
+
+
+def mtp_naming(hf: dict) -> MTPNaming:
+    """The :class:`MTPNaming` of the checkpoint with config.json ``hf`` (its family's ``mtp_naming``)."""
+    from gspo_megatron.models.registry import get_family
+
+    return get_family(hf).mtp_naming
 
 
 def mtp_errors(hf: dict, trained: bool = True) -> list[str]:
@@ -65,6 +150,7 @@ def mtp_errors(hf: dict, trained: bool = True) -> list[str]:
     draft (``trained``: ``model.mtp``), or the engines' published draft (``trained=False``: only a
     checkpoint without one is refused) (one line each, naming the config.json field or the family;
     empty: it can). The caller prefixes the setting that asks for it (``model.mtp: ...``)."""
+    from gspo_megatron.models.family import moe_layer_pattern
     from gspo_megatron.models.registry import families, get_family
 
     family = get_family(hf)
@@ -91,13 +177,19 @@ def mtp_errors(hf: dict, trained: bool = True) -> list[str]:
     if m != 1:
         return [
             f"config.json declares {m} MTP layers; sglang 0.5.23 serves exactly 1 "
-            "(srt/models/deepseek_common/deepseek_weight_loader.py asserts num_nextn_predict_layers == 1)"
+            f"({family.mtp_naming.loader} loads one)"
         ]
     n, dense = int(hf.get("num_hidden_layers") or 0), int(hf.get("first_k_dense_replace") or 0)
     if family.is_moe(hf) and dense >= n:
         return [
             f"config.json first_k_dense_replace={dense} >= num_hidden_layers={n}: the checkpoint's MTP layer has "
             "routed experts but megatron builds it as the last decoder layer (dense)"
+        ]
+    if family.is_moe(hf) and not moe_layer_pattern(hf)[-1]:
+        return [
+            f"config.json mlp_only_layers={list(hf.get('mlp_only_layers') or [])} / decoder_sparse_step="
+            f"{hf.get('decoder_sparse_step') or 1} make the last decoder layer dense: the checkpoint's MTP layer "
+            "has routed experts but megatron builds it as the last decoder layer"
         ]
     return []
 
@@ -124,17 +216,25 @@ def mtp_layout_errors(pp: int, cp: int, hf: dict | None = None) -> list[str]:
 
 def mtp_rules(registry: MappingRegistry, hf: dict) -> MappingRegistry:
     """``registry`` plus the MTP layer's rules (module docstring): its own four tensors and every
-    decoder-layer rule moved under ``mtp.layers.*.transformer_layer.`` with the HF layer index + N."""
-    n = int(hf["num_hidden_layers"])
+    decoder-layer rule moved under ``mtp.layers.*.transformer_layer.``, its HF names under the family's
+    :class:`MTPNaming` prefix (the layer index + N where the layer continues ``model.layers``)."""
+    naming = mtp_naming(hf)
+    shift = int(hf["num_hidden_layers"]) if naming.after_decoder else 0
+    p = {key: name.replace("{i}", "*") for key, name in naming.own_patterns().items()}
     own: list[Rule] = [
-        Replicated("mtp.layers.*.enorm.weight", "model.layers.*.enorm.weight"),
-        Replicated("mtp.layers.*.hnorm.weight", "model.layers.*.hnorm.weight"),
-        ColumnParallel("mtp.layers.*.eh_proj.weight", "model.layers.*.eh_proj.weight", "tp"),
-        Replicated("mtp.layers.*.final_layernorm.weight", "model.layers.*.shared_head.norm.weight"),
+        Replicated("mtp.layers.*.enorm.weight", p["enorm.weight"]),
+        Replicated("mtp.layers.*.hnorm.weight", p["hnorm.weight"]),
+        ColumnParallel("mtp.layers.*.eh_proj.weight", p["eh_proj.weight"], "tp"),
+        Replicated("mtp.layers.*.final_layernorm.weight", p["final_layernorm.weight"]),
     ]
-    own = [r.moved(r.megatron, n) for r in own]
+    own = [r.moved(r.megatron, shift) for r in own]
+    layer = naming.layer.replace("{i}", "*")
     moved = [
-        r.moved(f"{MTP_PREFIX}*.transformer_layer." + r.megatron[len(_DECODER) :], n)
+        r.moved(
+            f"{MTP_PREFIX}*.transformer_layer." + r.megatron[len(_DECODER) :],
+            shift,
+            tuple(layer + h[h.index(_HF_LAYER) + len(_HF_LAYER) :] for h in r.hf),
+        )
         for r in registry.rules
         if r.megatron.startswith(_DECODER)
     ]

@@ -42,13 +42,14 @@ def save_tiny_hf_model(
 ):
     """Build a tiny random ``kind`` model (a family name) and ``save_pretrained`` it. Router, gate
         norm weights and expert-score correction biases are randomized too, so routing, gates and norms are
-    exercised. ``with_mtp``: ``num_nextn_predict_layers: 1`` and the MTP layer written next to the model
+    exercised. ``with_mtp``: one MTP layer declared (the family's ``mtp_naming.count_field``:
+    ``num_nextn_predict_layers`` / ``mtp_num_hidden_layers``) and written next to the model
     (:func:`mtp_layer_tensors`; one unsharded file)."""
-    if with_mtp:
-        overrides = {**overrides, "num_nextn_predict_layers": 1}
     family = next((f for f in families() if f.name == kind), None) or family_for_model_type(kind)
     if family is None or not family.tiny:
         raise ValueError(f"no tiny config for {kind!r}; known: {', '.join(TINY_CONFIGS)}")
+    if with_mtp:
+        overrides = {**overrides, family.mtp_naming.count_field: 1}
     cfg = dict(family.tiny, model_type=family.model_types[0])  # (qwen3_5_moe: the text model's qwen3_5_moe_text)
     cfg.update(overrides)
     cfg = family.tiny_hf_config(cfg)
@@ -76,23 +77,29 @@ def save_tiny_hf_model(
 
 
 def mtp_layer_tensors(saved: dict, hf: dict, seed: int = 5, scale: float = 0.3) -> dict[str, torch.Tensor]:
-    """The MTP layer ``model.layers.{N}.*`` (N = num_hidden_layers) of a tiny checkpoint whose tensors
-    ``saved`` (as ``save_pretrained`` wrote them) has config ``hf``, in the published layout: a copy of
-    layer N-1 perturbed (a MoE layer, as GLM-4.5's and DeepSeek-V3's), random ``enorm``, ``hnorm``,
-    ``eh_proj``, ``shared_head.norm``, and the published copies of the embedding and head
-    (``embed_tokens``, ``shared_head.head``: the target's own)."""
+    """The MTP layer of a tiny checkpoint whose tensors ``saved`` (as ``save_pretrained`` wrote them) has
+    config ``hf``, in the published layout of its family (``models/mtp.MTPNaming``: ``model.layers.{N}.*``
+    or ``mtp.*``): a copy of the last decoder layer perturbed (a MoE layer, as the published ones; full
+    attention for Qwen3-Next, whose tiny last layer is), random ``enorm``, ``hnorm``, ``eh_proj`` and final
+    norm, and where the layout has them the published copies of the embedding and head (DeepSeek's
+    ``embed_tokens``, ``shared_head.head``: the target's own)."""
+    from gspo_megatron.models.mtp import mtp_naming
+
+    naming = mtp_naming(hf)
     n, h = int(hf["num_hidden_layers"]), int(hf["hidden_size"])
     g = torch.Generator().manual_seed(seed)
-    src, dst = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    src, dst = f"model.layers.{n - 1}.", naming.prefix(hf)
     out = {}
     for name in sorted(saved):
         if name.startswith(src):
             t = saved[name].float()
             out[dst + name[len(src) :]] = (t + scale * t.std() * torch.randn(t.shape, generator=g)).contiguous()
-    out[dst + "enorm.weight"] = 1 + 0.3 * torch.randn(h, generator=g)
-    out[dst + "hnorm.weight"] = 1 + 0.3 * torch.randn(h, generator=g)
-    out[dst + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5
-    out[dst + "shared_head.norm.weight"] = 1 + 0.3 * torch.randn(h, generator=g)
-    out[dst + "embed_tokens.weight"] = saved["model.embed_tokens.weight"].clone()
-    out[dst + "shared_head.head.weight"] = saved.get("lm_head.weight", saved["model.embed_tokens.weight"]).clone()
+    own = naming.own(hf)
+    out[own["enorm.weight"]] = 1 + 0.3 * torch.randn(h, generator=g)
+    out[own["hnorm.weight"]] = 1 + 0.3 * torch.randn(h, generator=g)
+    out[own["eh_proj.weight"]] = torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5
+    out[own["final_layernorm.weight"]] = 1 + 0.3 * torch.randn(h, generator=g)
+    sources = (saved["model.embed_tokens.weight"], saved.get("lm_head.weight", saved["model.embed_tokens.weight"]))
+    for name, t in zip(naming.shared_names(hf), sources):
+        out[name] = t.clone()
     return out

@@ -1,5 +1,6 @@
-"""The MTP layer inside the Megatron model (``model.mtp``, gspo_megatron/models/mtp.py), GLM-4.5 and
-DeepSeek-V3 tiny checkpoints with the published MTP layout (a MoE MTP layer), in TP1, TP2 x EP2 (ETP1, two
+"""The MTP layer inside the Megatron model (``model.mtp``, gspo_megatron/models/mtp.py), GLM-4.5,
+DeepSeek-V3 and Qwen3-Next tiny checkpoints with the published MTP layout (a MoE MTP layer; Qwen3-Next's
+``mtp.*`` branch of full attention, zero-centered norms, the hybrid model's last layer), in TP1, TP2 x EP2 (ETP1, two
 ranks) and TP2 x PP2 x EP2 (four ranks: the MTP block on the last stage with its embedding copy); right-
 padded rows and packed sequences (``tests/models/mtp_workers.py`` runs the ranks):
 
@@ -28,7 +29,7 @@ import torch
 from distributed_harness import run_ranks
 from mtp_workers import build_refused, draft_loss_grads, layout_run
 
-FAMILIES = ["glm4_moe", "deepseek_v3"]
+FAMILIES = ["glm4_moe", "deepseek_v3", "qwen3_next"]
 LAYOUTS = {  # name: (world size, layout)
     "tp1": (1, {}),
     "tp2-ep2": (2, {"tp": 2, "ep": 2, "etp": 1}),
@@ -79,13 +80,22 @@ def run(request, checkpoint, tmp_path_factory):
     return dict(model=model, source=source, batches=batches, root=root, ranks=ranks, pp=layout.get("pp", 1))
 
 
+def _mtp_names(model, names) -> tuple[set[str], set[str]]:
+    """(the MTP layer's names among ``names``, its carried copies of the embedding and head)."""
+    from gspo_megatron.models.carried import mtp_names
+    from gspo_megatron.models.mtp import mtp_naming
+
+    hf = model.config.to_dict()
+    return set(mtp_names(hf, names)), set(mtp_naming(hf).shared_names(hf))
+
+
 def test_round_trip_bitwise_with_the_mtp_layer_in_the_model(run):
     from gspo_megatron.cpu_server.weights import iter_checkpoint
 
-    source, root, n = run["source"], run["root"], run["model"].config.num_hidden_layers
-    mtp = {k for k in source if k.startswith(f"model.layers.{n}.")}
-    carried = {f"model.layers.{n}.embed_tokens.weight", f"model.layers.{n}.shared_head.head.weight"}
-    assert carried < mtp and (root / "ckpt" / "hf_assets" / "carried.safetensors").is_file()
+    source, root = run["source"], run["root"]
+    mtp, carried = _mtp_names(run["model"], source)
+    assert carried <= mtp and len(mtp) > 20
+    assert (root / "ckpt" / "hf_assets" / "carried.safetensors").is_file()  # the published layer, kept
     for out in ("final", "export"):
         got = dict(iter_checkpoint(str(root / out)))
         assert sorted(got) == sorted(source), out
@@ -100,8 +110,8 @@ def test_the_mtp_layer_is_the_published_math(run):
     from gspo_megatron.engines.mtp_draft import MTPDraft
 
     model, source, batches = run["model"], run["source"], run["batches"]
-    n = model.config.num_hidden_layers
-    mtp = {k: v for k, v in source.items() if k.startswith(f"model.layers.{n}.")}
+    names, _ = _mtp_names(model, source)
+    mtp = {k: source[k] for k in names}
     draft = MTPDraft(model.config, mtp, model.model.embed_tokens.weight, model.lm_head.weight)
     last = [r for r in run["ranks"] if r["last"]]
     assert last and all(len(r["mtp"][b]["drafts"]) == 1 for r in last for b in range(len(batches)))
@@ -173,6 +183,8 @@ def test_build_refusals_name_model_mtp(family, extra, layout, match):
         ("qwen3_5_moe", {}, r"no MTP layer .* qwen3_5_moe family's MTP layers are not built here yet"),
         ("mixtral", {}, r"the mixtral family has no MTP layers"),
         ("deepseek_v3", {"num_nextn_predict_layers": 1, "first_k_dense_replace": 4}, r"first_k_dense_replace=4"),
+        ("qwen3_next", {"mtp_num_hidden_layers": 1, "mlp_only_layers": [3]}, r"mlp_only_layers=\[3\] .* dense"),
+        ("qwen3_next", {"mtp_num_hidden_layers": 2}, r"2 MTP layers; .*srt/models/qwen3_next_mtp.py loads one"),
     ],
 )
 def test_mtp_errors_say_not_built_yet_or_none(family, extra, match):
@@ -192,14 +204,20 @@ def test_layout_refusals():
 
 
 def test_draft_fields_are_not_inherited():
-    """DeepSeek-V3.2 and GLM-5 subclass DeepSeek-V3's family but not its MTP support."""
+    """DeepSeek-V3.2 and GLM-5 subclass DeepSeek-V3's family, Qwen3.5-MoE Qwen3-Next's, but not their MTP
+    support (the checkpoint naming is inherited: Qwen3.5 keeps its MTP layer under ``mtp.*`` too)."""
+    from gspo_megatron.models.mtp import AFTER_DECODER, MTP_BRANCH
     from gspo_megatron.models.registry import families
 
     built = {f.name: f.sglang_draft_modules for f in families() if f.mtp_trainable}
     assert built == {
         "glm4_moe": {"Glm4MoeForCausalLMNextN": "glm4_moe_nextn"},
         "deepseek_v3": {"DeepseekV3ForCausalLMNextN": "deepseek_nextn"},
+        "qwen3_next": {"Qwen3NextForCausalLMMTP": "qwen3_next_mtp"},
     }
+    naming = {f.name: f.mtp_naming for f in families()}
+    assert naming["qwen3_next"] is naming["qwen3_5_moe"] is MTP_BRANCH
+    assert naming["deepseek_v3"] is naming["deepseek_v32"] is naming["glm4_moe"] is AFTER_DECODER
 
 
 def test_a_draft_loss_alone_reaches_only_the_mtp_layer_with_and_without_recompute(checkpoint):
@@ -215,18 +233,22 @@ def test_a_draft_loss_alone_reaches_only_the_mtp_layer_with_and_without_recomput
 
 def test_an_fp8_sync_quantizes_the_mtp_layer_as_sglangs_draft_builds_it(checkpoint):
     """``rollout.sync_fp8`` (GPU engines only; the CPU server refuses it): sglang 0.5.23's draft
-    (``srt/models/deepseek_nextn.py``, which GLM-4.5's ``glm4_moe_nextn.py`` follows) builds ``eh_proj`` as a
-    plain ``nn.Linear`` (not quantized), ``enorm`` / ``hnorm`` / ``shared_head.norm`` as RMSNorm, and its
-    decoder layer with the target's quantization config: the sync quantizes exactly the MTP layer's
-    decoder-layer projections the target's layers have quantized."""
+    (``srt/models/deepseek_nextn.py``, which GLM-4.5's ``glm4_moe_nextn.py`` follows; Qwen3-Next's
+    ``qwen3_next_mtp.py``) builds ``eh_proj`` / ``fc`` as a plain ``nn.Linear`` (not quantized), its norms as
+    RMSNorm, and its decoder layer with the target's quantization config: the sync quantizes exactly the
+    MTP layer's decoder-layer projections the target's layers have quantized."""
+    from gspo_megatron.models.mtp import mtp_naming
     from gspo_megatron.weight_sync.fp8_quant import is_fp8_quantizable
 
     _family, _hf_dir, model, source, _batches = checkpoint
-    n = model.config.num_hidden_layers
-    last = f"model.layers.{n - 1}."
-    mtp = {k[len(f"model.layers.{n}.") :]: t for k, t in source.items() if k.startswith(f"model.layers.{n}.")}
-    quantized = {k for k, t in mtp.items() if is_fp8_quantizable(f"model.layers.{n}.{k}", t)}
-    assert not quantized & {"eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"}
+    hf = model.config.to_dict()
+    naming, n = mtp_naming(hf), model.config.num_hidden_layers
+    last, prefix = f"model.layers.{n - 1}.", naming.prefix(hf)
+    own = set(naming.own(hf).values())
+    assert own <= set(source)
+    assert not {k for k in own if is_fp8_quantizable(k, source[k])}
+    mtp = {k[len(prefix) :]: t for k, t in source.items() if k.startswith(prefix) and k not in own}
+    quantized = {k for k, t in mtp.items() if is_fp8_quantizable(prefix + k, t)}
     layer = {k for k, t in mtp.items() if last + k in source}  # the decoder layer's names
     assert quantized == {k for k in layer if is_fp8_quantizable(last + k, source[last + k])}
     assert any("self_attn" in k for k in quantized) and any("experts" in k for k in quantized)

@@ -1,8 +1,8 @@
 """Tiny checkpoints with one MTP layer in the published layout, for the draft's tests
 (``models.tiny.save_tiny_hf_model(with_mtp=True)``, the layer from ``models.tiny.mtp_layer_tensors``).
 
-``write_mtp_checkpoint(dir, family, seed)``: the tiny checkpoint with ``num_nextn_predict_layers: 1`` and
-that layer in its model.safetensors; returns (its config dict, the transformers model, the MTP tensors).
+``write_mtp_checkpoint(dir, family, seed)``: the tiny checkpoint with one MTP layer declared and written in
+its model.safetensors (``model.layers.{N}.*`` / Qwen3-Next's ``mtp.*``); returns (its config dict, the transformers model, the MTP tensors).
 ``mtp_tensors(model, hf, seed)``: the MTP layer for an in-memory tiny model (saved to a scratch directory).
 """
 
@@ -21,11 +21,12 @@ def write_mtp_checkpoint(path: str, family: str, seed: int = 0, **overrides):
     from gspo_megatron.models.tiny import save_tiny_hf_model
 
     model = save_tiny_hf_model(family, path, seed=seed, with_mtp=True, **overrides)
+    from gspo_megatron.models.carried import mtp_names
+
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
-    n = hf["num_hidden_layers"]
     saved = load_file(os.path.join(path, "model.safetensors"))
-    return hf, model, {k: v for k, v in saved.items() if k.startswith(f"model.layers.{n}.")}
+    return hf, model, {k: saved[k] for k in mtp_names(hf, saved)}
 
 
 def mtp_tensors(model, hf: dict, seed: int = 5) -> dict:

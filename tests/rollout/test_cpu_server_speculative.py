@@ -77,10 +77,12 @@ def test_greedy_speculative_equals_greedy(tiny, steps):
     assert total_verify > 0
 
 
-def test_greedy_speculative_equals_greedy_deepseek_v3(tmp_path):
-    """The same on DeepSeek-V3's tiny checkpoint (MLA attention, its own decoder layer in the draft)."""
-    d = str(tmp_path / "ds")
-    hf, _, mtp = write_mtp_checkpoint(d, "deepseek_v3", seed=4)
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+def test_greedy_speculative_equals_greedy_in_other_families(tmp_path, family):
+    """The same on DeepSeek-V3's tiny checkpoint (MLA attention, its own decoder layer in the draft) and
+    Qwen3-Next's (the ``mtp.*`` branch; a hybrid target whose Gated DeltaNet states cannot be cropped)."""
+    d = str(tmp_path / family)
+    hf, _, mtp = write_mtp_checkpoint(d, family, seed=4)
     engine = HFRolloutEngine(d, d)
     dec = _decoder((d, hf, engine, mtp), 2)
     for prompt, [ref] in zip(PROMPTS, engine.generate(PROMPTS, 1, GREEDY)):

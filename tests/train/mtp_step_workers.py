@@ -116,12 +116,13 @@ def reference_acceptance(hf_dir: str, records: list) -> tuple[int, int]:
     from gspo_megatron.cpu_server.weights import iter_checkpoint
     from gspo_megatron.engines.hf_engine import HFRolloutEngine
     from gspo_megatron.engines.mtp_draft import MTPDraft
+    from gspo_megatron.models.carried import mtp_names
 
     engine = HFRolloutEngine(hf_dir, hf_dir)
     model = engine.model
     hf = model.config.to_dict()
-    n = hf["num_hidden_layers"]
-    mtp = {k: v for k, v in iter_checkpoint(hf_dir) if k.startswith(f"model.layers.{n}.")}
+    tensors = dict(iter_checkpoint(hf_dir))
+    mtp = {k: tensors[k] for k in mtp_names(hf, tensors)}
     draft = MTPDraft(model.config, mtp, model.model.embed_tokens.weight, model.lm_head.weight)
     acc = pos = 0
     with torch.no_grad():
@@ -175,29 +176,32 @@ def adam_first_step(rank: int, world: int, hf_dir: str, mtp_lr: float | None) ->
 def sglang_draft_loads(rank: int, world: int, hf_dir: str) -> dict:
     """One rank: sglang 0.5.23's draft class for the HF directory ``hf_dir`` (the CPU server's
     ``SglangModel(draft_of=...)``, built as sglang's draft worker builds it), its own parameters poisoned,
-    then one ``load_weights`` of the directory's MTP layer (``model.layers.<N>.*``). Returns the class name,
-    the parameters left unwritten, and the loaded ``eh_proj`` next to the directory's."""
+    then one ``load_weights`` of the directory's MTP layer (``model.layers.<N>.*`` / ``mtp.*``). Returns the
+    class name, the parameters left unwritten, and the loaded ``eh_proj`` (Qwen3-Next's ``fc``) next to the
+    directory's."""
     import torch
 
     from gspo_megatron.cpu_server.sglang_models import SglangModel
     from gspo_megatron.cpu_server.weights import iter_checkpoint
+    from gspo_megatron.models.carried import mtp_names
     from gspo_megatron.models.hf_config import load_hf_config
+    from gspo_megatron.models.mtp import mtp_naming
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
 
     init_distributed(ParallelLayout())
-    n = int(load_hf_config(hf_dir)["num_hidden_layers"])
+    hf = load_hf_config(hf_dir)
+    naming = mtp_naming(hf)
     target = SglangModel(hf_dir, 1, 0, dtype=torch.float32)
     draft = SglangModel(hf_dir, 1, 0, dtype=torch.float32, draft_of=target, draft_path=hf_dir)
     draft.poison()
     tensors = dict(iter_checkpoint(hf_dir))
-    draft.load([(k, t.clone()) for k, t in tensors.items() if k.startswith(f"model.layers.{n}.")])
+    draft.load([(k, tensors[k].clone()) for k in mtp_names(hf, tensors)])
+    # sglang's name of eh_proj: deepseek_nextn.py / glm4_moe_nextn.py model.eh_proj, qwen3_next_mtp.py fc
+    eh_proj = "model.eh_proj.weight" if naming.after_decoder else "fc.weight"
     out = {
         "class": type(draft.model).__name__,
         "unwritten": draft.unwritten(),
-        "eh_proj": (
-            draft.params()["model.eh_proj.weight"].detach().clone(),
-            tensors[f"model.layers.{n}.eh_proj.weight"],
-        ),
+        "eh_proj": (draft.params()[eh_proj].detach().clone(), tensors[naming.own(hf)["eh_proj.weight"]]),
     }
     destroy_distributed()
     return out

@@ -8,7 +8,8 @@
   the published MTP math on the checkpoint's tensors (``engines.mtp_draft.MTPDraft``);
 padded and packed micro-batches, one rank (with and without ``model.recompute``, which checkpoints the
 MTP layer too) and TP 2 / EP 2 / PP 2 on two gloo ranks (PP: the MTP layer on the last stage with its own
-copy of the embedding, whose gradient is the first stage's), GLM-4.5's tiny config (MoE MTP layer)."""
+copy of the embedding, whose gradient is the first stage's), GLM-4.5's tiny config (MoE MTP layer); one rank
+on Qwen3-Next's (the ``mtp.*`` branch: a full-attention MoE layer after the hybrid stack)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,23 @@ def test_policy_untouched_and_acceptance_exact_one_rank(checkpoint, budget, coef
     records = make_records(hf["vocab_size"])
     res = _both(1, path, {"recompute": recompute}, records, budget, coef)[0]
     _check(res, coef)
+    acc, pos = reference_acceptance(path, records)
+    assert res["mtp"]["positions"] == pos > 0
+    assert res["mtp"]["accept"] == acc
+
+
+def test_policy_untouched_and_acceptance_exact_qwen3_next(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+    from mtp_util import write_mtp_checkpoint
+
+    path = str(tmp_path / "qwen3_next_mtp")
+    hf, _model, _mtp = write_mtp_checkpoint(path, "qwen3_next", seed=3)
+    records = make_records(hf["vocab_size"])
+    res = _both(1, path, {}, records, 32, 0.5)[0]
+    _check(res, 0.5)
     acc, pos = reference_acceptance(path, records)
     assert res["mtp"]["positions"] == pos > 0
     assert res["mtp"]["accept"] == acc

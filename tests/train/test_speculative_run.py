@@ -1,6 +1,8 @@
 """The assembled path of speculative rollouts with the MTP draft trained and synced (issue 34), as a user
-runs it: GLM-4.5's tiny checkpoint with its MTP layer (``model.layers.<N>.*``, written by transformers'
-``save_pretrained`` plus the published MTP layout) -> ``gspo-train`` under ``torchrun`` on 2 ranks (EP 2, or PP 2: the MTP layer on the last stage),
+runs it: GLM-4.5's tiny checkpoint with its MTP layer (``model.layers.<N>.*``) on EP 2, and Qwen3-Next's
+(``mtp.*``: a full-attention MoE layer after a hybrid Gated DeltaNet stack) on PP 2 (the MTP layer on the last
+stage), each written by transformers' ``save_pretrained`` plus the published MTP layout -> ``gspo-train`` under
+``torchrun`` on 2 ranks,
 ``rollout.speculative=true`` (``model.mtp`` null: on) with ``gspo.mtp_loss_coef=1`` and a disaggregated
 CPU-server engine that decodes speculatively (sglang's acceptance rule) and loads every sync into sglang's
 own target and draft classes (the written check on both) -> the final HF export.
@@ -10,9 +12,9 @@ Checked:
   ``spec/engine_accept_rate`` in [0, 1]), the trainer's exact first-token acceptance on the same rollouts
   (``spec/draft_accept_rate``), the MTP loss (``loss/mtp``), and the engine still agrees with the trainer
   (``rollout/logprob_abs_diff``, the post-sync probe);
-- ``hf_final`` holds the MTP layer, trained (its tensors moved; the layer's ``embed_tokens`` /
-  ``shared_head.head`` carried unchanged), loads in sglang's draft class (every parameter of its own
-  written) and in transformers (which ignores it), and scores as the run's final checkpoint does (read back through ``tools/score.py`` with its MTP layer);
+- ``hf_final`` holds the MTP layer, trained (its tensors moved; GLM's layer's ``embed_tokens`` /
+  ``shared_head.head`` carried unchanged), loads in sglang's draft class (``Glm4MoeForCausalLMNextN`` /
+  ``Qwen3NextForCausalLMMTP``: every parameter of its own written) and in transformers (which ignores it), and scores as the run's final checkpoint does (read back through ``tools/score.py`` with its MTP layer);
 - that checkpoint as ``model.checkpoint`` with ``model.mtp=false`` is refused in one line before any work
   (it would lose the trained draft: ``preflight.check_mtp_matches``);
 """
@@ -50,13 +52,22 @@ def _tensors(d: str) -> dict:
     return dict(iter_checkpoint(d))
 
 
-@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.pp=2"], ids=["ep2", "pp2"])
-def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, layout):
+# sglang 0.5.23's draft class of each family (configs/model_config.py renames the architecture)
+DRAFT_CLASS = {"glm4_moe": "Glm4MoeForCausalLMNextN", "qwen3_next": "Qwen3NextForCausalLMMTP"}
+
+
+@pytest.mark.parametrize(
+    "family, layout", [("glm4_moe", "parallel.ep=2"), ("qwen3_next", "parallel.pp=2")], ids=["ep2", "pp2"]
+)
+def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, family, layout):
     import transformers
 
-    hf_dir = write_demo_tokenized_checkpoint(str(tmp_path / "tiny-glm4_moe"), "glm4_moe", seed=0, with_mtp=True)
+    from gspo_megatron.models.carried import mtp_names
+    from gspo_megatron.models.mtp import mtp_naming
+
+    hf_dir = write_demo_tokenized_checkpoint(str(tmp_path / f"tiny-{family}"), family, seed=0, with_mtp=True)
     hf = json.load(open(os.path.join(hf_dir, "config.json")))
-    n = hf["num_hidden_layers"]
+    naming = mtp_naming(hf)
     out = str(tmp_path / "run")
     run_train(
         out,
@@ -88,13 +99,13 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, layout
     export = os.path.join(out, "hf_final")
     source, exported = _tensors(hf_dir), _tensors(export)
     assert sorted(source) == sorted(exported)
-    mtp = [k for k in source if k.startswith(f"model.layers.{n}.")]
-    carried = {f"model.layers.{n}.embed_tokens.weight", f"model.layers.{n}.shared_head.head.weight"}
-    assert carried < set(mtp)
+    mtp = mtp_names(hf, source)
+    carried = set(naming.shared_names(hf))
+    assert carried < set(mtp) or family == "qwen3_next" and not carried  # Qwen3-Next's layer has no copies
     for k in carried:
         assert torch.equal(source[k], exported[k]), k  # carried unchanged (sglang's draft shares the target's)
     moved = [k for k in set(mtp) - carried if not torch.equal(source[k], exported[k])]
-    assert f"model.layers.{n}.eh_proj.weight" in moved and len(moved) > 10  # the draft trained
+    assert naming.own(hf)["eh_proj.weight"] in moved and len(moved) > 10  # the draft trained
 
     if layout == "parallel.ep=2":  # a checkpoint with the trained MTP layer read without it: refused up front
         again = str(tmp_path / "again")
@@ -107,7 +118,7 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, layout
 
     # sglang's draft class loads the exported MTP layer: every parameter of its own written, as exported
     (draft,) = run_ranks(sglang_draft_loads, 1, export)
-    assert draft["class"] == hf["architectures"][0] + "NextN" and draft["unwritten"] == []
+    assert draft["class"] == DRAFT_CLASS[family] and draft["unwritten"] == []
     assert torch.equal(*draft["eh_proj"])
 
     lm = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # ignores the MTP layer

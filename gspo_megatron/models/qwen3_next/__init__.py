@@ -12,8 +12,11 @@ full attention (``self_attn``), chosen per layer by ``layer_types`` (transformer
 - routed experts (softmax top-k, renormalized) and a shared expert scaled by ``sigmoid(x @ g^T)``
   (Megatron's ``SharedExpertMLP`` with ``moe_shared_expert_gate``), as Qwen2-MoE.
 
-The multi-token-prediction weights of the published checkpoint (``mtp.*``) are not part of
-transformers' model: not loaded.
+The multi-token-prediction layer of the published checkpoint (``mtp.*``: ``mtp_num_hidden_layers``) is not
+part of transformers' model. It is the speculative draft sglang 0.5.23 serves (``Qwen3NextForCausalLMMTP``,
+``srt/models/qwen3_next_mtp.py``) and, with ``model.mtp``, a trained part of the Megatron model
+(``models/mtp.py``: :data:`~gspo_megatron.models.mtp.MTP_BRANCH` names, a full-attention MoE layer:
+``hybrid_spec.mtp_layer_spec``); otherwise carried unchanged (``models/carried.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from gspo_megatron.models import hf_config
 from gspo_megatron.models.dims import ModelDims
 from gspo_megatron.models.family import GQAFamily
 from gspo_megatron.models.mapping import ColumnParallel, MappingRegistry, Replicated, RowParallel, Rule
+from gspo_megatron.models.mtp import MTP_BRANCH
 from gspo_megatron.models.qwen3_next.rules import GatedFusedQKV, GDNConv, GDNDims, GDNInProj
 from gspo_megatron.models.registry import register_family
 from gspo_megatron.models.rules import (
@@ -70,6 +74,7 @@ QWEN3_NEXT_80B = {
     "mlp_only_layers": [],  # qcn
     "model_type": "qwen3_next",  # qcn
     "moe_intermediate_size": 512,  # qcn, slime80 --moe-ffn-hidden-size
+    "mtp_num_hidden_layers": 1,  # slime80 --mtp-num-layers 1 (the mtp.* layer: models/mtp.py)
     "norm_topk_prob": True,  # qcn, tf523
     "num_attention_heads": 16,  # qcn, slime80
     "num_experts": 512,  # qcn, slime80
@@ -148,6 +153,9 @@ class Qwen3Next(GQAFamily):
     name = "qwen3_next"
     architectures: tuple[str, ...] = ("Qwen3NextForCausalLM",)
     sglang_modules = {"Qwen3NextForCausalLM": "qwen3_next"}
+    sglang_draft_modules = {"Qwen3NextForCausalLMMTP": "qwen3_next_mtp"}
+    mtp_trainable = True
+    mtp_naming = MTP_BRANCH
     sglang_mamba_cache = True  # Gated DeltaNet layers: sglang's class keeps a Mamba-style state cache
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
     shared_expert_block = "mlp.shared_expert"
@@ -252,6 +260,11 @@ class Qwen3Next(GQAFamily):
         from gspo_megatron.models.qwen3_next.hybrid_spec import use_hybrid_layers
 
         use_hybrid_layers(block_spec, te)
+
+    def adapt_mtp_layer_spec(self, layer_spec, te: bool):
+        from gspo_megatron.models.qwen3_next.hybrid_spec import mtp_layer_spec
+
+        return mtp_layer_spec(layer_spec, te)
 
     # -- weights ----------------------------------------------------------------------------------
     def mapping(self, hf: dict) -> MappingRegistry:

@@ -225,3 +225,22 @@ def use_hybrid_layers(block_spec, te: bool) -> int:
     if not te:
         block_spec.layer_norm = ZeroCenteredRMSNorm
     return n
+
+
+def mtp_layer_spec(layer_spec, te: bool):
+    """The MTP layer spec (megatron's ``MultiTokenPredictionLayer``, its ``transformer_layer`` the last hybrid
+    decoder layer's spec) as Qwen3-Next's MTP layer is built (sglang 0.5.23 ``srt/models/qwen3_next_mtp.py``:
+    one decoder layer with ``full_attention_interval = 1``): its token mixer the gated full attention, not a
+    :class:`HybridMixer` (which would pick by the MTP layer's number, past the pattern); on the local spec
+    ``enorm``, ``hnorm`` and the final norm :class:`ZeroCenteredRMSNorm` (sglang's ``GemmaRMSNorm``; TE's
+    norms honor ``layernorm_zero_centered_gamma``). A new spec; ``layer_spec`` is not changed."""
+    from dataclasses import replace
+
+    sub = layer_spec.submodules
+    layer = sub.transformer_layer
+    mixer = layer.submodules.self_attention
+    while mixer.module is HybridMixer:  # nested where the decoder's layers share one submodules object
+        mixer = mixer.submodules.full
+    layer = replace(layer, submodules=replace(layer.submodules, self_attention=mixer))
+    norms = {} if te else dict(enorm=ZeroCenteredRMSNorm, hnorm=ZeroCenteredRMSNorm, layer_norm=ZeroCenteredRMSNorm)
+    return replace(layer_spec, submodules=replace(sub, transformer_layer=layer, **norms))
