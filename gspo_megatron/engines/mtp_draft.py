@@ -83,8 +83,11 @@ def transformers_layer_classes(config) -> tuple[type, type]:
 
 def mtp_config(hf):
     """transformers' config for the MTP layer's modules (eager attention and experts: the explicit causal
-    mask of :meth:`MTPDraft.forward`, transformers' per-expert loop)."""
-    config = _hf_config(hf)
+    mask of :meth:`MTPDraft.forward`, transformers' per-expert loop); of a vision-language checkpoint
+    (Qwen3.5-MoE's), its language model's."""
+    from gspo_megatron.engines.hf_engine import language_model_of
+
+    config = language_model_of(_hf_config(hf))[0]  # a vision-language checkpoint's: its language model's
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
     return config

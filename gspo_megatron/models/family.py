@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from gspo_megatron.models import hf_config
 from gspo_megatron.models.dims import ModelDims
 from gspo_megatron.models.mapping import MappingRegistry, Rule
-from gspo_megatron.models.mtp import AFTER_DECODER, MTPNaming
+from gspo_megatron.models.mtp_naming import AFTER_DECODER, MTPNaming
 from gspo_megatron.models.rules import (
     ExpertNaming,
     StackedExpertNaming,

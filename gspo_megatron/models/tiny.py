@@ -83,12 +83,15 @@ def mtp_layer_tensors(saved: dict, hf: dict, seed: int = 5, scale: float = 0.3) 
     attention for Qwen3-Next, whose tiny last layer is), random ``enorm``, ``hnorm``, ``eh_proj`` and final
     norm, and where the layout has them the published copies of the embedding and head (DeepSeek's
     ``embed_tokens``, ``shared_head.head``: the target's own)."""
+    from gspo_megatron.models.hf_config import lift_text_config
     from gspo_megatron.models.mtp import mtp_naming
 
+    hf = lift_text_config(hf)  # a vision-language config: its language model's fields
     naming = mtp_naming(hf)
     n, h = int(hf["num_hidden_layers"]), int(hf["hidden_size"])
     g = torch.Generator().manual_seed(seed)
-    src, dst = f"model.layers.{n - 1}.", naming.prefix(hf)
+    model = get_family(hf).language_model_prefix if "text_config" in hf else None
+    src, dst = f"{model or 'model.'}layers.{n - 1}.", naming.prefix(hf)
     out = {}
     for name in sorted(saved):
         if name.startswith(src):
@@ -99,7 +102,8 @@ def mtp_layer_tensors(saved: dict, hf: dict, seed: int = 5, scale: float = 0.3) 
     out[own["hnorm.weight"]] = 1 + 0.3 * torch.randn(h, generator=g)
     out[own["eh_proj.weight"]] = torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5
     out[own["final_layernorm.weight"]] = 1 + 0.3 * torch.randn(h, generator=g)
-    sources = (saved["model.embed_tokens.weight"], saved.get("lm_head.weight", saved["model.embed_tokens.weight"]))
+    embed = saved[f"{model or 'model.'}embed_tokens.weight"]
+    sources = (embed, saved.get("lm_head.weight", embed))
     for name, t in zip(naming.shared_names(hf), sources):
         out[name] = t.clone()
     return out

@@ -29,7 +29,10 @@ import torch
 from distributed_harness import run_ranks
 from mtp_workers import build_refused, draft_loss_grads, layout_run
 
-FAMILIES = ["glm4_moe", "deepseek_v3", "qwen3_next"]
+FAMILIES = ["glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe_vl"]
+# a tiny checkpoint of a family in another layout: Qwen3.5-MoE's published vision-language checkpoint (its
+# language model under model.language_model., the vision tower carried, the MTP layer under mtp.*)
+VARIANTS = {"qwen3_5_moe_vl": ("qwen3_5_moe", {"architectures": ["Qwen3_5MoeForConditionalGeneration"]})}
 LAYOUTS = {  # name: (world size, layout)
     "tp1": (1, {}),
     "tp2-ep2": (2, {"tp": 2, "ep": 2, "etp": 1}),
@@ -67,8 +70,15 @@ def checkpoint(request, tmp_path_factory):
 
     root = tmp_path_factory.mktemp(request.param)
     hf_dir = str(root / "hf")
-    model = save_tiny_hf_model(request.param, hf_dir, seed=7, with_mtp=True).eval()
-    return request.param, hf_dir, model, dict(iter_checkpoint(hf_dir)), _batches(model.config.vocab_size)
+    family, extra = VARIANTS.get(request.param, (request.param, {}))
+    model = save_tiny_hf_model(family, hf_dir, seed=7, with_mtp=True, **extra).eval()
+    return (
+        request.param,
+        hf_dir,
+        model,
+        dict(iter_checkpoint(hf_dir)),
+        _batches(model.config.get_text_config().vocab_size),
+    )
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -81,12 +91,15 @@ def run(request, checkpoint, tmp_path_factory):
 
 
 def _mtp_names(model, names) -> tuple[set[str], set[str]]:
-    """(the MTP layer's names among ``names``, its carried copies of the embedding and head)."""
-    from gspo_megatron.models.carried import mtp_names
+    """(the MTP layer's names among ``names``, the names that stay carried with the MTP layer trained: its
+    copies of the embedding and head, and a vision-language checkpoint's vision tower)."""
+    from gspo_megatron.models.carried import carried_names, mtp_names
+    from gspo_megatron.models.hf_config import lift_text_config
     from gspo_megatron.models.mtp import mtp_naming
 
-    hf = model.config.to_dict()
-    return set(mtp_names(hf, names)), set(mtp_naming(hf).shared_names(hf))
+    hf = lift_text_config(model.config.to_dict())
+    mtp = set(mtp_names(hf, names))
+    return mtp, set(mtp_naming(hf).shared_names(hf)) | (set(carried_names(hf, names)) - mtp)
 
 
 def test_round_trip_bitwise_with_the_mtp_layer_in_the_model(run):
@@ -94,7 +107,7 @@ def test_round_trip_bitwise_with_the_mtp_layer_in_the_model(run):
 
     source, root = run["source"], run["root"]
     mtp, carried = _mtp_names(run["model"], source)
-    assert carried <= mtp and len(mtp) > 20
+    assert len(mtp) > 20
     assert (root / "ckpt" / "hf_assets" / "carried.safetensors").is_file()  # the published layer, kept
     for out in ("final", "export"):
         got = dict(iter_checkpoint(str(root / out)))
@@ -112,7 +125,8 @@ def test_the_mtp_layer_is_the_published_math(run):
     model, source, batches = run["model"], run["source"], run["batches"]
     names, _ = _mtp_names(model, source)
     mtp = {k: source[k] for k in names}
-    draft = MTPDraft(model.config, mtp, model.model.embed_tokens.weight, model.lm_head.weight)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    draft = MTPDraft(model.config, mtp, embed, head)
     last = [r for r in run["ranks"] if r["last"]]
     assert last and all(len(r["mtp"][b]["drafts"]) == 1 for r in last for b in range(len(batches)))
     with torch.no_grad():
@@ -180,7 +194,7 @@ def test_build_refusals_name_model_mtp(family, extra, layout, match):
     [
         ("minimax_m2", {"num_mtp_modules": 1}, r"the minimax_m2 family's MTP layers are not built .* yet"),
         ("deepseek_v32", {"num_nextn_predict_layers": 1}, r"the deepseek_v32 family's MTP layers are not built"),
-        ("qwen3_5_moe", {}, r"no MTP layer .* qwen3_5_moe family's MTP layers are not built here yet"),
+        ("qwen3_5_moe", {}, r"declares no MTP layer .*: the checkpoint has no draft"),
         ("mixtral", {}, r"the mixtral family has no MTP layers"),
         ("deepseek_v3", {"num_nextn_predict_layers": 1, "first_k_dense_replace": 4}, r"first_k_dense_replace=4"),
         ("qwen3_next", {"mtp_num_hidden_layers": 1, "mlp_only_layers": [3]}, r"mlp_only_layers=\[3\] .* dense"),
@@ -204,8 +218,8 @@ def test_layout_refusals():
 
 
 def test_draft_fields_are_not_inherited():
-    """DeepSeek-V3.2 and GLM-5 subclass DeepSeek-V3's family, Qwen3.5-MoE Qwen3-Next's, but not their MTP
-    support (the checkpoint naming is inherited: Qwen3.5 keeps its MTP layer under ``mtp.*`` too)."""
+    """DeepSeek-V3.2 and GLM-5 subclass DeepSeek-V3's family but not its MTP support; Qwen3.5-MoE subclasses
+    Qwen3-Next's and declares its own draft class (the checkpoint naming is inherited: ``mtp.*``)."""
     from gspo_megatron.models.mtp import AFTER_DECODER, MTP_BRANCH
     from gspo_megatron.models.registry import families
 
@@ -214,6 +228,7 @@ def test_draft_fields_are_not_inherited():
         "glm4_moe": {"Glm4MoeForCausalLMNextN": "glm4_moe_nextn"},
         "deepseek_v3": {"DeepseekV3ForCausalLMNextN": "deepseek_nextn"},
         "qwen3_next": {"Qwen3NextForCausalLMMTP": "qwen3_next_mtp"},
+        "qwen3_5_moe": {"Qwen3_5ForCausalLMMTP": "qwen3_5_mtp"},
     }
     naming = {f.name: f.mtp_naming for f in families()}
     assert naming["qwen3_next"] is naming["qwen3_5_moe"] is MTP_BRANCH
@@ -241,9 +256,13 @@ def test_an_fp8_sync_quantizes_the_mtp_layer_as_sglangs_draft_builds_it(checkpoi
     from gspo_megatron.weight_sync.fp8_quant import is_fp8_quantizable
 
     _family, _hf_dir, model, source, _batches = checkpoint
-    hf = model.config.to_dict()
-    naming, n = mtp_naming(hf), model.config.num_hidden_layers
-    last, prefix = f"model.layers.{n - 1}.", naming.prefix(hf)
+    from gspo_megatron.models.hf_config import lift_text_config
+    from gspo_megatron.models.registry import get_family
+
+    hf = lift_text_config(model.config.to_dict())
+    naming, n = mtp_naming(hf), hf["num_hidden_layers"]
+    lm = get_family(hf).language_model_prefix if "text_config" in hf else None
+    last, prefix = f"{lm or 'model.'}layers.{n - 1}.", naming.prefix(hf)
     own = set(naming.own(hf).values())
     assert own <= set(source)
     assert not {k for k in own if is_fp8_quantizable(k, source[k])}

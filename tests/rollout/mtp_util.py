@@ -22,11 +22,12 @@ def write_mtp_checkpoint(path: str, family: str, seed: int = 0, **overrides):
 
     model = save_tiny_hf_model(family, path, seed=seed, with_mtp=True, **overrides)
     from gspo_megatron.models.carried import mtp_names
+    from gspo_megatron.models.hf_config import lift_text_config
 
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     saved = load_file(os.path.join(path, "model.safetensors"))
-    return hf, model, {k: saved[k] for k in mtp_names(hf, saved)}
+    return hf, model, {k: saved[k] for k in mtp_names(lift_text_config(hf), saved)}
 
 
 def mtp_tensors(model, hf: dict, seed: int = 5) -> dict:

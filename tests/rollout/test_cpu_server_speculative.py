@@ -77,12 +77,22 @@ def test_greedy_speculative_equals_greedy(tiny, steps):
     assert total_verify > 0
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
-def test_greedy_speculative_equals_greedy_in_other_families(tmp_path, family):
-    """The same on DeepSeek-V3's tiny checkpoint (MLA attention, its own decoder layer in the draft) and
-    Qwen3-Next's (the ``mtp.*`` branch; a hybrid target whose Gated DeltaNet states cannot be cropped)."""
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("deepseek_v3", {}),
+        ("qwen3_next", {}),
+        ("qwen3_5_moe", {"architectures": ["Qwen3_5MoeForConditionalGeneration"]}),
+    ],
+    ids=["deepseek_v3", "qwen3_next", "qwen3_5_moe_vl"],
+)
+def test_greedy_speculative_equals_greedy_in_other_families(tmp_path, family, extra):
+    """The same on DeepSeek-V3's tiny checkpoint (MLA attention, its own decoder layer in the draft),
+    Qwen3-Next's (the ``mtp.*`` branch; a hybrid target whose Gated DeltaNet states cannot be cropped) and
+    Qwen3.5-MoE's vision-language checkpoint (the engine serves its language model; the draft is built
+    from the text config)."""
     d = str(tmp_path / family)
-    hf, _, mtp = write_mtp_checkpoint(d, family, seed=4)
+    hf, _, mtp = write_mtp_checkpoint(d, family, seed=4, **extra)
     engine = HFRolloutEngine(d, d)
     dec = _decoder((d, hf, engine, mtp), 2)
     for prompt, [ref] in zip(PROMPTS, engine.generate(PROMPTS, 1, GREEDY)):

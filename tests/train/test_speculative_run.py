@@ -53,20 +53,30 @@ def _tensors(d: str) -> dict:
 
 
 # sglang 0.5.23's draft class of each family (configs/model_config.py renames the architecture)
-DRAFT_CLASS = {"glm4_moe": "Glm4MoeForCausalLMNextN", "qwen3_next": "Qwen3NextForCausalLMMTP"}
+DRAFT_CLASS = {
+    "glm4_moe": "Glm4MoeForCausalLMNextN",
+    "qwen3_next": "Qwen3NextForCausalLMMTP",
+    "qwen3_5_moe": "Qwen3_5ForCausalLMMTP",
+}
+
+
+VL = {"architectures": ["Qwen3_5MoeForConditionalGeneration"]}  # Qwen3.5-MoE's published layout
 
 
 @pytest.mark.parametrize(
-    "family, layout", [("glm4_moe", "parallel.ep=2"), ("qwen3_next", "parallel.pp=2")], ids=["ep2", "pp2"]
+    "family, layout, extra",
+    [("glm4_moe", "parallel.ep=2", {}), ("qwen3_next", "parallel.pp=2", {}), ("qwen3_5_moe", "parallel.ep=2", VL)],
+    ids=["ep2", "pp2", "qwen3_5_vl"],
 )
-def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, family, layout):
+def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, family, layout, extra):
     import transformers
 
     from gspo_megatron.models.carried import mtp_names
+    from gspo_megatron.models.hf_config import lift_text_config
     from gspo_megatron.models.mtp import mtp_naming
 
-    hf_dir = write_demo_tokenized_checkpoint(str(tmp_path / f"tiny-{family}"), family, seed=0, with_mtp=True)
-    hf = json.load(open(os.path.join(hf_dir, "config.json")))
+    hf_dir = write_demo_tokenized_checkpoint(str(tmp_path / f"tiny-{family}"), family, seed=0, with_mtp=True, **extra)
+    hf = lift_text_config(json.load(open(os.path.join(hf_dir, "config.json"))))
     naming = mtp_naming(hf)
     out = str(tmp_path / "run")
     run_train(
@@ -101,7 +111,7 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, family
     assert sorted(source) == sorted(exported)
     mtp = mtp_names(hf, source)
     carried = set(naming.shared_names(hf))
-    assert carried < set(mtp) or family == "qwen3_next" and not carried  # Qwen3-Next's layer has no copies
+    assert carried < set(mtp) or family != "glm4_moe" and not carried  # Qwen's mtp.* layer has no copies
     for k in carried:
         assert torch.equal(source[k], exported[k]), k  # carried unchanged (sglang's draft shares the target's)
     moved = [k for k in set(mtp) - carried if not torch.equal(source[k], exported[k])]
@@ -121,7 +131,8 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, family
     assert draft["class"] == DRAFT_CLASS[family] and draft["unwritten"] == []
     assert torch.equal(*draft["eh_proj"])
 
-    lm = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # ignores the MTP layer
-    assert type(lm).__name__ == hf["architectures"][0]
+    arch = hf["architectures"][0]
+    lm = getattr(transformers, arch).from_pretrained(export, dtype=torch.float32)  # ignores the MTP layer
+    assert type(lm).__name__ == arch
     trainer = score_checkpoint(os.path.join(out, "checkpoints"), ROWS, str(tmp_path / "score"))
     assert max_abs_diff(hf_logprobs(lm, ROWS), trainer) < 1e-4

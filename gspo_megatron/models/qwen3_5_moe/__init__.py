@@ -18,11 +18,17 @@ language model; the vision tower is carried through unchanged:
 - the config is read with the ``text_config`` fields lifted to the top level
   (``hf_config.lift_text_config``; export writes the file's dict back: ``hf_config.file_config``);
 - the mapping is the text model's with ``model.`` -> ``model.language_model.`` (:func:`language_model_names`);
-- ``model.visual.*`` (and ``mtp.*``) are carried tensors (``carried_prefixes``, ``models/carried.py``): kept
-  beside a checkpoint, written unchanged by export, never sent by the weight sync (the engine keeps the
-  vision tower it loaded at start-up); sglang 0.5.23's ``Qwen3_5MoeForConditionalGeneration``
+- ``model.visual.*`` (and ``mtp.*`` without ``model.mtp``) are carried tensors (``carried_prefixes``,
+  ``models/carried.py``): kept beside a checkpoint, written unchanged by export, never sent by the weight sync
+  (the engine keeps the vision tower it loaded at start-up); sglang 0.5.23's ``Qwen3_5MoeForConditionalGeneration``
   (``models/qwen3_5.py``) loads the streamed ``model.language_model.*`` names (its ``load_weights``
   rewrites ``model.language_model.`` -> ``model.``).
+
+The MTP layer (``mtp.*``, ``mtp_num_hidden_layers``; text and vision-language checkpoints alike) is Qwen3-Next's
+(``models/mtp.py`` ``MTP_BRANCH``, the family's MTP layer spec): with ``model.mtp`` it is trained and synced to
+sglang 0.5.23's draft ``Qwen3_5ForCausalLMMTP`` (``srt/models/qwen3_5_mtp.py`` ``load_weights``: ``mtp.`` ->
+``model.``, ``fc`` / ``pre_fc_norm_*`` at its top; of the other names only the embedding, which the draft shares
+with the target).
 """
 
 from __future__ import annotations
@@ -108,7 +114,7 @@ QWEN3_5_35B_A3B = {
     "mamba_ssm_dtype": "float32",  # q36copy (sglang's recurrent-state dtype)
     "max_position_embeddings": 262144,  # q36copy (tf523 default 32768 is not the checkpoint's)
     "moe_intermediate_size": 512,  # q36copy, slime35 --moe-ffn-hidden-size
-    "mtp_num_hidden_layers": 1,  # q36copy (the mtp.* layer, carried: models/carried.py)
+    "mtp_num_hidden_layers": 1,  # q36copy (the mtp.* layer: carried, or trained with model.mtp)
     "mtp_use_dedicated_embeddings": False,  # q36copy
     "num_attention_heads": 16,  # q36copy, slime35
     "num_experts": 256,  # q36copy, slime35
@@ -164,6 +170,9 @@ class Qwen3_5Moe(Qwen3Next):
     model_types = ("qwen3_5_moe_text", "qwen3_5_moe")
     architectures = ("Qwen3_5MoeForCausalLM", VL_ARCH)
     sglang_modules = {"Qwen3_5MoeForCausalLM": "qwen3_5_text", VL_ARCH: "qwen3_5"}
+    # sglang 0.5.23 configs/model_config.py renames both architectures to Qwen3_5ForCausalLMMTP for the draft
+    sglang_draft_modules = {"Qwen3_5ForCausalLMMTP": "qwen3_5_mtp"}
+    mtp_trainable = True
     # the vision-language checkpoint: its language model under model.language_model.; the vision tower
     # (model.visual. in the checkpoint, visual. in sglang's class) is carried, never synced
     sglang_kept_from_start = {VL_ARCH: ("visual.",)}

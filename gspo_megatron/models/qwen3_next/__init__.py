@@ -27,7 +27,7 @@ from gspo_megatron.models import hf_config
 from gspo_megatron.models.dims import ModelDims
 from gspo_megatron.models.family import GQAFamily
 from gspo_megatron.models.mapping import ColumnParallel, MappingRegistry, Replicated, RowParallel, Rule
-from gspo_megatron.models.mtp import MTP_BRANCH
+from gspo_megatron.models.mtp_naming import MTP_BRANCH
 from gspo_megatron.models.qwen3_next.rules import GatedFusedQKV, GDNConv, GDNDims, GDNInProj
 from gspo_megatron.models.registry import register_family
 from gspo_megatron.models.rules import (
