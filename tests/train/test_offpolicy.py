@@ -27,24 +27,6 @@ DISAGG = [
 ]
 
 
-def test_offpolicy_run_keeps_the_staleness_bound(tmp_path):
-    out = str(tmp_path / "run")
-    run_train(out, [*DISAGG, "rollout.max_staleness=1", "train.steps=4"])
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    for r in rows:
-        s = r["step"]
-        assert r["rollout/staleness_max"] <= 1
-        assert r["rollout/staleness_max"] == r["rollout/staleness_mean"] == min(1, s - 1)
-        assert r["rollout/engine_policy_version"] == max(0, s - 2)
-        for k in ("rollout/trainer_wait_s", "rollout/engine_wait_s", "rollout/sync_wait_s"):
-            assert r[k] >= 0.0
-        # pi_old recomputed with the weights that generated the samples == the engine's log-probs
-        assert r["rollout/logprob_abs_diff"] < 1e-5, r
-    # the stale steps really were off-policy: the first mini-batch's ratio moved away from 1
-    assert max(abs(r["gspo/ratio_mean"] - 1.0) for r in rows[1:]) > 1e-4
-
-
 def test_killed_offpolicy_run_resumes(tmp_path):
     out = str(tmp_path / "run")
     steps = 5
@@ -73,13 +55,28 @@ def test_killed_offpolicy_run_resumes(tmp_path):
     assert first["rollout/staleness_max"] == 0  # pending batches were regenerated from the resumed weights
     assert first["rollout/engine_policy_version"] == resumed
     assert all(r["rollout/staleness_max"] <= 2 for r in rows)
-
-
-def test_offpolicy_two_ranks_expert_parallel(tmp_path):
-    """Two training ranks (EP2 inside DP2): every rank swaps in its own copy of the generating
-    weights for the behaviour log-probs, and no rank pauses the engine while rank 0 generates."""
-    out = str(tmp_path / "run")
-    run_train(out, [*DISAGG, "rollout.max_staleness=1", "train.steps=3", "parallel.ep=2"], nproc=2)
-    rows = read_metrics(out)
-    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    # one rank, samples up to 2 versions stale, before and after the resume: pi_old recomputed with
+    # the generating weights == the engine's log-probs
     assert all(r["rollout/logprob_abs_diff"] < 1e-5 for r in rows), rows
+
+
+def test_offpolicy_two_ranks_expert_parallel_keeps_the_staleness_bound(tmp_path):
+    """Two training ranks (EP2 inside DP2), ``rollout.max_staleness=1``: the staleness schedule and the
+    engines' policy version follow the bound; every rank swaps in its own copy of the generating
+    weights for the behaviour log-probs, and no rank pauses the engine while rank 0 generates. (One
+    rank's off-policy run: test_killed_offpolicy_run_resumes, staleness 2, its log-probs checked too.)"""
+    out = str(tmp_path / "run")
+    run_train(out, [*DISAGG, "rollout.max_staleness=1", "train.steps=4", "parallel.ep=2"], nproc=2)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        s = r["step"]
+        assert r["rollout/staleness_max"] <= 1
+        assert r["rollout/staleness_max"] == r["rollout/staleness_mean"] == min(1, s - 1)
+        assert r["rollout/engine_policy_version"] == max(0, s - 2)
+        for k in ("rollout/trainer_wait_s", "rollout/engine_wait_s", "rollout/sync_wait_s"):
+            assert r[k] >= 0.0
+        # pi_old recomputed with the weights that generated the samples == the engine's log-probs
+        assert r["rollout/logprob_abs_diff"] < 1e-5, r
+    # the stale steps really were off-policy: the first mini-batch's ratio moved away from 1
+    assert max(abs(r["gspo/ratio_mean"] - 1.0) for r in rows[1:]) > 1e-4
