@@ -205,3 +205,78 @@ def sglang_draft_loads(rank: int, world: int, hf_dir: str) -> dict:
     }
     destroy_distributed()
     return out
+
+
+def pattern_records(vocab: int, n: int = 8, seed: int = 0) -> list:
+    """Samples whose responses count up by one (t_{i+1} = t_i + 1 below ``vocab``) after a random prompt:
+    the next-next token is a function of the token the draft reads, so a draft trained on them can learn
+    to predict it. Advantages 0 (the policy loss gives no gradient)."""
+    import torch
+
+    from gspo_megatron.sample import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        prompt = torch.randint(1, vocab, (3,), generator=g).tolist()
+        start = int(torch.randint(1, vocab - 12, (1,), generator=g))
+        response = list(range(start, start + 8))
+        out.append(Sample(prompt_ids=prompt, response_ids=response, engine_logprobs=[-1.0] * 8, advantage=0.0))
+    return out
+
+
+def draft_learning(rank: int, world: int, hf_dir: str, records: list, steps: int, mtp_lr: float) -> list[dict]:
+    """One rank: ``steps`` training steps of the trainer's pieces (the old-log-prob pass counting the draft's
+    acceptance, the forward-backward with the MTP loss at coefficient 1, ``optimizer_step``) on the same
+    ``records``, the MTP layer at its own learning rate ``mtp_lr`` (the policy's 1e-6). Returns per step
+    {"accept": accepted / positions before the step's update, "mtp_loss": the step's MTP loss}."""
+    from functools import partial
+
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.hf_config import load_hf_config
+    from gspo_megatron.models.weights import load_hf_weights
+    from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
+    from gspo_megatron.trainer.micro_batches import run_schedule
+    from gspo_megatron.trainer.optimizer import OptimOptions, optimizer_step, setup_training, zero_grads
+    from gspo_megatron.trainer.step import loss_config, split_batch
+    from gspo_megatron.trainer.step_passes import CurrentPolicy
+
+    init_distributed(ParallelLayout(), seed=0)
+    model = build_model(load_hf_config(hf_dir), opts=ModelOptions(transformer_impl="local", dtype="float32", mtp=True))
+    load_hf_weights(model, hf_dir)
+    ddp, opt, sched = setup_training(
+        model, OptimOptions(lr=1e-6, mtp_lr=mtp_lr, clip_grad=0.0, use_distributed_optimizer=False, total_steps=steps)
+    )
+    cfg = _config(0)
+    out = []
+    for _ in range(steps):
+        (micro,) = split_batch(cfg, records, 1, 0, pad_id=0, multiple=1)
+        CurrentPolicy(1.0, True, drafts=True).attach_old(ddp, micro, records)
+        zero_grads(ddp, opt)
+        metrics = run_schedule(
+            ddp,
+            micro,
+            partial(
+                make_megatron_loss_func,
+                cfg=loss_config(cfg),
+                tp_group=ps.get_tensor_model_parallel_group(),
+                cp_group=None,
+                data_parallel_size=1,
+                num_microbatches=len(micro),
+                check_finite=False,
+                mtp_coef=1.0,
+            ),
+            forward_only=False,
+            with_drafts=True,
+        )
+        applied, _norm = optimizer_step(opt, sched)
+        assert applied
+        accept = sum(float(b.get("draft_accept", 0.0)) for b in micro)
+        positions = sum(float(b.get("draft_positions", 0.0)) for b in micro)
+        loss = [float(m["mtp_loss"]) for m in metrics if "mtp_loss" in m]
+        out.append({"accept": accept / positions, "mtp_loss": sum(loss) / len(loss)})
+    destroy_distributed()
+    return out
