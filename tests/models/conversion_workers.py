@@ -9,9 +9,7 @@ def convert_and_score(rank: int, world: int, jobs: list[dict], rows: list[list[i
     it (resharding), score ``rows`` through the scorer path and export the HF weights.
     Returns, on rank 0, {(kind, layout_name): {"logprobs": [...], "weights": {name: tensor}}}."""
     from gspo_megatron import convert
-    from gspo_megatron.models.weights import export_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
-    from gspo_megatron.score import score_rows
 
     results = {}
     for job in jobs:
@@ -20,16 +18,27 @@ def convert_and_score(rank: int, world: int, jobs: list[dict], rows: list[list[i
         convert.hf_to_megatron(job["hf_dir"], job["ckpt"], **w)
         for layout in job["read"]:
             init_distributed(ParallelLayout(**layout))
-            model, _ = convert.load_model(job["ckpt"], **layout)
-            lps = score_rows(model, rows, micro_batch_size=3)
-            weights = {}
-            for bucket in export_hf_weights(model, bucket_bytes=1 << 18):
-                if bucket is not None:
-                    weights.update({n: t.clone() for n, t in bucket})
+            scored = score_and_export(job["ckpt"], layout, rows)
             if rank == 0:
-                results[(job["kind"], layout_name(layout))] = {"logprobs": lps, "weights": weights}
+                results[(job["kind"], layout_name(layout))] = scored
     destroy_distributed()
     return results if rank == 0 else {}
+
+
+def score_and_export(ckpt: str, layout: dict, rows: list[list[int]]) -> dict:
+    """In the initialized ``layout``: the checkpoint ``ckpt`` loaded, ``rows`` scored and the HF weights
+    exported: {"logprobs": [...], "weights": {name: tensor}} (this rank's view; rank 0's is the whole)."""
+    from gspo_megatron import convert
+    from gspo_megatron.models.weights import export_hf_weights
+    from gspo_megatron.score import score_rows
+
+    model, _ = convert.load_model(ckpt, **layout)
+    lps = score_rows(model, rows, micro_batch_size=3)
+    weights = {}
+    for bucket in export_hf_weights(model, bucket_bytes=1 << 18):
+        if bucket is not None:
+            weights.update({n: t.clone() for n, t in bucket})
+    return {"logprobs": lps, "weights": weights}
 
 
 def layout_name(layout: dict) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conversion_workers import layout_name
+from conversion_workers import layout_name, score_and_export
 
 
 def convert_and_score_by_layout(rank: int, world: int, jobs: list[dict], rows: list[list[int]]) -> dict:
@@ -15,9 +15,7 @@ def convert_and_score_by_layout(rank: int, world: int, jobs: list[dict], rows: l
     Every model is still built fresh for its (kind, layout) and loaded from the checkpoint.
     Returns, on rank 0, {(kind, layout_name): {"logprobs": [...], "weights": {name: tensor}}}."""
     from gspo_megatron import convert
-    from gspo_megatron.models.weights import export_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
-    from gspo_megatron.score import score_rows
 
     def by_layout(pairs):
         """[(layout, [items])] in first-seen order of the layouts."""
@@ -34,14 +32,8 @@ def convert_and_score_by_layout(rank: int, world: int, jobs: list[dict], rows: l
     for layout, group in by_layout((layout, job) for job in jobs for layout in job["read"]):
         init_distributed(ParallelLayout(**layout))
         for job in group:
-            model, _ = convert.load_model(job["ckpt"], **layout)
-            lps = score_rows(model, rows, micro_batch_size=3)
-            weights = {}
-            for bucket in export_hf_weights(model, bucket_bytes=1 << 18):
-                if bucket is not None:
-                    weights.update({n: t.clone() for n, t in bucket})
-            del model
+            scored = score_and_export(job["ckpt"], layout, rows)
             if rank == 0:
-                results[(job["kind"], layout_name(layout))] = {"logprobs": lps, "weights": weights}
+                results[(job["kind"], layout_name(layout))] = scored
     destroy_distributed()
     return results if rank == 0 else {}

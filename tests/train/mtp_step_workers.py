@@ -51,16 +51,34 @@ def _config(budget: int):
     )
 
 
-def _one_model(hf_dir: str, layout: dict, mtp: bool, records: list, budget: int, coef: float) -> dict:
+def _loss_func(cfg, dp: int, num_microbatches: int, coef: float):
+    """The trainer's loss-function factory for ``run_schedule`` with the MTP loss at ``coef``."""
     from functools import partial
 
     from megatron.core import parallel_state as ps
 
     from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
+    from gspo_megatron.trainer.step import loss_config
+
+    return partial(
+        make_megatron_loss_func,
+        cfg=loss_config(cfg),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        cp_group=None,
+        data_parallel_size=dp,
+        num_microbatches=num_microbatches,
+        check_finite=False,
+        mtp_coef=coef,
+    )
+
+
+def _one_model(hf_dir: str, layout: dict, mtp: bool, records: list, budget: int, coef: float) -> dict:
+    from megatron.core import parallel_state as ps
+
     from gspo_megatron.runtime.distributed import destroy_distributed
     from gspo_megatron.trainer.micro_batches import run_schedule, sequence_multiple
     from gspo_megatron.trainer.optimizer import zero_grads
-    from gspo_megatron.trainer.step import loss_config, split_batch
+    from gspo_megatron.trainer.step import split_batch
     from gspo_megatron.trainer.step_passes import CurrentPolicy
     from tiny_models import tiny_megatron_model
 
@@ -72,20 +90,7 @@ def _one_model(hf_dir: str, layout: dict, mtp: bool, records: list, budget: int,
     CurrentPolicy(1.0, True, drafts=mtp).attach_old(ddp, micro, records)
     zero_grads(ddp, opt)
     out = run_schedule(
-        ddp,
-        micro,
-        partial(
-            make_megatron_loss_func,
-            cfg=loss_config(cfg),
-            tp_group=ps.get_tensor_model_parallel_group(),
-            cp_group=None,
-            data_parallel_size=dp,
-            num_microbatches=len(micro),
-            check_finite=False,
-            mtp_coef=coef,
-        ),
-        forward_only=False,
-        with_drafts=mtp and coef > 0,
+        ddp, micro, _loss_func(cfg, dp, len(micro), coef), forward_only=False, with_drafts=mtp and coef > 0
     )
     grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
     result = {
@@ -230,18 +235,14 @@ def draft_learning(rank: int, world: int, hf_dir: str, records: list, steps: int
     acceptance, the forward-backward with the MTP loss at coefficient 1, ``optimizer_step``) on the same
     ``records``, the MTP layer at its own learning rate ``mtp_lr`` (the policy's 1e-6). Returns per step
     {"accept": accepted / positions before the step's update, "mtp_loss": the step's MTP loss}."""
-    from functools import partial
 
-    from megatron.core import parallel_state as ps
-
-    from gspo_megatron.losses.megatron_loss import make_megatron_loss_func
     from gspo_megatron.models.build import ModelOptions, build_model
     from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.models.weights import load_hf_weights
     from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
     from gspo_megatron.trainer.micro_batches import run_schedule
     from gspo_megatron.trainer.optimizer import OptimOptions, optimizer_step, setup_training, zero_grads
-    from gspo_megatron.trainer.step import loss_config, split_batch
+    from gspo_megatron.trainer.step import split_batch
     from gspo_megatron.trainer.step_passes import CurrentPolicy
 
     init_distributed(ParallelLayout(), seed=0)
@@ -256,22 +257,7 @@ def draft_learning(rank: int, world: int, hf_dir: str, records: list, steps: int
         (micro,) = split_batch(cfg, records, 1, 0, pad_id=0, multiple=1)
         CurrentPolicy(1.0, True, drafts=True).attach_old(ddp, micro, records)
         zero_grads(ddp, opt)
-        metrics = run_schedule(
-            ddp,
-            micro,
-            partial(
-                make_megatron_loss_func,
-                cfg=loss_config(cfg),
-                tp_group=ps.get_tensor_model_parallel_group(),
-                cp_group=None,
-                data_parallel_size=1,
-                num_microbatches=len(micro),
-                check_finite=False,
-                mtp_coef=1.0,
-            ),
-            forward_only=False,
-            with_drafts=True,
-        )
+        metrics = run_schedule(ddp, micro, _loss_func(cfg, 1, len(micro), 1.0), forward_only=False, with_drafts=True)
         applied, _norm = optimizer_step(opt, sched)
         assert applied
         accept = sum(float(b.get("draft_accept", 0.0)) for b in micro)
