@@ -163,3 +163,52 @@ def draft_loss_grads(rank: int, world: int, hf_dir: str, tokens) -> dict:
         out[recompute] = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     destroy_distributed()
     return out
+
+
+def te_and_local_drafts(rank: int, world: int, hf_dir: str, tokens) -> dict:
+    """One rank, Transformer Engine's layer spec over the CPU stand-in (``te_standin.py``) and the local spec:
+    the model of ``hf_dir`` with its MTP layer (``ModelOptions.mtp``), HF weights loaded, one forward of
+    ``tokens`` [b, s] asking for the drafts. Returns per spec {"classes": the MTP layer's module classes,
+    "drafts": MTP states [b, s, H], "logits": the main output, "export": the MTP layer's exported HF
+    tensors}."""
+    import te_standin
+
+    te_standin.install()
+    te_standin.patch_build()
+    import torch
+
+    from gspo_megatron.models.build import ModelOptions, build_model
+    from gspo_megatron.models.carried import mtp_names
+    from gspo_megatron.models.hf_config import load_hf_config
+    from gspo_megatron.models.lm_head import lm_forward
+    from gspo_megatron.models.weights import export_hf_weights, load_hf_weights
+    from gspo_megatron.runtime.distributed import ParallelLayout, destroy_distributed, init_distributed
+
+    init_distributed(ParallelLayout(), seed=0)
+    hf = load_hf_config(hf_dir)
+    out = {}
+    for impl in ("transformer_engine", "local"):
+        model = build_model(hf, opts=ModelOptions(transformer_impl=impl, dtype="float32", mtp=True))
+        load_hf_weights(model, hf_dir)
+        model.eval()
+        drafts: list = []
+        b, s = tokens.shape
+        with torch.no_grad():
+            pos = torch.arange(s).expand(b, s)
+            logits, _ = lm_forward(model, tokens, pos, fused=False, drafts=drafts, attention_mask=None)
+        streamed = {n: t.clone() for bucket in export_hf_weights(model, 1 << 20) for n, t in bucket or []}
+        layer = model.mtp.layers[0]
+        out[impl] = {
+            "classes": {
+                "enorm": type(layer.enorm).__name__,
+                "final_layernorm": type(layer.final_layernorm).__name__,
+                "eh_proj": type(layer.eh_proj).__name__,
+                "self_attention": type(layer.transformer_layer.self_attention).__name__,
+                "linear_qkv": type(layer.transformer_layer.self_attention.linear_qkv).__name__,
+            },
+            "drafts": [d.clone() for d in drafts],
+            "logits": logits.clone(),
+            "export": {n: streamed[n] for n in mtp_names(hf, streamed)},
+        }
+    destroy_distributed()
+    return out

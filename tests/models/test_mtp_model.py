@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from distributed_harness import run_ranks
-from mtp_workers import build_refused, draft_loss_grads, layout_run
+from mtp_workers import build_refused, draft_loss_grads, layout_run, te_and_local_drafts
 
 FAMILIES = ["glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe_vl"]
 # a tiny checkpoint of a family in another layout: Qwen3.5-MoE's published vision-language checkpoint (its
@@ -271,3 +271,31 @@ def test_an_fp8_sync_quantizes_the_mtp_layer_as_sglangs_draft_builds_it(checkpoi
     layer = {k for k, t in mtp.items() if last + k in source}  # the decoder layer's names
     assert quantized == {k for k in layer if is_fp8_quantizable(last + k, source[last + k])}
     assert any("self_attn" in k for k in quantized) and any("experts" in k for k in quantized)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_next"])
+def test_the_mtp_layer_on_transformer_engines_spec_equals_the_local_one(family, tmp_path):
+    """``transformer_impl: transformer_engine`` (megatron's TE MTP spec: ``TENorm`` honoring Qwen3-Next's
+    zero-centered gamma, ``TEColumnParallelLinear`` eh_proj, the TE decoder layer; over the CPU stand-in,
+    tests/models/te_standin.py) holds the checkpoint's MTP layer as the local spec does: the same draft
+    states and main output, and the same MTP tensors exported, the checkpoint's own."""
+    from gspo_megatron.cpu_server.weights import iter_checkpoint
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    hf_dir = str(tmp_path / "hf")
+    save_tiny_hf_model(family, hf_dir, seed=7, with_mtp=True)
+    tokens = torch.randint(1, 200, (2, 10), generator=torch.Generator().manual_seed(0))
+    (r,) = run_ranks(te_and_local_drafts, 1, hf_dir, tokens)
+    te, local = r["transformer_engine"], r["local"]
+    assert (
+        te["classes"]["eh_proj"] == "TEColumnParallelLinear" and local["classes"]["eh_proj"] == "ColumnParallelLinear"
+    )
+    assert te["classes"]["linear_qkv"] == "TELayerNormColumnParallelLinear"
+    assert te["classes"]["self_attention"] == local["classes"]["self_attention"] == "SelfAttention"  # full attention
+    torch.testing.assert_close(te["logits"], local["logits"], rtol=0, atol=1e-6)
+    assert len(te["drafts"]) == len(local["drafts"]) == 1
+    torch.testing.assert_close(te["drafts"][0], local["drafts"][0], rtol=0, atol=1e-6)
+    source = dict(iter_checkpoint(hf_dir))
+    assert sorted(te["export"]) == sorted(local["export"]) and len(te["export"]) > 20
+    for name, t in te["export"].items():
+        assert torch.equal(t, local["export"][name]) and torch.equal(t, source[name]), name
