@@ -279,9 +279,11 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     per_stage = d.num_layers // p.pp
     first, last = stage * per_stage, (stage + 1) * per_stage
     te = m.transformer_impl != "local"  # auto: Transformer Engine on the GPUs planned for
-    # model.mtp: megatron builds each MTP layer on the last stage from the last decoder layer's spec
+    # model.mtp: megatron builds each MTP layer on the last stage from the last decoder layer's spec, with full
+    # attention in a hybrid model (Qwen3-Next / Qwen3.5: the last full-attention layer's shape)
     mtp = plan_args.get("mtp_layers", 0) if stage == p.pp - 1 else 0
-    held = list(range(first, last)) + [d.num_layers - 1] * mtp  # the layers this stage holds, as dims' layers
+    like = max((i for i in range(d.num_layers) if i not in d.linear_layers), default=d.num_layers - 1)
+    held = list(range(first, last)) + [like] * mtp  # the layers this stage holds, as dims' layers
     layers = [layer_params(d, i, te) for i in held]
     dense = sum(lp.tp_sharded for lp in layers) / p.tp + sum(lp.replicated for lp in layers)
     dense += mtp * (2 * d.hidden * d.hidden / p.tp + 3 * d.hidden)  # eh_proj; enorm, hnorm, final norm

@@ -79,8 +79,8 @@ def save_tiny_hf_model(
 def mtp_layer_tensors(saved: dict, hf: dict, seed: int = 5, scale: float = 0.3) -> dict[str, torch.Tensor]:
     """The MTP layer of a tiny checkpoint whose tensors ``saved`` (as ``save_pretrained`` wrote them) has
     config ``hf``, in the published layout of its family (``models/mtp.MTPNaming``: ``model.layers.{N}.*``
-    or ``mtp.*``): a copy of the last decoder layer perturbed (a MoE layer, as the published ones; full
-    attention for Qwen3-Next, whose tiny last layer is), random ``enorm``, ``hnorm``, ``eh_proj`` and final
+    or ``mtp.*``): a copy of the last decoder layer with full attention perturbed (a MoE layer, as the
+    published ones; Qwen3-Next's MTP layer is full attention wherever its hybrid stack ends), random ``enorm``, ``hnorm``, ``eh_proj`` and final
     norm, and where the layout has them the published copies of the embedding and head (DeepSeek's
     ``embed_tokens``, ``shared_head.head``: the target's own)."""
     from gspo_megatron.models.hf_config import lift_text_config
@@ -90,8 +90,10 @@ def mtp_layer_tensors(saved: dict, hf: dict, seed: int = 5, scale: float = 0.3) 
     naming = mtp_naming(hf)
     n, h = int(hf["num_hidden_layers"]), int(hf["hidden_size"])
     g = torch.Generator().manual_seed(seed)
-    model = get_family(hf).language_model_prefix if "text_config" in hf else None
-    src, dst = f"{model or 'model.'}layers.{n - 1}.", naming.prefix(hf)
+    layers = f"{(get_family(hf).language_model_prefix if 'text_config' in hf else None) or 'model.'}layers."
+    # the last decoder layer with full attention (a hybrid stack may end with a Gated DeltaNet layer)
+    last = next((i for i in range(n - 1, -1, -1) if any(k.startswith(f"{layers}{i}.self_attn.") for k in saved)), n - 1)
+    src, dst = f"{layers}{last}.", naming.prefix(hf)
     out = {}
     for name in sorted(saved):
         if name.startswith(src):
@@ -102,7 +104,7 @@ def mtp_layer_tensors(saved: dict, hf: dict, seed: int = 5, scale: float = 0.3) 
     out[own["hnorm.weight"]] = 1 + 0.3 * torch.randn(h, generator=g)
     out[own["eh_proj.weight"]] = torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5
     out[own["final_layernorm.weight"]] = 1 + 0.3 * torch.randn(h, generator=g)
-    embed = saved[f"{model or 'model.'}embed_tokens.weight"]
+    embed = saved[layers.removesuffix("layers.") + "embed_tokens.weight"]
     sources = (embed, saved.get("lm_head.weight", embed))
     for name, t in zip(naming.shared_names(hf), sources):
         out[name] = t.clone()

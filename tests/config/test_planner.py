@@ -300,21 +300,30 @@ def test_fits_and_does_not_fit():
         make_plan(cfg, 0, 8, 80)
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_the_mtp_layer_is_counted_on_the_last_stage(tmp_path, pp):
+LINEAR_LAST = dict(layer_types=["full_attention", "linear_attention"] * 2, full_attention_interval=None)
+
+
+@pytest.mark.parametrize(
+    "family, pp, extra",
+    [("glm4_moe", 1, {}), ("glm4_moe", 2, {}), ("qwen3_next", 2, {}), ("qwen3_next", 1, LINEAR_LAST)],
+    ids=["glm4_moe-pp1", "glm4_moe-pp2", "qwen3_next-pp2", "qwen3_next-linear-last"],
+)
+def test_the_mtp_layer_is_counted_on_the_last_stage(tmp_path, family, pp, extra):
     """``model.mtp``: the last stage holds the MTP layer (its own tensors in the checkpoint, less the
     ``embed_tokens`` / ``shared_head.head`` it shares and the router's ``e_score_correction_bias``, a
-    buffer as in the decoder layers), and with PP > 1 its own copy of the embedding."""
+    buffer as in the decoder layers), and with PP > 1 its own copy of the embedding. Qwen3-Next's (``mtp.*``)
+    is a full-attention layer even where the hybrid stack ends with a Gated DeltaNet layer."""
     from gspo_megatron.cpu_server.weights import iter_checkpoint
+    from gspo_megatron.models.carried import mtp_names
     from gspo_megatron.models.tiny import save_tiny_hf_model
 
-    model = save_tiny_hf_model("glm4_moe", str(tmp_path), seed=0, with_mtp=True)
-    n, vocab, hidden = model.config.num_hidden_layers, model.config.vocab_size, model.config.hidden_size
+    model = save_tiny_hf_model(family, str(tmp_path), seed=0, with_mtp=True, **extra)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    tensors = dict(iter_checkpoint(str(tmp_path)))
     own = sum(
-        t.numel()
-        for k, t in iter_checkpoint(str(tmp_path))
-        if k.startswith(f"model.layers.{n}.")
-        and not k.endswith(("embed_tokens.weight", "shared_head.head.weight", "e_score_correction_bias"))
+        tensors[k].numel()
+        for k in mtp_names(model.config.to_dict(), tensors)
+        if not k.endswith(("embed_tokens.weight", "shared_head.head.weight", "e_score_correction_bias"))
     )
     base = [f"model.hf_path={tmp_path}", "model.arch=null", "model.max_seq_len=64", f"parallel.pp={pp}"]
     plain, mtp = (tiny_plan(*base, f"model.mtp={on}") for on in ("false", "true"))
