@@ -8,7 +8,8 @@ or the file and line):
 1. the config: world size, layout against the model's dims (:func:`check_config`);
 2. ``output_dir``: a directory we can create and write (:func:`check_output_dir`);
 3. the model files: with ``model.init=pretrained``, ``model.hf_path`` holds config.json, readable
-   safetensors (single file or index + shards) of a supported family (:func:`check_hf_dir`);
+   safetensors (single file or index + shards) of a supported family (:func:`check_hf_dir`), and the MTP
+   layer's tensors where the draft is used (:func:`check_mtp_tensors`);
 4. the tokenizer the run will use: present, non-empty, its ids inside the model's vocabulary, a chat
    template when ``data.apply_chat_template`` (:func:`load_checked_tokenizer`);
 5. the data: every row parsed, keys present, prompt lengths within ``data.max_prompt_len``, not empty
@@ -55,6 +56,7 @@ def run_all(cfg: Config, world_size: int | None = None) -> None:
     check_output_dir(cfg.output_dir)
     if cfg.model.init == "pretrained":
         check_hf_dir(cfg.model.hf_path, "model.hf_path")
+        check_mtp_tensors(cfg, hf)
     tokenizer = load_checked_tokenizer(cfg, hf)
     dataset = check_data(cfg, tokenizer)
     if cfg.reward.url is None:  # a reward server is checked by its answers (counted failures)
@@ -124,6 +126,38 @@ def check_hf_dir(path: str | None, field: str) -> dict:
         return _check(path)
     except (ValueError, FileNotFoundError, KeyError) as e:  # UsageError (a UserInputError) included
         raise UserInputError(f"{field}: {e}") from None
+
+
+def check_mtp_tensors(cfg: Config, hf: dict) -> None:
+    """With the checkpoint's MTP layer in use (``model.mtp``: the model loads it from ``model.hf_path``;
+    ``rollout.speculative``: the engines' draft loads it from there, sglang's ``--speculative-draft-model-path``
+    defaulting to the model path), ``model.hf_path`` holds its tensors: its own four and its decoder layer's
+    (``models/mtp_naming.py``). A config.json declaring the layer over safetensors without it is common:
+    transformers' ``save_pretrained`` keeps the config field and drops the tensors."""
+    from gspo_megatron.models.carried import COUNT_FIELDS, mtp_layers
+    from gspo_megatron.models.mtp import mtp_naming
+    from gspo_megatron.models.safetensors_reader import SafetensorsReader
+
+    if not (cfg.mtp_in_model or cfg.rollout.speculative) or not mtp_layers(hf) or not cfg.model.hf_path:
+        return  # nothing loads the layer here, or a checkpoint without one (refused with the config's checks)
+    naming = mtp_naming(hf)
+    reader = SafetensorsReader(cfg.model.hf_path)
+    try:
+        names = set(reader.names())
+    finally:
+        reader.close()
+    prefix = naming.prefix(hf)
+    missing = [n for n in naming.own(hf).values() if n not in names]
+    if not any(n.startswith(prefix) for n in names):
+        missing.append(prefix + "*")
+    if missing:
+        declared = next((f for f in COUNT_FIELDS if hf.get(f)), COUNT_FIELDS[0])
+        raise UserInputError(
+            f"model.hf_path {cfg.model.hf_path}: config.json declares an MTP layer ({declared}={hf[declared]}) "
+            f"but its safetensors lack {len(missing)} of its tensors, e.g. {missing[0]} (transformers' "
+            "save_pretrained drops them); rollout.speculative and model.mtp need the layer: use a checkpoint "
+            "with it (the published one), or set rollout.speculative=false and model.mtp=false"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

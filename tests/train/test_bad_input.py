@@ -154,6 +154,25 @@ def _write(u, name, text):
     return p
 
 
+def _mtp_declared_not_saved(u):
+    """A Qwen3-Next directory whose config.json declares the MTP layer its safetensors lack (what
+    transformers' save_pretrained writes), asked to draft with it."""
+    from gspo_megatron.data.tokenizer import build_demo_tokenizer
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    d = u["tmp"] / "no_mtp"
+    save_tiny_hf_model("qwen3_next", str(d), seed=0, vocab_size=320)
+    build_demo_tokenizer(str(d))
+    cfg = json.load(open(d / "config.json"))
+    cfg["mtp_num_hidden_layers"] = 1
+    json.dump(cfg, open(d / "config.json", "w"))
+    engine = ["rollout.engine=sglang", "rollout.engine_server=cpu", "rollout.sync_mode=disaggregated"]
+    return (
+        [f"model.hf_path={d}", *engine, "rollout.num_engines=1", "rollout.speculative=true"],
+        ["model.hf_path", "mtp_num_hidden_layers=1", "lack 5 of its tensors, e.g. mtp.pre_fc_norm_embedding.weight"],
+    )
+
+
 MISTAKES = {
     "missing data key": lambda u: (
         [
@@ -205,6 +224,7 @@ MISTAKES = {
     "HF dir without tokenizer": _no_tokenizer,
     "missing chat template with apply_chat_template": _no_chat_template,
     "HF dir without weights": _no_weights,
+    "MTP layer declared but not saved": _mtp_declared_not_saved,
     "tokenizer larger than the model's vocabulary": _small_vocab,
     "bad override key": lambda u: (
         ["rollout.grup_size=4"],
