@@ -25,6 +25,7 @@ from mtp_step_workers import (
     make_records,
     pattern_records,
     reference_acceptance,
+    sglang_draft_loads,
     step_grads,
 )
 
@@ -159,3 +160,17 @@ def test_the_draft_has_its_own_learning_rate(checkpoint):
         for name, (hi, lo) in steps.items():
             lr = mtp_lr if mtp_lr is not None and _is_mtp(name) else 1e-3
             assert hi == pytest.approx(lr, rel=1e-3) and lo == pytest.approx(lr, rel=1e-2), (name, hi, lo, lr)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_sglangs_draft_class_loads_the_mtp_branch(tmp_path, family):
+    """sglang 0.5.23's draft class of the ``mtp.*`` families (``Qwen3NextForCausalLMMTP``, the text
+    checkpoint's ``Qwen3_5ForCausalLMMTP``; the vision-language one: tests/train/test_speculative_run.py),
+    built as its draft worker builds it, writes every parameter of its own from the checkpoint's MTP layer."""
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    save_tiny_hf_model(family, str(tmp_path), seed=0, with_mtp=True)
+    (draft,) = run_ranks(sglang_draft_loads, 1, str(tmp_path))
+    want = {"qwen3_next": "Qwen3NextForCausalLMMTP", "qwen3_5_moe": "Qwen3_5ForCausalLMMTP"}[family]
+    assert draft["class"] == want and draft["unwritten"] == []
+    assert torch.equal(*draft["eh_proj"])

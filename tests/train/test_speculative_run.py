@@ -1,8 +1,9 @@
 """The assembled path of speculative rollouts with the MTP draft trained and synced (issue 34), as a user
-runs it: GLM-4.5's tiny checkpoint with its MTP layer (``model.layers.<N>.*``) on EP 2, and Qwen3-Next's
-(``mtp.*``: a full-attention MoE layer after a hybrid Gated DeltaNet stack) on PP 2 (the MTP layer on the last
-stage), each written by transformers' ``save_pretrained`` plus the published MTP layout -> ``gspo-train`` under
-``torchrun`` on 2 ranks,
+runs it: GLM-4.5's tiny checkpoint with its MTP layer (``model.layers.<N>.*``) on EP 2, and Qwen3.5-MoE's
+vision-language one (``mtp.*``: a full-attention MoE layer after a hybrid Gated DeltaNet stack, Qwen3-Next's
+layout; the language model under ``model.language_model.``, the vision tower carried) on PP 2 (the MTP layer
+on the last stage), each written by transformers' ``save_pretrained`` plus the published MTP layout ->
+``gspo-train`` under ``torchrun`` on 2 ranks,
 ``rollout.speculative=true`` (``model.mtp`` null: on) with ``gspo.mtp_loss_coef=1`` and a disaggregated
 CPU-server engine that decodes speculatively (sglang's acceptance rule) and loads every sync into sglang's
 own target and draft classes (the written check on both) -> the final HF export.
@@ -14,7 +15,8 @@ Checked:
   (``rollout/logprob_abs_diff``, the post-sync probe);
 - ``hf_final`` holds the MTP layer, trained (its tensors moved; GLM's layer's ``embed_tokens`` /
   ``shared_head.head`` carried unchanged), loads in sglang's draft class (``Glm4MoeForCausalLMNextN`` /
-  ``Qwen3NextForCausalLMMTP``: every parameter of its own written) and in transformers (which ignores it), and scores as the run's final checkpoint does (read back through ``tools/score.py`` with its MTP layer);
+  ``Qwen3_5ForCausalLMMTP``: every parameter of its own written; Qwen3-Next's ``Qwen3NextForCausalLMMTP``:
+  tests/train/test_mtp_step.py) and in transformers (which ignores it), and scores as the run's final checkpoint does (read back through ``tools/score.py`` with its MTP layer);
 - that checkpoint as ``model.checkpoint`` with ``model.mtp=false`` is refused in one line before any work
   (it would lose the trained draft: ``preflight.check_mtp_matches``);
 """
@@ -53,11 +55,7 @@ def _tensors(d: str) -> dict:
 
 
 # sglang 0.5.23's draft class of each family (configs/model_config.py renames the architecture)
-DRAFT_CLASS = {
-    "glm4_moe": "Glm4MoeForCausalLMNextN",
-    "qwen3_next": "Qwen3NextForCausalLMMTP",
-    "qwen3_5_moe": "Qwen3_5ForCausalLMMTP",
-}
+DRAFT_CLASS = {"glm4_moe": "Glm4MoeForCausalLMNextN", "qwen3_5_moe": "Qwen3_5ForCausalLMMTP"}
 
 
 VL = {"architectures": ["Qwen3_5MoeForConditionalGeneration"]}  # Qwen3.5-MoE's published layout
@@ -65,8 +63,8 @@ VL = {"architectures": ["Qwen3_5MoeForConditionalGeneration"]}  # Qwen3.5-MoE's 
 
 @pytest.mark.parametrize(
     "family, layout, extra",
-    [("glm4_moe", "parallel.ep=2", {}), ("qwen3_next", "parallel.pp=2", {}), ("qwen3_5_moe", "parallel.ep=2", VL)],
-    ids=["ep2", "pp2", "qwen3_5_vl"],
+    [("glm4_moe", "parallel.ep=2", {}), ("qwen3_5_moe", "parallel.pp=2", VL)],
+    ids=["glm4_moe-ep2", "qwen3_5_vl-pp2"],
 )
 def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, family, layout, extra):
     import transformers
@@ -117,7 +115,7 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, family
     moved = [k for k in set(mtp) - carried if not torch.equal(source[k], exported[k])]
     assert naming.own(hf)["eh_proj.weight"] in moved and len(moved) > 10  # the draft trained
 
-    if layout == "parallel.ep=2":  # a checkpoint with the trained MTP layer read without it: refused up front
+    if family == "glm4_moe":  # a checkpoint with the trained MTP layer read without it: refused up front
         again = str(tmp_path / "again")
         ckpt = os.path.join(out, "checkpoints")
         model = [f"model.hf_path={hf_dir}", "model.init=pretrained", "model.arch=null"]
