@@ -51,8 +51,8 @@ cycle, with L committed tokens t_0..t_{L-1} and h_0..h_{L-2}:
    without speculation), their target hidden states appended, the KV cache cropped. A hybrid target's
    Gated DeltaNet states cannot be cropped (transformers' ``LinearAttentionLayer.crop`` raises): its cache is
    copied before the verify and, when a draft was rejected, restored and run on the accepted tokens, which
-   leaves the state after them (sglang keeps the verify's per-draft states and picks the accepted one,
-   ``--mamba-...`` state tracking: the same state).
+   leaves the state after them (sglang keeps the verify's per-draft states and commits the accepted one,
+   ``layers/attention/hybrid_linear_attn_backend.py`` ``update_mamba_state_after_mtp_verify``: the same state).
 
 Log-probs are the target's, from the rows each token was emitted at, as without speculation
 (``log_softmax(logits / T)`` of the unfiltered distribution; ``log_softmax(logits)`` for a greedy batch).

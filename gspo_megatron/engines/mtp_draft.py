@@ -174,11 +174,12 @@ class MTPDraft(nn.Module):
     """One MTP layer as a draft model (module docstring: the math, the pairing, the names).
 
     hf: the checkpoint's config.json (a dict, or transformers' config). tensors: HF-named tensors of the
-    MTP layer (``model.layers.{N}.*``; ``embed_tokens`` / ``shared_head.head`` of the layer are ignored),
-    every one of :meth:`names` present. embed [V, H], lm_head [V, H]: the target's
-    ``model.embed_tokens.weight`` and ``lm_head.weight``, kept by reference (:meth:`set_embed_and_head`),
-    so a caller sharing the target's live parameters drafts with its current ones. layer: N (default
-    ``num_hidden_layers``, the first MTP layer). dtype: of the layer's parameters (fp32 default).
+    MTP layer (``model.layers.{N}.*`` or ``mtp.*``; DeepSeek's ``embed_tokens`` / ``shared_head.head`` of the
+    layer are ignored), every one of :meth:`names` present. embed [V, H], lm_head [V, H]: the target's
+    embedding and head weights, kept by reference (:meth:`set_embed_and_head`), so a caller sharing the
+    target's live parameters drafts with its current ones. layer: the layer's HF index (default the
+    naming's: ``num_hidden_layers`` after the decoder, 0 in an ``mtp.*`` branch). dtype: of the layer's
+    parameters (fp32 default).
     """
 
     def __init__(
