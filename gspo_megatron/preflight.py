@@ -153,7 +153,7 @@ def check_mtp_tensors(cfg: Config, hf: dict) -> None:
     if missing:
         declared = next((f for f in COUNT_FIELDS if hf.get(f)), COUNT_FIELDS[0])
         raise UserInputError(
-            f"model.hf_path {cfg.model.hf_path}: config.json declares an MTP layer ({declared}={hf[declared]}) "
+            f"model.hf_path {cfg.model.hf_path}: config.json declares an MTP layer ({declared}={mtp_layers(hf)}) "
             f"but its safetensors lack {len(missing)} of its tensors, e.g. {missing[0]} (transformers' "
             "save_pretrained drops them); rollout.speculative and model.mtp need the layer: use a checkpoint "
             "with it (the published one), or set rollout.speculative=false and model.mtp=false"

@@ -137,8 +137,7 @@ def build_mtp_layer(root: nn.Module, config, index: int | None = None) -> tuple[
     parts by role: ``block``, ``enorm``, ``hnorm``, ``eh_proj``, ``final_norm``; the rotary embedding; the
     layer's HF index)."""
     naming = mtp_naming_of(config)
-    n = int(config.num_hidden_layers)
-    i = (n if naming.after_decoder else 0) if index is None else int(index)
+    i = naming.index({"num_hidden_layers": config.num_hidden_layers}) if index is None else int(index)
     layer_config = _layer_config(config, naming)
     layer_cls, rotary_cls = transformers_layer_classes(layer_config)
     block = layer_cls(layer_config, layer_idx=i)

@@ -154,7 +154,7 @@ def mtp_rules(registry: MappingRegistry, hf: dict) -> MappingRegistry:
     decoder-layer rule moved under ``mtp.layers.*.transformer_layer.``, its HF names under the family's
     :class:`MTPNaming` prefix (the layer index + N where the layer continues ``model.layers``)."""
     naming = mtp_naming(hf)
-    shift = int(hf["num_hidden_layers"]) if naming.after_decoder else 0
+    shift = naming.index(hf)  # MTP layer 0's HF index: N after the decoder, 0 in an mtp.* branch
     p = {key: name.replace("{i}", "*") for key, name in naming.own_patterns().items()}
     own: list[Rule] = [
         Replicated("mtp.layers.*.enorm.weight", p["enorm.weight"]),

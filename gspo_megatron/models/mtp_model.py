@@ -38,7 +38,7 @@ class _MTPLayer(MultiTokenPredictionLayer):
         return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations, *[kwargs[k] for k in saved])
 
 
-def mtp_block_spec(config, layer_spec, te: bool, family=None):
+def mtp_block_spec(config, layer_spec, te: bool, family):
     """megatron's MTP block spec for the decoder layer spec ``layer_spec`` (``get_gpt_mtp_block_spec``: the
     last decoder layer's spec inside each MTP layer), its layers :class:`_MTPLayer`, each adapted by the
     ``family`` (``ModelFamily.adapt_mtp_layer_spec``: Qwen3-Next's full-attention MTP layer)."""
@@ -47,9 +47,7 @@ def mtp_block_spec(config, layer_spec, te: bool, family=None):
     block = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=te)
     if block is None:  # no MTP layer on this pipeline stage
         return None
-    layers = [dataclasses.replace(s, module=_MTPLayer) for s in block.layer_specs]
-    if family is not None:
-        layers = [family.adapt_mtp_layer_spec(s, te) for s in layers]
+    layers = [family.adapt_mtp_layer_spec(dataclasses.replace(s, module=_MTPLayer), te) for s in block.layer_specs]
     return MultiTokenPredictionBlockSubmodules(layer_specs=layers)
 
 
