@@ -198,6 +198,14 @@ class RolloutConfig:
     engine_mem_fraction: float = _f(
         0.8, "fraction of a GPU's memory an engine fills (weights + KV cache), SGLang's mem_fraction_static"
     )
+    engine_max_running_requests: int = _f(
+        0,
+        "sglang --max-running-requests of each engine (requests it runs at once); 0 = auto: not set (sglang's own "
+        "limit from its KV cache, at least 2048 where memory allows), except with rollout.speculative, where sglang "
+        "0.5.23 would cap it at 48 and the trainer sets the requests a rollout sends at once (fleet/engine_args.py "
+        "rollout_requests) so that a batch is not generated in waves of 48; N >= 1: N (48 keeps sglang's speculative "
+        "default, for when verifying drafts at a large batch costs more than it saves)",
+    )
     engine_urls: list[str] = _f([], "already running engines to use (disaggregated); empty = launch them")
     router_url: str | None = _f(None, "sglang router in front of engine_urls (launch/slurm/train.sbatch sets it)")
     engine_timeout_s: float = _f(600.0, "seconds to wait for one engine request")

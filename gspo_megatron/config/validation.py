@@ -133,6 +133,12 @@ def _static_errors(cfg: Config, check_files: bool) -> list[str]:
         f"rollout.engine_ep={r.engine_ep} needs rollout.engine=sglang and must divide rollout.engine_tp={r.engine_tp}",
     )
     non_negative("rollout.num_engines", r.num_engines)
+    non_negative("rollout.engine_max_running_requests", r.engine_max_running_requests)
+    need(
+        r.engine_max_running_requests == 0 or r.engine == "sglang",
+        f"rollout.engine_max_running_requests={r.engine_max_running_requests} is sglang's --max-running-requests: "
+        "it needs rollout.engine=sglang (or 0)",
+    )
     need(0 < r.engine_mem_fraction < 1, f"rollout.engine_mem_fraction must be in (0, 1), got {r.engine_mem_fraction}")
     positive("rollout.engine_timeout_s", r.engine_timeout_s)
     non_negative("rollout.max_engine_restarts", r.max_engine_restarts)

@@ -52,6 +52,10 @@ class ServerArgs:
     max_loaded_loras: int | None = None
     max_loras_per_batch: int = 8
     dp_size: int = 1
+    # sglang's --max-running-requests (arg_groups/fields/schedule.py): the scheduler admits no more requests
+    # at once; None = no limit here (sglang's own default comes from its KV pool, at least 2048 where memory
+    # allows: mem_cache/kv_cache_configurator.py resolve_max_num_reqs); 48 with speculative decoding
+    max_running_requests: int | None = None
     # recorded: the CPU server has no radix cache, so it serves as sglang does with the flag set
     disable_radix_cache: bool = False
     # speculative decoding with the checkpoint's MTP layer (sglang's flags, resolved as sglang resolves them:
@@ -123,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="dummy: random weights (they come by a weight update)",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=None,
+        help="requests the scheduler runs at once (sglang's flag); default: no limit (sglang's comes from its KV "
+        "cache), 48 with --speculative-algorithm (sglang's _handle_eagle_family)",
+    )
     p.add_argument(
         "--enable-return-routed-experts",
         action="store_true",

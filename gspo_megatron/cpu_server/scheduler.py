@@ -12,7 +12,11 @@ running request. Each forward samples one token (sglang's sampler rules, ``gener
 request finishes after the token that ends it (``Req.update_finish_state``: ``to_finish`` first,
 then a stop token, then ``max_new_tokens``). Forwards are per request (batch of one, no padding), and
 ``is_all_greedy`` is decided over the requests of the step's batch, as sglang's
-``SamplingBatchInfo`` does. With ``--speculative-algorithm`` a request decodes to its end inside its
+``SamplingBatchInfo`` does. With ``--max-running-requests`` N, at most N requests run: a prefill takes the
+waiting requests in arrival order while fewer than N run, and with none of them admitted the step decodes
+(``managers/scheduler.py`` ``get_num_allocatable_reqs``: ``pp_max_micro_batch_size - running_bs`` new requests,
+the request pool sized from N by ``mem_cache/kv_cache_configurator.py`` ``resolve_max_num_reqs``: ``max(1, N)``).
+With ``--speculative-algorithm`` a request decodes to its end inside its
 prefill step (``speculative.py``; such a request cannot be paused mid-way: a documented gap).
 
 Weight versions (``srt/utils/weight_versions.py``): a version change records, on every live request
@@ -94,7 +98,8 @@ class StepScheduler:
     one request on the current model (the worker binds the model, LoRA and recorders): the logits of
     its last ``keep`` positions."""
 
-    def __init__(self, version: str = "default"):
+    def __init__(self, version: str = "default", max_running: int | None = None):
+        self.max_running = None if max_running is None else max(1, int(max_running))  # None: no limit
         self.waiting: list[LiveReq] = []
         self.running: list[LiveReq] = []
         self.paused = False  # sglang Scheduler._engine_paused (in_place / retract only)
@@ -181,8 +186,9 @@ class StepScheduler:
         if self.paused:
             return []
         done: list[LiveReq] = []
-        if self.waiting:
-            batch, self.waiting = self.waiting, []
+        room = len(self.waiting) if self.max_running is None else self.max_running - len(self.running)
+        if self.waiting and room > 0:
+            batch, self.waiting = self.waiting[:room], self.waiting[room:]
             greedy = all(r.req.top_k <= 1 for r in batch)
             # sglang's ScheduleBatch.is_prefill_only: every request max_new_tokens 0, no speculation
             prefill_only = speculative is None and all(r.req.max_new_tokens == 0 for r in batch)

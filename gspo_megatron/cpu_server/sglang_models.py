@@ -57,6 +57,7 @@ from typing import Any, Iterable
 
 import torch
 
+from gspo_megatron.models.hf_config import architecture_of
 from gspo_megatron.models.registry import families
 from gspo_megatron.runtime.scoped_attrs import module_attrs
 
@@ -197,7 +198,7 @@ def server_args(
     from sglang.srt.server_args import ServerArgs
 
     extra: dict[str, Any] = {}
-    if _architecture(model_path) in LINEAR_ATTENTION_HYBRIDS:
+    if architecture_of(model_path) in LINEAR_ATTENTION_HYBRIDS:
         # sglang's "auto" picks the extra_buffer Mamba-state cache, which only GPU platforms support
         # (arg_groups/mamba_hook.py validate_mamba_extra_buffer); no_buffer needs no overlap schedule
         extra.update(mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True)
@@ -227,16 +228,6 @@ KEPT_FROM_START: dict[str, tuple[str, ...]] = {
 LINEAR_ATTENTION_HYBRIDS: tuple[str, ...] = tuple(
     arch for f in families() if f.sglang_mamba_cache for arch in f.architectures
 )
-
-
-def _architecture(model_path: str) -> str | None:
-    import json
-
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            return (json.load(f).get("architectures") or [None])[0]
-    except (OSError, ValueError):
-        return None
 
 
 _PARALLEL: tuple | None = None  # (tp_size, ep_size) of the groups built in this process

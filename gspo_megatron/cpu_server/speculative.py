@@ -8,7 +8,11 @@ speculative algorithm name: ...")`` (``srt/speculative/spec_info.py`` ``Speculat
 without ``--speculative-num-steps`` the three are auto-chosen (3, 1, 4) (``_auto_choose_speculative_params``,
 after sglang's bare ``assert`` that ``--speculative-eagle-topk`` and ``--speculative-num-draft-tokens`` are
 unset too); with top-k 1, ``num_draft_tokens`` becomes ``steps + 1`` (``_handle_eagle_family``); the draft path
-defaults to ``--model-path`` (``_handle_eagle_family``, the DeepSeek-V3 / GLM-4.5 MTP architectures). Stand-in
+defaults to ``--model-path`` for the architectures ``_handle_eagle_family`` lists (DeepSeek-V3 / V3.2, GLM-4.5,
+GLM-5: :func:`draft_path_defaulted`) and stays unset for the others (Qwen3-Next, Qwen3.5: sglang's draft worker
+then reads ``--model-path``, ``ModelConfig.from_server_args``: ``model_path or cfg.model_path``);
+``--max-running-requests`` unset becomes 48 (``_handle_eagle_family``: "Max running requests is reset to 48 for
+speculative decoding"; the scheduler admits no more, ``scheduler.StepScheduler``). Stand-in
 limits, refused in one line: another algorithm (EAGLE3, STANDALONE, NGRAM, DFLASH...), ``--speculative-eagle-topk
 > 1`` (trees), ``--speculative-num-steps < 1``.
 
@@ -71,6 +75,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gspo_megatron.cpu_server.request_checks import literal_refusal
+from gspo_megatron.models.hf_config import architecture_of
 
 ALGORITHM = "EAGLE"
 ALIASES = ("NEXTN", "EAGLE")  # -> EAGLE (_resolve_speculative_algorithm_alias)
@@ -79,6 +84,7 @@ BUILTIN = ("DFLASH", "UNO", "DSPARK", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "STAND
 AUTO_PARAMS = (3, 1, 4)  # _auto_choose_speculative_params for the MTP architectures
 SELECTORS = ("target", "draft", "all")
 THRESHOLD = 1.0  # --speculative-accept-threshold-single / -acc defaults (arg_groups/fields/spec.py)
+MAX_RUNNING = 48  # _handle_eagle_family's --max-running-requests when it is not given
 
 
 # -- flags -------------------------------------------------------------------------------------------
@@ -108,8 +114,10 @@ def resolve_args(ns, error: Callable[[str], Any]) -> None:
             "the draft) only"
         )
     ns.speculative_algorithm = ALGORITHM
-    if ns.speculative_draft_model_path is None:
+    if ns.speculative_draft_model_path is None and architecture_of(ns.model_path) in draft_path_defaulted():
         ns.speculative_draft_model_path = ns.model_path
+    if ns.max_running_requests is None:
+        ns.max_running_requests = MAX_RUNNING
     if ns.speculative_num_steps is None:
         if ns.speculative_eagle_topk is not None or ns.speculative_num_draft_tokens is not None:
             error(
@@ -127,6 +135,15 @@ def resolve_args(ns, error: Callable[[str], Any]) -> None:
         )
     # sglang: "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1"
     ns.speculative_num_draft_tokens = ns.speculative_num_steps + 1
+
+
+def draft_path_defaulted() -> tuple[str, ...]:
+    """The architectures whose ``--speculative-draft-model-path`` sglang defaults to ``--model-path``
+    (``_handle_eagle_family``'s list, as far as a registered family serves them: each family's
+    ``sglang_draft_path_defaulted``)."""
+    from gspo_megatron.models.registry import families
+
+    return tuple(arch for f in families() if f.sglang_draft_path_defaulted for arch in f.architectures)
 
 
 def parse_selector(selector: Any, use_sglang: bool = True) -> set[str]:

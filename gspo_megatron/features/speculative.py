@@ -33,7 +33,9 @@ kept (the draft's capture is switched off: ``model_executor/model_runner.py``
 target, the draft runs unadapted); ``--enable-deterministic-inference`` is refused only with rejection
 sampling off CUDA (not set here); DP attention is refused for STANDALONE only and page size > 1 only with
 top-k > 1 (the trainer sets neither). sglang does reset ``max_running_requests`` to 48 when unset
-(``_handle_eagle_family``): :meth:`Speculative.notes` says so.
+(``_handle_eagle_family``), which would run a rollout of hundreds of sequences in waves of 48: with
+``rollout.engine_max_running_requests`` 0 (auto) the trainer sets it to the requests a rollout sends at once
+(``fleet/engine_args.py`` ``max_running_requests``), and :meth:`Speculative.notes` says which value.
 
 Refused here (one line each, :meth:`Speculative.config_errors` / :meth:`Speculative.model_errors`):
 speculative without ``rollout.engine=sglang``; ``rollout.speculative_steps < 1``; ``gspo.mtp_loss_coef > 0``
@@ -55,11 +57,13 @@ samples), and ``spec/draft_accept_rate`` (the trainer's own).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gspo_megatron.features.base import EngineFlag, Feature, PlanContext
 
 ALGORITHM = "EAGLE"  # what sglang resolves NEXTN to (module docstring)
+SGLANG_MAX_RUNNING = 48  # _handle_eagle_family's --max-running-requests when none is given
 _SPEC = "rollout.speculative"
 
 
@@ -77,6 +81,29 @@ def speculative_server_args(steps: int) -> dict[str, Any]:
         "speculative_eagle_topk": 1,
         "speculative_num_draft_tokens": draft_tokens(steps),
     }
+
+
+def rollout_requests(cfg) -> int:
+    """The generate requests a rollout sends at once, over all engines: a step's prompts (over-sampled:
+    ``ceil(rollout.over_sample * prompts_per_step)`` with ``dynamic_sampling``, ``orchestration/batch.py``;
+    with ``rollout.inflight_updates``, the in-flight groups, ``orchestration/inflight.py``) x ``group_size``."""
+    r = cfg.rollout
+    prompts = math.ceil(r.over_sample * r.prompts_per_step) if r.dynamic_sampling else r.prompts_per_step
+    if r.inflight_updates != "off":
+        prompts = max(prompts, r.inflight_groups or 2 * r.prompts_per_step)
+    return int(prompts) * int(r.group_size)
+
+
+def max_running_requests(cfg) -> int | None:
+    """``--max-running-requests`` of the engines (``fleet/engine_args.py``): ``rollout.engine_max_running_requests``
+    when set; 0 (auto) with ``rollout.speculative``: :func:`rollout_requests`, not below sglang's own 48;
+    otherwise None (not set: sglang's limit from its KV cache)."""
+    r = cfg.rollout
+    if r.engine_max_running_requests > 0:
+        return int(r.engine_max_running_requests)
+    if r.speculative:
+        return max(rollout_requests(cfg), SGLANG_MAX_RUNNING)
+    return None
 
 
 def _colocated(mode: str) -> bool:
@@ -170,10 +197,16 @@ class Speculative(Feature):
     def notes(self, ctx: PlanContext) -> list[str]:
         if not ctx.cfg.rollout.speculative:
             return []
+        r = ctx.cfg.rollout
+        how = (
+            "rollout.engine_max_running_requests"
+            if r.engine_max_running_requests
+            else f"auto: the requests a rollout sends at once; sglang 0.5.23 would cap it at {SGLANG_MAX_RUNNING}"
+        )
         return [
-            "speculative decoding: sglang 0.5.23 sets max_running_requests to 48 when it is not given "
-            "(arg_groups/speculative_hook.py _handle_eagle_family); the draft's MTP layer (one decoder layer) and "
-            "its KV cache come out of the engines' memory budget (not counted here)"
+            f"speculative decoding: each engine runs at most {max_running_requests(ctx.cfg)} requests at once ({how}); "
+            "the draft's MTP layer (one decoder layer) and its KV cache come out of the engines' memory budget "
+            "(not counted here)"
         ]
 
 

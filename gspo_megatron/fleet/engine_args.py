@@ -8,6 +8,12 @@ engines already running (``rollout.engine_urls``) against them.
 
 - ``random_seed``: ``seed``; ``enable_deterministic_inference``: ``rollout.engine_deterministic``;
 - ``ep_size``: ``rollout.engine_ep`` (when > 1);
+- ``max_running_requests``: ``rollout.engine_max_running_requests`` (``features/speculative.py``
+  ``max_running_requests``: when set, or with ``rollout.speculative`` the requests a rollout sends at once,
+  ``rollout_requests``, since sglang
+  0.5.23 otherwise caps a speculative engine at 48: ``arg_groups/speculative_hook.py``
+  ``_handle_eagle_family``; sglang still lowers it to what its KV cache and Mamba-state pool hold,
+  ``mem_cache/kv_cache_configurator.py`` ``resolve_max_num_reqs``);
 - each enabled component's (``features/``, ``Feature.engine_args`` and ``engine_env``):
   ``enable_return_routed_experts`` for ``rollout.routing_replay=r3`` (and on DSA models
   ``enable_return_indexer_topk`` with the environment ``SGLANG_DSA_FUSE_TOPK=0``);
@@ -36,6 +42,7 @@ import sys
 from typing import Any
 
 from gspo_megatron.features import FEATURES, EngineFlag, enabled_features, engine_flags
+from gspo_megatron.features.speculative import max_running_requests
 
 
 def config_server_args(cfg, hf: dict | None, route_spec: Any = None) -> dict[str, Any]:
@@ -50,6 +57,9 @@ def config_server_args(cfg, hf: dict | None, route_spec: Any = None) -> dict[str
         args["enable_deterministic_inference"] = True
     if r.engine_ep > 1:
         args["ep_size"] = int(r.engine_ep)
+    running = max_running_requests(cfg)
+    if running is not None:
+        args["max_running_requests"] = running
     for feature in enabled_features(cfg):
         args.update(feature.engine_args(cfg, hf, route_spec))
     return args
@@ -69,6 +79,8 @@ def config_server_env(args: dict[str, Any]) -> dict[str, str]:
 _CHECKS: dict[str, EngineFlag] = {
     "random_seed": EngineFlag("seed", "unchecked"),
     "ep_size": EngineFlag("rollout.engine_ep"),
+    # a tuning flag: an attached engine with another limit generates the same samples, in other waves
+    "max_running_requests": EngineFlag("rollout.engine_max_running_requests", "unchecked"),
     "enable_deterministic_inference": EngineFlag("rollout.engine_deterministic"),
     **engine_flags(),
 }

@@ -96,6 +96,12 @@ class ModelFamily:
     # declares both itself, ``__init_subclass__``)
     sglang_draft_modules: dict[str, str] = {}
     mtp_trainable: bool = False
+    # sglang 0.5.23 defaults ``--speculative-draft-model-path`` to ``--model-path`` for the family's
+    # architectures (``arg_groups/speculative_hook.py`` ``_handle_eagle_family``'s list: the DeepSeek and GLM
+    # MTP architectures); False: it stays unset and the draft worker reads the model path
+    # (``ModelConfig.from_server_args``). Inherited. The CPU server resolves the flag by it
+    # (``cpu_server/speculative.py``)
+    sglang_draft_path_defaulted: bool = False
     # where the checkpoint keeps its MTP layer (``models/mtp.py``: ``model.layers.{N}.*`` after the decoder, or
     # Qwen3-Next's ``mtp.*`` branch); inherited (a subclass family keeps its parent's checkpoint layout)
     mtp_naming: MTPNaming = AFTER_DECODER

@@ -53,6 +53,15 @@ def load_hf_config(path: str) -> dict:
     return lift_text_config(cfg)
 
 
+def architecture_of(path: str) -> str | None:
+    """``architectures[0]`` of the config.json at ``path`` (an HF directory); None when there is none or it
+    cannot be read (the caller's own load says why)."""
+    try:
+        return (load_hf_config(path).get("architectures") or [None])[0]
+    except (OSError, ValueError):
+        return None
+
+
 #: key of a lifted config (``lift_text_config``): the names lifted from ``text_config`` to the top level
 LIFTED = "_lifted_from_text_config"
 

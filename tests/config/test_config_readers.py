@@ -68,6 +68,7 @@ READERS = {
     "rollout.engine_ep": "engines/engine_model.py",
     "rollout.num_engines": "planner.py",
     "rollout.engine_mem_fraction": "fleet/engine_fleet.py",
+    "rollout.engine_max_running_requests": "features/speculative.py",  # max_running_requests -> fleet/engine_args.py
     "rollout.engine_urls": "fleet/engine_fleet.py",
     "rollout.router_url": "fleet/engine_fleet.py",
     "rollout.engine_launch_timeout_s": "fleet/engine_fleet.py",

@@ -54,6 +54,8 @@ SGLANG = ["rollout.engine=sglang", "rollout.sync_mode=colocated"]
         (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb must be > 0"),
         (["rollout.engine_tp=0"], "rollout.engine_tp must be > 0"),
         (["rollout.num_engines=-1"], "rollout.num_engines must be >= 0"),
+        (["rollout.engine_max_running_requests=-1"], "rollout.engine_max_running_requests must be >= 0"),
+        (["rollout.engine_max_running_requests=64"], "rollout.engine_max_running_requests=64 is sglang's"),
         (["rollout.engine_mem_fraction=1.0"], "rollout.engine_mem_fraction must be in (0, 1)"),
         (["rollout.engine_timeout_s=0"], "rollout.engine_timeout_s must be > 0"),
         (["rollout.max_engine_restarts=-1"], "rollout.max_engine_restarts must be >= 0"),

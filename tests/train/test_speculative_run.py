@@ -85,6 +85,7 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, family
             f"rollout.speculative_steps={SPEC_STEPS}",
             "rollout.max_new_tokens=8",
             "gspo.mtp_loss_coef=1.0",
+            "rollout.engine_max_running_requests=8",  # 16 sequences a step: the engine runs them in two waves
             f"train.steps={STEPS}",
             f"model.hf_path={hf_dir}",
             "model.init=pretrained",
@@ -103,6 +104,9 @@ def test_speculative_mtp_run_trains_syncs_and_exports_the_draft(tmp_path, family
         assert r["loss/mtp"] > 0, r
         assert r["rollout/logprob_abs_diff"] < 1e-4, r
         assert r["sync/verify_max_abs_diff"] < 1e-4, r
+
+    with open(os.path.join(out, "engine_logs", "engine0_node0.log")) as f:
+        assert "'max_running_requests': 8," in f.read()  # the flag reached the engine (its start-up line)
 
     export = os.path.join(out, "hf_final")
     source, exported = _tensors(hf_dir), _tensors(export)

@@ -53,6 +53,7 @@ class DeepseekV3(ModelFamily):
     sglang_modules = {"DeepseekV3ForCausalLM": "deepseek_v2"}
     sglang_draft_modules = {"DeepseekV3ForCausalLMNextN": "deepseek_nextn"}
     mtp_trainable = True
+    sglang_draft_path_defaulted = True  # in _handle_eagle_family's list (subclass families too)
     sglang_ties_lm_head = True  # sglang's deepseek_v2.py: lm_head = embed_tokens when tied (engine pp 1)
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
     fp8_modules = (

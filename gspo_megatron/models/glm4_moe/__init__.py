@@ -21,6 +21,7 @@ class Glm4Moe(GQAFamily):
     sglang_modules = {"Glm4MoeForCausalLM": "glm4_moe"}
     sglang_draft_modules = {"Glm4MoeForCausalLMNextN": "glm4_moe_nextn"}
     mtp_trainable = True
+    sglang_draft_path_defaulted = True  # in _handle_eagle_family's list (subclass families too)
     expert_naming = ExpertNaming("mlp", "gate_proj", "up_proj", "down_proj")
     shared_expert_block = "mlp.shared_experts"
     attention_bias_on_o_proj = False
