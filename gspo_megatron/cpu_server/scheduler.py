@@ -12,12 +12,13 @@ running request. Each forward samples one token (sglang's sampler rules, ``gener
 request finishes after the token that ends it (``Req.update_finish_state``: ``to_finish`` first,
 then a stop token, then ``max_new_tokens``). Forwards are per request (batch of one, no padding), and
 ``is_all_greedy`` is decided over the requests of the step's batch, as sglang's
-``SamplingBatchInfo`` does. With ``--max-running-requests`` N, at most N requests run: a prefill takes the
-waiting requests in arrival order while fewer than N run, and with none of them admitted the step decodes
-(``managers/scheduler.py`` ``get_num_allocatable_reqs``: ``pp_max_micro_batch_size - running_bs`` new requests,
-the request pool sized from N by ``mem_cache/kv_cache_configurator.py`` ``resolve_max_num_reqs``: ``max(1, N)``).
-With ``--speculative-algorithm`` a request decodes to its end inside its
-prefill step (``speculative.py``; such a request cannot be paused mid-way: a documented gap).
+``SamplingBatchInfo`` does. With ``--speculative-algorithm`` a request's prefill samples its first
+token and each decode step is one draft-verify-accept cycle of it (``speculative.py``), so speculative
+requests pause, update and retract between cycles like the others. With ``--max-running-requests`` N,
+at most N requests run: a prefill takes the waiting requests in arrival order while fewer than N run,
+and with none of them admitted the step decodes (``managers/scheduler.py`` ``get_num_allocatable_reqs``:
+``pp_max_micro_batch_size - running_bs`` new requests, the request pool sized from N by
+``mem_cache/kv_cache_configurator.py`` ``resolve_max_num_reqs``: ``max(1, N)``).
 
 Weight versions (``srt/utils/weight_versions.py``): a version change records, on every live request
 with output tokens, ``(old_version, len(output_ids))``; at finish the spans are
@@ -90,7 +91,9 @@ class LiveReq:
     retractions: int = 0
     to_finish: dict | None = None
     finish: dict | None = None
-    spec: dict | None = None
+    spec: dict | None = None  # speculative counts (SpecCounts.as_dict)
+    spec_state: Any = None  # speculative.SpecState while running speculatively (its KV cache); None: none
+    spec_base: int = 0  # output tokens before the speculative (re)prefill
 
 
 class StepScheduler:
@@ -163,6 +166,8 @@ class StepScheduler:
         self.running = []
         for r in retract:  # release_req + Req.reset_for_retract: KV freed, routes dropped, counted
             r.cache = None
+            if r.spec_state is not None:  # its KV cache with it (the counts stay the request's)
+                r.spec_state.cache = r.spec_state.hidden = None
             r.routes, r.index = [], []
             r.retractions += 1
             self.waiting.append(r)  # _add_request_to_queue
@@ -181,8 +186,10 @@ class StepScheduler:
         self.version = str(new)
 
     # -- one iteration ---------------------------------------------------------------------------
-    def step(self, forward: Callable, speculative: Callable | None = None) -> list[dict]:
-        """One scheduler iteration; returns the requests that finished in it."""
+    def step(self, forward: Callable, speculative: Any = None) -> list[dict]:
+        """One scheduler iteration; returns the requests that finished in it. ``speculative``: with
+        ``--speculative-algorithm``, what runs a request's prefill (``speculative_start(r, greedy)``) and one
+        decode cycle (``speculative_cycle(r, greedy)``: draft, verify, accept; ``stepping.SchedulingOps``)."""
         if self.paused:
             return []
         done: list[LiveReq] = []
@@ -201,7 +208,7 @@ class StepScheduler:
                     if self._wants_input(r):  # the prompt's log-probs by the target, then the decoder
                         self._prefill(r, forward)
                         r.cache, r.routes, r.index = None, [], []
-                    speculative(r, greedy)
+                    speculative.speculative_start(r, greedy)
                 else:
                     self._append(r, self._prefill(r, forward), greedy)
                 (done if r.finish is not None else self.running).append(r)
@@ -209,8 +216,11 @@ class StepScheduler:
         greedy = all(r.req.top_k <= 1 for r in self.running)
         still: list[LiveReq] = []
         for r in self.running:
-            n = len(r.req.input_ids) + len(r.output_ids)
-            self._append(r, forward(r, [r.output_ids[-1]], n - 1)[-1], greedy)
+            if r.spec_state is not None:
+                speculative.speculative_cycle(r, greedy)
+            else:
+                n = len(r.req.input_ids) + len(r.output_ids)
+                self._append(r, forward(r, [r.output_ids[-1]], n - 1)[-1], greedy)
             (done if r.finish is not None else still).append(r)
         self.running = still
         return [self._result(r) for r in done]
@@ -272,7 +282,7 @@ class StepScheduler:
             r.finish = {"type": "length", "length": q.max_new_tokens}
 
     def _result(self, r: LiveReq) -> dict:
-        r.cache = None
+        r.cache, r.spec_state = None, None
         out: dict = {
             "rid": r.rid,
             "output_ids": list(r.output_ids),

@@ -28,9 +28,11 @@ the runners its ``selector`` names (:func:`parse_selector`; ``managers/io_struct
 the MTP layer, the draft everything else: ``srt/models/glm4_moe.py`` ``load_weights(is_nextn=...)``).
 
 Generation (:class:`SpeculativeDecoder`, one request at a time on rank 0, full recompute of the draft, the
-target with a KV cache): the target's prefill samples the first token (as without speculation) and gives the
-final hidden states h_j (after the final norm: what sglang's ``LogitsProcessor`` hands the draft). Then per
-cycle, with L committed tokens t_0..t_{L-1} and h_0..h_{L-2}:
+target with a KV cache; :meth:`~SpeculativeDecoder.start` in the request's prefill iteration, one
+:meth:`~SpeculativeDecoder.cycle` per later scheduler iteration, so that pauses, updates and retracts land
+between cycles as between sglang's decode steps): the target's prefill samples the first token (as without
+speculation) and gives the final hidden states h_j (after the final norm: what sglang's ``LogitsProcessor``
+hands the draft). Then per cycle, with L committed tokens t_0..t_{L-1} and h_0..h_{L-2}:
 
 1. draft (``engines/mtp_draft.MTPDraft``, the synced MTP layer with the target's current embedding and head):
    inputs (h_j, t_{j+1}) at positions j = 0..L-2 (sglang's draft extend: "The draft runs at absolute target
@@ -69,7 +71,7 @@ afterwards; the histogram of accepted drafts per verify, ``schedule_batch.py``),
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -239,6 +241,48 @@ class SpecCounts:
         h[n] += 1
         self.histogram = h
 
+    def as_dict(self) -> dict:
+        return {"verify_ct": self.verify_ct, "num_correct_drafts": self.num_correct_drafts, "histogram": self.histogram}
+
+
+@dataclass(eq=False)
+class SpecState:
+    """One request between scheduler steps (:meth:`SpeculativeDecoder.start` / :meth:`~SpeculativeDecoder.cycle`):
+    its target KV cache and final hidden states h_j of the committed tokens, the tokens committed since its
+    prefill (``out_ids``, their log-probs) and its counts; ``routes``: the target forwards' route rows kept
+    (None without a recorder)."""
+
+    prompt: list[int]
+    params: Any
+    generator: torch.Generator
+    stop_ids: Any
+    cache: Any
+    recurrent: bool  # a hybrid target's cache (Gated DeltaNet states: restored, not cropped)
+    hidden: torch.Tensor
+    counts: SpecCounts
+    routes: list | None
+    out_ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    stopped: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or len(self.out_ids) >= self.params.max_new_tokens
+
+    def emit(self, tokens: list[int], logps: list[float]) -> None:
+        """Commit ``tokens`` in order until a stop token or ``max_new_tokens`` (as without speculation)."""
+        for t, lp in zip(tokens, logps):
+            self.out_ids.append(t)
+            self.logps.append(lp)
+            self.stopped = t in self.stop_ids
+            if self.done:
+                return
+
+    def route_rows(self) -> torch.Tensor:
+        """The route rows of ``prompt + out_ids`` over sglang's ``[0, seqlen - 1)``."""
+        assert self.routes is not None
+        return torch.cat(self.routes)[: len(self.prompt) + len(self.out_ids) - 1]
+
 
 def spec_meta_info(counts: dict | None, completion_tokens: int, num_draft_tokens: int) -> dict:
     """sglang's ``_calculate_spec_decoding_metrics`` (``managers/tokenizer_manager.py``): nothing unless the
@@ -301,66 +345,80 @@ class SpeculativeDecoder:
         return drafts
 
     @torch.no_grad()
-    def generate(self, prompt: Sequence[int], params: Any, generator: torch.Generator, stop_ids) -> dict:
-        """One request. params: ``engines.base.SamplingParams`` (temperature 0: a greedy batch); stop_ids: the
-        request's stop tokens. Returns ``{"output_ids", "logprobs", "stopped", "spec": {...}, "routes"}``
-        (routes int64 [P + R - 1, layers, topk] or None)."""
+    def start(
+        self, prompt: Sequence[int], params: Any, generator: torch.Generator, stop_ids, counts: SpecCounts | None = None
+    ) -> SpecState:
+        """A request's prefill: the target's forward of ``prompt`` and its first token (as without speculation).
+        params: ``engines.base.SamplingParams`` (temperature 0: a greedy batch); stop_ids: the request's stop
+        tokens; counts: the request's counts so far (a retracted request's), else new."""
         from transformers import DynamicCache
         from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-        from gspo_megatron.engines.hf_engine import HFRolloutEngine, _top_k_top_p_filter
+        from gspo_megatron.engines.hf_engine import HFRolloutEngine
 
-        greedy = params.temperature == 0
-        model = self.engine.model
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=self.engine.model.config)
         prompt = [int(t) for t in prompt]
         hidden, logits, routes = self._forward(prompt, 0, cache)
-        recurrent = any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
-        route_rows = [routes] if routes is not None else None
         tok, lp = HFRolloutEngine._sample(logits[-1:], params, generator)
-        out_ids, logps = [int(tok[0])], [float(lp[0])]
-        counts = SpecCounts()
-        stopped = out_ids[-1] in stop_ids
-        seq = prompt + out_ids
-        while not stopped and len(out_ids) < params.max_new_tokens:
-            drafts = self._propose(hidden, seq)
-            L, last_committed = len(seq), seq[-1]
-            before = copy.deepcopy(cache) if recurrent else None  # step 4: a state that cannot be cropped
-            v_hidden, v_logits, v_routes = self._forward([last_committed] + drafts, L - 1, cache)
-            if greedy:
-                n, last = accept_greedy(v_logits, drafts)
-            else:
-                scaled = v_logits / params.temperature
-                probs = torch.softmax(_top_k_top_p_filter(scaled, params.top_k, params.top_p), dim=-1)
-                coins = torch.rand(len(drafts), generator=generator).tolist()
-                final = float(torch.rand(1, generator=generator))
-                n, last = accept_sampled(probs, drafts, coins, final)
-            counts.add(n)
-            emitted = drafts[:n] + [last]
-            logp = torch.log_softmax(v_logits if greedy else v_logits / params.temperature, dim=-1)
-            for i, t in enumerate(emitted):
-                out_ids.append(int(t))
-                logps.append(float(logp[i, t]))
-                if t in stop_ids:
-                    stopped = True
-                if stopped or len(out_ids) >= params.max_new_tokens:
-                    break
-            hidden = torch.cat([hidden, v_hidden[: n + 1]])
-            if route_rows is not None:
-                route_rows.append(v_routes[: n + 1])
-            seq = prompt + out_ids
-            # keep positions 0..L+n-1 (the committed tokens but the last): drop the s - n rejected rows
-            if before is None:
-                cache.crop(-(len(drafts) - n))
-            elif n < len(drafts):  # the state before the verify, run on the accepted tokens (routes dropped)
-                cache = before
-                self._forward([last_committed] + drafts[:n], L - 1, cache)
-        result = {"output_ids": out_ids, "logprobs": logps, "stopped": stopped}
-        result["spec"] = {
-            "verify_ct": counts.verify_ct,
-            "num_correct_drafts": counts.num_correct_drafts,
-            "histogram": counts.histogram,
-        }
-        if route_rows is not None:  # sglang's [0, seqlen - 1)
-            result["routes"] = torch.cat(route_rows)[: len(prompt) + len(out_ids) - 1]
+        state = SpecState(
+            prompt=prompt,
+            params=params,
+            generator=generator,
+            stop_ids=stop_ids,
+            cache=cache,
+            recurrent=any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers),
+            hidden=hidden,
+            counts=counts if counts is not None else SpecCounts(),
+            routes=[routes] if routes is not None else None,
+        )
+        state.emit([int(tok[0])], [float(lp[0])])
+        return state
+
+    @torch.no_grad()
+    def cycle(self, state: SpecState) -> None:
+        """One draft-verify-accept cycle of an unfinished request (module docstring, steps 1-4), with
+        ``state.params`` (the batch's greedy decision may change between cycles, as sglang's
+        ``is_all_greedy``). The tokens it commits are appended to ``state``."""
+        from gspo_megatron.engines.hf_engine import _top_k_top_p_filter
+
+        params, generator = state.params, state.generator
+        greedy = params.temperature == 0
+        seq = state.prompt + state.out_ids
+        drafts = self._propose(state.hidden, seq)
+        L, last_committed = len(seq), seq[-1]
+        before = copy.deepcopy(state.cache) if state.recurrent else None  # step 4: a state that cannot be cropped
+        v_hidden, v_logits, v_routes = self._forward([last_committed] + drafts, L - 1, state.cache)
+        if greedy:
+            n, last = accept_greedy(v_logits, drafts)
+        else:
+            scaled = v_logits / params.temperature
+            probs = torch.softmax(_top_k_top_p_filter(scaled, params.top_k, params.top_p), dim=-1)
+            coins = torch.rand(len(drafts), generator=generator).tolist()
+            final = float(torch.rand(1, generator=generator))
+            n, last = accept_sampled(probs, drafts, coins, final)
+        state.counts.add(n)
+        emitted = drafts[:n] + [last]
+        logp = torch.log_softmax(v_logits if greedy else v_logits / params.temperature, dim=-1)
+        state.emit([int(t) for t in emitted], [float(logp[i, t]) for i, t in enumerate(emitted)])
+        state.hidden = torch.cat([state.hidden, v_hidden[: n + 1]])
+        if state.routes is not None:
+            state.routes.append(v_routes[: n + 1])
+        # keep positions 0..L+n-1 (the committed tokens but the last): drop the s - n rejected rows
+        if before is None:
+            state.cache.crop(-(len(drafts) - n))
+        elif n < len(drafts):  # the state before the verify, run on the accepted tokens (routes dropped)
+            state.cache = before
+            self._forward([last_committed] + drafts[:n], L - 1, state.cache)
+
+    def generate(self, prompt: Sequence[int], params: Any, generator: torch.Generator, stop_ids) -> dict:
+        """One request from its prefill to its end (:meth:`start`, then :meth:`cycle` until it stops or
+        reaches ``max_new_tokens``). Returns ``{"output_ids", "logprobs", "stopped", "spec": {...}, "routes"}``
+        (routes int64 [P + R - 1, layers, topk] or None)."""
+        state = self.start(prompt, params, generator, stop_ids)
+        while not state.done:
+            self.cycle(state)
+        result: dict = {"output_ids": state.out_ids, "logprobs": state.logps, "stopped": state.stopped}
+        result["spec"] = state.counts.as_dict()
+        if state.routes is not None:
+            result["routes"] = state.route_rows()
         return result

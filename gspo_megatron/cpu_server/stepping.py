@@ -40,6 +40,11 @@ FLUSH_REFUSED_AFTER_UPDATE = (
 )
 
 
+def _holds_kv(r: LiveReq) -> bool:
+    """Whether ``r`` holds a KV cache: its own, or its speculative state's."""
+    return r.cache is not None or (r.spec_state is not None and r.spec_state.cache is not None)
+
+
 class SchedulingOps:
     """Generation commands of a TP rank (mixed into ``TPWorker``; uses its sampler, loras, dirty)."""
 
@@ -116,7 +121,7 @@ class SchedulingOps:
             return {"success": True}
         if self.sampler is None:
             raise RuntimeError("TP rank 0 has no assembled model")
-        spec = self._speculative_one if self.sampler.speculative is not None else None
+        spec = self if self.sampler.speculative is not None else None
         try:
             with torch.no_grad():
                 finished = self.sched.step(self._forward_one, spec)
@@ -146,7 +151,7 @@ class SchedulingOps:
         rows = [("running", r) for r in self.sched.running] + [("waiting", r) for r in self.sched.waiting]
         return self._state(
             requests=[
-                {"state": st, "output_len": len(r.output_ids), "retractions": r.retractions, "kv": r.cache is not None}
+                {"state": st, "output_len": len(r.output_ids), "retractions": r.retractions, "kv": _holds_kv(r)}
                 for st, r in rows
             ]
         )
@@ -210,27 +215,52 @@ class SchedulingOps:
             r.index.append(sampler.indexer_recorder.take(torch.zeros(1, dtype=torch.long), pos)[0])
         return out.logits[0, -keep:]
 
-    def _speculative_one(self, r: LiveReq, greedy: bool) -> None:
-        """A whole request through the speculative decoder (``speculative.py``), inside one step."""
+    def _spec_params(self, r: LiveReq, greedy: bool) -> SamplingParams:
+        """The sampling of ``r``'s speculative cycles: the batch's greedy decision, and the tokens left of
+        ``max_new_tokens`` since its (re)prefill."""
         q = r.req
-        if q.indexer and self.sampler.indexer_recorder is not None:
-            raise ValueError("return_indexer_topk with speculative decoding: not served by the CPU server")
-        params = SamplingParams(
+        return SamplingParams(
             temperature=0.0 if greedy else q.temperature,
             top_p=q.top_p,
             top_k=-1 if q.top_k >= 1 << 30 else q.top_k,
-            max_new_tokens=q.max_new_tokens,
+            max_new_tokens=q.max_new_tokens - r.spec_base,
             stop_token_ids=sorted(q.stop_ids),
         )
+
+    def speculative_start(self, r: LiveReq, greedy: bool) -> None:
+        """A request's prefill through the speculative decoder (``speculative.py``): the target's forward of
+        ``prompt + output_ids`` (a retracted request's prefix again) and one token."""
+        q = r.req
+        if q.indexer and self.sampler.indexer_recorder is not None:
+            raise ValueError("return_indexer_topk with speculative decoding: not served by the CPU server")
+        r.spec_base = len(r.output_ids)
+        counts = r.spec_state.counts if r.spec_state is not None else None
         with self.loras.applied(r.lora, self.sampler.engine.model):
-            s = self.sampler.speculative.generate(list(q.input_ids) + r.output_ids, params, r.generator, q.stop_ids)
-        r.output_ids = r.output_ids + list(s["output_ids"])
-        r.logprobs = r.logprobs + list(s["logprobs"])
-        r.spec = s["spec"]
-        if s.get("routes") is not None:
-            r.routes = [torch.as_tensor(s["routes"])]
-        r.finish = (
-            {"type": "stop", "matched": r.output_ids[-1]}
-            if s["stopped"]
-            else {"type": "length", "length": q.max_new_tokens}
-        )
+            r.spec_state = self.sampler.speculative.start(
+                list(q.input_ids) + r.output_ids, self._spec_params(r, greedy), r.generator, q.stop_ids, counts
+            )
+        self._spec_commit(r)
+
+    def speculative_cycle(self, r: LiveReq, greedy: bool) -> None:
+        """One draft-verify-accept cycle of a running request (one decode step of sglang's EAGLE worker)."""
+        state = r.spec_state
+        state.params = self._spec_params(r, greedy)
+        with self.loras.applied(r.lora, self.sampler.engine.model):
+            self.sampler.speculative.cycle(state)
+        self._spec_commit(r)
+
+    def _spec_commit(self, r: LiveReq) -> None:
+        """The request's tokens, log-probs, counts and routes as its speculative state holds them now, and its
+        finish when the state is done (``Req.update_finish_state``: ``to_finish`` first)."""
+        state = r.spec_state
+        r.output_ids = r.output_ids[: r.spec_base] + state.out_ids
+        r.logprobs = r.logprobs[: r.spec_base] + state.logps
+        r.spec = state.counts.as_dict()
+        if state.routes is not None:
+            r.routes = [state.route_rows()]
+        if r.to_finish is not None:
+            r.finish, r.to_finish = r.to_finish, None
+        elif state.stopped:
+            r.finish = {"type": "stop", "matched": r.output_ids[-1]}
+        elif state.done:
+            r.finish = {"type": "length", "length": r.req.max_new_tokens}

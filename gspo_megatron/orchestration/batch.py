@@ -253,7 +253,7 @@ def collect_rollouts(
         "data/skipped_rows": float(getattr(dataset, "skipped_rows", 0)),
         **{k if k.startswith("reward/") else f"reward/{k}": v for k, v in stats_sum.items()},
     }
-    metrics.update(_custom_metrics(records))
+    metrics.update(custom_metrics(records))
     metrics.update(engine_spec_metrics(records))  # rollout.speculative: the engines' acceptance
     if teachers is not None:
         metrics.update(distill_metrics(records, teachers.take_busy_s()))
@@ -274,7 +274,7 @@ def _await_teachers(teachers, chosen: list[list[Sample]], scoring: dict[int, Any
     return time.perf_counter() - t0
 
 
-def _custom_metrics(records: list[Sample]) -> dict:
+def custom_metrics(records: list[Sample]) -> dict:
     """Custom-hook rollouts: the trained share of response tokens, generate calls per sample, and
     the hook's own metrics averaged over the batch (``custom/<key>``). Each Sample's ``metrics`` are
     cleared (they are not broadcast to the training ranks)."""

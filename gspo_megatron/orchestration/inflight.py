@@ -66,7 +66,8 @@ import torch
 
 from gspo_megatron.distill.teachers import distill_metrics
 from gspo_megatron.engines.partial import generate_group
-from gspo_megatron.orchestration.batch import RolloutBatch, sampling_params, score_group
+from gspo_megatron.engines.sglang_engine import engine_spec_metrics
+from gspo_megatron.orchestration.batch import RolloutBatch, custom_metrics, sampling_params, score_group
 from gspo_megatron.sample import Sample
 from gspo_megatron.trainer.behaviour_policy import WeightHistory
 
@@ -275,6 +276,8 @@ class InflightProducer:
             "rollout/resubmitted_samples": float(sum(f.resubmitted for f in taken)),
             **{k if k.startswith("reward/") else f"reward/{k}": v for k, v in stats.items()},
             **(distill_metrics(records, self.teachers.take_busy_s()) if self.teachers is not None else {}),
+            **custom_metrics(records),  # as a synchronous step's (orchestration/batch.py)
+            **engine_spec_metrics(records),  # rollout.speculative: the engines' acceptance
         }
 
     def hold_for_sync(self, target: int) -> float:

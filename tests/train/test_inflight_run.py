@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from train_utils import CPU_ENGINE_DISAGGREGATED, read_metrics, run_train
+from train_utils import CPU_ENGINE_DISAGGREGATED, read_metrics, run_train, write_demo_tokenized_checkpoint
 
 INFLIGHT = [
     *CPU_ENGINE_DISAGGREGATED,
@@ -52,3 +52,24 @@ def test_inflight_updates_keep_generating_through_syncs(tmp_path, mode, nproc):
     assert (flagged > 0) if mode == "in_place" else (flagged == 0), rows
     resubmitted = sum(r["rollout/resubmitted_samples"] for r in rows)
     assert (resubmitted > 0) if mode == "abort" else (resubmitted == 0), rows
+
+
+def test_inflight_updates_reach_speculative_requests_between_cycles(tmp_path):
+    """Both generation levers at once: a GLM-4.5 checkpoint with its MTP layer, ``rollout.speculative`` (the
+    draft trained and synced with the policy) and in-place in-flight updates. The CPU engine runs one
+    draft-verify cycle per scheduler iteration (as sglang's EAGLE worker runs decode steps), so a sync lands
+    mid-request: samples span two versions, and the trainer's recompute still equals the engine's
+    log-probs token by token."""
+    hf_dir = write_demo_tokenized_checkpoint(str(tmp_path / "glm"), "glm4_moe", seed=0, with_mtp=True)
+    out = str(tmp_path / "run")
+    model = [f"model.hf_path={hf_dir}", "model.init=pretrained", "model.arch=null"]
+    spec = ["rollout.speculative=true", "rollout.speculative_steps=2", "gspo.mtp_loss_coef=1.0"]
+    run_train(out, [*INFLIGHT, *model, *spec, "rollout.inflight_updates=in_place", "train.steps=5"])
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for r in rows:
+        assert r["rollout/staleness_max"] <= 2, r
+        assert r["rollout/logprob_abs_diff"] < 1e-5, r
+        assert 1.0 <= r["spec/engine_accept_length"] <= 3.0, r
+    assert max(r["rollout/version_span_max"] for r in rows) >= 1, rows
+    assert sum(r["rollout/engine_behaviour_tokens"] for r in rows) > 0, rows
