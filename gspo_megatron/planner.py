@@ -48,6 +48,7 @@ from gspo_megatron.features.sync_modes import sync_mode
 from gspo_megatron.fleet.engine_startup_checks import startup_refusals
 from gspo_megatron.losses.chunking import DEFAULT_CHUNK_BYTES
 from gspo_megatron.models.arch import model_hf_config
+from gspo_megatron.models.carried import mtp_layers
 from gspo_megatron.models.dims import ModelDims as _ModelDims
 
 GIB = 1 << 30
@@ -271,6 +272,19 @@ def lora_layer_params(d: _ModelDims, layer: int, rank: int) -> tuple[int, int]:
     return r * (attn + mlp(d.ffn_hidden)), 0
 
 
+def mtp_like_layer(d: _ModelDims) -> int:
+    """The decoder layer an MTP layer has the shape of: the last one, or in a hybrid model (Qwen3-Next /
+    Qwen3.5) the last full-attention one (its MTP layer's attention is full)."""
+    return max((i for i in range(d.num_layers) if i not in d.linear_layers), default=d.num_layers - 1)
+
+
+def mtp_layer_params(d: _ModelDims) -> float:
+    """Parameters of one MTP layer, whole model: its decoder layer (every routed expert), ``eh_proj`` [H, 2H]
+    and the ``enorm`` / ``hnorm`` / final norms (the embedding and head are shared with the model)."""
+    lp = layer_params(d, mtp_like_layer(d))
+    return float(lp.tp_sharded + lp.replicated + lp.expert + 2 * d.hidden * d.hidden + 3 * d.hidden)
+
+
 def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     cfg: Config = plan_args["cfg"]
     d: _ModelDims = plan_args["dims"]
@@ -282,8 +296,7 @@ def _stage_memory(plan_args: dict, stage: int) -> StageMemory:
     # model.mtp: megatron builds each MTP layer on the last stage from the last decoder layer's spec, with full
     # attention in a hybrid model (Qwen3-Next / Qwen3.5: the last full-attention layer's shape)
     mtp = plan_args.get("mtp_layers", 0) if stage == p.pp - 1 else 0
-    like = max((i for i in range(d.num_layers) if i not in d.linear_layers), default=d.num_layers - 1)
-    held = list(range(first, last)) + [like] * mtp  # the layers this stage holds, as dims' layers
+    held = list(range(first, last)) + [mtp_like_layer(d)] * mtp  # the layers this stage holds, as dims' layers
     layers = [layer_params(d, i, te) for i in held]
     dense = sum(lp.tp_sharded for lp in layers) / p.tp + sum(lp.replicated for lp in layers)
     dense += mtp * (2 * d.hidden * d.hidden / p.tp + 3 * d.hidden)  # eh_proj; enorm, hnorm, final norm
@@ -368,6 +381,9 @@ def _plan_context(plan_args: dict, stage_layers: int, engine_gpu: bool = False, 
         engine_gpu=engine_gpu,
         adapter_params=sum(sum(lora_layer_params(d, i, rank)) for i in range(d.num_layers)) if rank > 0 else 0,
         stage=stage,
+        mtp_layers=plan_args.get("checkpoint_mtp_layers", 0),
+        mtp_layer_params=mtp_layer_params(d),
+        kv_bytes_per_layer=plan_args.get("kv_per_layer", 0.0),
     )
 
 
@@ -396,10 +412,24 @@ def _engine_rows(plan_args: dict, s: StageMemory, resident: float, resident_labe
     ]
 
 
+def kv_layer_bytes(d: _ModelDims, engine_tp: int) -> tuple[float, int]:
+    """(bytes one attention layer keeps per token of an engine's KV cache on one GPU, the attention layers).
+    MLA: SGLang caches the latent (kv_lora + rope, bf16) on every TP rank, and on DSA models the indexer's
+    key (fp8 + an fp32 scale per 128; sglang's ``DSATokenToKVPool`` ``index_k_with_scale_buffer``,
+    ``mem_cache/memory_pool.py``; counted on every layer, shared ones too: conservative). Otherwise K and
+    V (bf16) of the KV heads on the GPU (SGLang replicates KV heads when tp > KV heads), in the attention
+    layers only (Gated DeltaNet layers keep a fixed state per sequence instead)."""
+    if d.mla:
+        per = (d.kv_lora_rank + d.qk_rope_head_dim) * 2
+        if d.index_topk:
+            per += d.index_head_dim + 4 * -(-d.index_head_dim // 128)
+        return float(per), d.num_layers
+    kv_heads = max(1, d.num_kv_heads // engine_tp)
+    return float(2 * kv_heads * d.head_dim * 2), d.num_layers - len(d.linear_layers)
+
+
 def _mtp_layers_trained(cfg: Config, hf: dict) -> int:
     """The MTP layers the trained model holds (``model.mtp``: the checkpoint's, ``models/carried.py``)."""
-    from gspo_megatron.models.carried import mtp_layers
-
     return mtp_layers(hf) if cfg.mtp_in_model else 0
 
 
@@ -440,16 +470,11 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_memory_gib: float
         gpus_per_node=gpus_per_node,
         mtp_layers=_mtp_layers_trained(cfg, hf),
     )
-    if dims.mla:  # SGLang caches MLA's latent (kv_lora + rope) per layer, on every TP rank
-        kv_per_token = dims.num_layers * (dims.kv_lora_rank + dims.qk_rope_head_dim) * 2
-        if dims.index_topk:  # DSA: the indexer's key per token and layer, fp8 + an fp32 scale per 128
-            kv_per_token += dims.num_layers * (dims.index_head_dim + 4 * -(-dims.index_head_dim // 128))
-            # (sglang's DSATokenToKVPool index_k_with_scale_buffer, mem_cache/memory_pool.py; counted on
-            # every layer, shared ones too: conservative)
-    else:
-        kv_heads = max(1, dims.num_kv_heads // r.engine_tp)  # SGLang replicates KV heads when tp > kv heads
-        # K and V, bf16, in the attention layers (Gated DeltaNet layers keep a fixed state per sequence instead)
-        kv_per_token = 2 * (dims.num_layers - len(dims.linear_layers)) * kv_heads * dims.head_dim * 2
+    per_layer, attention_layers = kv_layer_bytes(dims, r.engine_tp)
+    args["kv_per_layer"] = per_layer
+    args["checkpoint_mtp_layers"] = mtp_layers(hf)
+    ctx = _plan_context(args, dims.num_layers // p.pp)  # what the components add per token (a draft's layers)
+    kv_per_token = per_layer * attention_layers + sum(f.engine_kv_bytes_per_token(ctx) for f in enabled_features(cfg))
     args["kv_per_token"] = kv_per_token
     stages = [_stage_memory(args, 0)] + ([_stage_memory(args, p.pp - 1)] if p.pp > 1 else [])
     engine_gpu = None

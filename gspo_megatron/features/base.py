@@ -8,7 +8,8 @@ A component owns, for its feature:
   environment) its engines need, with ``flags``: how an attached engine's ``/server_info`` value of each
   is checked (``fleet/engine_args.py`` asks every enabled component);
 - the planner's rows (``train_rows``, ``engine_budget_rows``, ``rollout_rows``, ``host_bytes``,
-  ``notes``), given a :class:`PlanContext`, and ``rollout_advice``: its settings that would fit a
+  ``notes``) and the KV bytes per token it adds to an engine GPU (``engine_kv_bytes_per_token``), given a
+  :class:`PlanContext`, and ``rollout_advice``: its settings that would fit a
   rollout phase over memory (``plan_report``);
 - ``metrics``: the metric names it writes (docs/training.md).
 
@@ -52,7 +53,10 @@ class PlanContext:
     ``colocated``: the engines share the training GPUs; ``engine_gpu``: the GPU planned is an engine's
     own (disaggregated), not a training GPU; ``adapter_params``: the LoRA adapters' parameters of the
     whole model at ``model.lora.rank`` (0 without LoRA); ``stage``: the pipeline stage planned (its
-    GPUs are global ranks ``stage * tp * cp * dp`` onwards: pipeline is the slowest rank dimension)."""
+    GPUs are global ranks ``stage * tp * cp * dp`` onwards: pipeline is the slowest rank dimension);
+    ``mtp_layers``: the checkpoint's MTP layers, ``mtp_layer_params`` the parameters of one (its decoder
+    layer, every routed expert included, ``eh_proj`` and norms; the embedding and head are the target's),
+    ``kv_bytes_per_layer``: what one attention layer keeps per token of an engine's KV cache on one GPU."""
 
     cfg: Any
     dims: Any
@@ -65,6 +69,9 @@ class PlanContext:
     engine_gpu: bool = False
     adapter_params: int = 0
     stage: int = 0
+    mtp_layers: int = 0
+    mtp_layer_params: float = 0.0
+    kv_bytes_per_layer: float = 0.0
 
 
 def floor2(x: float) -> str:
@@ -110,6 +117,10 @@ class Feature:
     def engine_budget_rows(self, ctx: PlanContext) -> list[Row]:
         """Rows inside the engines' ``rollout.engine_mem_fraction`` (before the KV cache takes the rest)."""
         return []
+
+    def engine_kv_bytes_per_token(self, ctx: PlanContext) -> float:
+        """Bytes per token this feature adds to each engine GPU's KV cache (a draft model's own layers)."""
+        return 0.0
 
     def rollout_rows(self, ctx: PlanContext, kv_tokens: float) -> list[Row]:
         """Rollout-phase rows beyond the engines' budget; ``kv_tokens``: the KV cache's capacity in tokens."""

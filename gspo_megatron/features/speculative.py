@@ -60,7 +60,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gspo_megatron.features.base import EngineFlag, Feature, PlanContext
+from gspo_megatron.features.base import EngineFlag, Feature, PlanContext, Row
 
 ALGORITHM = "EAGLE"  # what sglang resolves NEXTN to (module docstring)
 SGLANG_MAX_RUNNING = 48  # _handle_eagle_family's --max-running-requests when none is given
@@ -194,6 +194,28 @@ class Speculative(Feature):
             return {}
         return speculative_server_args(cfg.rollout.speculative_steps)
 
+    def engine_budget_rows(self, ctx: PlanContext) -> list[Row]:
+        """The draft's own weights on each engine GPU: the checkpoint's MTP layers, split over the engine's
+        TP ranks as the target's weights are (its embedding and head are the target's: not counted again)."""
+        if not ctx.cfg.rollout.speculative or not ctx.mtp_layers:
+            return []
+        from gspo_megatron.features.fp8_sync import engine_param_bytes
+
+        r = ctx.cfg.rollout
+        per = engine_param_bytes(ctx.cfg)
+        label = f"speculative draft: {ctx.mtp_layers} MTP layer ({'fp8' if per == 1 else 'bf16'}, / engine_tp {r.engine_tp})"
+        return [(label, ctx.mtp_layers * ctx.mtp_layer_params * per / r.engine_tp)]
+
+    def engine_kv_bytes_per_token(self, ctx: PlanContext) -> float:
+        """The draft's KV cache: sglang's draft runner keeps a pool of its own over as many tokens as the
+        target's (``mem_cache/kv_cache_configurator.py``: "Draft worker reuses target's full/swa sizes"; the
+        requests' ``req_to_token_pool`` is shared, ``speculative/eagle_worker_v2.py``), one attention layer
+        per MTP layer (``model_runner_components/spec_aux_hidden_state.py``: ``draft_kv_num_layers`` =
+        ``num_nextn_predict_layers``), so each token of the target's cache costs this much more."""
+        if not ctx.cfg.rollout.speculative:
+            return 0.0
+        return ctx.mtp_layers * ctx.kv_bytes_per_layer
+
     def notes(self, ctx: PlanContext) -> list[str]:
         if not ctx.cfg.rollout.speculative:
             return []
@@ -205,8 +227,7 @@ class Speculative(Feature):
         )
         return [
             f"speculative decoding: each engine runs at most {max_running_requests(ctx.cfg)} requests at once ({how}); "
-            "the draft's MTP layer (one decoder layer) and its KV cache come out of the engines' memory budget "
-            "(not counted here)"
+            "the draft's MTP layer and its KV cache (one attention layer per token) are counted in the engines' budget"
         ]
 
 

@@ -331,3 +331,40 @@ def test_the_mtp_layer_is_counted_on_the_last_stage(tmp_path, family, pp, extra)
     copy = vocab * hidden if pp > 1 else 0
     assert mtp.stages[-1].params - plain.stages[-1].params == own + copy
     assert rows(mtp.stages[-1])["activations"] > rows(plain.stages[-1])["activations"]
+
+
+@pytest.mark.parametrize("family, extra", [("glm4_moe", {}), ("qwen3_next", {})])
+def test_the_speculative_draft_is_counted_in_the_engines_budget(tmp_path, family, extra):
+    """``rollout.speculative``: each engine GPU holds the draft's own weights (the checkpoint's MTP tensors
+    less the embedding / head copies it shares with the target, over the engine's TP ranks), and sglang's
+    draft KV pool spans as many tokens as the target's with one attention layer per MTP layer: the KV
+    cache gets that much less, and each of its tokens costs one attention layer more."""
+    from gspo_megatron.cpu_server.weights import iter_checkpoint
+    from gspo_megatron.models.carried import mtp_names
+    from gspo_megatron.models.tiny import save_tiny_hf_model
+
+    model = save_tiny_hf_model(family, str(tmp_path), seed=0, with_mtp=True, **extra)
+    tensors = dict(iter_checkpoint(str(tmp_path)))
+    own = sum(
+        tensors[k].numel()
+        for k in mtp_names(model.config.to_dict(), tensors)
+        if not k.endswith(("embed_tokens.weight", "shared_head.head.weight", "e_score_correction_bias"))
+    )
+    engine_tp = 2
+    base = [
+        f"model.hf_path={tmp_path}",
+        "model.arch=null",
+        "model.max_seq_len=64",
+        "rollout.engine=sglang",
+        "rollout.sync_mode=colocated",
+        f"rollout.engine_tp={engine_tp}",
+    ]
+    plain, spec = tiny_plan(*base, "model.mtp=true"), tiny_plan(*base, "rollout.speculative=true", "model.mtp=true")
+    draft = rows(spec.stages[0], "rollout_items")["speculative draft: 1 MTP layer"]
+    assert draft == own * 2 / engine_tp
+    assert "speculative draft: 1 MTP layer" not in rows(plain.stages[0], "rollout_items")
+    attention = model.config.num_hidden_layers - sum(
+        t == "linear_attention" for t in getattr(model.config, "layer_types", None) or []
+    )
+    assert spec.kv_per_token == plain.kv_per_token * (attention + 1) / attention
+    assert spec.stages[0].kv_cache == plain.stages[0].kv_cache - draft
