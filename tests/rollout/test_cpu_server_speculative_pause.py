@@ -58,13 +58,17 @@ def _perturbed(state, seed):
     return {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in state.items()}
 
 
-def _paused_at(url) -> int:
+def _paused(url, mode: str):
+    """A long request paused in ``mode`` after a few tokens: (its call, its request row, its tokens k)."""
+    call = _long_request(url)
+    wait_tokens(url, 4)
+    assert http(url, "/pause_generation", {"mode": mode})[0] == 200
     (req,) = live(url)["requests"]
     k = req["output_len"]
     time.sleep(0.3)
     assert live(url)["requests"][0]["output_len"] == k  # paused between cycles: no token
     assert 0 < k < N - STEPS - 1, k  # mid-request, not at its end
-    return k
+    return call, req, k
 
 
 def _finished(call) -> tuple[dict, list[int]]:
@@ -80,11 +84,8 @@ def _finished(call) -> tuple[dict, list[int]]:
 def test_in_place_pause_lands_between_cycles_and_new_weights_verify_over_the_old_cache(spec):
     d, old, mtp, srv = spec
     url = srv.url
-    call = _long_request(url)
-    wait_tokens(url, 4)
-    assert http(url, "/pause_generation", {"mode": "in_place"})[0] == 200
-    assert live(url)["requests"][0]["kv"]  # in place: the speculative request keeps its KV cache
-    k = _paused_at(url)
+    call, req, k = _paused(url, "in_place")
+    assert req["state"] == "running" and req["kv"]  # in place: the speculative request keeps its KV cache
     new = _perturbed(old, 1)
     status, body = update(url, {**new, **mtp}, "v1", flush_cache=False)
     assert status == 200 and body["success"], body
@@ -107,12 +108,8 @@ def test_in_place_pause_lands_between_cycles_and_new_weights_verify_over_the_old
 def test_retract_prefills_the_prefix_again_under_new_weights(spec):
     d, old, mtp, srv = spec
     url = srv.url
-    call = _long_request(url)
-    wait_tokens(url, 4)
-    assert http(url, "/pause_generation", {"mode": "retract"})[0] == 200
-    (req,) = live(url)["requests"]
+    call, req, k = _paused(url, "retract")
     assert req["state"] == "waiting" and not req["kv"] and req["retractions"] == 1
-    k = _paused_at(url)
     new = _perturbed(old, 2)
     status, body = update(url, {**new, **mtp}, "v2")
     assert status == 200 and body["success"], body
