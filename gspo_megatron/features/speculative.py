@@ -18,7 +18,9 @@ Engine flags (:meth:`Speculative.engine_args`), as sglang 0.5.23 resolves them:
   for these architectures (``_auto_choose_speculative_params``).
 - no ``--speculative-draft-model-path``: for the DeepSeek-V3 / GLM-4.5 architectures sglang defaults it to
   ``--model-path`` (``_handle_eagle_family``: "DeepSeek MTP does not require setting
-  speculative_draft_model_path"); the draft is the MTP layer of the checkpoint directory, built with
+  speculative_draft_model_path"); for Qwen3-Next / Qwen3.5 it stays unset and the draft worker reads
+  ``--model-path`` (``ModelConfig.from_server_args``: ``model_path or cfg.model_path``; the family attribute
+  ``sglang_draft_path_defaulted`` says which); the draft is the MTP layer of the checkpoint directory, built with
   ``ModelConfig(is_draft_model=True)`` (``configs/model_config.py``: ``Glm4MoeForCausalLM`` ->
   ``Glm4MoeForCausalLMNextN``, ``DeepseekV3ForCausalLM`` -> ``DeepseekV3ForCausalLMNextN``), sharing the
   target's embedding and head (``speculative/eagle_worker_v2.py`` ``init_lm_head``: ``set_embed_and_head``).
@@ -35,7 +37,9 @@ sampling off CUDA (not set here); DP attention is refused for STANDALONE only an
 top-k > 1 (the trainer sets neither). sglang does reset ``max_running_requests`` to 48 when unset
 (``_handle_eagle_family``), which would run a rollout of hundreds of sequences in waves of 48: with
 ``rollout.engine_max_running_requests`` 0 (auto) the trainer sets it to the requests a rollout sends at once
-(``fleet/engine_args.py`` ``max_running_requests``), and :meth:`Speculative.notes` says which value.
+(:func:`max_running_requests`, passed by ``fleet/engine_args.py``), and :meth:`Speculative.notes` says which
+value. The draft's weights and KV pool are counted in the plan's engine budget (:meth:`Speculative.engine_budget_rows`,
+:meth:`Speculative.engine_kv_bytes_per_token`).
 
 Refused here (one line each, :meth:`Speculative.config_errors` / :meth:`Speculative.model_errors`):
 speculative without ``rollout.engine=sglang``; ``rollout.speculative_steps < 1``; ``gspo.mtp_loss_coef > 0``

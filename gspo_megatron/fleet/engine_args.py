@@ -9,11 +9,10 @@ engines already running (``rollout.engine_urls``) against them.
 - ``random_seed``: ``seed``; ``enable_deterministic_inference``: ``rollout.engine_deterministic``;
 - ``ep_size``: ``rollout.engine_ep`` (when > 1);
 - ``max_running_requests``: ``rollout.engine_max_running_requests`` (``features/speculative.py``
-  ``max_running_requests``: when set, or with ``rollout.speculative`` the requests a rollout sends at once,
-  ``rollout_requests``, since sglang
-  0.5.23 otherwise caps a speculative engine at 48: ``arg_groups/speculative_hook.py``
-  ``_handle_eagle_family``; sglang still lowers it to what its KV cache and Mamba-state pool hold,
-  ``mem_cache/kv_cache_configurator.py`` ``resolve_max_num_reqs``);
+  ``max_running_requests``: when set, or with ``rollout.speculative`` the requests a rollout sends at
+  once, ``rollout_requests``, since sglang 0.5.23 otherwise caps a speculative engine at 48:
+  ``arg_groups/speculative_hook.py`` ``_handle_eagle_family``; sglang still lowers it to what its KV cache
+  and Mamba-state pool hold, ``mem_cache/kv_cache_configurator.py`` ``resolve_max_num_reqs``);
 - each enabled component's (``features/``, ``Feature.engine_args`` and ``engine_env``):
   ``enable_return_routed_experts`` for ``rollout.routing_replay=r3`` (and on DSA models
   ``enable_return_indexer_topk`` with the environment ``SGLANG_DSA_FUSE_TOPK=0``);
