@@ -91,8 +91,8 @@ class LiveReq:
     retractions: int = 0
     to_finish: dict | None = None
     finish: dict | None = None
-    spec: dict | None = None  # speculative counts (SpecCounts.as_dict)
-    spec_state: Any = None  # speculative.SpecState while running speculatively (its KV cache); None: none
+    spec: Any = None  # speculative.SpecCounts of the request (kept across a retract); None: no speculation
+    spec_state: Any = None  # speculative.SpecState while it holds its KV cache (running speculatively)
     spec_base: int = 0  # output tokens before the speculative (re)prefill
 
 
@@ -165,9 +165,7 @@ class StepScheduler:
         retract = [r for r in self.running if r.finish is None]
         self.running = []
         for r in retract:  # release_req + Req.reset_for_retract: KV freed, routes dropped, counted
-            r.cache = None
-            if r.spec_state is not None:  # its KV cache with it (the counts stay the request's)
-                r.spec_state.cache = r.spec_state.hidden = None
+            r.cache, r.spec_state = None, None  # a speculative state's KV cache with it (its counts stay in r.spec)
             r.routes, r.index = [], []
             r.retractions += 1
             self.waiting.append(r)  # _add_request_to_queue
@@ -274,12 +272,7 @@ class StepScheduler:
         r.logprobs.append(float(logprob[0]))
         if q.logprob is not None and q.logprob.top > 0:  # the same distribution as the log-prob
             r.top.append(plp.last_position_top(logits, q.logprob.top, params.temperature))
-        if r.to_finish is not None:  # Req.update_finish_state: to_finish first
-            r.finish, r.to_finish = r.to_finish, None
-        elif tok in q.stop_ids:
-            r.finish = {"type": "stop", "matched": tok}
-        elif len(r.output_ids) >= q.max_new_tokens:
-            r.finish = {"type": "length", "length": q.max_new_tokens}
+        update_finish(r, tok in q.stop_ids)
 
     def _result(self, r: LiveReq) -> dict:
         r.cache, r.spec_state = None, None
@@ -294,7 +287,7 @@ class StepScheduler:
             "retractions": r.retractions,
         }
         if r.spec is not None:
-            out["spec"] = r.spec
+            out["spec"] = r.spec.as_dict()
         if r.hidden is not None:
             out["logprob_ids"] = [r.hidden]
         n = len(r.req.input_ids) + len(r.output_ids) - 1  # sglang's [0, seqlen - 1)
@@ -304,6 +297,17 @@ class StepScheduler:
         if r.req.indexer and r.index:
             out["indexer_topk"] = torch.cat(r.index)[:n].to(torch.int32).numpy()
         return out
+
+
+def update_finish(r: LiveReq, stopped: bool) -> None:
+    """sglang's ``Req.update_finish_state`` after ``r``'s latest tokens (``stopped``: the last is a stop
+    token): ``to_finish`` first, then the stop token, then ``max_new_tokens``."""
+    if r.to_finish is not None:
+        r.finish, r.to_finish = r.to_finish, None
+    elif stopped:
+        r.finish = {"type": "stop", "matched": r.output_ids[-1]}
+    elif len(r.output_ids) >= r.req.max_new_tokens:
+        r.finish = {"type": "length", "length": r.req.max_new_tokens}
 
 
 def new_live(rid: str, req: Request, lora: str | None, server_generator: torch.Generator) -> LiveReq:

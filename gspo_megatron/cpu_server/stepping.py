@@ -25,7 +25,7 @@ import torch
 
 from gspo_megatron.cpu_server.generation import normalize, released_refusal, routed_start
 from gspo_megatron.cpu_server.prompt_logprobs import resolve
-from gspo_megatron.cpu_server.scheduler import LiveReq, StepScheduler, new_live
+from gspo_megatron.cpu_server.scheduler import LiveReq, StepScheduler, new_live, update_finish
 from gspo_megatron.cpu_server.sglang_runtime import SchedulerDeath
 from gspo_megatron.engines.base import SamplingParams
 
@@ -38,11 +38,6 @@ FLUSH_REFUSED_AFTER_UPDATE = (
     "Weights were updated, but the cache was not flushed because requests are still running or "
     "queued. Retract or finish them, then call /flush_cache."
 )
-
-
-def _holds_kv(r: LiveReq) -> bool:
-    """Whether ``r`` holds a KV cache: its own, or its speculative state's."""
-    return r.cache is not None or (r.spec_state is not None and r.spec_state.cache is not None)
 
 
 class SchedulingOps:
@@ -151,7 +146,12 @@ class SchedulingOps:
         rows = [("running", r) for r in self.sched.running] + [("waiting", r) for r in self.sched.waiting]
         return self._state(
             requests=[
-                {"state": st, "output_len": len(r.output_ids), "retractions": r.retractions, "kv": _holds_kv(r)}
+                {
+                    "state": st,
+                    "output_len": len(r.output_ids),
+                    "retractions": r.retractions,
+                    "kv": r.cache is not None or r.spec_state is not None,
+                }
                 for st, r in rows
             ]
         )
@@ -234,11 +234,11 @@ class SchedulingOps:
         if q.indexer and self.sampler.indexer_recorder is not None:
             raise ValueError("return_indexer_topk with speculative decoding: not served by the CPU server")
         r.spec_base = len(r.output_ids)
-        counts = r.spec_state.counts if r.spec_state is not None else None
         with self.loras.applied(r.lora, self.sampler.engine.model):
             r.spec_state = self.sampler.speculative.start(
-                list(q.input_ids) + r.output_ids, self._spec_params(r, greedy), r.generator, q.stop_ids, counts
+                list(q.input_ids) + r.output_ids, self._spec_params(r, greedy), r.generator, q.stop_ids, r.spec
             )
+        r.spec = r.spec_state.counts
         self._spec_commit(r)
 
     def speculative_cycle(self, r: LiveReq, greedy: bool) -> None:
@@ -250,17 +250,11 @@ class SchedulingOps:
         self._spec_commit(r)
 
     def _spec_commit(self, r: LiveReq) -> None:
-        """The request's tokens, log-probs, counts and routes as its speculative state holds them now, and its
-        finish when the state is done (``Req.update_finish_state``: ``to_finish`` first)."""
+        """The request's tokens, log-probs and routes as its speculative state holds them now, and its finish
+        (``scheduler.update_finish``: its state's ``max_new_tokens`` is what was left of the request's)."""
         state = r.spec_state
         r.output_ids = r.output_ids[: r.spec_base] + state.out_ids
         r.logprobs = r.logprobs[: r.spec_base] + state.logps
-        r.spec = state.counts.as_dict()
         if state.routes is not None:
             r.routes = [state.route_rows()]
-        if r.to_finish is not None:
-            r.finish, r.to_finish = r.to_finish, None
-        elif state.stopped:
-            r.finish = {"type": "stop", "matched": r.output_ids[-1]}
-        elif state.done:
-            r.finish = {"type": "length", "length": r.req.max_new_tokens}
+        update_finish(r, state.stopped)

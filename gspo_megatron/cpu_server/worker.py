@@ -122,9 +122,8 @@ class TPWorker(SchedulingOps):
         self.offload_tags: set[str] = set()
         self.dirty = True  # rank 0's assembled model is out of date
         self.sampler: Sampler | None = None
-        self.sched = StepScheduler(
-            max_running=args.max_running_requests
-        )  # rank 0's live requests (stepping.py); empty on the other ranks
+        # rank 0's live requests (stepping.py); empty on the other ranks
+        self.sched = StepScheduler(max_running=args.max_running_requests)
         # seeded once, as sglang seeds its sampling RNG once at start (``set_random_seed`` in
         # managers/tp_worker.py and scheduler.py); release / resume and weight updates never reseed it
         self.generator = torch.Generator(device="cpu").manual_seed(args.random_seed)

@@ -24,6 +24,12 @@ from gspo_megatron.features.sync_modes import SYNC_MODES, modes_text
 MODES = ("in_place", "retract", "abort")
 
 
+def inflight_slots(rollout) -> int:
+    """The prompt groups an in-flight producer keeps generating or finished and not yet trained:
+    ``rollout.inflight_groups``, 0 meaning ``2 * prompts_per_step`` (``orchestration/inflight.py``)."""
+    return int(rollout.inflight_groups or 2 * rollout.prompts_per_step)
+
+
 class Inflight(Feature):
     name = "inflight"
     field = "rollout.inflight_updates"

@@ -94,7 +94,9 @@ def rollout_requests(cfg) -> int:
     r = cfg.rollout
     prompts = math.ceil(r.over_sample * r.prompts_per_step) if r.dynamic_sampling else r.prompts_per_step
     if r.inflight_updates != "off":
-        prompts = max(prompts, r.inflight_groups or 2 * r.prompts_per_step)
+        from gspo_megatron.features.inflight import inflight_slots
+
+        prompts = max(prompts, inflight_slots(r))
     return int(prompts) * int(r.group_size)
 
 

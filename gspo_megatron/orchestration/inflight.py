@@ -67,6 +67,7 @@ import torch
 from gspo_megatron.distill.teachers import distill_metrics
 from gspo_megatron.engines.partial import generate_group
 from gspo_megatron.engines.sglang_engine import engine_spec_metrics
+from gspo_megatron.features.inflight import inflight_slots
 from gspo_megatron.orchestration.batch import RolloutBatch, custom_metrics, sampling_params, score_group
 from gspo_megatron.sample import Sample
 from gspo_megatron.trainer.behaviour_policy import WeightHistory
@@ -115,7 +116,7 @@ class InflightProducer:
             r.prompts_per_step,
             r.group_size,
         )
-        self.slots = r.inflight_groups or 2 * r.prompts_per_step
+        self.slots = inflight_slots(r)
         self.engine_version = start_step
         self.cond = threading.Condition()
         self.score_lock = threading.Lock()  # one reward call at a time (the scorer is not shared-safe)
