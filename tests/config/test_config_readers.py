@@ -85,7 +85,7 @@ READERS = {
     "rollout.lora_adapter_dir": "orchestration/build.py",  # lora_sync=adapter, engines not colocated: the PEFT directories (weight_sync/lora_adapter.py)
     "rollout.max_staleness": "orchestration/async_producer.py",
     "rollout.inflight_updates": "orchestration/inflight.py",  # and fleet/engine_fleet.py (the clients' pause mode)
-    "rollout.inflight_groups": "orchestration/inflight.py",
+    "rollout.inflight_groups": "features/inflight.py",
     "rollout.speculative": "features/speculative.py",  # the engines' flags and refusals
     "rollout.speculative_steps": "features/speculative.py",
     "model.mtp": "features/speculative.py",  # its refusals; Config.mtp_in_model resolves null
