@@ -25,11 +25,12 @@ def _raises(rank, world):
 
 
 def _ranks_alive(before: set[int]) -> list[int]:
-    # (multiprocessing's resource tracker, started with the first spawn, stays for the session)
+    # (multiprocessing's resource tracker and the harness's fork server, started with the first
+    # call, stay for the session; the ranks are the fork server's children)
     return [
         p.pid
         for p in psutil.Process().children(recursive=True)
-        if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())
+        if p.pid not in before and not any(k in " ".join(p.cmdline()) for k in ("resource_tracker", "forkserver"))
     ]
 
 

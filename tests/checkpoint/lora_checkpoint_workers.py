@@ -10,6 +10,7 @@ import zlib
 import torch
 
 from checkpoint_workers import _weights
+from distributed_harness import fresh_process
 
 
 def _setup(hf_dir: str, layout: dict, impl: str = "auto"):
@@ -45,6 +46,7 @@ def _adapters(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@fresh_process  # the TE stand-in is installed before megatron is imported
 def lora_resume_job(
     rank: int, world: int, hf_dir: str, root: str, layout: dict, other_layout: dict, impl: str = "auto"
 ) -> dict:

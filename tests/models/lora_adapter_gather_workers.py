@@ -8,7 +8,10 @@ the TE stand-in (grouped experts: one adapter per expert)."""
 
 from __future__ import annotations
 
+from distributed_harness import fresh_process
 
+
+@fresh_process  # the TE stand-in is installed before megatron is imported
 def gathered_adapters(
     rank: int, world: int, hf_dir: str, layouts: list[dict], overrides: list[str], impl: str = "auto"
 ) -> dict:

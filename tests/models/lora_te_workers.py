@@ -13,6 +13,7 @@ modules."""
 from __future__ import annotations
 
 from conversion_workers import layout_name
+from distributed_harness import fresh_process
 
 
 def run_name(impl: str, layout: dict) -> str:
@@ -29,6 +30,7 @@ def _export(model) -> dict:
     return out
 
 
+@fresh_process  # the TE stand-in is installed before megatron is imported
 def lora_spec_layouts(
     rank: int, world: int, jobs: list, rows: list, records: list, overrides: list[str], standin: bool = True
 ) -> dict:

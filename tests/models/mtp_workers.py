@@ -16,6 +16,8 @@ model the HF export (``convert.export_to_hf_dir``), the names of the weight-sync
 
 from __future__ import annotations
 
+from distributed_harness import fresh_process
+
 
 def _schedule(model, batch: dict, mtp: bool, vocab: int) -> dict:
     """One forward-backward of ``batch`` (module docstring); returns {"grads", "hidden", "drafts"}."""
@@ -165,6 +167,7 @@ def draft_loss_grads(rank: int, world: int, hf_dir: str, tokens) -> dict:
     return out
 
 
+@fresh_process  # the TE stand-in is installed before megatron is imported
 def te_and_local_drafts(rank: int, world: int, hf_dir: str, tokens) -> dict:
     """One rank, Transformer Engine's layer spec over the CPU stand-in (``te_standin.py``) and the local spec:
     the model of ``hf_dir`` with its MTP layer (``ModelOptions.mtp``), HF weights loaded, one forward of

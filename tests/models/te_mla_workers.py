@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import re
 
+from distributed_harness import fresh_process
+
 # The layouts the CPU tests build the TE model in: one rank, tensor parallel 2, expert parallel 2.
 LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}}
 # The MLA down projections: TELinear "duplicated" on TE, whole on every TP rank.
 DOWN = re.compile(r"\.self_attention\.linear_(q|kv)_down_proj\.weight$")
 
 
+@fresh_process  # the TE stand-in is installed before megatron is imported
 def te_layout(rank: int, world: int, layout: dict, hf_dir: str, bucket_bytes: int) -> dict:
     """Build the TE model of ``hf_dir`` in ``layout`` ({"tp", "ep"}), report this rank's parameters and
     buffers (global name -> shape, ``tensor_model_parallel``), the state dict's ``_extra_state`` keys
@@ -98,6 +101,7 @@ def te_logprobs(rank: int, world: int, hf_dir: str, rows: list[list[int]], tp: i
     return lps
 
 
+@fresh_process  # the TE stand-in is installed before megatron is imported
 def standin_logprobs(
     rank: int, world: int, hf_dir: str, rows: list[list[int]], tp: int, max_tokens: int = 0
 ) -> list | None:
