@@ -1,6 +1,7 @@
 """The multi-rank harness never hangs: ranks stuck past the deadline are killed and the test fails
 with each rank's Python stacks; a failing rank's traceback reaches the parent."""
 
+import os
 import time
 
 import psutil
@@ -24,14 +25,16 @@ def _raises(rank, world):
     return rank
 
 
+def _session_helper(p: psutil.Process) -> bool:
+    """multiprocessing's resource tracker or the harness's fork server: this process's own children,
+    started with the first call, that stay for the session. The ranks the fork server forks carry its
+    command line too, but are its children, so they still count."""
+    cmd = " ".join(p.cmdline())
+    return p.ppid() == os.getpid() and ("resource_tracker" in cmd or "forkserver" in cmd)
+
+
 def _ranks_alive(before: set[int]) -> list[int]:
-    # (multiprocessing's resource tracker and the harness's fork server, started with the first
-    # call, stay for the session; the ranks are the fork server's children)
-    return [
-        p.pid
-        for p in psutil.Process().children(recursive=True)
-        if p.pid not in before and not any(k in " ".join(p.cmdline()) for k in ("resource_tracker", "forkserver"))
-    ]
+    return [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before and not _session_helper(p)]
 
 
 def test_a_deadlock_fails_with_every_ranks_stacks_and_kills_them():
