@@ -65,6 +65,7 @@ import math
 from typing import Any
 
 from gspo_megatron.features.base import EngineFlag, Feature, PlanContext, Row
+from gspo_megatron.features.inflight import inflight_slots
 
 ALGORITHM = "EAGLE"  # what sglang resolves NEXTN to (module docstring)
 SGLANG_MAX_RUNNING = 48  # _handle_eagle_family's --max-running-requests when none is given
@@ -94,8 +95,6 @@ def rollout_requests(cfg) -> int:
     r = cfg.rollout
     prompts = math.ceil(r.over_sample * r.prompts_per_step) if r.dynamic_sampling else r.prompts_per_step
     if r.inflight_updates != "off":
-        from gspo_megatron.features.inflight import inflight_slots
-
         prompts = max(prompts, inflight_slots(r))
     return int(prompts) * int(r.group_size)
 
