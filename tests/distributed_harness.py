@@ -75,6 +75,13 @@ class RanksTimedOut(RuntimeError):
     """The ranks did not finish in time; the message holds each live rank's Python stacks."""
 
 
+def _save_whole(obj, path: str) -> None:
+    """Write ``obj`` so that ``path`` holds all of it or does not exist: a peer's failure makes
+    ``join()`` terminate this rank, perhaps in the middle of the write."""
+    torch.save(obj, path + ".part")
+    os.replace(path + ".part", path)
+
+
 def _entry(rank, world_size, port, outdir, fn, payload, environ):
     import faulthandler
 
@@ -90,9 +97,9 @@ def _entry(rank, world_size, port, outdir, fn, payload, environ):
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
         result = fn(rank, world_size, *args)
-        torch.save({"ok": True, "result": result}, path)
+        _save_whole({"ok": True, "result": result}, path)
     except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        _save_whole({"ok": False, "error": traceback.format_exc()}, path)
         raise
     finally:
         import torch.distributed as dist

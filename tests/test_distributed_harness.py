@@ -58,3 +58,31 @@ def test_a_deadlock_fails_with_every_ranks_stacks_and_kills_them():
 def test_a_failing_rank_reports_its_traceback():
     with pytest.raises(RuntimeError, match="(?s)rank one is broken"):
         run_ranks(_raises, 2, timeout=600)
+
+
+class _SlowToSave:
+    """Pickling it (in torch.save) marks ``marker`` and then takes a minute: the rank is in the
+    middle of writing its result file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        open(self.marker, "w").close()
+        time.sleep(60)
+        return (_SlowToSave, (self.marker,))
+
+
+def _raises_while_rank0_saves(rank, world, marker):
+    if rank == 1:
+        while not os.path.exists(marker):  # rank 0 has begun writing its result
+            time.sleep(0.05)
+        raise ValueError("rank one is broken")
+    return _SlowToSave(marker)
+
+
+def test_a_rank_killed_while_saving_its_result_leaves_the_failure_readable(tmp_path):
+    """A rank failing makes join() terminate the others, maybe in the middle of writing their result
+    file; the parent still reports the failing rank's traceback, not a half-written file."""
+    with pytest.raises(RuntimeError, match="(?s)rank one is broken"):
+        run_ranks(_raises_while_rank0_saves, 2, str(tmp_path / "saving"), timeout=600)
