@@ -145,7 +145,37 @@ class Engines:
     shutdown: Callable[[], None]
 
 
-def build_engines(cfg: Config, hf_dir: str) -> Engines:
+def start_engines(cfg: Config, hf_dir: str):
+    """Every rank: launch the SGLang engine fleet (``fleet.engine_fleet.EngineFleet``; nothing waits
+    for it yet) when ``rollout.engine=sglang``, else None. ``train.build_trainer`` calls it before the
+    model is built when the engines have GPUs of their own (disaggregated, launched here or attached
+    by URL), so that their start-up overlaps the model build and the checkpoint load; colocated
+    engines start after the trainer's model holds its memory (:func:`build_engines`)."""
+    if cfg.rollout.engine != "sglang":
+        return None
+    from gspo_megatron.fleet.engine_args import config_server_args
+    from gspo_megatron.fleet.engine_fleet import EngineFleet
+    from gspo_megatron.models.hf_config import load_hf_config
+
+    hf = load_hf_config(hf_dir)  # read once: the flags below and the fleet's check of attached engines
+    route_spec = None
+    if ROUTING_REPLAY.returns_routes(cfg):  # the engines return each token's routed experts (engines/routing.py)
+        from gspo_megatron.engines.routing import route_spec_of
+
+        route_spec = route_spec_of(hf)
+    # every flag the config needs (each enabled component's: features/): fleet/engine_args.py
+    server_args = config_server_args(cfg, hf, route_spec)
+    return EngineFleet(
+        cfg,
+        hf_dir,
+        hf=hf,
+        server_args=server_args,
+        log_dir=os.path.join(cfg.output_dir, "engine_logs"),
+        route_spec=route_spec,
+    )
+
+
+def build_engines(cfg: Config, hf_dir: str, started=None) -> Engines:
     """Every rank: the rollout engines and the weight-sync topology (weights arrive through the
     first sync, not from files).
 
@@ -153,7 +183,8 @@ def build_engines(cfg: Config, hf_dir: str) -> Engines:
       ``rollout.engine_process``), fed in-process.
     - ``rollout.engine=sglang``: ``rollout.num_engines`` SGLang servers (``rollout.engine_server``:
       the real one, or the CPU stand-in) placed and launched by ``fleet.engine_fleet``, or attached
-      by URL; colocated or disaggregated sync (``weight_sync.topology``)."""
+      by URL; colocated or disaggregated sync (``weight_sync.topology``). ``started``: the fleet
+      :func:`start_engines` launched earlier (else it is launched now); this waits until it answers."""
     from gspo_megatron.weight_sync.topology import build_sync_topology
 
     rank = rdist.rank()
@@ -171,29 +202,9 @@ def build_engines(cfg: Config, hf_dir: str) -> Engines:
             restart=lambda dead: engine.restart() if engine is not None else None,
             shutdown=lambda: engine.shutdown() if engine is not None else None,
         )
-    from gspo_megatron.fleet.engine_args import config_server_args
-    from gspo_megatron.fleet.engine_fleet import EngineFleet
-    from gspo_megatron.models.hf_config import load_hf_config
-
-    hf = load_hf_config(hf_dir)  # read once: the flags below and the fleet's check of attached engines
-    route_spec = None
-    if ROUTING_REPLAY.returns_routes(cfg):  # the engines return each token's routed experts (engines/routing.py)
-        from gspo_megatron.engines.routing import route_spec_of
-
-        route_spec = route_spec_of(hf)
-    # every flag the config needs (each enabled component's: features/): fleet/engine_args.py
-    server_args = config_server_args(cfg, hf, route_spec)
-    adapter_sync = ADAPTER_SYNC.enabled(cfg)
-    fleet = EngineFleet(
-        cfg,
-        hf_dir,
-        hf=hf,
-        server_args=server_args,
-        log_dir=os.path.join(cfg.output_dir, "engine_logs"),
-        route_spec=route_spec,
-    )
+    fleet = (started or start_engines(cfg, hf_dir)).ready()
     topology = build_sync_topology(cfg, fleet=fleet)
-    if adapter_sync and fleet.engine is not None:  # colocated: the base stays (it is sent once)
+    if ADAPTER_SYNC.enabled(cfg) and fleet.engine is not None:  # colocated: the base stays (it is sent once)
         fleet.engine.memory_tags = ["kv_cache"]
 
     def restart(dead: list[int]) -> None:

@@ -5,7 +5,8 @@
     gspo-train --config X --check                      # check the config, files, data, reward; exit
     gspo-train --config X --dry-run --nodes 2 --gpus-per-node 8 --gpu-memory-gb 80   # plan only
 
-``train()`` reads top to bottom: build the trainer -> resume (starting weights and step) -> build the
+``train()`` reads top to bottom: build the trainer (disaggregated engines start launching first, so
+that their start-up overlaps the model build and the checkpoint load) -> resume (starting weights and step) -> build the
 rollout side -> one ``run_step`` per step -> finish (HF export). A step: rollout (rank 0: prompts -> G
 responses -> rewards -> advantages) -> every rank gets the batch -> old log-probs recomputed by the
 trainer -> one optimizer step per mini-batch -> new weights pushed to the engines -> metrics ->
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from gspo_megatron.distill.teachers import TeacherPool
     from gspo_megatron.evaluation import Evaluator
     from gspo_megatron.factory import Engines
+    from gspo_megatron.fleet.engine_fleet import EngineFleet
     from gspo_megatron.metrics import MetricsLogger
     from gspo_megatron.orchestration.async_producer import Overlap
     from gspo_megatron.orchestration.session import RolloutSession
@@ -66,9 +68,9 @@ def train(cfg: Config, *, checked: bool = False, after_sync: Callable[[Any], Non
     (``RolloutSession``'s argument; no config key or CLI flag sets it)."""
     if not checked:
         check_before_start(cfg)
-    run = build_trainer(cfg)  # process groups, run dir, model, optimizer (weights not loaded yet)
-    resume(cfg, run)  # the starting weights and step: a checkpoint, model.checkpoint or model.hf_path
+    run = build_trainer(cfg)  # process groups, run dir, disaggregated engines launched, model, optimizer
     try:
+        resume(cfg, run)  # the starting weights and step: a checkpoint, model.checkpoint or model.hf_path
         build_rollout_side(cfg, run, after_sync=after_sync)  # data, rewards, metrics, engines, session; first sync
         stopped = False
         for step in range(run.start_step + 1, cfg.train.steps + 1):
@@ -77,6 +79,10 @@ def train(cfg: Config, *, checked: bool = False, after_sync: Callable[[Any], Non
                 break
     except stop.Stopped:  # a stop signal while an engine started (runtime/stop.py)
         close(run)
+        raise
+    except BaseException:
+        if run.rollout is None:  # failed before the engines were ready: stop the ones launched early
+            close(run)
         raise
     finish(cfg, run, stopped)
     return run.metrics
@@ -106,6 +112,7 @@ class Run:
     sampler: PromptSampler | None = None  # rank 0
     rewards: RewardScorer | None = None  # rank 0
     logger: MetricsLogger | None = None  # rank 0
+    engines_starting: EngineFleet | None = None  # launched by build_trainer, until build_rollout_side waits
     rollout: Engines | None = None  # the engines and this rank's sync topology
     session: RolloutSession | None = None
     offloader: TrainStateOffloader | None = None  # rollout.offload_train
@@ -117,11 +124,14 @@ class Run:
 
 
 def build_trainer(cfg: Config) -> Run:
-    """Every rank: process groups, the run directory (rank 0 writes config.yaml), this rank's model
-    (random init) wrapped in Megatron DDP with its optimizer and LR schedule; with
-    ``rollout.offload_train`` the state offloader, whose host memory starts being reserved now."""
+    """Every rank: process groups, the run directory (rank 0 writes config.yaml), disaggregated SGLang
+    engines launched (``factory.start_engines``; they start on GPUs of their own while the model is
+    built and the checkpoint loads; ``build_rollout_side`` waits for them), this rank's model (random
+    init) wrapped in Megatron DDP with its optimizer and LR schedule; with ``rollout.offload_train``
+    the state offloader, whose host memory starts being reserved now."""
     from gspo_megatron import factory
     from gspo_megatron.features.offload import OFFLOAD
+    from gspo_megatron.features.sync_modes import sync_mode
     from gspo_megatron.models.hf_config import load_hf_config
     from gspo_megatron.runtime.distributed import ParallelLayout, init_distributed
     from gspo_megatron.trainer.offload import TrainStateOffloader
@@ -136,16 +146,24 @@ def build_trainer(cfg: Config) -> Run:
         save_config(cfg, os.path.join(cfg.output_dir, "config.yaml"), header=record_model_source(cfg))
     hf_dir = factory.hf_init_dir(cfg)
     hf = load_hf_config(hf_dir)
-    model = factory.build_model(cfg, hf)
-    # optimizer.* and parallel.* by name (config.values_for)
-    opts = OptimOptions(
-        **values_for(OptimOptions, cfg.optimizer, cfg.parallel, total_steps=cfg.train.steps * cfg.gspo.mini_batches)
-    )
-    ddp, optimizer, scheduler = setup_training(model, opts)
-    offloader = None
-    if OFFLOAD.enabled(cfg):  # its host memory is pinned while the checkpoint loads and the engines start
-        offloader = TrainStateOffloader(ddp, optimizer)
-        offloader.reserve()
+    early = None  # colocated engines start after the model holds its memory (build_rollout_side)
+    if not sync_mode(cfg.rollout.sync_mode).colocated:
+        early = factory.start_engines(cfg, hf_dir)
+    try:
+        model = factory.build_model(cfg, hf)
+        # optimizer.* and parallel.* by name (config.values_for)
+        opts = OptimOptions(
+            **values_for(OptimOptions, cfg.optimizer, cfg.parallel, total_steps=cfg.train.steps * cfg.gspo.mini_batches)
+        )
+        ddp, optimizer, scheduler = setup_training(model, opts)
+        offloader = None
+        if OFFLOAD.enabled(cfg):  # its host memory is pinned while the checkpoint loads and the engines start
+            offloader = TrainStateOffloader(ddp, optimizer)
+            offloader.reserve()
+    except BaseException:
+        if early is not None:
+            early.shutdown()
+        raise
     return Run(
         rank=rank,
         hf_dir=hf_dir,
@@ -156,6 +174,7 @@ def build_trainer(cfg: Config) -> Run:
         scheduler=scheduler,
         ckpt_root=os.path.join(cfg.output_dir, "checkpoints"),
         offloader=offloader,
+        engines_starting=early,
     )
 
 
@@ -231,7 +250,8 @@ def build_rollout_side(cfg: Config, run: Run, after_sync: Callable[[Any], None] 
             wandb_project=cfg.logging.wandb_project,
             config=cfg.to_dict(),
         )
-    run.rollout = rollout = factory.build_engines(cfg, run.hf_dir)
+    run.rollout = rollout = factory.build_engines(cfg, run.hf_dir, started=run.engines_starting)
+    run.engines_starting = None  # (now run.rollout's)
     run.teachers = _teachers(cfg, run.rank)
     run.session = session = build_session(cfg, run, after_sync=after_sync)
     session.sync()
@@ -403,6 +423,8 @@ def close(run: Run) -> None:
         run.overlap.close()
     if run.rollout is not None:
         run.rollout.shutdown()
+    elif run.engines_starting is not None:  # launched early, never waited for
+        run.engines_starting.shutdown()
     if run.logger is not None:
         run.logger.close()
     if run.rewards is not None:

@@ -1,11 +1,13 @@
 """The SGLang engines of a run, as every training rank sees them: who launched which part, the URL of
 each engine, restarts, shutdown.
 
-Collective: every rank builds an :class:`EngineFleet` and calls ``restart`` / ``shutdown`` together.
-``engines.placement`` decides where engine parts live; the ranks that launch a part start its server
-process (``sglang.launch_server``, or with ``rollout.engine_server=cpu`` the CPU stand-in
-``gspo_megatron.cpu_server``, same flags, same HTTP API), wait until it answers, and every
-rank then learns every engine's URL (one all_gather_object). Global rank 0 drives generation on all
+Collective: every rank builds an :class:`EngineFleet` and calls ``ready`` / ``restart`` / ``shutdown``
+together. ``engines.placement`` decides where engine parts live; building the fleet starts them: the
+ranks that launch a part start its server process (``sglang.launch_server``, or with
+``rollout.engine_server=cpu`` the CPU stand-in ``gspo_megatron.cpu_server``, same flags, same HTTP
+API) and return at once. ``ready()`` waits until every engine answers. In between the trainer may work:
+``train.build_trainer`` starts disaggregated engines before it builds the model, so that sglang's
+start-up (weights, CUDA graphs: minutes at 30B+) overlaps the model build and the checkpoint load. Global rank 0 drives generation on all
 engines (``engine``, an :class:`SGLangRolloutEngine`); each engine's colocated source rank holds a
 client of its own engine for the weight sync (``client(e)``).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -77,8 +80,6 @@ class EngineFleet:
         self.hf, self.route_spec = hf, route_spec
         self.processes: dict[tuple[int, int], Any] = {}  # (engine, node_rank) -> Popen, on the launcher
         self.attached = bool(r.engine_urls)
-        attach_errors: list[str] = []
-        stopped = ""  # a stop signal while an engine was starting (runtime/stop.py), on any rank
         self.base_args = dict(
             model_path=model_path,
             tp_size=r.engine_tp,
@@ -87,17 +88,11 @@ class EngineFleet:
             mem_fraction_static=r.engine_mem_fraction,
             **(server_args or {}),
         )
+        self.engine: SGLangRolloutEngine | None = None  # rank 0's, once ready()
+        self.world_sizes: list[int] = []
         if self.attached:
             self.specs = [EngineSpec(e, r.engine_tp, (), ()) for e in range(len(r.engine_urls))]
             self.urls = list(r.engine_urls)
-            if self.rank == 0:
-                try:
-                    for url in self.urls:
-                        wait_until_healthy(SGLangHttpClient(url), None, self.wait_s)
-                except stop.Stopped as e:  # the other ranks learn it from the broadcast below
-                    stopped = str(e)
-                else:
-                    attach_errors = self._attached_errors()
         else:
             infos = gather_rank_infos()
             from gspo_megatron.config import engine_count
@@ -105,8 +100,29 @@ class EngineFleet:
             num = engine_count(cfg, self.world)  # the planner's count
             self.specs = plan_engines(infos, num, r.engine_tp, self.colocated)
             self.ports = self._choose_ports()
-            self._launch([s.index for s in self.specs])
+            self._start_parts([s.index for s in self.specs])
             self.urls = [f"http://{s.http_address}:{self.ports[s.index][0]}" for s in self.specs]
+        self.launched_at = time.monotonic()
+
+    def ready(self) -> EngineFleet:
+        """Collective: wait until every engine answers (launched ones: up to
+        ``rollout.engine_launch_timeout_s`` from now; attached ones: the same, then their flags are
+        checked), learn each engine's world size, and on rank 0 build the generation client
+        (``engine``). Raises ``SGLangError`` (launched engines killed) or ``runtime.stop.Stopped``."""
+        r = self.cfg.rollout
+        attach_errors: list[str] = []
+        stopped = ""  # a stop signal while an engine was starting (runtime/stop.py), on any rank
+        waited_from = time.monotonic()
+        if not self.attached:
+            self._await_parts([s.index for s in self.specs])
+        elif self.rank == 0:
+            try:
+                for url in self.urls:
+                    wait_until_healthy(SGLangHttpClient(url), None, self.wait_s)
+            except stop.Stopped as e:  # the other ranks learn it from the broadcast below
+                stopped = str(e)
+            else:
+                attach_errors = self._attached_errors()
         # engine world sizes as the engines report them (not rollout.engine_tp): the weight-update
         # group's size must match what the engines join with
         sizes = None
@@ -120,8 +136,7 @@ class EngineFleet:
             from gspo_megatron.errors import ConfigError
 
             raise ConfigError(attach_errors)
-        self.world_sizes: list[int] = sizes
-        self.engine = None
+        self.world_sizes = sizes
         if self.rank == 0:
             router = r.router_url if self.attached else None
             self.engine = SGLangRolloutEngine(
@@ -130,6 +145,13 @@ class EngineFleet:
                 send_seeds=r.engine_deterministic,
                 route_spec=self.route_spec,
             )
+            now = time.monotonic()
+            print(
+                f"[gspo-train] {len(self.urls)} engine(s) ready {now - self.launched_at:.1f}s after "
+                f"{'attaching' if self.attached else 'their launch'} ({now - waited_from:.1f}s of it waited for)",
+                flush=True,
+            )
+        return self
 
     # -- launching -------------------------------------------------------------------------------------
     def _choose_ports(self) -> dict[int, tuple[int, int]]:
@@ -162,8 +184,8 @@ class EngineFleet:
             args.update(nnodes=part.nnodes, node_rank=part.node_rank, dist_init_addr=f"{spec.http_address}:{dist_port}")
         return args
 
-    def _launch(self, engines: list[int]) -> None:
-        """Start this rank's parts of ``engines`` (collective: ends when they all answer)."""
+    def _start_parts(self, engines: list[int]) -> None:
+        """Start this rank's parts of ``engines``; returns at once (:meth:`_await_parts` waits)."""
         for spec in self.specs:
             if spec.index not in engines:
                 continue
@@ -190,6 +212,10 @@ class EngineFleet:
                     f"({spec.tp} TP ranks, {self.module}) starting; log {log}",
                     flush=True,
                 )
+
+    def _await_parts(self, engines: list[int]) -> None:
+        """Collective: wait until ``engines`` (started by :meth:`_start_parts`) all answer; on any
+        rank's failure or stop signal every rank kills its parts and raises."""
         errors, stopped = [], []
         for spec in self.specs:
             part = spec.parts[0]
@@ -247,7 +273,8 @@ class EngineFleet:
             return
         self._kill_mine(engines)
         rdist.barrier()  # every part of a multi-node engine is down before any is started again
-        self._launch(engines)
+        self._start_parts(engines)
+        self._await_parts(engines)
         if self.engine is not None:
             for e in engines:
                 self.engine.engine_restarted(e)

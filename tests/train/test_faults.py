@@ -56,13 +56,17 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     assert fault_injection.metrics_steps(out) == list(range(1, fault_injection.STEPS + 1))
 
 
-COLOCATED_CPU_ENGINE = [
+CPU_ENGINE = [
     "rollout.engine=sglang",
     "rollout.engine_server=cpu",
-    "rollout.sync_mode=colocated",
     "logging.progress=false",
     "logging.tensorboard=false",
 ]
+COLOCATED_CPU_ENGINE = [*CPU_ENGINE, "rollout.sync_mode=colocated"]
+ENGINES_OF = {
+    "colocated": ["rollout.sync_mode=colocated"],
+    "disaggregated": ["rollout.sync_mode=disaggregated", "rollout.num_engines=1"],
+}
 
 
 def _stop_while_engines_start(tmp_path, cmd: list[str]) -> tuple[str, int, list[int], str]:
@@ -95,12 +99,15 @@ def _stop_while_engines_start(tmp_path, cmd: list[str]) -> tuple[str, int, list[
     return text, proc.returncode, left, out
 
 
-def test_sigterm_while_a_colocated_engine_starts_stops_it_and_exits(tmp_path):
-    """SIGTERM while the colocated CPU-server engine is still starting: the trainer stops waiting,
-    kills the engine it launched, closes what it opened and exits 0 with one line, no traceback; no
-    process of the run survives; what was already written (config.yaml) stays."""
+@pytest.mark.parametrize("sync", ["colocated", "disaggregated"])
+def test_sigterm_while_an_engine_starts_stops_it_and_exits(tmp_path, sync):
+    """SIGTERM while the CPU-server engine is still starting (colocated: while the trainer waits for
+    it; disaggregated: launched before the model build, so the signal arrives while the trainer builds
+    and loads its model, and is acted on when it comes to wait): the trainer kills the engine it
+    launched, closes what it opened and exits 0 with one line, no traceback; no process of the run
+    survives; what was already written (config.yaml) stays."""
     cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", os.path.join(REPO, "configs/demo_cpu.yaml")]
-    text, code, left, out = _stop_while_engines_start(tmp_path, [*cmd, *COLOCATED_CPU_ENGINE])
+    text, code, left, out = _stop_while_engines_start(tmp_path, [*cmd, *CPU_ENGINE, *ENGINES_OF[sync]])
     assert code == 0, text[-3000:]
     assert "SIGTERM received while waiting for SGLang server" in text and "engines stopped, exiting" in text, text
     assert "Traceback" not in text, text[-3000:]
