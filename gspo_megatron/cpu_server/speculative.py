@@ -78,6 +78,7 @@ import torch
 
 from gspo_megatron.cpu_server.request_checks import literal_refusal
 from gspo_megatron.models.hf_config import architecture_of
+from gspo_megatron.wire_format import SPEC_DEFAULT_MAX_RUNNING
 
 ALGORITHM = "EAGLE"
 ALIASES = ("NEXTN", "EAGLE")  # -> EAGLE (_resolve_speculative_algorithm_alias)
@@ -86,7 +87,6 @@ BUILTIN = ("DFLASH", "UNO", "DSPARK", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "STAND
 AUTO_PARAMS = (3, 1, 4)  # _auto_choose_speculative_params for the MTP architectures
 SELECTORS = ("target", "draft", "all")
 THRESHOLD = 1.0  # --speculative-accept-threshold-single / -acc defaults (arg_groups/fields/spec.py)
-MAX_RUNNING = 48  # _handle_eagle_family's --max-running-requests when it is not given
 
 
 # -- flags -------------------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def resolve_args(ns, error: Callable[[str], Any]) -> None:
     if ns.speculative_draft_model_path is None and architecture_of(ns.model_path) in draft_path_defaulted():
         ns.speculative_draft_model_path = ns.model_path
     if ns.max_running_requests is None:
-        ns.max_running_requests = MAX_RUNNING
+        ns.max_running_requests = SPEC_DEFAULT_MAX_RUNNING
     if ns.speculative_num_steps is None:
         if ns.speculative_eagle_topk is not None or ns.speculative_num_draft_tokens is not None:
             error(

@@ -66,9 +66,9 @@ from typing import Any
 
 from gspo_megatron.features.base import EngineFlag, Feature, PlanContext, Row
 from gspo_megatron.features.inflight import inflight_slots
+from gspo_megatron.wire_format import SPEC_DEFAULT_MAX_RUNNING
 
 ALGORITHM = "EAGLE"  # what sglang resolves NEXTN to (module docstring)
-SGLANG_MAX_RUNNING = 48  # _handle_eagle_family's --max-running-requests when none is given
 _SPEC = "rollout.speculative"
 
 
@@ -107,7 +107,7 @@ def max_running_requests(cfg) -> int | None:
     if r.engine_max_running_requests > 0:
         return int(r.engine_max_running_requests)
     if r.speculative:
-        return max(rollout_requests(cfg), SGLANG_MAX_RUNNING)
+        return max(rollout_requests(cfg), SPEC_DEFAULT_MAX_RUNNING)
     return None
 
 
@@ -228,7 +228,7 @@ class Speculative(Feature):
         how = (
             "rollout.engine_max_running_requests"
             if r.engine_max_running_requests
-            else f"auto: the requests a rollout sends at once; sglang 0.5.23 would cap it at {SGLANG_MAX_RUNNING}"
+            else f"auto: the requests a rollout sends at once; sglang 0.5.23 would cap it at {SPEC_DEFAULT_MAX_RUNNING}"
         )
         return [
             f"speculative decoding: each engine runs at most {max_running_requests(ctx.cfg)} requests at once ({how}); "
