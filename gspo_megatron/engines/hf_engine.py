@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Pretrai
 
 from gspo_megatron.engines.base import RolloutEngine, RolloutSample, SamplingParams
 from gspo_megatron.models.carried import COUNT_FIELDS as MTP_COUNT_FIELDS
+from gspo_megatron.models.mtp_naming import MTP_BRANCH
 from gspo_megatron.models.registry import expert_naming, experts_stacked, families, supported_model_types
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def checkpoint_name(name: str, prefix: str | None) -> str:
     return name
 
 
-_MTP_BRANCH = "mtp."  # Qwen3-Next's MTP layer (models/mtp.py MTP_BRANCH)
+_MTP_BRANCH = MTP_BRANCH.branch  # Qwen3-Next's / Qwen3.5's MTP layer, loaded by sglang as a draft model
 
 
 def outside_language_model(name: str, prefix: str | None) -> bool:

@@ -41,6 +41,7 @@ import re
 import torch
 
 from gspo_megatron.models import hf_config
+from gspo_megatron.models.mtp_naming import MTP_BRANCH
 
 CARRIED_FILE = "carried.safetensors"
 COUNT_FIELDS = ("num_nextn_predict_layers", "num_mtp_modules", "mtp_num_hidden_layers")
@@ -65,7 +66,7 @@ def mtp_names(hf: dict, names) -> list[str]:
     out = []
     for name in names:
         match = _LAYER.match(name)
-        if match and n <= int(match.group(1)) < n + m or name.startswith("mtp."):
+        if match and n <= int(match.group(1)) < n + m or name.startswith(MTP_BRANCH.branch):
             out.append(name)
     return sorted(out)
 

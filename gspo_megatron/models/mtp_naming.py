@@ -15,7 +15,9 @@ class MTPNaming:
     layer: the prefix of the layer's decoder-layer tensors; enorm / hnorm / eh_proj / final_norm: its own
     four tensors (megatron's ``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm``); shared: the suffixes,
     under ``layer``, of the layer's copies of the target's embedding and head (carried, never loaded);
-    count_field: the config.json field declaring the layer count; loader: the sglang file that loads it."""
+    count_field: the config.json field declaring the layer count; loader: the sglang file that loads it;
+    branch: the top-level module every name of the layer lives under when the layer is a branch of its
+    own (``mtp.``; sglang loads it into a separate draft model), else empty."""
 
     layer: str
     enorm: str
@@ -26,6 +28,7 @@ class MTPNaming:
     after_decoder: bool
     count_field: str
     loader: str
+    branch: str = ""
 
     def index(self, hf: dict, k: int = 0) -> int:
         """The HF index of MTP layer k (0-based)."""
@@ -70,4 +73,5 @@ MTP_BRANCH = MTPNaming(
     after_decoder=False,
     count_field="mtp_num_hidden_layers",
     loader="srt/models/qwen3_next_mtp.py",
+    branch="mtp.",
 )
