@@ -25,6 +25,12 @@ def _engines_of(pid: int) -> list[psutil.Process]:
     return out
 
 
+def _still_running(procs: list[psutil.Process]) -> int:
+    """How many of ``procs`` are alive 30 s from now at the latest (a killed server's process group
+    may take a moment to exit)."""
+    return len(psutil.wait_procs(procs, timeout=30)[1])
+
+
 def _config(out: str, sync: str):
     from gspo_megatron.config import load_config
 
@@ -48,9 +54,10 @@ def _one_step_run(rank, world, out, sync):
     }
     train.resume(cfg, run)
     train.build_rollout_side(cfg, run)
+    engines = _engines_of(os.getpid())
     stopped = train.run_step(cfg, run, 1)
     train.finish(cfg, run, stopped)
-    return after_build, run.metrics, len(_engines_of(os.getpid()))
+    return after_build, run.metrics, _still_running(engines)
 
 
 @pytest.mark.parametrize("sync, early", [("disaggregated", True), ("colocated", False)])
@@ -68,28 +75,34 @@ def _model_build_fails(rank, world, out):
     """The model build raises after the engines were launched: build_trainer stops them."""
     from gspo_megatron import factory, train
 
+    engines = []
+
     def broken(cfg, hf):
-        assert _engines_of(os.getpid()), "the engine was launched before the model is built"
+        engines.extend(_engines_of(os.getpid()))
+        assert engines, "the engine was launched before the model is built"
         raise MemoryError("out of memory building the model")
 
     factory.build_model = broken  # (this rank's process only)
     with pytest.raises(MemoryError):
         train.build_trainer(_config(out, "disaggregated"))
-    return len(_engines_of(os.getpid()))
+    return _still_running(engines)
 
 
 def _resume_fails(rank, world, out):
     """The checkpoint load raises after build_trainer: train() stops the engines launched early."""
     from gspo_megatron import train
 
+    engines = []
+
     def broken(cfg, run):
-        assert run.engines_starting is not None and _engines_of(os.getpid())
+        engines.extend(_engines_of(os.getpid()))
+        assert run.engines_starting is not None and engines
         raise OSError("checkpoint unreadable")
 
     train.resume = broken  # (this rank's process only)
     with pytest.raises(OSError, match="checkpoint unreadable"):
         train.train(_config(out, "disaggregated"), checked=True)
-    return len(_engines_of(os.getpid()))
+    return _still_running(engines)
 
 
 @pytest.mark.parametrize("fails", [_model_build_fails, _resume_fails], ids=["model_build", "resume"])
