@@ -5,12 +5,12 @@
     gspo-train --config X --check                      # check the config, files, data, reward; exit
     gspo-train --config X --dry-run --nodes 2 --gpus-per-node 8 --gpu-memory-gb 80   # plan only
 
-``train()`` reads top to bottom: build the trainer (disaggregated engines start launching first, so
-that their start-up overlaps the model build and the checkpoint load) -> resume (starting weights and step) -> build the
-rollout side -> one ``run_step`` per step -> finish (HF export). A step: rollout (rank 0: prompts -> G
-responses -> rewards -> advantages) -> every rank gets the batch -> old log-probs recomputed by the
-trainer -> one optimizer step per mini-batch -> new weights pushed to the engines -> metrics ->
-checkpoint. docs/architecture.md has the dataflow and where each part lives.
+``train()`` reads top to bottom: build the trainer (disaggregated engines are launched first, so that
+their start-up overlaps the model build and the checkpoint load) -> resume (starting weights and
+step) -> build the rollout side -> one ``run_step`` per step -> finish (HF export). A step: rollout
+(rank 0: prompts -> G responses -> rewards -> advantages) -> every rank gets the batch -> old
+log-probs recomputed by the trainer -> one optimizer step per mini-batch -> new weights pushed to the
+engines -> metrics -> checkpoint. docs/architecture.md has the dataflow and where each part lives.
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ Collective: every rank builds an :class:`EngineFleet` and calls ``ready`` / ``re
 together. ``engines.placement`` decides where engine parts live; building the fleet starts them: the
 ranks that launch a part start its server process (``sglang.launch_server``, or with
 ``rollout.engine_server=cpu`` the CPU stand-in ``gspo_megatron.cpu_server``, same flags, same HTTP
-API) and return at once. ``ready()`` waits until every engine answers. In between the trainer may work:
-``train.build_trainer`` starts disaggregated engines before it builds the model, so that sglang's
-start-up (weights, CUDA graphs: minutes at 30B+) overlaps the model build and the checkpoint load. Global rank 0 drives generation on all
-engines (``engine``, an :class:`SGLangRolloutEngine`); each engine's colocated source rank holds a
-client of its own engine for the weight sync (``client(e)``).
+API) and return at once. ``ready()`` waits until every engine answers. In between the trainer may
+work: ``train.build_trainer`` starts disaggregated engines before it builds the model, so that
+sglang's start-up (weights, CUDA graphs: minutes at 30B+) overlaps the model build and the checkpoint
+load. Global rank 0 drives generation on all engines (``engine``, an :class:`SGLangRolloutEngine`);
+each engine's colocated source rank holds a client of its own engine for the weight sync
+(``client(e)``).
 
 Restart (after rank 0 found engines dead): the launching ranks of those engines kill what is left of
 their parts and start them again on the same ports, then every rank waits for the engines to answer.
