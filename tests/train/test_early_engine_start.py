@@ -63,7 +63,6 @@ def _one_step_run(rank, world, out, sync):
 @pytest.mark.parametrize("sync, early", [("disaggregated", True), ("colocated", False)])
 def test_disaggregated_engines_start_while_the_model_is_built(tmp_path, sync, early):
     after_build, metrics, left = run_ranks(_one_step_run, 1, str(tmp_path / "run"), sync, timeout=600)[0]
-    assert after_build["model"]
     # disaggregated: launched by build_trainer and running before build_rollout_side waits for them
     assert after_build == {"starting": early, "engines": 1 if early else 0, "model": True}
     assert metrics["step"] == 1 and metrics["rollout/engine_restarts"] == 0.0

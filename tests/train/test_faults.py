@@ -62,11 +62,11 @@ CPU_ENGINE = [
     "logging.progress=false",
     "logging.tensorboard=false",
 ]
-COLOCATED_CPU_ENGINE = [*CPU_ENGINE, "rollout.sync_mode=colocated"]
 ENGINES_OF = {
     "colocated": ["rollout.sync_mode=colocated"],
     "disaggregated": ["rollout.sync_mode=disaggregated", "rollout.num_engines=1"],
 }
+COLOCATED_CPU_ENGINE = [*CPU_ENGINE, *ENGINES_OF["colocated"]]
 
 
 def _stop_while_engines_start(tmp_path, cmd: list[str]) -> tuple[str, int, list[int], str]:
